@@ -1,0 +1,1 @@
+"""DeMo: decoupled momentum optimization with DCT top-k exchange (in progress)."""

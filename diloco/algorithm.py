@@ -1,0 +1,106 @@
+"""The Algorithm interface the training loop drives, and the DDP baseline.
+
+    loss.backward()
+    info = algo.step()     # inner step; on a round boundary it also syncs
+    algo.zero_grad()
+
+An algorithm wraps an inner ``torch.optim.Optimizer`` and a :class:`Transport`.
+``step()`` runs, in order: gradient exchange (DDP only), a check that the
+gradients are finite (a step with NaN/Inf gradients is skipped on every worker
+alike, so nothing non-finite reaches the model), clipping of the global norm,
+the inner optimizer step, and the algorithm's own after-step work (a DiLoCo
+round). Clipping after the exchange makes DDP equal to one worker with the
+combined batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from diloco.comm.base import Transport
+from diloco.comm.local import LocalTransport
+
+
+class Algorithm:
+    name = "base"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 transport: Optional[Transport] = None, grad_clip: float = 0.0) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.transport = transport or LocalTransport()
+        self.grad_clip = grad_clip
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.steps = 0
+        self.skipped_steps = 0
+
+    # ---- the interface ----------------------------------------------------------------------
+    def step(self) -> dict[str, Any]:
+        self._exchange_gradients()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) if grads else torch.zeros(())
+        grad_norm = float(norm)
+        info: dict[str, Any] = {"grad_norm": grad_norm, "skipped": False}
+        if not math.isfinite(grad_norm):
+            self.skipped_steps += 1
+            info["skipped"] = True
+            self.zero_grad()
+            return info
+        if self.grad_clip > 0 and grad_norm > self.grad_clip:
+            scale = self.grad_clip / (grad_norm + 1e-6)
+            for g in grads:
+                g.mul_(scale)
+        self.optimizer.step()
+        self.steps += 1
+        info.update(self._after_step())
+        return info
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "optimizer": self.optimizer.state_dict(),
+                "steps": self.steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(f"checkpoint holds algorithm {state.get('name')!r}, this run uses {self.name!r}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = state["steps"]
+        self.skipped_steps = state.get("skipped_steps", 0)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def broadcast_parameters(self, src: int = 0) -> None:
+        """Make every worker start from rank ``src``'s parameters."""
+        with torch.no_grad():
+            self.transport.broadcast_tensors_([p.data for p in self.model.parameters()], src)
+
+    # ---- hooks for subclasses ---------------------------------------------------------------
+    def _exchange_gradients(self) -> None:
+        pass
+
+    def _after_step(self) -> dict[str, Any]:
+        return {}
+
+
+class DDP(Algorithm):
+    """Average gradients over all workers every step: the baseline that low-communication methods beat."""
+
+    name = "ddp"
+
+    def _exchange_gradients(self) -> None:
+        if self.transport.world_size == 1:
+            return
+        for p in self.params:
+            if p.grad is None:  # every worker must send the same buffers
+                p.grad = torch.zeros_like(p)
+        self.transport.all_reduce_([p.grad for p in self.params], op="mean")
+
+
+ALGORITHMS: dict[str, type[Algorithm]] = {"ddp": DDP}

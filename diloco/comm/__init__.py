@@ -1,0 +1,21 @@
+"""Transports: local (one worker), torch_dist (torchrun); hivemind and the simulator's in-process one follow."""
+
+from diloco.comm.base import CommStats, Transport, TransportError
+from diloco.comm.local import LocalTransport
+
+__all__ = ["CommStats", "LocalTransport", "Transport", "TransportError", "make_transport"]
+
+
+def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: float = 300.0, device=None) -> Transport:
+    """``auto`` picks torch_dist under torchrun (WORLD_SIZE > 1) and local otherwise."""
+    from diloco.comm.torch_dist import launched_by_torchrun
+
+    if backend == "auto":
+        backend = "torch_dist" if launched_by_torchrun() else "local"
+    if backend == "local":
+        return LocalTransport()
+    if backend == "torch_dist":
+        from diloco.comm.torch_dist import TorchDistTransport
+
+        return TorchDistTransport(dist_backend, timeout, device)
+    raise ValueError(f"transport.backend: unknown backend {backend!r}")

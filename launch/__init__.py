@@ -1,0 +1,1 @@
+"""loco's application layer: config -> running job."""

@@ -1,0 +1,231 @@
+"""The ``loco`` command: train | simulate | join | sample | plot | status.
+
+Also runs as ``python -m launch.cli ...`` (for torchrun: ``torchrun --nproc-per-node 2 -m launch.cli train ...``).
+A user mistake (bad config, missing data, unusable checkpoint) prints one line
+naming the problem and exits with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+EXAMPLES = {
+    "train": """examples:
+  loco train --config configs/tiny.yaml
+  loco train --config configs/tiny.yaml --set optim.lr=1e-3 --max-time 90s --run-dir runs/mine
+  loco train --run-dir runs/mine --resume
+  torchrun --nproc-per-node 2 -m launch.cli train --config configs/tiny.yaml --set algo.name=ddp""",
+    "simulate": """examples:
+  loco simulate
+  loco simulate --workers 8 --set algo.inner_steps=50""",
+    "join": """examples:
+  loco join --config configs/tiny.yaml
+  loco join --peers /ip4/203.0.113.5/tcp/31337/p2p/Qm...""",
+    "sample": """examples:
+  loco sample --checkpoint runs/mine --prompt "def main():"
+  loco sample --checkpoint runs/mine/checkpoints/step_00000600.pt --prompt "import " --max-new-tokens 300""",
+    "plot": """examples:
+  loco plot runs/ddp runs/diloco --out compare.png""",
+    "status": """examples:
+  loco status --peers /ip4/203.0.113.5/tcp/31337/p2p/Qm...""",
+}
+
+
+class UserError(Exception):
+    """Raised for mistakes the user can fix; printed without a traceback."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from diloco.comm import TransportError
+    from launch.checkpoint import CheckpointError
+    from launch.config import ConfigError
+    from launch.data import DataError
+    from launch.trainer import RunError
+
+    return (UserError, ConfigError, DataError, RunError, CheckpointError, TransportError)
+
+
+def _add_training_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("configuration")
+    g.add_argument("--config", action="append", default=[], metavar="FILE",
+                   help="YAML file of differences from the defaults; repeat to layer files (e.g. --config configs/tiny.yaml)")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="override one key after the files, e.g. --set optim.lr=3e-4 (repeatable)")
+    g.add_argument("--run-dir", metavar="DIR", help="run folder (default runs/<run.name>-<time>), e.g. --run-dir runs/exp1")
+    g.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps, e.g. --max-steps 600")
+    g.add_argument("--max-time", metavar="DURATION",
+                   help="train until this much time is spent, then evaluate and save, e.g. --max-time 90s or 24h")
+    g.add_argument("--seed", type=int, metavar="N", help="seed for initialisation and data order, e.g. --seed 1")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest valid checkpoint in --run-dir (skips a broken one with a warning)")
+    g.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning, then exit")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="loco", formatter_class=fmt,
+        description="Low-communication training of language models: DDP, DiLoCo and DeMo over torchrun, "
+                    "internet peers, or N workers simulated on one device.",
+        epilog="quick start:\n  loco train --config configs/tiny.yaml    # a tiny model on the Python standard library\n"
+               "  loco <command> --help                     # flags of one command, with examples")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train (one process, or each rank under torchrun)", formatter_class=fmt,
+                       description="Train a model. Under torchrun every rank is one worker (gloo on CPU, NCCL on GPU).",
+                       epilog=EXAMPLES["train"])
+    _add_training_flags(p)
+
+    p = sub.add_parser("simulate", help="simulate N workers on one device", formatter_class=fmt,
+                       description="Run N workers in one process with the same algorithm objects as real runs.",
+                       epilog=EXAMPLES["simulate"])
+    _add_training_flags(p)
+    p.add_argument("--workers", type=int, default=4, metavar="N", help="number of simulated workers, e.g. --workers 8")
+
+    p = sub.add_parser("join", help="join (or start) a run of internet peers", formatter_class=fmt,
+                       description="Train together with peers over hivemind.", epilog=EXAMPLES["join"])
+    _add_training_flags(p)
+    p.add_argument("--peers", nargs="*", default=[], metavar="MULTIADDR",
+                   help="multiaddrs of peers already in the run; none starts a new run")
+
+    p = sub.add_parser("sample", help="generate text from a checkpoint", formatter_class=fmt,
+                       description="Generate text from a trained checkpoint.", epilog=EXAMPLES["sample"])
+    p.add_argument("--checkpoint", required=True, metavar="PATH",
+                   help="a checkpoint file, or a run folder (its newest valid checkpoint), e.g. --checkpoint runs/exp1")
+    p.add_argument("--prompt", default="", help='text to continue, e.g. --prompt "def main():"')
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate, e.g. --max-new-tokens 300")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="sampling temperature; 0 is greedy, e.g. --temperature 0.5")
+    p.add_argument("--top-k", type=int, default=50, metavar="K", help="sample among the K likeliest tokens (0: all), e.g. --top-k 20")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed, e.g. --seed 3")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda, e.g. --device cpu")
+
+    p = sub.add_parser("plot", help="plot loss vs tokens and vs bytes for run folders", formatter_class=fmt,
+                       description="Draw loss vs tokens and loss vs bytes communicated for one or more runs into a PNG.",
+                       epilog=EXAMPLES["plot"])
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders holding metrics.jsonl")
+    p.add_argument("--out", default="loss.png", metavar="PNG", help="output file, e.g. --out compare.png")
+    p.add_argument("--title", help="figure title")
+
+    p = sub.add_parser("status", help="peers, throughput and contributions of a run", formatter_class=fmt,
+                       description="Show the peers of a run of internet peers.", epilog=EXAMPLES["status"])
+    p.add_argument("--peers", nargs="*", default=[], metavar="MULTIADDR", help="a peer of the run")
+    return parser
+
+
+def _load(args: argparse.Namespace):
+    from launch.config import load_config
+
+    extra: dict[str, tuple[Any, str]] = {}
+    for flag, key in (("run_dir", "run.dir"), ("max_steps", "run.max_steps"), ("max_time", "run.max_time"),
+                      ("seed", "run.seed")):
+        value = getattr(args, flag)
+        if value is not None:
+            extra[key] = (value, "--" + flag.replace("_", "-"))
+    if args.resume:
+        extra["run.resume"] = (True, "--resume")
+    if args.resume and not args.config and args.run_dir and (Path(args.run_dir) / "config.yaml").is_file():
+        args.config = [str(Path(args.run_dir) / "config.yaml")]  # continue with the run's own settings
+    cfg, _ = load_config(args.config, args.overrides, extra)
+    return cfg
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from launch.trainer import train
+
+    train(_load(args))
+    return 0
+
+
+def cmd_not_yet(args: argparse.Namespace) -> int:
+    _load(args)  # still check the config the user gave
+    raise UserError(f"'loco {args.command}' is not available in this version yet; "
+                    f"'loco train' runs DDP (one process, or several under torchrun)")
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from launch.checkpoint import latest_checkpoint, load_checkpoint
+    from launch.data import decode_tokens, encode_text
+    from launch.models import ModelArgs, Transformer
+    from launch.trainer import resolve_device
+
+    path = Path(args.checkpoint)
+    if path.is_dir():
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        hit = latest_checkpoint(folder)
+        if hit is None:
+            raise UserError(f"{path}: no valid checkpoint found")
+        path, state = hit
+    else:
+        state = load_checkpoint(path)
+    if not state.get("model_args"):
+        raise UserError(f"{path}: trained with a custom model; sample with your own code via the Python API")
+    device = resolve_device(args.device)
+    model = Transformer(ModelArgs(**state["model_args"]))
+    model.load_state_dict(state["model"])
+    model.to(device).eval()
+    byte_level = state.get("tokenizer") == "bytes"
+    if byte_level:
+        ids = encode_text(args.prompt).astype("int64")
+    else:
+        ids = [int(t) for t in args.prompt.split()] if args.prompt.strip() else []
+    if len(ids) == 0:
+        ids = [0]  # start of a document
+    idx = torch.tensor([list(ids)], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k or None, gen)[0].tolist()
+    new = out[len(ids):]
+    if byte_level:
+        text = decode_tokens(new)
+        sys.stdout.write(args.prompt + text + "\n")
+    else:
+        sys.stdout.write(" ".join(map(str, out)) + "\n")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from launch.metrics import plot_runs
+
+    try:
+        out = plot_runs(args.run_dirs, args.out, args.title)
+    except FileNotFoundError as e:
+        raise UserError(str(e)) from None
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    raise UserError("'loco status' is not available in this version yet (it lists the peers of a 'loco join' run)")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if getattr(args, "help_config", False):
+        from launch.config import describe_fields
+
+        print(describe_fields())
+        return 0
+    handler = {"train": cmd_train, "simulate": cmd_not_yet, "join": cmd_not_yet, "sample": cmd_sample,
+               "plot": cmd_plot, "status": cmd_status}[args.command]
+    warnings.simplefilter("default", UserWarning)
+    try:
+        return handler(args)
+    except _user_errors() as e:
+        print(f"loco {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"loco {args.command}: stopped by the user", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,430 @@
+"""Typed run configuration: dataclasses, YAML files, ``--set`` overrides, validation.
+
+A config is built in layers: code defaults, then each ``--config FILE`` in order
+(files hold only differences from the defaults), then each ``--set a.b=value``.
+Every value remembers where it came from, so an error names the file (or the
+``--set`` flag), the key, and what is allowed. Nothing is trained before the
+whole config has been checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or an override. The message says where and what."""
+
+
+def _f(default: Any, doc: str, **checks: Any) -> Any:
+    """A config field with its documentation and simple checks (gt, ge, le, duration)."""
+    meta = {"doc": doc, **checks}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    size: str = _f("tiny", "Named size: tiny, small, 150m or 1b (see launch/models.py). Fields below override it when set.")
+    dim: Optional[int] = _f(None, "Width of the residual stream.", gt=0)
+    n_layers: Optional[int] = _f(None, "Number of transformer blocks.", gt=0)
+    n_heads: Optional[int] = _f(None, "Attention heads (dim must be divisible by it).", gt=0)
+    n_kv_heads: Optional[int] = _f(None, "Key/value heads for grouped-query attention (divides n_heads).", gt=0)
+    ffn_dim: Optional[int] = _f(None, "Hidden width of the SwiGLU feed-forward block.", gt=0)
+    vocab_size: Optional[int] = _f(None, "Vocabulary size; empty means take it from the data (256 for byte-level text).", gt=0)
+    tie_embeddings: Optional[bool] = _f(None, "Share the input embedding and output projection weights.")
+    rope_theta: float = _f(10000.0, "Base of the rotary position embedding frequencies.", gt=0)
+    norm_eps: float = _f(1e-5, "Epsilon of RMSNorm.", gt=0)
+    init_std: float = _f(0.02, "Standard deviation of the weight initialisation.", gt=0)
+
+
+@dataclass
+class DataConfig:
+    source: Literal["stdlib", "text", "shards", "hf"] = _f(
+        "stdlib",
+        "stdlib: the Python standard library's source on this interpreter (no download); "
+        "text: a text file or folder; shards: pre-tokenized uint16/uint32 files; hf: a Hugging Face dataset.",
+    )
+    path: Optional[str] = _f(None, "File or folder for text/shards; dataset name or saved folder for hf.")
+    val_path: Optional[str] = _f(None, "Optional separate validation file or folder (text, shards).")
+    pattern: str = _f("**/*", "Glob of files to read inside a text folder (hidden and binary files are skipped).")
+    val_fraction: float = _f(0.02, "Share of files (or, for one file, of tokens) held out for validation.", gt=0, le=0.5)
+    seq_len: int = _f(256, "Tokens per training sequence.", gt=1)
+    dtype: Literal["auto", "uint16", "uint32"] = _f("auto", "Token dtype of shard files; auto reads .npy headers and assumes uint16 for .bin.")
+    vocab_size: Optional[int] = _f(None, "Vocabulary size of shard tokens (required for shards).", gt=0)
+    hf_name: Optional[str] = _f(None, "Configuration name passed to datasets.load_dataset.")
+    hf_split: str = _f("train", "Split of the Hugging Face dataset to read.")
+    hf_text_field: str = _f("text", "Column that holds the text.")
+    max_docs: Optional[int] = _f(None, "Read at most this many documents/files (quick experiments).", gt=0)
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = _f("adamw", "Inner optimizer.")
+    lr: float = _f(4e-4, "Peak learning rate of the inner optimizer.", gt=0)
+    betas: tuple[float, float] = _f((0.9, 0.95), "AdamW betas.")
+    eps: float = _f(1e-8, "AdamW epsilon.", gt=0)
+    weight_decay: float = _f(0.1, "Decoupled weight decay (matrices only; norms and biases get none).", ge=0)
+    momentum: float = _f(0.0, "Momentum for name: sgd.", ge=0)
+    warmup_steps: int = _f(100, "Linear warmup steps from 0 to lr.", ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "Decay after warmup, over run.max_steps (or run.max_time).")
+    min_lr_ratio: float = _f(0.1, "Final lr as a fraction of lr for cosine/linear.", ge=0, le=1)
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 turns clipping off).", ge=0)
+
+
+@dataclass
+class AlgoConfig:
+    name: Literal["ddp"] = _f("ddp", "Training algorithm. ddp: average gradients every step (the baseline).")
+    inner_steps: int = _f(100, "Inner steps per round (H) for low-communication algorithms.", gt=0)
+    outer_lr: float = _f(0.7, "Outer optimizer learning rate.", gt=0)
+    outer_momentum: float = _f(0.9, "Outer optimizer momentum.", ge=0, lt=1)
+    nesterov: bool = _f(True, "Nesterov momentum in the outer optimizer.")
+
+
+@dataclass
+class CompressConfig:
+    codec: str = _f("fp32", "Codec chain for what crosses the network, stages joined by '+'.")
+
+
+@dataclass
+class TransportConfig:
+    backend: Literal["auto", "local", "torch_dist"] = _f(
+        "auto", "auto: torch_dist when started by torchrun (WORLD_SIZE > 1), else local (one worker)."
+    )
+    dist_backend: Literal["auto", "gloo", "nccl"] = _f("auto", "torch.distributed backend; auto: nccl on CUDA, gloo on CPU.")
+    timeout: float = _f(300.0, "Seconds (or a duration like 5m) before a collective is declared stuck.", gt=0, duration=True)
+
+
+@dataclass
+class LogConfig:
+    every: int = _f(10, "Write a metrics line every this many steps.", gt=0)
+    progress: Literal["auto", "bar", "plain", "off"] = _f("auto", "auto: a progress bar on a terminal, plain lines otherwise.")
+    wandb: bool = _f(False, "Also log to Weights & Biases (offline when no API key is configured).")
+    wandb_project: str = _f("loco", "wandb project name.")
+    wandb_entity: Optional[str] = _f(None, "wandb entity (team or user).")
+    wandb_mode: Literal["auto", "online", "offline"] = _f("auto", "auto: online with an API key, offline without.")
+    plot: bool = _f(True, "Write loss.png into the run folder at the end.")
+
+
+@dataclass
+class RunConfig:
+    name: str = _f("loco", "Run name; the default run folder is runs/<name>-<time>.")
+    dir: Optional[str] = _f(None, "Run folder (config.yaml, metrics.jsonl, summary.json, checkpoints/).")
+    seed: int = _f(0, "Seed for initialisation and data order.", ge=0)
+    max_steps: Optional[int] = _f(1000, "Stop after this many optimizer steps (empty: only max_time stops).", gt=0)
+    max_time: Optional[float] = _f(None, "Stop after this much training time, e.g. 90s, 30m, 24h; then evaluate and save.", gt=0, duration=True)
+    batch_size: int = _f(16, "Sequences per worker per optimizer step.", gt=0)
+    grad_accum: int = _f(1, "Micro-batches per step (batch_size must be divisible by it).", gt=0)
+    device: str = _f("auto", "auto, cpu, cuda or cuda:N.")
+    precision: Literal["auto", "fp32", "bf16"] = _f("auto", "auto: bf16 autocast on CUDA, fp32 on CPU.")
+    threads: Optional[int] = _f(None, "CPU threads for torch (empty: torch's default).", gt=0)
+    eval_every: int = _f(100, "Validation every this many steps (0: only at the end).", ge=0)
+    eval_batches: int = _f(10, "Validation batches per evaluation.", gt=0)
+    checkpoint_every: int = _f(500, "Checkpoint every this many steps (0: only at the end).", ge=0)
+    keep_checkpoints: int = _f(3, "Keep the newest K checkpoints.", gt=0)
+    resume: bool = _f(False, "Continue from the newest valid checkpoint in the run folder.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    compress: CompressConfig = field(default_factory=CompressConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["optim"]["betas"] = list(out["optim"]["betas"])
+        return out
+
+
+SECTIONS: dict[str, type] = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)}
+
+# codecs known so far; the compression package extends this check
+KNOWN_CODEC_STAGES = {"fp32"}
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|sec|m|min|h|hr|d)?\s*$")
+_UNIT_S = {None: 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0, "hr": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: Any) -> float:
+    """'90s' -> 90.0, '30m' -> 1800.0, '24h' -> 86400.0, 12 -> 12.0 (seconds)."""
+    if isinstance(value, bool):
+        raise ValueError("a duration, not a boolean")
+    if isinstance(value, (int, float)):
+        return float(value)
+    m = _DURATION.match(str(value))
+    if not m:
+        raise ValueError(f"{value!r} is not a duration (examples: 90s, 30m, 24h, 1.5h, 500ms)")
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+def format_duration(seconds: float) -> str:
+    for unit, size in (("h", 3600.0), ("m", 60.0)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _type_name(args[0]) + " or empty (null)"
+    if origin is tuple:
+        return "a list of " + str(len(typing.get_args(tp))) + " numbers"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, meta: dict[str, Any]) -> Any:
+    """Convert ``value`` to ``tp`` or raise ValueError with what is allowed."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "null", "none", "~")):
+            return None
+        return _coerce(value, args[0], meta)
+    if meta.get("duration"):
+        try:
+            return parse_duration(value)
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ValueError(f"got {value!r}, allowed: {', '.join(str(a) for a in allowed)}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v for v in re.split(r"[,\s]+", value.strip("[]() ")) if v]
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ValueError(f"got {value!r}, expected {_type_name(tp)}")
+        return tuple(_coerce(v, a, {}) for v, a in zip(value, args))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
+        raise ValueError(f"got {value!r}, expected true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ValueError(f"got {value!r}, expected an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ValueError(f"got {value!r}, expected an integer")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ValueError(f"got {value!r}, expected a number")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:  # YAML 1.1 reads 1e-3 as a string
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"got {value!r}, expected a number")
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError(f"got {value!r}, expected a string")
+        return str(value)
+    raise ValueError(f"unsupported config type {tp}")
+
+
+def _check_bounds(value: Any, meta: dict[str, Any]) -> None:
+    if value is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"got {value}, expected a finite number")
+    for key, ok, word in (
+        ("gt", lambda v, b: v > b, ">"),
+        ("ge", lambda v, b: v >= b, ">="),
+        ("lt", lambda v, b: v < b, "<"),
+        ("le", lambda v, b: v <= b, "<="),
+    ):
+        if key in meta and not ok(value, meta[key]):
+            raise ValueError(f"got {value}, must be {word} {meta[key]}")
+
+
+def _suggest(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+class ConfigBuilder:
+    """Applies layers of values to a Config, remembering the source of each key."""
+
+    def __init__(self) -> None:
+        self.config = Config()
+        self.sources: dict[str, str] = {}
+
+    def _field(self, section: str, key: str, source: str) -> dataclasses.Field:
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"{source}: unknown section '{section}'{_suggest(section, list(SECTIONS))}; "
+                f"sections are: {', '.join(SECTIONS)}"
+            )
+        fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+        if key not in fields:
+            raise ConfigError(
+                f"{source}: unknown key '{section}.{key}'{_suggest(key, list(fields))}; "
+                f"keys in '{section}' are: {', '.join(fields)}"
+            )
+        return fields[key]
+
+    def set(self, dotted: str, value: Any, source: str) -> None:
+        parts = dotted.split(".")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"{source}: key '{dotted}' must look like section.key (for example optim.lr)")
+        section, key = parts
+        f = self._field(section, key, source)
+        hints = typing.get_type_hints(SECTIONS[section])
+        try:
+            coerced = _coerce(value, hints[key], dict(f.metadata))
+            _check_bounds(coerced, dict(f.metadata))
+        except ValueError as e:
+            raise ConfigError(f"{source}: {dotted}: {e} ({f.metadata.get('doc', '')})") from None
+        setattr(getattr(self.config, section), key, coerced)
+        self.sources[dotted] = source
+
+    def apply_mapping(self, data: Any, source: str) -> None:
+        if data is None:
+            return
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections (model:, data:, ...), got {type(data).__name__}")
+        for section, values in data.items():
+            if section not in SECTIONS:
+                raise ConfigError(
+                    f"{source}: unknown section '{section}'{_suggest(str(section), list(SECTIONS))}; "
+                    f"sections are: {', '.join(SECTIONS)}"
+                )
+            if values is None:
+                continue
+            if not isinstance(values, dict):
+                raise ConfigError(f"{source}: section '{section}' must be a mapping of keys, got {values!r}")
+            for key, value in values.items():
+                self.set(f"{section}.{key}", value, source)
+
+    def apply_file(self, path: str | Path) -> None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{p}: config file not found")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        self.apply_mapping(data, str(p))
+
+    def apply_override(self, text: str, source: str = "--set") -> None:
+        if "=" not in text:
+            raise ConfigError(f"{source} {text!r}: expected section.key=value (for example --set optim.lr=3e-4)")
+        key, raw = text.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        self.set(key.strip(), value, f"{source} {text}")
+
+    def where(self, dotted: str) -> str:
+        return self.sources.get(dotted, "default")
+
+
+def validate(cfg: Config, where: Any = lambda key: "default") -> None:
+    """Checks across fields. ``where(key)`` names the source of a key for the message."""
+
+    def fail(key: str, msg: str) -> None:
+        raise ConfigError(f"{where(key)}: {key}: {msg}")
+
+    from launch.models import SIZES  # local import: models imports torch
+
+    if cfg.model.size not in SIZES:
+        fail("model.size", f"unknown size {cfg.model.size!r}, allowed: {', '.join(SIZES)}")
+    if cfg.run.batch_size % cfg.run.grad_accum:
+        fail("run.grad_accum", f"{cfg.run.grad_accum} does not divide run.batch_size={cfg.run.batch_size}")
+    if cfg.run.max_steps is None and cfg.run.max_time is None:
+        fail("run.max_steps", "empty, and run.max_time is empty too: the run would never stop; set one of them")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", cfg.run.device):
+        fail("run.device", f"got {cfg.run.device!r}, allowed: auto, cpu, cuda, cuda:N, mps")
+    for b in cfg.optim.betas:
+        if not 0 <= b < 1:
+            fail("optim.betas", f"got {list(cfg.optim.betas)}, each beta must be in [0, 1)")
+    if cfg.optim.lr <= 0:
+        fail("optim.lr", f"got {cfg.optim.lr}, must be > 0")
+    stages = [s.split(":")[0] for s in cfg.compress.codec.split("+")]
+    unknown = [s for s in stages if s not in KNOWN_CODEC_STAGES]
+    if unknown:
+        fail("compress.codec", f"unknown codec stage(s) {', '.join(unknown)}; available: {', '.join(sorted(KNOWN_CODEC_STAGES))}")
+    d = cfg.data
+    if d.source in ("text", "shards", "hf") and not d.path:
+        fail("data.path", f"data.source is {d.source!r}, which needs data.path")
+    if d.source in ("text", "shards"):
+        for key in ("path", "val_path"):
+            value = getattr(d, key)
+            if value and not Path(value).exists():
+                fail(f"data.{key}", f"{value!r} does not exist")
+    if d.source == "shards" and not (d.vocab_size or cfg.model.vocab_size):
+        fail("data.vocab_size", "source 'shards' needs the vocabulary size of its tokens (data.vocab_size)")
+    m = cfg.model
+    if m.dim and m.n_heads and m.dim % m.n_heads:
+        fail("model.n_heads", f"{m.n_heads} does not divide model.dim={m.dim}")
+    if m.n_heads and m.n_kv_heads and m.n_heads % m.n_kv_heads:
+        fail("model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}")
+
+
+def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = (),
+                extra: dict[str, Any] | None = None) -> tuple[Config, ConfigBuilder]:
+    """Defaults <- each file <- each ``--set`` <- ``extra`` ({'run.seed': 3} from flags); then validate."""
+    builder = ConfigBuilder()
+    for f in files:
+        builder.apply_file(f)
+    for o in overrides:
+        builder.apply_override(o)
+    for key, (value, source) in (extra or {}).items():
+        builder.set(key, value, source)
+    validate(builder.config, builder.where)
+    return builder.config, builder
+
+
+def config_from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config:
+    builder = ConfigBuilder()
+    builder.apply_mapping(data, source)
+    return builder.config
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def describe_fields() -> str:
+    """All keys with defaults and docs, for ``loco train --help-config``."""
+    lines = []
+    defaults = Config()
+    for section, cls in SECTIONS.items():
+        lines.append(f"{section}:")
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(defaults, section), f.name)
+            lines.append(f"  {f.name}: {value!r}\n      {f.metadata.get('doc', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,344 @@
+"""The one training loop. It drives ``algo.step()`` and knows nothing of which algorithm runs.
+
+Per step: ``grad_accum`` micro-batches forward/backward (bf16 autocast on CUDA),
+then ``algo.step()`` (exchange, clip, inner step, maybe a round), then
+``algo.zero_grad()``. Around it: the learning-rate schedule, metrics every
+``log.every`` steps, validation every ``run.eval_every``, checkpoints every
+``run.checkpoint_every``, and the stop conditions ``run.max_steps`` and
+``run.max_time``. At the end: a last validation, a checkpoint, summary.json
+and a plot.
+
+Python API::
+
+    from launch.config import load_config
+    from launch.trainer import Trainer
+    cfg, _ = load_config(["configs/tiny.yaml"], ["run.max_steps=200"])
+    summary = Trainer(cfg, model=my_module).fit()   # model: ids [B, T] -> logits [B, T, V]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from diloco import ALGORITHMS
+from diloco.comm import Transport, make_transport
+from launch.checkpoint import latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from launch.config import Config, dump_config
+from launch.data import Batcher, TokenData, load_data
+from launch.metrics import Metrics, peak_flops, plot_runs, truncate_metrics
+from launch.models import Transformer, count_params, flops_per_token, model_args_from_config
+
+
+class RunError(RuntimeError):
+    """A run that cannot start or continue as asked (existing run folder, missing checkpoint, ...)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RunError(f"run.device={name!r} but CUDA is not available on this machine; use run.device=cpu")
+    return device
+
+
+def lr_factor(step: int, warmup: int, progress: float, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the peak lr: linear warmup over ``warmup`` steps, then decay by ``progress`` in [0, 1]."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    p = min(max(progress, 0.0), 1.0)
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * p
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def build_optimizer(model: nn.Module, ocfg, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW (or SGD) with weight decay on matrices only."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": ocfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if ocfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=ocfg.lr, momentum=ocfg.momentum)
+    return torch.optim.AdamW(groups, lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps,
+                             fused=device.type == "cuda")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, model: Optional[nn.Module] = None, transport: Optional[Transport] = None,
+                 data: Optional[TokenData] = None, on_step: Optional[Callable[[int, dict], None]] = None) -> None:
+        self.cfg = cfg
+        self.on_step = on_step
+        run = cfg.run
+        if run.threads:
+            torch.set_num_threads(run.threads)
+        self.device = resolve_device(run.device)
+        self.transport = transport or make_transport(cfg.transport.backend, cfg.transport.dist_backend,
+                                                     cfg.transport.timeout, self.device)
+        self.rank, self.world = self.transport.rank, self.transport.world_size
+        self.leader = self.transport.is_leader
+        seed_everything(run.seed)
+
+        self.data = data or load_data(cfg.data)
+        self.batcher = Batcher(self.data, cfg.data.seq_len, run.batch_size, self.rank, self.world, run.seed, run.grad_accum)
+        if model is None:
+            self.model_args = model_args_from_config(cfg.model, self.data.vocab_size, cfg.data.seq_len)
+            torch.manual_seed(run.seed)
+            model = Transformer(self.model_args)
+        else:
+            self.model_args = getattr(model, "args", None)
+        self.model = model.to(self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.algo = ALGORITHMS[cfg.algo.name](self.model, self.optimizer, self.transport, cfg.optim.grad_clip)
+        if self.world > 1:
+            self.algo.broadcast_parameters(0)
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = group["lr"]
+        self.bf16 = run.precision == "bf16" or (run.precision == "auto" and self.device.type == "cuda")
+        self.tokens_per_step = run.batch_size * cfg.data.seq_len  # per worker
+        self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
+        self.peak = peak_flops(self.device)
+
+        self.step = 0
+        self._t0: Optional[float] = None
+        self.last_val: Optional[tuple[int, float]] = None  # (step, val_loss) of the latest evaluation
+        self.wall_prior = 0.0  # training seconds of earlier segments of a resumed run
+        self.run_dir = self._prepare_run_dir()
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.resumed_from: Optional[Path] = self._maybe_resume()
+        self.metrics = Metrics(self.run_dir, cfg.log, self.leader, run.max_steps, self.step, self.rank,
+                               cfg.to_dict(), run.name)
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def _prepare_run_dir(self) -> Path:
+        run = self.cfg.run
+        chosen = None
+        if self.leader:
+            if run.dir:
+                chosen = run.dir
+            elif run.resume:
+                chosen = ""
+            else:
+                chosen = f"runs/{run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        chosen = self.transport.broadcast_object(chosen)
+        if not chosen:
+            raise RunError("run.resume needs the run folder to continue: pass --run-dir DIR")
+        path = Path(chosen)
+        if self.leader:
+            if not run.resume and any((path / "checkpoints").glob("step_*.pt")):
+                raise RunError(f"{path} already holds checkpoints of an earlier run; "
+                               f"pass --resume to continue it, or choose another --run-dir")
+            path.mkdir(parents=True, exist_ok=True)
+            tmp = path / ".config.yaml.tmp"
+            tmp.write_text(dump_config(self.cfg))
+            os.replace(tmp, path / "config.yaml")
+        return path
+
+    def _maybe_resume(self) -> Optional[Path]:
+        if not self.cfg.run.resume:
+            return None
+        found = None
+        if self.leader:
+            hit = latest_checkpoint(self.ckpt_dir, map_location="cpu")
+            found = str(hit[0]) if hit else None
+        found = self.transport.broadcast_object(found)
+        if found is None:
+            if self.leader:
+                print(f"[worker {self.rank}] no checkpoint in {self.ckpt_dir}: starting from step 0", flush=True)
+            return None
+        from launch.checkpoint import load_checkpoint
+
+        state = load_checkpoint(found, map_location="cpu")
+        self.load_state(state)
+        if self.leader:
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+        return Path(found)
+
+    # ---- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "algo": self.algo.state_dict(),
+            "data": {"samples": self.batcher.samples_before(self.step), "worker_index": self.rank,
+                     "num_workers": self.world, "seed": self.cfg.run.seed},
+            "rng": rng_state(),
+            "wall_s": self.wall_s(),
+            "comm": self.transport.stats.as_dict(),
+            "config": self.cfg.to_dict(),
+            "model_args": vars(self.model_args) if self.model_args is not None else None,
+            "tokenizer": self.data.tokenizer,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.algo.load_state_dict(state["algo"])
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.wall_prior = float(state.get("wall_s", 0.0))
+        comm = state.get("comm", {})
+        self.transport.stats.bytes_sent = int(comm.get("bytes_sent", 0))
+        self.transport.stats.bytes_received = int(comm.get("bytes_received", 0))
+
+    def save(self) -> Optional[Path]:
+        """Rank 0 writes: DDP replicas hold identical state."""
+        if not self.leader:
+            return None
+        return save_checkpoint(self.ckpt_dir, self.step, self.state_dict(), keep=self.cfg.run.keep_checkpoints)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def wall_s(self) -> float:
+        return self.wall_prior + (time.perf_counter() - self._t0 if self._t0 is not None else 0.0)
+
+    def loss_on(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            logits = self.model(x)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = 0.0
+        for k in range(self.cfg.run.eval_batches):
+            total += float(self.loss_on(*self.batcher.val_batch(k)))
+        self.model.train()
+        return total / self.cfg.run.eval_batches
+
+    def _set_lr(self) -> float:
+        run, o = self.cfg.run, self.cfg.optim
+        if run.max_steps:
+            progress = (self.step - o.warmup_steps) / max(1, run.max_steps - o.warmup_steps)
+        else:
+            progress = self.wall_s() / run.max_time
+        factor = lr_factor(self.step, o.warmup_steps, progress, o.schedule, o.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * factor
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _should_stop(self) -> bool:
+        run = self.cfg.run
+        stop = bool(run.max_steps and self.step >= run.max_steps)
+        if run.max_time is not None:
+            out_of_time = self.wall_s() >= run.max_time
+            if self.world > 1:  # every worker must stop at the same step
+                out_of_time = self.transport.broadcast_object(out_of_time)
+            stop = stop or out_of_time
+        return stop
+
+    def fit(self) -> dict[str, Any]:
+        cfg, run = self.cfg, self.cfg.run
+        m = self.metrics
+        if self.leader:
+            m.info(f"{self.data.description}: {self.data.train_tokens:,} train / {self.data.val_tokens:,} val tokens; "
+                   f"model {count_params(self.model) / 1e6:.2f}M params on {self.device}; algorithm {cfg.algo.name} "
+                   f"x {self.world} worker(s); run folder {self.run_dir}")
+            if self.resumed_from:
+                m.info(f"resumed from {self.resumed_from}", self.step)
+        self._t0 = time.perf_counter()
+        window_loss, window_steps, window_t = 0.0, 0, time.perf_counter()
+        try:
+            while not self._should_stop():
+                lr = self._set_lr()
+                step_loss = 0.0
+                for micro in range(run.grad_accum):
+                    loss = self.loss_on(*self.batcher.train_batch(self.step, micro))
+                    (loss / run.grad_accum).backward()
+                    step_loss += float(loss.detach()) / run.grad_accum
+                info = self.algo.step()
+                self.algo.zero_grad()
+                self.step += 1
+                if info.get("skipped"):
+                    m.info(f"non-finite gradients (norm {info['grad_norm']}): step skipped on every worker; "
+                           f"lower optim.lr or set optim.grad_clip", self.step)
+                window_loss += step_loss
+                window_steps += 1
+                evaluate = run.eval_every and self.step % run.eval_every == 0
+                if self.step % cfg.log.every == 0 or evaluate:
+                    now = time.perf_counter()
+                    tps_local = window_steps * self.tokens_per_step / max(now - window_t, 1e-9)
+                    record = self._record(window_loss / window_steps, lr, tps_local, info)
+                    if evaluate:
+                        record["val_loss"] = self.evaluate()
+                        self.last_val = (self.step, record["val_loss"])
+                    m.log(record)
+                    if self.on_step:
+                        self.on_step(self.step, record)
+                    window_loss, window_steps, window_t = 0.0, 0, time.perf_counter()
+                if run.checkpoint_every and self.step % run.checkpoint_every == 0:
+                    self.save()
+        except KeyboardInterrupt:
+            if self.world == 1 and self.step > 0:
+                path = self.save()
+                m.info(f"interrupted: saved {path}; continue with --resume --run-dir {self.run_dir}", self.step)
+            m.close()
+            raise
+        return self._finish()
+
+    def _record(self, loss: float, lr: float, tps_local: float, info: dict[str, Any]) -> dict[str, Any]:
+        stats = self.transport.stats
+        mfu = self.flops_per_token * tps_local / self.peak if self.peak else None
+        return {"step": self.step, "tokens": self.step * self.tokens_per_step * self.world, "loss": loss, "lr": lr,
+                "tokens_per_s": tps_local * self.world, "mfu": mfu, "grad_norm": info.get("grad_norm"),
+                "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "wall_s": self.wall_s()}
+
+    def _finish(self) -> dict[str, Any]:
+        m = self.metrics
+        if self.last_val is not None and self.last_val[0] == self.step:
+            val = self.last_val[1]
+        else:
+            val = self.evaluate()
+            stats = self.transport.stats
+            m.log({"step": self.step, "tokens": self.step * self.tokens_per_step * self.world, "val_loss": val,
+                   "lr": self.optimizer.param_groups[0]["lr"], "bytes_sent": stats.bytes_sent,
+                   "bytes_received": stats.bytes_received, "wall_s": self.wall_s()})
+        self.save()
+        stats = self.transport.stats
+        mine = {"worker": self.rank, "tokens": self.step * self.tokens_per_step, "bytes_sent": stats.bytes_sent,
+                "bytes_received": stats.bytes_received, "val_loss": val, "steps": self.step}
+        workers = self.transport.all_gather_object(mine)
+        summary = {
+            "val_loss": val, "steps": self.step, "tokens": sum(w["tokens"] for w in workers),
+            "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "wall_s": self.wall_s(),
+            "algorithm": self.cfg.algo.name, "workers": workers, "num_workers": self.world,
+            "skipped_steps": self.algo.skipped_steps, "run_dir": str(self.run_dir),
+        }
+        if self.leader:
+            tmp = self.run_dir / ".summary.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=2) + "\n")
+            os.replace(tmp, self.run_dir / "summary.json")
+            if self.cfg.log.plot:
+                plot_runs([self.run_dir], self.run_dir / "loss.png", title=self.cfg.run.name)
+            m.info(f"done: val_loss {val:.4f} after {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s; "
+                   f"summary in {self.run_dir / 'summary.json'}", self.step)
+        m.close()
+        return summary
+
+
+def train(cfg: Config, model: Optional[nn.Module] = None, **kwargs: Any) -> dict[str, Any]:
+    """Train from a config; returns the summary."""
+    trainer = Trainer(cfg, model=model, **kwargs)
+    try:
+        return trainer.fit()
+    finally:
+        if kwargs.get("transport") is None:
+            trainer.transport.close()
