@@ -207,6 +207,8 @@ def _coerce(value: Any, tp: Any, meta: dict[str, Any]) -> Any:
             raise ValueError(str(e)) from None
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if isinstance(value, bool):  # YAML reads off/on/yes/no as booleans
+            value = next((w for w in (("on", "yes", "true") if value else ("off", "no", "false")) if w in allowed), value)
         if value not in allowed:
             raise ValueError(f"got {value!r}, allowed: {', '.join(str(a) for a in allowed)}")
         return value
@@ -220,6 +222,8 @@ def _coerce(value: Any, tp: Any, meta: dict[str, Any]) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
         if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
             return value.lower() in ("true", "yes", "on", "1")
         raise ValueError(f"got {value!r}, expected true or false")
@@ -234,7 +238,12 @@ def _coerce(value: Any, tp: Any, meta: dict[str, Any]) -> Any:
             try:
                 return int(value.replace("_", ""))
             except ValueError:
-                pass
+                try:  # 1e3
+                    as_float = float(value)
+                except ValueError:
+                    as_float = None
+                if as_float is not None and as_float.is_integer():
+                    return int(as_float)
         raise ValueError(f"got {value!r}, expected an integer")
     if tp is float:
         if isinstance(value, bool):
@@ -248,8 +257,10 @@ def _coerce(value: Any, tp: Any, meta: dict[str, Any]) -> Any:
                 pass
         raise ValueError(f"got {value!r}, expected a number")
     if tp is str:
-        if isinstance(value, (dict, list)):
-            raise ValueError(f"got {value!r}, expected a string")
+        if value is None:
+            raise ValueError("empty, expected a string")
+        if isinstance(value, (dict, list, bool)):
+            raise ValueError(f"got {value!r}, expected a string (quote it in YAML)")
         return str(value)
     raise ValueError(f"unsupported config type {tp}")
 
@@ -358,7 +369,7 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
     def fail(key: str, msg: str) -> None:
         raise ConfigError(f"{where(key)}: {key}: {msg}")
 
-    from launch.models import SIZES  # local import: models imports torch
+    from launch.models import SIZES, model_args_from_config  # local import: models imports torch
 
     if cfg.model.size not in SIZES:
         fail("model.size", f"unknown size {cfg.model.size!r}, allowed: {', '.join(SIZES)}")
@@ -379,19 +390,20 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
         fail("compress.codec", f"unknown codec stage(s) {', '.join(unknown)}; available: {', '.join(sorted(KNOWN_CODEC_STAGES))}")
     d = cfg.data
     if d.source in ("text", "shards", "hf") and not d.path:
-        fail("data.path", f"data.source is {d.source!r}, which needs data.path")
+        raise ConfigError(f"{where('data.source')}: data.path: data.source is {d.source!r}, which needs data.path")
     if d.source in ("text", "shards"):
         for key in ("path", "val_path"):
             value = getattr(d, key)
             if value and not Path(value).exists():
                 fail(f"data.{key}", f"{value!r} does not exist")
     if d.source == "shards" and not (d.vocab_size or cfg.model.vocab_size):
-        fail("data.vocab_size", "source 'shards' needs the vocabulary size of its tokens (data.vocab_size)")
-    m = cfg.model
-    if m.dim and m.n_heads and m.dim % m.n_heads:
-        fail("model.n_heads", f"{m.n_heads} does not divide model.dim={m.dim}")
-    if m.n_heads and m.n_kv_heads and m.n_heads % m.n_kv_heads:
-        fail("model.n_kv_heads", f"{m.n_kv_heads} does not divide model.n_heads={m.n_heads}")
+        raise ConfigError(f"{where('data.source')}: data.vocab_size: source 'shards' needs the vocabulary size "
+                          f"of its tokens (data.vocab_size)")
+    try:  # the named size with its overrides must make a valid shape
+        model_args_from_config(cfg.model, cfg.model.vocab_size or 256, d.seq_len)
+    except ValueError as e:
+        named = re.findall(r"model\.\w+", str(e))  # blame the first key in the message the user set
+        fail(next((k for k in named if where(k) != "default"), named[0] if named else "model.size"), str(e))
 
 
 def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = (),

@@ -120,7 +120,7 @@ class Metrics:
             self._file.close()
             self._file = None
         if self._wandb is not None:
-            self._wandb.finish(quiet=True)
+            self._wandb.finish()
             self._wandb = None
 
 

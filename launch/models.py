@@ -68,7 +68,7 @@ def model_args_from_config(mcfg, vocab_size: int, seq_len: int) -> ModelArgs:
     if args.n_heads % args.kv_heads:
         raise ValueError(f"model.n_kv_heads={args.kv_heads} does not divide model.n_heads={args.n_heads}")
     if (args.dim // args.n_heads) % 2:
-        raise ValueError(f"head size dim/n_heads={args.dim // args.n_heads} must be even for rotary embeddings")
+        raise ValueError(f"head size model.dim/model.n_heads={args.dim // args.n_heads} must be even for rotary embeddings")
     return args
 
 

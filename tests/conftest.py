@@ -1,0 +1,59 @@
+"""Shared test helpers: small configs, subprocesses with timeouts that never outlive a test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+# fast settings for runs inside tests: a slice of the corpus, no plot, plain logs
+FAST = ["data.max_docs=120", "log.plot=false", "log.progress=plain", "run.eval_batches=2", "run.threads=1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["WANDB_SILENT"] = "true"
+    env.update(extra)
+    return env
+
+
+def run_cli(args: list[str], timeout: float = 240, env: dict[str, str] | None = None,
+            module: str = "launch.cli") -> subprocess.CompletedProcess:
+    """Run ``python -m launch.cli ARGS`` in its own process group; kill the whole group on timeout."""
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env or child_env(), cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{args} timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    """A tiny config for in-process runs: returns a function of extra overrides."""
+    from launch.config import load_config
+
+    def make(*overrides: str, run_dir: Path | None = None):
+        cfg, _ = load_config([TINY], [*FAST, f"run.dir={run_dir or tmp_path / 'run'}", *overrides])
+        return cfg
+
+    return make

@@ -1,0 +1,321 @@
+"""The ``loco`` command: help texts, user errors (one line, status 2, no traceback), small commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.cli import EXAMPLES, build_parser, main
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+COMMANDS = ["train", "simulate", "join", "sample", "plot", "status"]
+
+
+def run_module(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["COLUMNS"] = "100"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=timeout)
+
+
+def help_of(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.strip()
+    return out
+
+
+def undocumented_options(text: str) -> list[str]:
+    """Entries of the option/argument sections of an argparse help text that have no explanation."""
+    lines = text.splitlines()
+    missing = []
+    in_section = False
+    for i, line in enumerate(lines):
+        if re.match(r"^\S.*:$", line):  # "options:", "configuration:", "positional arguments:", "examples:"
+            in_section = not line.startswith(("examples", "quick start", "usage"))
+            continue
+        if not in_section or not re.match(r"^  \S", line):
+            continue
+        parts = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+        if len(parts) == 2 and parts[1].strip():
+            continue
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        indent = len(nxt) - len(nxt.lstrip())
+        if nxt.strip() and indent > 2 and not nxt.strip().startswith("-"):
+            continue
+        missing.append(line.strip())
+    return missing
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "error:" in line]
+
+
+# ---------------------------------------------------------------------------------------------
+# help
+# ---------------------------------------------------------------------------------------------
+
+def test_top_level_help_subprocess():
+    proc = run_module("--help")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("usage: loco")
+    for cmd in COMMANDS:
+        assert re.search(rf"^\s+{cmd}\s+\S", out, re.M), f"{cmd} is not listed with an explanation"
+    assert "quick start:" in out and "loco train --config configs/tiny.yaml" in out
+    assert undocumented_options(out) in ([], ["COMMAND"])  # COMMAND is explained by the command list under it
+    assert proc.stderr == ""
+
+
+def test_top_level_help_in_process(capsys):
+    out = help_of(capsys)
+    for cmd in COMMANDS:
+        assert cmd in out
+    assert "-h, --help" in out
+
+
+def test_no_command_prints_help_and_returns_2(capsys):
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert "usage: loco" in out and "train" in out
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_subcommand_help(capsys, cmd):
+    out = help_of(capsys, cmd)
+    assert out.startswith(f"usage: loco {cmd}")
+    assert undocumented_options(out) == []
+    assert "\nexamples:\n" in out
+    examples = out.split("\nexamples:\n", 1)[1]
+    assert f"loco {cmd}" in examples or f"-m launch.cli {cmd}" in examples
+    assert EXAMPLES[cmd].split("\n", 1)[1].splitlines()[0].strip() in examples
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_every_argument_has_help(cmd):
+    """The same check on the parser itself, independent of how argparse wraps the text."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for choice in sub._choices_actions:
+        assert choice.help, f"command {choice.dest} has no help"
+    p = sub.choices[cmd]
+    for action in p._actions:
+        assert action.help and len(action.help) > 5, f"loco {cmd} {action.option_strings or action.dest}: no help"
+
+
+@pytest.mark.parametrize("cmd", ["train", "simulate", "join"])
+def test_training_commands_share_config_flags(capsys, cmd):
+    out = help_of(capsys, cmd)
+    for flag in ("--config FILE", "--set KEY=VALUE", "--run-dir DIR", "--max-steps N", "--max-time DURATION",
+                 "--seed N", "--resume", "--help-config"):
+        assert flag in out, f"{flag} missing from loco {cmd} --help"
+
+
+def test_help_config_lists_keys(capsys):
+    assert main(["train", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert "optim:" in out and "run:" in out and "model:" in out
+    optim = out.split("optim:\n", 1)[1].split("\nalgo:", 1)[0]
+    for key in ("lr", "betas", "eps", "weight_decay", "warmup_steps", "schedule", "grad_clip"):
+        assert re.search(rf"^  {key}: ", optim, re.M), f"optim.{key} not listed"
+    assert "Peak learning rate of the inner optimizer." in optim
+    assert "  lr: 0.0004" in optim
+    assert "  max_time: None" in out
+
+
+def test_help_config_does_not_need_a_valid_config(capsys):
+    # --help-config exits before anything is loaded, even with a broken override
+    assert main(["simulate", "--help-config", "--set", "optim.lr=fast"]) == 0
+    assert "optim:" in capsys.readouterr().out
+
+
+def test_unknown_command_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["fly"])
+    assert info.value.code == 2
+    assert "invalid choice: 'fly'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# user errors
+# ---------------------------------------------------------------------------------------------
+
+def test_bad_override_subprocess_one_line_no_traceback(tmp_path):
+    proc = run_module("train", "--config", TINY, "--set", "optim.lr=fast", "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("loco train: error: --set optim.lr=fast: optim.lr: ")
+    assert "expected a number" in lines[0]
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_unknown_key_subprocess(tmp_path):
+    proc = run_module("train", "--set", "optim.lrr=1")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and "unknown key 'optim.lrr'" in lines[0] and "did you mean 'lr'" in lines[0]
+
+
+def test_missing_config_file_in_process(capsys, tmp_path):
+    missing = tmp_path / "nope.yaml"
+    assert main(["train", "--config", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"loco train: error: {missing}: config file not found"
+
+
+def test_bad_max_time_flag_names_the_flag(capsys):
+    assert main(["train", "--max-time", "soon"]) == 2
+    err = capsys.readouterr().err
+    lines = error_lines(err)
+    assert len(lines) == 1
+    assert "--max-time: run.max_time: 'soon' is not a duration" in lines[0]
+
+
+def test_bad_max_steps_type_is_argparse_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--max-steps", "many"])
+    assert info.value.code == 2
+    assert "--max-steps" in capsys.readouterr().err
+
+
+def test_bad_yaml_file_in_process(capsys, tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("run:\n  batch_size: 10\n  grad_accum: 3\n")
+    assert main(["train", "--config", str(path)]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1
+    assert lines[0] == f"loco train: error: {path}: run.grad_accum: 3 does not divide run.batch_size=10"
+
+
+@pytest.mark.parametrize("cmd", ["simulate", "join"])
+def test_not_available_commands(capsys, cmd):
+    assert main([cmd, "--config", TINY]) == 2
+    err = capsys.readouterr().err
+    lines = error_lines(err)
+    assert len(lines) == 1
+    assert lines[0].startswith(f"loco {cmd}: error: 'loco {cmd}' is not available")
+    assert "loco train" in lines[0]
+
+
+@pytest.mark.parametrize("cmd", ["simulate", "join"])
+def test_not_available_commands_still_check_the_config(capsys, cmd):
+    assert main([cmd, "--set", "optim.lr=fast"]) == 2
+    err = capsys.readouterr().err
+    assert "optim.lr" in err and "expected a number" in err
+    assert "not available" not in err
+
+
+def test_status_not_available(capsys):
+    assert main(["status"]) == 2
+    err = capsys.readouterr().err
+    lines = error_lines(err)
+    assert len(lines) == 1 and lines[0].startswith("loco status: error: 'loco status' is not available")
+
+
+def test_plot_without_metrics_names_the_folder(capsys, tmp_path):
+    empty = tmp_path / "not-a-run"
+    empty.mkdir()
+    out = tmp_path / "x.png"
+    assert main(["plot", str(empty), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    lines = error_lines(err)
+    assert len(lines) == 1
+    assert lines[0].startswith("loco plot: error: ")
+    assert str(empty) in lines[0] and "metrics.jsonl" in lines[0]
+    assert not out.exists()
+
+
+def test_plot_writes_png(capsys, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "tokens": 100 * s, "loss": 5.0 - 0.1 * s, "bytes_sent": 0} for s in range(1, 6)]
+    rows.append({"step": 5, "tokens": 500, "val_loss": 4.6, "bytes_sent": 0})
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "los'  # a torn last line is skipped
+    (run / "metrics.jsonl").write_text(text)
+    out = tmp_path / "plots" / "loss.png"
+    assert main(["plot", str(run), "--out", str(out), "--title", "t"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sample_missing_checkpoint(capsys, tmp_path):
+    missing = tmp_path / "nope.pt"
+    assert main(["sample", "--checkpoint", str(missing)]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and str(missing) in lines[0] and lines[0].startswith("loco sample: error: ")
+
+
+def test_sample_folder_without_checkpoint(capsys, tmp_path):
+    assert main(["sample", "--checkpoint", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}: no valid checkpoint found" in err
+
+
+def test_sample_corrupt_checkpoint(capsys, tmp_path):
+    bad = tmp_path / "step_00000001.pt"
+    bad.write_bytes(b"not a checkpoint")
+    assert main(["sample", "--checkpoint", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and str(bad) in err and "unreadable" in err
+
+
+def test_sample_requires_checkpoint_flag(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["sample"])
+    assert info.value.code == 2
+    assert "--checkpoint" in capsys.readouterr().err
+
+
+def _save_tiny_checkpoint(folder: Path, with_args: bool = True) -> None:
+    import torch
+
+    from launch.checkpoint import save_checkpoint
+    from launch.models import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=256, max_seq_len=64)
+    model = Transformer(args)
+    save_checkpoint(folder / "checkpoints", 1, {"model": model.state_dict(),
+                                                  "model_args": vars(args) if with_args else None,
+                                                  "tokenizer": "bytes"})
+
+
+def test_sample_from_run_folder(capsys, tmp_path):
+    _save_tiny_checkpoint(tmp_path)
+    argv = ["sample", "--checkpoint", str(tmp_path), "--prompt", "def ", "--max-new-tokens", "8",
+            "--temperature", "0", "--device", "cpu"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("def ")
+    assert main(argv) == 0
+    assert capsys.readouterr().out == first  # greedy: same text again
+
+
+def test_sample_custom_model_checkpoint(capsys, tmp_path):
+    _save_tiny_checkpoint(tmp_path, with_args=False)
+    assert main(["sample", "--checkpoint", str(tmp_path), "--device", "cpu"]) == 2
+    assert "custom model" in capsys.readouterr().err
+
+
+def test_help_checker_flags_an_option_without_explanation():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="x")
+    p.add_argument("--documented", help="does things")
+    p.add_argument("--bare")
+    p.add_argument("--a-very-long-option-name-that-wraps", metavar="SOMETHING_LONG", help="explained below")
+    assert undocumented_options(p.format_help()) == ["--bare BARE"]

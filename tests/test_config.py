@@ -1,0 +1,557 @@
+"""launch.config: layering, coercion, validation and the wording of every error."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch.config import (
+    SECTIONS,
+    Config,
+    ConfigBuilder,
+    ConfigError,
+    config_from_dict,
+    describe_fields,
+    dump_config,
+    format_duration,
+    load_config,
+    parse_duration,
+    validate,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return str(p)
+
+
+def error_of(files=(), overrides=(), extra=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(list(files), list(overrides), extra)
+    return str(info.value)
+
+
+def assert_one_line(msg: str) -> None:
+    assert "\n" not in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------
+# errors: unknown names
+# ---------------------------------------------------------------------------------------------
+
+def test_unknown_section_in_file_names_file_suggestion_and_sections(tmp_path):
+    path = write(tmp_path, "bad.yaml", "modle:\n  size: tiny\n")
+    msg = error_of([path])
+    assert msg.startswith(path + ":"), msg
+    assert "unknown section 'modle'" in msg
+    assert "did you mean 'model'" in msg
+    assert "sections are: model, data, optim, algo, compress, transport, log, run" in msg
+    assert_one_line(msg)
+
+
+def test_unknown_section_from_set_names_the_flag():
+    msg = error_of(overrides=["optimm.lr=1"])
+    assert msg.startswith("--set optimm.lr=1:"), msg
+    assert "unknown section 'optimm'" in msg
+    assert "did you mean 'optim'" in msg
+
+
+def test_unknown_key_in_file_suggests_and_lists_keys(tmp_path):
+    path = write(tmp_path, "bad.yaml", "optim:\n  lrr: 0.1\n")
+    msg = error_of([path])
+    assert msg.startswith(path + ":"), msg
+    assert "unknown key 'optim.lrr'" in msg
+    assert "did you mean 'lr'" in msg
+    assert "keys in 'optim' are:" in msg
+    for key in ("name", "lr", "betas", "warmup_steps", "grad_clip"):
+        assert key in msg.split("keys in 'optim' are:")[1]
+    assert_one_line(msg)
+
+
+def test_unknown_key_without_close_match_has_no_suggestion():
+    msg = error_of(overrides=["run.zzzzzzzz=1"])
+    assert "unknown key 'run.zzzzzzzz'" in msg
+    assert "did you mean" not in msg
+    assert "keys in 'run' are:" in msg
+
+
+def test_override_without_equals_sign():
+    msg = error_of(overrides=["optim.lr"])
+    assert "--set" in msg and "'optim.lr'" in msg
+    assert "expected section.key=value" in msg
+
+
+def test_override_key_without_section():
+    msg = error_of(overrides=["lr=1"])
+    assert msg.startswith("--set lr=1:"), msg
+    assert "key 'lr' must look like section.key" in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# errors: wrong types and bounds (one field at a time)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "override, key, allowed",
+    [
+        ("optim.lr=fast", "optim.lr", "got 'fast', expected a number"),
+        ("run.batch_size=2.5", "run.batch_size", "got 2.5, expected an integer"),
+        ("log.wandb=maybe", "log.wandb", "got 'maybe', expected true or false"),
+        ("optim.lr=-1", "optim.lr", "must be > 0"),
+        ("optim.lr=0", "optim.lr", "must be > 0"),
+        ("optim.lr=nan", "optim.lr", "expected a finite number"),
+        ("algo.inner_steps=0", "algo.inner_steps", "got 0, must be > 0"),
+        ("algo.outer_momentum=1", "algo.outer_momentum", "must be < 1"),
+        ("data.val_fraction=0.9", "data.val_fraction", "must be <= 0.5"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay", "must be >= 0"),
+        ("run.max_steps=[1, 2]", "run.max_steps", "expected an integer"),
+        ("run.max_steps=true", "run.max_steps", "expected an integer"),
+        ("optim.lr=true", "optim.lr", "expected a number"),
+        ("data.source=web", "data.source", "allowed: stdlib, text, shards, hf"),
+        ("optim.schedule=step", "optim.schedule", "allowed: cosine, linear, constant"),
+        ("optim.betas=0.9", "optim.betas", "expected a list of 2 numbers"),
+        ("optim.betas=0.9,0.95,0.99", "optim.betas", "expected a list of 2 numbers"),
+        ("optim.betas=0.9,fast", "optim.betas", "expected a number"),
+        ("run.max_time=soon", "run.max_time", "is not a duration (examples: 90s, 30m, 24h"),
+        ("run.max_time=0", "run.max_time", "must be > 0"),
+        ("transport.timeout=true", "transport.timeout", "a duration, not a boolean"),
+        ("run.name=[a, b]", "run.name", "expected a string"),
+    ],
+)
+def test_bad_value_from_set(override, key, allowed):
+    msg = error_of(overrides=[override])
+    assert msg.startswith(f"--set {override}: {key}: "), msg
+    assert allowed in msg, msg
+    assert_one_line(msg)
+
+
+def test_bad_value_message_includes_field_documentation():
+    msg = error_of(overrides=["optim.lr=fast"])
+    assert "(Peak learning rate of the inner optimizer.)" in msg
+
+
+@pytest.mark.parametrize(
+    "yaml_text, key, allowed",
+    [
+        ("optim:\n  lr: fast\n", "optim.lr", "expected a number"),
+        ("run:\n  batch_size: 2.5\n", "run.batch_size", "expected an integer"),
+        ("log:\n  wandb: maybe\n", "log.wandb", "expected true or false"),
+        ("optim:\n  lr: -0.001\n", "optim.lr", "must be > 0"),
+        ("algo:\n  inner_steps: 0\n", "algo.inner_steps", "must be > 0"),
+        ("run:\n  max_time: forever\n", "run.max_time", "is not a duration"),
+        ("optim:\n  betas: [0.9]\n", "optim.betas", "expected a list of 2 numbers"),
+    ],
+)
+def test_bad_value_from_file_names_the_file(tmp_path, yaml_text, key, allowed):
+    path = write(tmp_path, "cfg.yaml", yaml_text)
+    msg = error_of([path])
+    assert msg.startswith(f"{path}: {key}: "), msg
+    assert allowed in msg, msg
+
+
+def test_bad_value_from_extra_flag_names_the_flag():
+    msg = error_of(extra={"run.max_time": ("soon", "--max-time")})
+    assert msg.startswith("--max-time: run.max_time: "), msg
+    assert "is not a duration" in msg
+
+
+def test_error_in_later_file_names_that_file(tmp_path):
+    good = write(tmp_path, "good.yaml", "optim:\n  lr: 0.1\n")
+    bad = write(tmp_path, "bad.yaml", "optim:\n  lr: fast\n")
+    msg = error_of([good, bad])
+    assert msg.startswith(bad + ":"), msg
+    assert good not in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# errors: checks across fields (validate)
+# ---------------------------------------------------------------------------------------------
+
+def test_text_source_without_path():
+    msg = error_of(overrides=["data.source=text"])
+    assert "data.path: data.source is 'text', which needs data.path" in msg
+    assert_one_line(msg)
+
+
+def test_hf_source_without_path():
+    msg = error_of(overrides=["data.source=hf"])
+    assert "data.source is 'hf', which needs data.path" in msg
+
+
+def test_text_source_without_path_names_the_file_that_asked_for_text(tmp_path):
+    path = write(tmp_path, "cfg.yaml", "data:\n  source: text\n")
+    msg = error_of([path])
+    assert path in msg, msg
+
+
+def test_text_source_with_missing_path_names_file_key_and_path(tmp_path):
+    missing = tmp_path / "no-such-corpus"
+    path = write(tmp_path, "cfg.yaml", f"data:\n  source: text\n  path: {missing}\n")
+    msg = error_of([path])
+    assert msg.startswith(f"{path}: data.path: "), msg
+    assert f"'{missing}' does not exist" in msg
+
+
+def test_missing_val_path(tmp_path):
+    msg = error_of(overrides=["data.source=text", f"data.path={tmp_path}", f"data.val_path={tmp_path / 'nope'}"])
+    assert msg.startswith(f"--set data.val_path={tmp_path / 'nope'}: data.val_path: "), msg
+    assert "does not exist" in msg
+
+
+def test_shards_without_vocab_size(tmp_path):
+    msg = error_of(overrides=["data.source=shards", f"data.path={tmp_path}"])
+    assert "data.vocab_size" in msg
+    assert "source 'shards' needs the vocabulary size" in msg
+
+
+def test_shards_with_vocab_size_from_model_is_accepted(tmp_path):
+    cfg, _ = load_config([], ["data.source=shards", f"data.path={tmp_path}", "model.vocab_size=50304"])
+    assert cfg.model.vocab_size == 50304
+
+
+def test_grad_accum_must_divide_batch_size(tmp_path):
+    path = write(tmp_path, "cfg.yaml", "run:\n  batch_size: 10\n  grad_accum: 3\n")
+    msg = error_of([path])
+    assert msg.startswith(f"{path}: run.grad_accum: "), msg
+    assert "3 does not divide run.batch_size=10" in msg
+
+
+def test_max_steps_and_max_time_both_empty(tmp_path):
+    path = write(tmp_path, "cfg.yaml", "run:\n  max_steps: null\n")
+    msg = error_of([path])
+    assert msg.startswith(f"{path}: run.max_steps: "), msg
+    assert "run.max_time is empty too" in msg
+    assert "set one of them" in msg
+
+
+def test_unknown_model_size(tmp_path):
+    path = write(tmp_path, "cfg.yaml", "model:\n  size: huge\n")
+    msg = error_of([path])
+    assert msg.startswith(f"{path}: model.size: "), msg
+    assert "unknown size 'huge'" in msg
+    assert "allowed: tiny, small, 150m, 1b" in msg
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda0", "CPU", "tpu"])
+def test_bad_device(device):
+    msg = error_of(overrides=[f"run.device={device}"])
+    assert msg.startswith(f"--set run.device={device}: run.device: "), msg
+    assert f"got '{device}'" in msg
+    assert "allowed: auto, cpu, cuda, cuda:N, mps" in msg
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:12", "mps"])
+def test_good_device(device):
+    cfg, _ = load_config([], [f"run.device={device}"])
+    assert cfg.run.device == device
+
+
+def test_unknown_codec_stage():
+    msg = error_of(overrides=["compress.codec=fp32+topk:0.1"])
+    assert msg.startswith("--set compress.codec=fp32+topk:0.1: compress.codec: "), msg
+    assert "unknown codec stage(s) topk" in msg
+    assert "available: fp32" in msg
+
+
+@pytest.mark.parametrize("betas", ["0.9,1.0", "-0.1,0.9", "0.9,1.5"])
+def test_betas_out_of_range(betas):
+    msg = error_of(overrides=[f"optim.betas={betas}"])
+    assert msg.startswith(f"--set optim.betas={betas}: optim.betas: "), msg
+    assert "each beta must be in [0, 1)" in msg
+
+
+def test_heads_must_divide_dim():
+    msg = error_of(overrides=["model.dim=100", "model.n_heads=3"])
+    assert "model.n_heads" in msg and "3 does not divide model.dim=100" in msg
+
+
+def test_kv_heads_must_divide_heads():
+    msg = error_of(overrides=["model.n_heads=4", "model.n_kv_heads=3"])
+    assert msg.startswith("--set model.n_kv_heads=3: model.n_kv_heads: "), msg
+    assert "3 does not divide model.n_heads=4" in msg
+
+
+def test_dim_not_divisible_by_named_size_heads_is_a_config_error():
+    msg = error_of(overrides=["model.dim=130"])
+    assert msg.startswith("--set model.dim=130: model.dim: ") and "does not divide model.dim=130" in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------
+# errors: the files themselves
+# ---------------------------------------------------------------------------------------------
+
+def test_file_that_is_not_a_mapping(tmp_path):
+    path = write(tmp_path, "list.yaml", "- optim\n- run\n")
+    msg = error_of([path])
+    assert msg.startswith(path + ":"), msg
+    assert "the top level must be a mapping of sections" in msg
+    assert "got list" in msg
+
+
+def test_file_that_is_a_scalar(tmp_path):
+    path = write(tmp_path, "scalar.yaml", "just words\n")
+    msg = error_of([path])
+    assert msg.startswith(path + ":") and "got str" in msg
+
+
+def test_section_that_is_not_a_mapping(tmp_path):
+    path = write(tmp_path, "cfg.yaml", "optim: 0.1\n")
+    msg = error_of([path])
+    assert msg.startswith(path + ":"), msg
+    assert "section 'optim' must be a mapping of keys" in msg
+
+
+def test_invalid_yaml_syntax(tmp_path):
+    path = write(tmp_path, "broken.yaml", "optim:\n  lr: [0.1\n run: {\n")
+    msg = error_of([path])
+    assert msg.startswith(path + ": not valid YAML"), msg
+
+
+def test_config_file_not_found(tmp_path):
+    path = str(tmp_path / "nope.yaml")
+    msg = error_of([path])
+    assert msg == f"{path}: config file not found"
+
+
+def test_folder_instead_of_config_file(tmp_path):
+    msg = error_of([str(tmp_path)])
+    assert msg == f"{tmp_path}: config file not found"
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+# ---------------------------------------------------------------------------------------------
+# positive cases
+# ---------------------------------------------------------------------------------------------
+
+def test_defaults_validate():
+    validate(Config())
+    cfg, builder = load_config()
+    assert cfg == Config()
+    assert builder.sources == {}
+    assert builder.where("optim.lr") == "default"
+
+
+def test_empty_file_and_empty_section_are_fine(tmp_path):
+    empty = write(tmp_path, "empty.yaml", "")
+    section = write(tmp_path, "section.yaml", "optim:\nrun:\n")
+    cfg, _ = load_config([empty, section])
+    assert cfg == Config()
+
+
+def test_tiny_yaml_loads():
+    cfg, builder = load_config([TINY])
+    assert cfg.model.size == "tiny"
+    assert cfg.data.seq_len == 128
+    assert cfg.optim.lr == pytest.approx(3e-3) and isinstance(cfg.optim.lr, float)
+    assert cfg.run.max_steps == 600
+    assert builder.where("optim.lr") == TINY
+    assert builder.where("optim.eps") == "default"
+
+
+def test_files_layer_in_order_and_set_wins(tmp_path):
+    a = write(tmp_path, "a.yaml", "optim:\n  lr: 0.1\n  warmup_steps: 7\nrun:\n  batch_size: 8\n")
+    b = write(tmp_path, "b.yaml", "optim:\n  lr: 0.2\n")
+    cfg, builder = load_config([a, b])
+    assert cfg.optim.lr == 0.2 and cfg.optim.warmup_steps == 7 and cfg.run.batch_size == 8
+    assert builder.where("optim.lr") == b and builder.where("optim.warmup_steps") == a
+    cfg, _ = load_config([b, a])
+    assert cfg.optim.lr == 0.1
+    cfg, builder = load_config([a, b], ["optim.lr=0.3", "run.batch_size=4"])
+    assert cfg.optim.lr == 0.3 and cfg.run.batch_size == 4 and cfg.optim.warmup_steps == 7
+    assert builder.where("optim.lr") == "--set optim.lr=0.3"
+    # later --set wins over an earlier one; extra (flags) win over --set
+    cfg, builder = load_config([a], ["optim.lr=0.3", "optim.lr=0.4"], {"optim.lr": (0.5, "--lr")})
+    assert cfg.optim.lr == 0.5 and builder.where("optim.lr") == "--lr"
+
+
+def test_set_scientific_notation_becomes_float():
+    cfg, _ = load_config([], ["optim.lr=1e-3"])
+    assert isinstance(cfg.optim.lr, float)
+    assert cfg.optim.lr == 0.001
+    cfg, _ = load_config([], ["optim.eps=1E-10"])
+    assert cfg.optim.eps == 1e-10
+
+
+def test_file_scientific_notation_becomes_float(tmp_path):
+    path = write(tmp_path, "cfg.yaml", "optim:\n  lr: 1e-3\n")
+    assert yaml.safe_load(Path(path).read_text())["optim"]["lr"] == "1e-3"  # YAML 1.1 reads a string
+    cfg, _ = load_config([path])
+    assert cfg.optim.lr == 0.001 and isinstance(cfg.optim.lr, float)
+
+
+@pytest.mark.parametrize("text", ["0.8,0.99", "[0.8, 0.99]", "0.8 0.99", "(0.8, 0.99)"])
+def test_set_betas(text):
+    cfg, _ = load_config([], [f"optim.betas={text}"])
+    assert cfg.optim.betas == (0.8, 0.99)
+    assert all(isinstance(b, float) for b in cfg.optim.betas)
+
+
+def test_betas_from_file_list(tmp_path):
+    path = write(tmp_path, "cfg.yaml", "optim:\n  betas: [0.85, 0.9]\n")
+    cfg, _ = load_config([path])
+    assert cfg.optim.betas == (0.85, 0.9)
+
+
+@pytest.mark.parametrize("text, seconds", [("90s", 90.0), ("24h", 86400.0), ("30m", 1800.0), ("1.5h", 5400.0),
+                                           ("500ms", 0.5), ("2d", 172800.0), ("45", 45.0), ("10min", 600.0)])
+def test_set_max_time_durations(text, seconds):
+    cfg, _ = load_config([], [f"run.max_time={text}"])
+    assert cfg.run.max_time == seconds
+    assert isinstance(cfg.run.max_time, float)
+
+
+def test_transport_timeout_duration():
+    cfg, _ = load_config([], ["transport.timeout=5m"])
+    assert cfg.transport.timeout == 300.0
+
+
+@pytest.mark.parametrize("value, seconds", [("90s", 90.0), ("24h", 86400.0), (" 2 m ", 120.0), (12, 12.0),
+                                            (1.5, 1.5), ("3hr", 10800.0), ("4sec", 4.0)])
+def test_parse_duration(value, seconds):
+    assert parse_duration(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "10 years", "-5s", "", "1h30m", True])
+def test_parse_duration_rejects(value):
+    with pytest.raises(ValueError):
+        parse_duration(value)
+
+
+@pytest.mark.parametrize("seconds, text", [(90.0, "90s"), (3600.0, "1h"), (86400.0, "24h"), (120.0, "2m"), (0.5, "0.5s")])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("empty", ["null", "~", "none", ""])
+def test_null_clears_an_optional(tmp_path, empty):
+    path = write(tmp_path, "cfg.yaml", "data:\n  max_docs: 5\nrun:\n  max_time: 1h\n  threads: 2\n")
+    cfg, builder = load_config([path], [f"data.max_docs={empty}", f"run.max_steps={empty}", "run.threads=null"])
+    assert cfg.data.max_docs is None
+    assert cfg.run.max_steps is None and cfg.run.max_time == 3600.0
+    assert cfg.run.threads is None
+    assert builder.where("data.max_docs") == f"--set data.max_docs={empty}"
+
+
+def test_null_in_file_clears_an_optional(tmp_path):
+    path = write(tmp_path, "cfg.yaml", "run:\n  max_steps: null\n  max_time: 90s\n")
+    cfg, _ = load_config([path])
+    assert cfg.run.max_steps is None and cfg.run.max_time == 90.0
+
+
+def test_set_value_may_contain_equals_sign():
+    cfg, _ = load_config([], ["run.name=a=b"])
+    assert cfg.run.name == "a=b"
+
+
+@pytest.mark.parametrize("text, value", [("true", True), ("false", False), ("yes", True), ("off", False),
+                                         ("on", True), ("no", False)])
+def test_bool_spellings(text, value):
+    cfg, _ = load_config([], [f"log.wandb={text}"])
+    assert cfg.log.wandb is value
+
+
+def test_integer_spellings():
+    cfg, _ = load_config([], ["run.batch_size=32.0", "run.max_steps=1_000"])
+    assert cfg.run.batch_size == 32 and isinstance(cfg.run.batch_size, int)
+    assert cfg.run.max_steps == 1000
+
+
+def test_log_progress_off_quoted_is_accepted():
+    cfg, _ = load_config([], ["log.progress='off'"])
+    assert cfg.log.progress == "off"
+
+
+def test_log_progress_off_unquoted_is_accepted(tmp_path):
+    cfg, _ = load_config([], ["log.progress=off"])
+    assert cfg.log.progress == "off"
+    path = write(tmp_path, "cfg.yaml", "log:\n  progress: off\n")
+    cfg, _ = load_config([path])
+    assert cfg.log.progress == "off"
+
+
+def test_error_source_from_file_and_from_set(tmp_path):
+    path = write(tmp_path, "cfg.yaml", "run:\n  batch_size: 10\n")
+    msg = error_of([path], ["run.grad_accum=4"])
+    # grad_accum came from --set: the message names that flag with its text
+    assert msg.startswith("--set run.grad_accum=4: run.grad_accum: "), msg
+    builder = ConfigBuilder()
+    builder.apply_file(path)
+    builder.apply_override("run.grad_accum=5")
+    assert builder.where("run.batch_size") == path
+    assert builder.where("run.grad_accum") == "--set run.grad_accum=5"
+    assert builder.where("run.seed") == "default"
+
+
+def test_dump_config_round_trips(tmp_path):
+    cfg, _ = load_config([TINY], ["optim.betas=0.8,0.99", "run.max_time=90s", "run.max_steps=null",
+                                  "data.max_docs=7", "model.tie_embeddings=false", "run.name=round trip",
+                                  "compress.codec=fp32"])
+    text = dump_config(cfg)
+    data = yaml.safe_load(text)
+    assert data["optim"]["betas"] == [0.8, 0.99]
+    assert set(data) == set(SECTIONS)
+    again = config_from_dict(data)
+    assert again == cfg
+    assert again.optim.betas == (0.8, 0.99) and again.run.max_time == 90.0 and again.run.max_steps is None
+    builder = ConfigBuilder()
+    builder.apply_mapping(data, "dump")
+    assert builder.config == cfg
+    assert builder.where("optim.lr") == "dump"
+    # and as a file through load_config
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    from_file, _ = load_config([str(path)])
+    assert from_file == cfg
+
+
+def test_dump_of_defaults_round_trips():
+    assert config_from_dict(yaml.safe_load(dump_config(Config()))) == Config()
+
+
+def test_config_from_dict_reports_its_source():
+    with pytest.raises(ConfigError, match=r"^checkpoint: optim\.lr: "):
+        config_from_dict({"optim": {"lr": "fast"}})
+    with pytest.raises(ConfigError, match=r"^mine: unknown section"):
+        config_from_dict({"nope": {}}, source="mine")
+
+
+def test_to_dict_betas_is_a_list():
+    d = Config().to_dict()
+    assert d["optim"]["betas"] == [0.9, 0.95]
+    assert Config().optim.betas == (0.9, 0.95)  # the config itself is untouched
+
+
+def test_builder_set_directly():
+    b = ConfigBuilder()
+    b.set("optim.lr", "2e-4", "code")
+    assert b.config.optim.lr == 2e-4 and b.where("optim.lr") == "code"
+    with pytest.raises(ConfigError, match=r"^code: unknown key 'optim.nope'"):
+        b.set("optim.nope", 1, "code")
+
+
+def test_every_field_has_documentation_and_is_described():
+    text = describe_fields()
+    for section, cls in SECTIONS.items():
+        assert f"{section}:" in text
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("doc"), f"{section}.{f.name} has no doc"
+            assert f"  {f.name}: " in text
+    assert "lr: 0.0004" in text and "Peak learning rate of the inner optimizer." in text
+
+
+def test_defaults_do_not_share_mutable_state():
+    a, b = Config(), Config()
+    a.optim.lr = 1.0
+    assert b.optim.lr == 4e-4

@@ -1,0 +1,493 @@
+"""Data sources (stdlib, text, shards, hf) and the deterministic per-worker Batcher."""
+
+from __future__ import annotations
+
+import mmap
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from launch.config import DataConfig
+from launch.data import (BYTE_VOCAB, EOS, LLMC_MAGIC, Batcher, DataError, TokenData, load_data,
+                         stdlib_files)
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+def _docs(arrays: list[np.ndarray]) -> list[bytes]:
+    """Split EOS-joined byte arrays back into documents (text sources end every document with EOS)."""
+    out = []
+    for a in arrays:
+        out.extend(d for d in bytes(np.asarray(a, dtype=np.uint8)).split(bytes([EOS])) if d)
+    return out
+
+
+def _cat(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]) if arrays else np.empty(0, np.int64)
+
+
+def _is_mmapped(a: np.ndarray) -> bool:
+    """True when the array (or an array it is a view of) is backed by a memory map, not a heap copy."""
+    while a is not None:
+        if isinstance(a, (np.memmap, mmap.mmap)):
+            return True
+        a = getattr(a, "base", None)
+    return False
+
+
+def _write(path: Path, text: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text.encode() if isinstance(text, str) else text)
+    return path
+
+
+# ---- stdlib -----------------------------------------------------------------------------------
+
+def test_stdlib_is_deterministic_byte_level():
+    cfg = DataConfig(source="stdlib", max_docs=300, seq_len=64)
+    a, b = load_data(cfg), load_data(cfg)
+    assert a.vocab_size == BYTE_VOCAB == 256 and a.tokenizer == "bytes"
+    assert len(a.train) == len(b.train) and len(a.val) == len(b.val)
+    for x, y in zip(a.train + a.val, b.train + b.val):
+        assert x.dtype == np.uint8
+        assert np.array_equal(x, y)
+    assert 0 < a.val_tokens < a.train_tokens
+    assert not np.array_equal(a.train[0][: len(a.val[0])], a.val[0])
+
+
+def test_stdlib_val_share_is_small_and_grows_with_val_fraction():
+    full = load_data(DataConfig(source="stdlib", seq_len=64))
+    share = full.val_tokens / (full.train_tokens + full.val_tokens)
+    assert 0.005 <= share <= 0.10, share
+    more = load_data(DataConfig(source="stdlib", seq_len=64, val_fraction=0.3))
+    assert more.val_tokens > 3 * full.val_tokens
+    assert more.train_tokens + more.val_tokens == full.train_tokens + full.val_tokens
+
+
+def test_stdlib_splits_by_whole_files():
+    n = 250
+    data = load_data(DataConfig(source="stdlib", max_docs=n, seq_len=64))
+    _, files = stdlib_files()
+    contents = [f.read_bytes().replace(b"\x00", b"") for f in files[:n]]
+    contents = [c for c in contents if c]
+    train_docs, val_docs = _docs(data.train), _docs(data.val)
+    assert val_docs and train_docs
+    # every file lands whole on exactly one side: the documents are exactly the files
+    assert Counter(train_docs) + Counter(val_docs) == Counter(contents)
+    assert data.train_tokens + data.val_tokens == sum(len(c) + 1 for c in contents)  # + one EOS each
+    # no file content in both splits (identical files could legitimately repeat; the stdlib has few)
+    both = set(train_docs) & set(val_docs)
+    assert sum(len(d) for d in both) < 0.01 * data.val_tokens
+
+
+# ---- text -------------------------------------------------------------------------------------
+
+def test_text_single_file_split_by_token_tail(tmp_path):
+    body = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(200))
+    f = _write(tmp_path / "corpus.txt", body)
+    data = load_data(DataConfig(source="text", path=str(f), val_fraction=0.1, seq_len=16))
+    raw = np.frombuffer(body.encode(), dtype=np.uint8)
+    assert len(data.train) == len(data.val) == 1
+    cut = int(len(raw) * 0.9)
+    assert np.array_equal(data.train[0], raw[:cut])
+    assert np.array_equal(data.val[0], raw[cut:])
+    assert data.vocab_size == 256 and data.tokenizer == "bytes"
+
+
+def _make_tree(root: Path) -> dict[str, bytes]:
+    """Text files in nested folders plus files that must be skipped; returns the ones that count."""
+    keep = {
+        "a.txt": b"alpha document " * 40,
+        "sub/b.txt": b"bravo document " * 40,
+        "sub/deeper/c.txt": b"charlie document " * 40,
+        "sub/deeper/deepest/d.txt": "delta \u00e9t\u00e9 ".encode() * 40,
+    }
+    for rel, body in keep.items():
+        _write(root / rel, body)
+    _write(root / ".hidden.txt", b"hidden file " * 40)
+    _write(root / ".git" / "e.txt", b"in a hidden folder " * 40)
+    _write(root / "sub" / "blob.txt", b"binary\x00\x01\x02 data " * 40)
+    _write(root / "notes.md", b"markdown, not matched by the pattern " * 40)
+    return keep
+
+
+def test_text_folder_nested_skips_hidden_and_binary(tmp_path):
+    keep = _make_tree(tmp_path / "corpus")
+    data = load_data(DataConfig(source="text", path=str(tmp_path / "corpus"), pattern="**/*.txt",
+                                val_fraction=0.2, seq_len=16))
+    train_docs, val_docs = _docs(data.train), _docs(data.val)
+    assert sorted(train_docs + val_docs) == sorted(keep.values())
+    assert train_docs and val_docs
+    assert "(4 files)" in data.description
+    # pattern **/* would also take notes.md, still not the hidden or binary files
+    wide = load_data(DataConfig(source="text", path=str(tmp_path / "corpus"), val_fraction=0.2, seq_len=16))
+    assert sorted(_docs(wide.train) + _docs(wide.val)) == sorted([*keep.values(), b"markdown, not matched by the pattern " * 40])
+
+
+def test_text_val_path_is_used(tmp_path):
+    keep = _make_tree(tmp_path / "train")
+    _write(tmp_path / "val" / "v1.txt", b"validation one " * 30)
+    _write(tmp_path / "val" / "nested" / "v2.txt", b"validation two " * 30)
+    data = load_data(DataConfig(source="text", path=str(tmp_path / "train"), val_path=str(tmp_path / "val"),
+                                pattern="**/*.txt", seq_len=16))
+    assert sorted(_docs(data.train)) == sorted(keep.values())  # all training files, none held out
+    assert sorted(_docs(data.val)) == sorted([b"validation one " * 30, b"validation two " * 30])
+
+
+def test_text_empty_folder_and_no_match_raise_naming_path(tmp_path):
+    empty = tmp_path / "empty_corpus"
+    empty.mkdir()
+    with pytest.raises(DataError, match="empty_corpus"):
+        load_data(DataConfig(source="text", path=str(empty), seq_len=16))
+    only_md = tmp_path / "only_md"
+    _write(only_md / "readme.md", b"no txt here " * 20)
+    with pytest.raises(DataError) as e:
+        load_data(DataConfig(source="text", path=str(only_md), pattern="**/*.txt", seq_len=16))
+    assert "only_md" in str(e.value) and "**/*.txt" in str(e.value)
+    blank = tmp_path / "blank"
+    _write(blank / "a.txt", b"")
+    with pytest.raises(DataError, match="blank"):
+        load_data(DataConfig(source="text", path=str(blank), seq_len=16))
+
+
+def test_text_too_short_for_seq_len_raises(tmp_path):
+    f = _write(tmp_path / "short.txt", b"just a few bytes of text")
+    with pytest.raises(DataError, match="seq_len"):
+        load_data(DataConfig(source="text", path=str(f), seq_len=64))
+
+
+# ---- shards -----------------------------------------------------------------------------------
+
+def _write_memmap(path: Path, tokens: np.ndarray) -> None:
+    m = np.memmap(path, dtype=tokens.dtype, mode="w+", shape=tokens.shape)
+    m[:] = tokens
+    m.flush()
+    del m
+
+
+def _write_llmc(path: Path, tokens: np.ndarray) -> None:
+    header = np.zeros(256, dtype=np.int32)
+    header[0], header[1], header[2] = LLMC_MAGIC, 1, len(tokens)
+    with open(path, "wb") as fh:
+        fh.write(header.tobytes())
+        fh.write(tokens.astype(np.uint16).tobytes())
+
+
+RNG = np.random.default_rng(0)
+U16 = RNG.integers(0, 50_000, size=5_000).astype(np.uint16)
+U32 = RNG.integers(0, 120_000, size=5_000).astype(np.uint32)
+U32[:10] = 100_000  # ids that only survive as uint32
+
+
+@pytest.mark.parametrize("kind", ["bin16", "bin32", "npy16", "npy32", "llmc"])
+def test_shards_read_back_exactly_and_memory_mapped(tmp_path, kind):
+    dtype, tokens = "auto", U16
+    if kind == "bin16":
+        path = tmp_path / "tok.bin"
+        _write_memmap(path, U16)
+    elif kind == "bin32":
+        path, dtype, tokens = tmp_path / "tok.bin", "uint32", U32
+        _write_memmap(path, U32)
+    elif kind == "npy16":
+        path = tmp_path / "tok.npy"
+        np.save(path, U16)
+    elif kind == "npy32":
+        path, tokens = tmp_path / "tok.npy", U32
+        np.save(path, U32)
+    else:
+        path = tmp_path / "tok.bin"
+        _write_llmc(path, U16)
+    data = load_data(DataConfig(source="shards", path=str(path), dtype=dtype, vocab_size=200_000,
+                                val_fraction=0.1, seq_len=32))
+    assert data.vocab_size == 200_000 and data.tokenizer is None
+    assert np.array_equal(_cat(data.train + data.val), tokens.astype(np.int64))
+    assert len(data.val[0]) == len(tokens) - int(len(tokens) * 0.9)
+    for a in data.train + data.val:
+        assert _is_mmapped(a), f"{kind}: {type(a)} is not memory-mapped"
+    # and the batches carry the same ids
+    b = Batcher(data, 32, 4)
+    x, y = b.train_batch(0)
+    assert int(x.max()) < 200_000 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_shards_uint32_bin_needs_dtype(tmp_path):
+    path = tmp_path / "tok.bin"
+    _write_memmap(path, U32)
+    as16 = load_data(DataConfig(source="shards", path=str(path), vocab_size=200_000, seq_len=32))
+    assert as16.train_tokens + as16.val_tokens == 2 * len(U32)  # read as uint16: twice as many (wrong) ids
+    assert not np.array_equal(_cat(as16.train + as16.val)[: len(U32)], U32.astype(np.int64))
+
+
+def test_shards_folder_and_val_path(tmp_path):
+    parts = [np.arange(i * 1000, (i + 1) * 1000, dtype=np.uint16) for i in range(4)]
+    folder = tmp_path / "train"
+    folder.mkdir()
+    for i, p in enumerate(parts):
+        _write_memmap(folder / f"shard_{i:03d}.bin", p)
+    _write(folder / "README.txt", b"ignored")
+    _write_memmap(folder / ".hidden.bin", np.full(1000, 7, dtype=np.uint16))
+    (tmp_path / "val").mkdir()
+    vals = np.arange(5000, 5600, dtype=np.uint16)
+    np.save(tmp_path / "val" / "v.npy", vals)
+    data = load_data(DataConfig(source="shards", path=str(folder), val_path=str(tmp_path / "val"),
+                                vocab_size=6000, seq_len=32))
+    assert len(data.train) == 4
+    for got, want in zip(data.train, parts):
+        assert np.array_equal(got, want)
+    assert np.array_equal(_cat(data.val), vals.astype(np.int64))
+    # without val_path: every token is in exactly one split
+    split = load_data(DataConfig(source="shards", path=str(folder), vocab_size=6000, seq_len=32, val_fraction=0.3))
+    assert np.array_equal(np.sort(_cat(split.train + split.val)), np.sort(_cat(parts)))
+    assert split.val_tokens > 0 and split.train_tokens > 0
+    # with several shards, some held out by name: each split holds whole shards
+    assert len(split.train) + len(split.val) == 4
+    for a in split.train + split.val:
+        assert any(np.array_equal(a, p) for p in parts)
+
+
+def test_shards_size_not_multiple_of_itemsize_raises_naming_file(tmp_path):
+    odd16 = _write(tmp_path / "odd16.bin", b"\x01" * 4097)  # odd byte length, uint16
+    with pytest.raises(DataError) as e:
+        load_data(DataConfig(source="shards", path=str(odd16), vocab_size=1000, seq_len=8))
+    assert "odd16.bin" in str(e.value) and "multiple" in str(e.value)
+    half32 = _write(tmp_path / "half32.bin", b"\x01" * 4098)  # multiple of 2, not of 4
+    with pytest.raises(DataError) as e:
+        load_data(DataConfig(source="shards", path=str(half32), dtype="uint32", vocab_size=1000, seq_len=8))
+    assert "half32.bin" in str(e.value) and "uint32" in str(e.value)
+    tiny = _write(tmp_path / "tiny32.bin", b"\x01" * 10)  # shorter than an llm.c header, too
+    with pytest.raises(DataError, match="tiny32.bin"):
+        load_data(DataConfig(source="shards", path=str(tiny), dtype="uint32", vocab_size=1000, seq_len=2))
+
+
+def test_shards_bad_npy_raises(tmp_path):
+    np.save(tmp_path / "f.npy", np.zeros(100, dtype=np.float32))
+    with pytest.raises(DataError, match="f.npy"):
+        load_data(DataConfig(source="shards", path=str(tmp_path / "f.npy"), vocab_size=10, seq_len=8))
+    np.save(tmp_path / "m.npy", np.zeros((10, 10), dtype=np.uint16))
+    with pytest.raises(DataError, match="m.npy"):
+        load_data(DataConfig(source="shards", path=str(tmp_path / "m.npy"), vocab_size=10, seq_len=8))
+
+
+def test_shards_token_beyond_vocab_raises_in_batcher(tmp_path):
+    path = tmp_path / "big.bin"
+    _write_memmap(path, np.full(2000, 600, dtype=np.uint16))
+    data = load_data(DataConfig(source="shards", path=str(path), vocab_size=500, seq_len=16))
+    b = Batcher(data, 16, 4)
+    with pytest.raises(DataError) as e:
+        b.train_batch(0)
+    assert "vocab_size" in str(e.value) and "600" in str(e.value)
+    with pytest.raises(DataError, match="vocab_size"):
+        b.val_batch(0)
+    edge = Batcher(load_data(DataConfig(source="shards", path=str(path), vocab_size=600, seq_len=16)), 16, 4)
+    with pytest.raises(DataError, match="vocab_size"):  # ids run 0 .. vocab_size - 1
+        edge.train_batch(0)
+    ok = Batcher(load_data(DataConfig(source="shards", path=str(path), vocab_size=601, seq_len=16)), 16, 4)
+    assert int(ok.train_batch(0)[0].max()) == 600
+
+
+def test_shards_folder_without_shards_raises(tmp_path):
+    _write(tmp_path / "nothing" / "notes.txt", b"text, not tokens")
+    with pytest.raises(DataError, match="nothing"):
+        load_data(DataConfig(source="shards", path=str(tmp_path / "nothing"), vocab_size=10, seq_len=8))
+
+
+# ---- Hugging Face (local only) ----------------------------------------------------------------
+
+@pytest.fixture
+def hf(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    datasets = pytest.importorskip("datasets")
+    # the env vars are read at import time; datasets may already be imported by another test
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache", raising=False)
+    return datasets
+
+
+TEXTS = [f"document number {i} says {'hello ' * (5 + i % 7)}".strip() for i in range(40)]
+
+
+def test_hf_saved_dataset(hf, tmp_path):
+    rows = [*TEXTS, "", None]  # empty rows are skipped
+    hf.Dataset.from_dict({"text": rows, "id": list(range(len(rows)))}).save_to_disk(str(tmp_path / "ds"))
+    data = load_data(DataConfig(source="hf", path=str(tmp_path / "ds"), val_fraction=0.1, seq_len=16))
+    assert data.vocab_size == 256 and data.tokenizer == "bytes"
+    train_docs, val_docs = _docs(data.train), _docs(data.val)
+    assert train_docs and val_docs
+    assert sorted(train_docs + val_docs) == sorted(t.encode() for t in TEXTS)
+    assert "(40 rows)" in data.description
+    few = load_data(DataConfig(source="hf", path=str(tmp_path / "ds"), max_docs=10, seq_len=16))
+    assert sorted(_docs(few.train) + _docs(few.val)) == sorted(t.encode() for t in TEXTS[:10])
+
+
+def test_hf_saved_dataset_dict_split(hf, tmp_path):
+    test_texts = [f"held out text {i} " * 4 for i in range(12)]
+    hf.DatasetDict({"train": hf.Dataset.from_dict({"text": TEXTS}),
+                    "test": hf.Dataset.from_dict({"text": test_texts})}).save_to_disk(str(tmp_path / "dd"))
+    data = load_data(DataConfig(source="hf", path=str(tmp_path / "dd"), seq_len=16))
+    assert sorted(_docs(data.train) + _docs(data.val)) == sorted(t.encode() for t in TEXTS)
+    other = load_data(DataConfig(source="hf", path=str(tmp_path / "dd"), hf_split="test", seq_len=16))
+    assert sorted(_docs(other.train) + _docs(other.val)) == sorted(t.encode() for t in test_texts)
+    with pytest.raises(DataError) as e:
+        load_data(DataConfig(source="hf", path=str(tmp_path / "dd"), hf_split="validation", seq_len=16))
+    assert "validation" in str(e.value) and "train" in str(e.value) and "test" in str(e.value)
+
+
+def test_hf_local_jsonl_folder(hf, tmp_path):
+    # DataConfig has no data_files option, so a JSON-lines file is read through a folder that holds it
+    # (datasets infers the json builder from the files; split "train" comes from the file name)
+    import json
+
+    folder = tmp_path / "jsonl"
+    folder.mkdir()
+    with open(folder / "train.jsonl", "w") as fh:
+        for t in TEXTS:
+            fh.write(json.dumps({"text": t, "n": len(t)}) + "\n")
+    data = load_data(DataConfig(source="hf", path=str(folder), seq_len=16))
+    assert sorted(_docs(data.train) + _docs(data.val)) == sorted(t.encode() for t in TEXTS)
+
+
+def test_hf_wrong_text_field_lists_columns(hf, tmp_path):
+    hf.Dataset.from_dict({"content": TEXTS, "label": [0] * len(TEXTS)}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(DataError) as e:
+        load_data(DataConfig(source="hf", path=str(tmp_path / "ds"), seq_len=16))
+    msg = str(e.value)
+    assert "'text'" in msg and "content" in msg and "label" in msg and "hf_text_field" in msg
+    data = load_data(DataConfig(source="hf", path=str(tmp_path / "ds"), hf_text_field="content", seq_len=16))
+    assert data.train_tokens + data.val_tokens == sum(len(t) + 1 for t in TEXTS)
+
+
+def test_hf_missing_local_path_raises(hf, tmp_path):
+    with pytest.raises(DataError, match="cannot load"):
+        load_data(DataConfig(source="hf", path=str(tmp_path / "no_such_dataset"), seq_len=16))
+
+
+# ---- Batcher ----------------------------------------------------------------------------------
+
+SEQ = 8
+
+
+def _synthetic(lengths=(100, 5, 77, 40), seq_len=SEQ, val_len=200) -> TokenData:
+    """Consecutive integers, so every window is identified by its first token."""
+    arrays, start = [], 0
+    for n in lengths:
+        arrays.append(np.arange(start, start + n, dtype=np.int64))
+        start += n
+    val = [np.arange(start, start + val_len, dtype=np.int64)]
+    return TokenData(arrays, val, start + val_len, None, "synthetic")
+
+
+def _window_starts(data: TokenData, seq_len=SEQ) -> list[int]:
+    return [int(a[0]) + k * seq_len for a in data.train for k in range(max(0, len(a) - 1) // seq_len)]
+
+
+def _rows(b: Batcher, steps) -> list[int]:
+    """First token of each row over these steps, in sample order."""
+    return [int(v) for t in steps for v in b.train_batch(t)[0][:, 0]]
+
+
+def test_batch_shapes_and_shift():
+    data = _synthetic()
+    b = Batcher(data, SEQ, 4)
+    starts = set(_window_starts(data))
+    assert len(starts) == 12 + 0 + 9 + 4  # (len-1)//seq_len per array; the 5-token array has none
+    for step in range(6):
+        x, y = b.train_batch(step)
+        assert x.shape == y.shape == (4, SEQ)
+        assert x.dtype == y.dtype == torch.int64
+        assert torch.equal(y[:, :-1], x[:, 1:])
+        assert torch.equal(y, x + 1)  # consecutive ids: each row is one window inside one array
+        assert {int(v) for v in x[:, 0]} <= starts
+
+
+def test_batches_are_deterministic_and_seeded():
+    data = _synthetic()
+    a, b = Batcher(data, SEQ, 4, seed=1), Batcher(data, SEQ, 4, seed=1)
+    first = [a.train_batch(t)[0] for t in range(8)]
+    for t in (7, 2, 5, 0, 7):  # any order, any instance
+        assert torch.equal(b.train_batch(t)[0], first[t])
+        assert torch.equal(a.train_batch(t)[0], first[t])
+    other = Batcher(data, SEQ, 4, seed=2)
+    assert any(not torch.equal(other.train_batch(t)[0], first[t]) for t in range(8))
+
+
+@pytest.mark.parametrize("limit", [None, 4], ids=["permutation", "affine"])
+@pytest.mark.parametrize("workers", [2, 3])
+def test_worker_batches_concatenate_to_single_worker_batch(monkeypatch, limit, workers):
+    if limit is not None:
+        monkeypatch.setattr(Batcher, "FULL_PERMUTATION_LIMIT", limit)
+    data, B = _synthetic(), 3
+    single = Batcher(data, SEQ, workers * B, seed=5)
+    parts = [Batcher(data, SEQ, B, worker_index=w, num_workers=workers, seed=5) for w in range(workers)]
+    for step in range(7):  # crosses epoch boundaries (25 windows)
+        xs = [p.train_batch(step) for p in parts]
+        x1, y1 = single.train_batch(step)
+        assert torch.equal(torch.cat([x for x, _ in xs]), x1)
+        assert torch.equal(torch.cat([y for _, y in xs]), y1)
+        assert [p.samples_before(step) for p in parts] == [(step * workers + w) * B for w in range(workers)]
+    # within the first epoch the workers never share a window
+    seen = [set(_rows(p, range(2))) for p in parts]
+    assert sum(len(s) for s in seen) == len(set().union(*seen)) == 2 * workers * B
+
+
+def test_grad_accum_micro_batches_concatenate_to_full_batch():
+    data = _synthetic()
+    for workers, w in ((1, 0), (2, 1)):
+        full = Batcher(data, SEQ, 8, worker_index=w, num_workers=workers)
+        accum = Batcher(data, SEQ, 8, worker_index=w, num_workers=workers, grad_accum=4)
+        for step in range(5):
+            micro = [accum.train_batch(step, m) for m in range(4)]
+            assert all(x.shape == (2, SEQ) for x, _ in micro)
+            x, y = full.train_batch(step)
+            assert torch.equal(torch.cat([mx for mx, _ in micro]), x)
+            assert torch.equal(torch.cat([my for _, my in micro]), y)
+
+
+def test_val_batch_is_sequential_and_the_same_on_every_worker():
+    data = _synthetic(val_len=8 * SEQ + 1)  # 8 validation windows
+    batchers = [Batcher(data, SEQ, 6, worker_index=w, num_workers=3, seed=w) for w in range(3)]
+    base = int(data.val[0][0])
+    for k in range(4):
+        xs = [b.val_batch(k) for b in batchers]
+        for x, y in xs[1:]:
+            assert torch.equal(x, xs[0][0]) and torch.equal(y, xs[0][1])
+        want = [base + ((k * 6 + j) % 8) * SEQ for j in range(6)]  # wraps around the 8 windows
+        assert [int(v) for v in xs[0][0][:, 0]] == want
+        assert torch.equal(xs[0][1], xs[0][0] + 1)
+
+
+def test_epochs_wrap_and_cover_every_window_once():
+    data = _synthetic(lengths=(7 * SEQ + 1,))  # 7 windows, batches of 3: epochs straddle batches
+    b = Batcher(data, SEQ, 3, seed=11)
+    rows = _rows(b, range(14))  # 42 samples = 6 epochs
+    starts = sorted(_window_starts(data))
+    epochs = [rows[i:i + 7] for i in range(0, 42, 7)]
+    for e in epochs:
+        assert sorted(e) == starts
+    assert len({tuple(e) for e in epochs}) > 1  # reshuffled per epoch
+
+
+def test_affine_path_is_a_bijection_per_epoch(monkeypatch):
+    monkeypatch.setattr(Batcher, "FULL_PERMUTATION_LIMIT", 16)
+    data = _synthetic(lengths=(60 * SEQ + 1,))  # 60 windows: not prime, so gcd(a, n) matters
+    b = Batcher(data, SEQ, 12, seed=3)
+    rows = _rows(b, range(10))  # 2 epochs
+    assert b._perm is None  # no O(n) table was built
+    starts = sorted(_window_starts(data))
+    e0, e1 = rows[:60], rows[60:]
+    assert sorted(e0) == starts and sorted(e1) == starts
+    assert e0 != starts and e0 != e1  # shuffled, differently per epoch
+    # the same data with the full permutation orders it differently, but covers it the same way
+    monkeypatch.setattr(Batcher, "FULL_PERMUTATION_LIMIT", 1 << 24)
+    full = _rows(Batcher(data, SEQ, 12, seed=3), range(5))
+    assert sorted(full) == starts and full != e0
+
+
+def test_worker_index_out_of_range():
+    with pytest.raises(ValueError, match="worker_index"):
+        Batcher(_synthetic(), SEQ, 4, worker_index=2, num_workers=2)
