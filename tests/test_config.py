@@ -555,3 +555,15 @@ def test_defaults_do_not_share_mutable_state():
     a, b = Config(), Config()
     a.optim.lr = 1.0
     assert b.optim.lr == 4e-4
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in (Path(__file__).parent.parent / "configs").glob("*.yaml")))
+def test_every_preset_loads_and_differs_from_defaults(preset):
+    path = Path(__file__).parent.parent / "configs" / preset
+    cfg, builder = load_config([str(path)])
+    assert builder.sources and all(src == str(path) for src in builder.sources.values())
+    # presets hold only differences: no key repeats its default
+    defaults = Config().to_dict()
+    for key in builder.sources:
+        section, name = key.split(".")
+        assert cfg.to_dict()[section][name] != defaults[section][name], f"{preset}: {key} repeats the default"
