@@ -65,6 +65,7 @@ class DataConfig:
     hf_name: Optional[str] = _f(None, "Configuration name passed to datasets.load_dataset.")
     hf_split: str = _f("train", "Split of the Hugging Face dataset to read.")
     hf_text_field: str = _f("text", "Column that holds the text.")
+    hf_data_files: Optional[str] = _f(None, "Local files for a builder dataset, e.g. path: json with hf_data_files: data/*.jsonl.")
     max_docs: Optional[int] = _f(None, "Read at most this many documents/files (quick experiments).", gt=0)
 
 
@@ -396,7 +397,7 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
             value = getattr(d, key)
             if value and not Path(value).exists():
                 fail(f"data.{key}", f"{value!r} does not exist")
-    if d.source == "shards" and not (d.vocab_size or cfg.model.vocab_size):
+    if d.source == "shards" and not d.vocab_size:
         raise ConfigError(f"{where('data.source')}: data.vocab_size: source 'shards' needs the vocabulary size "
                           f"of its tokens (data.vocab_size)")
     try:  # the named size with its overrides must make a valid shape

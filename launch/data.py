@@ -158,10 +158,12 @@ def open_shard(path: Path, dtype: str) -> np.ndarray:
         if path.suffix == ".npy":
             arr = np.load(path, mmap_mode="r")
             if arr.ndim != 1 or arr.dtype not in (np.uint16, np.uint32, np.int32, np.int64):
-                raise DataError(f"{path}: expected a 1-D array of uint16/uint32 tokens, got {arr.dtype} with shape {arr.shape}")
+                raise DataError(f"{path}: expected a 1-D array of integer tokens (uint16, uint32, int32, int64), "
+                                f"got {arr.dtype} with shape {arr.shape}")
             return arr
         with open(path, "rb") as fh:
-            head = np.frombuffer(fh.read(1024), dtype=np.int32)
+            raw = fh.read(1024)
+        head = np.frombuffer(raw[: len(raw) // 4 * 4], dtype=np.int32)
         if len(head) == 256 and head[0] == LLMC_MAGIC:
             return np.memmap(path, dtype=np.uint16, mode="r", offset=1024, shape=(int(head[2]),))
         np_dtype = np.uint32 if dtype == "uint32" else np.uint16
@@ -189,7 +191,7 @@ def load_shards(path: str, val_path: Optional[str], dtype: str, vocab_size: int,
     if val_path:
         train = [a for _, a in arrays]
         val = [open_shard(f, dtype) for f in _shard_files(Path(val_path))]
-    elif len(arrays) == 1 or not any(_is_val(n, fraction) for n, _ in arrays):
+    elif len(arrays) == 1 or len({_is_val(n, fraction) for n, _ in arrays}) == 1:  # all on one side: cut the tail
         *first, (_, last) = arrays
         cut = int(len(last) * (1 - fraction))
         train = [a for _, a in first] + [last[:cut]]
@@ -200,7 +202,8 @@ def load_shards(path: str, val_path: Optional[str], dtype: str, vocab_size: int,
     return TokenData(train, val, vocab_size, None, f"token shards {path} ({len(files)} files)")
 
 
-def load_hf(path: str, name: Optional[str], split: str, field: str, fraction: float, max_docs: Optional[int]) -> TokenData:
+def load_hf(path: str, name: Optional[str], split: str, field: str, fraction: float, max_docs: Optional[int],
+            data_files: Optional[str] = None) -> TokenData:
     try:
         import datasets
     except ImportError:
@@ -214,7 +217,7 @@ def load_hf(path: str, name: Optional[str], split: str, field: str, fraction: fl
                     raise DataError(f"{path}: no split {split!r} (data.hf_split); splits: {', '.join(ds)}")
                 ds = ds[split]
         else:
-            ds = datasets.load_dataset(path, name, split=split)
+            ds = datasets.load_dataset(path, name, split=split, data_files=data_files)
     except DataError:
         raise
     except Exception as e:  # datasets raises many kinds; the user needs the message, not the trace
@@ -236,7 +239,8 @@ def load_data(dcfg) -> TokenData:
     elif dcfg.source == "shards":
         data = load_shards(dcfg.path, dcfg.val_path, dcfg.dtype, dcfg.vocab_size, dcfg.val_fraction)
     elif dcfg.source == "hf":
-        data = load_hf(dcfg.path, dcfg.hf_name, dcfg.hf_split, dcfg.hf_text_field, dcfg.val_fraction, dcfg.max_docs)
+        data = load_hf(dcfg.path, dcfg.hf_name, dcfg.hf_split, dcfg.hf_text_field, dcfg.val_fraction, dcfg.max_docs,
+                       dcfg.hf_data_files)
     else:
         raise DataError(f"data.source: unknown source {dcfg.source!r}")
     for split_name, split in (("train", data.train), ("validation", data.val)):
@@ -297,9 +301,11 @@ class Batcher:
 
     def _stack(self, windows: Windows, indices: Sequence[int], where: str) -> tuple[torch.Tensor, torch.Tensor]:
         rows = np.stack([windows.get(i) for i in indices])
-        top = int(rows.max())
-        if top >= self.vocab_size:
-            raise DataError(f"{self.description}: token id {top} in the {where} data is >= vocab_size {self.vocab_size}; check data.vocab_size / data.dtype")
+        top, bottom = int(rows.max()), int(rows.min())
+        if top >= self.vocab_size or bottom < 0:
+            bad = top if top >= self.vocab_size else bottom
+            raise DataError(f"{self.description}: token id {bad} in the {where} data is outside [0, vocab_size="
+                            f"{self.vocab_size}); check data.vocab_size / data.dtype")
         t = torch.from_numpy(rows)
         return t[:, :-1], t[:, 1:]
 

@@ -212,8 +212,12 @@ def test_shards_without_vocab_size(tmp_path):
     assert "source 'shards' needs the vocabulary size" in msg
 
 
-def test_shards_with_vocab_size_from_model_is_accepted(tmp_path):
-    cfg, _ = load_config([], ["data.source=shards", f"data.path={tmp_path}", "model.vocab_size=50304"])
+def test_shards_need_data_vocab_size_even_with_model_vocab_size(tmp_path):
+    # the data's vocabulary bounds-checks every batch; the model's may be padded larger
+    msg = error_of(overrides=["data.source=shards", f"data.path={tmp_path}", "model.vocab_size=50304"])
+    assert "data.vocab_size" in msg and "shards" in msg
+    cfg, _ = load_config([], ["data.source=shards", f"data.path={tmp_path}", "data.vocab_size=50257",
+                              "model.vocab_size=50304"])
     assert cfg.model.vocab_size == 50304
 
 

@@ -301,7 +301,7 @@ def hf(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
-    datasets = pytest.importorskip("datasets")
+    import datasets  # in the dev extra: CI runs these tests
     # the env vars are read at import time; datasets may already be imported by another test
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
@@ -338,9 +338,17 @@ def test_hf_saved_dataset_dict_split(hf, tmp_path):
     assert "validation" in str(e.value) and "train" in str(e.value) and "test" in str(e.value)
 
 
+def test_hf_builder_with_data_files(hf, tmp_path):
+    import json
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    data = load_data(DataConfig(source="hf", path="json", hf_data_files=str(path), seq_len=16))
+    assert sorted(_docs(data.train) + _docs(data.val)) == sorted(t.encode() for t in TEXTS)
+
+
 def test_hf_local_jsonl_folder(hf, tmp_path):
-    # DataConfig has no data_files option, so a JSON-lines file is read through a folder that holds it
-    # (datasets infers the json builder from the files; split "train" comes from the file name)
+    # a folder of JSON-lines files: datasets infers the json builder; split "train" comes from the file name
     import json
 
     folder = tmp_path / "jsonl"
@@ -365,6 +373,25 @@ def test_hf_wrong_text_field_lists_columns(hf, tmp_path):
 def test_hf_missing_local_path_raises(hf, tmp_path):
     with pytest.raises(DataError, match="cannot load"):
         load_data(DataConfig(source="hf", path=str(tmp_path / "no_such_dataset"), seq_len=16))
+
+
+def test_shards_all_named_for_validation_fall_back_to_a_tail_cut(tmp_path, monkeypatch):
+    import launch.data as data_mod
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for name in ("s1.bin", "s2.bin"):
+        np.arange(1000, dtype=np.uint16).tofile(folder / name)
+    monkeypatch.setattr(data_mod, "_is_val", lambda name, fraction: True)
+    data = load_data(DataConfig(source="shards", path=str(folder), vocab_size=1000, seq_len=16, val_fraction=0.1))
+    assert data.train_tokens == 1900 and data.val_tokens == 100
+
+
+def test_negative_token_ids_are_rejected(tmp_path):
+    np.save(tmp_path / "neg.npy", np.array([5, 3, -1, 2] * 500, dtype=np.int32))
+    b = Batcher(load_data(DataConfig(source="shards", path=str(tmp_path / "neg.npy"), vocab_size=10, seq_len=8)), 8, 4)
+    with pytest.raises(DataError, match="-1"):
+        b.train_batch(0)
 
 
 # ---- Batcher ----------------------------------------------------------------------------------
