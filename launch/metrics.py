@@ -194,24 +194,44 @@ def plot_runs(run_dirs: Iterable[str | Path], out: str | Path, title: Optional[s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
     fig, (ax_tok, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    any_bytes = False
     for run_dir in run_dirs:
         rows = read_metrics(run_dir)
         label = Path(run_dir).name
         train = [r for r in rows if r.get("loss") is not None]
         val = [r for r in rows if r.get("val_loss") is not None]
-        for ax, key in ((ax_tok, "tokens"), (ax_bytes, "bytes_sent")):
-            line, = ax.plot([r[key] for r in train], [r["loss"] for r in train], alpha=0.5, label=f"{label} train")
-            if val:
-                ax.plot([r[key] for r in val], [r["val_loss"] for r in val], "o-", color=line.get_color(),
-                        label=f"{label} val")
+        line, = ax_tok.plot([r["tokens"] for r in train], [r["loss"] for r in train], alpha=0.5, label=f"{label} train")
+        color = line.get_color()
+        if val:
+            ax_tok.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o-", color=color, label=f"{label} val")
+        # bytes axis is logarithmic: a run that has sent nothing yet has no point there
+        sent = [r for r in train if r.get("bytes_sent")]
+        sent_val = [r for r in val if r.get("bytes_sent")]
+        if sent or sent_val:
+            any_bytes = True
+            ax_bytes.plot([r["bytes_sent"] for r in sent], [r["loss"] for r in sent], alpha=0.5, color=color,
+                          label=f"{label} train")
+            if sent_val:
+                ax_bytes.plot([r["bytes_sent"] for r in sent_val], [r["val_loss"] for r in sent_val], "o-",
+                              color=color, label=f"{label} val")
     ax_tok.set_xlabel("tokens trained (all workers)")
     ax_bytes.set_xlabel("bytes sent per worker")
-    ax_bytes.set_xscale("symlog")
+    if any_bytes:
+        ax_bytes.set_xscale("log")
+        ax_bytes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: human_bytes(x)))
+        ax_bytes.xaxis.set_minor_formatter(NullFormatter())
+        ax_bytes.legend(fontsize=8)
+    else:
+        ax_bytes.text(0.5, 0.5, "no bytes communicated\n(single worker)", ha="center", va="center",
+                      transform=ax_bytes.transAxes, color="gray")
+        ax_bytes.set_xticks([])
     for ax in (ax_tok, ax_bytes):
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    ax_tok.legend(fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
