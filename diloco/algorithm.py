@@ -15,6 +15,7 @@ combined batch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Optional
 
@@ -26,6 +27,8 @@ from diloco.comm.local import LocalTransport
 
 class Algorithm:
     name = "base"
+    round_based = False  # True: workers meet only at round ends (stop and checkpoint there)
+    replicated_state = True  # True: every worker holds the same state (rank 0 alone checkpoints)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  transport: Optional[Transport] = None, grad_clip: float = 0.0) -> None:
@@ -81,6 +84,13 @@ class Algorithm:
         with torch.no_grad():
             self.transport.broadcast_tensors_([p.data for p in self.model.parameters()], src)
 
+    def finalize(self) -> None:
+        """Called once when training ends, before the last evaluation."""
+
+    def evaluation_weights(self) -> contextlib.AbstractContextManager:
+        """The weights to evaluate (DiLoCo: the global model)."""
+        return contextlib.nullcontext()
+
     # ---- hooks for subclasses ---------------------------------------------------------------
     def _exchange_gradients(self) -> None:
         pass
@@ -103,4 +113,3 @@ class DDP(Algorithm):
         self.transport.all_reduce_([p.grad for p in self.params], op="mean")
 
 
-ALGORITHMS: dict[str, type[Algorithm]] = {"ddp": DDP}

@@ -20,8 +20,10 @@ EXAMPLES = {
   loco train --run-dir runs/mine --resume
   torchrun --nproc-per-node 2 -m launch.cli train --config configs/tiny.yaml --set algo.name=ddp""",
     "simulate": """examples:
-  loco simulate
-  loco simulate --workers 8 --set algo.inner_steps=50""",
+  loco simulate                                   # the demo: 4 DiLoCo workers vs DDP, tiny model
+  loco simulate --workers 8 --set algo.inner_steps=50 --bandwidth 100Mbit --latency 50ms
+  loco simulate --speeds 1,1,0.5,0.25 --set sync.mode=time --set sync.time_budget_s=5s
+  loco simulate --config tiny --set algo.name=streaming --set algo.fragments=4 --baseline none""",
     "join": """examples:
   loco join --config configs/tiny.yaml
   loco join --peers /ip4/203.0.113.5/tcp/31337/p2p/Qm...""",
@@ -81,10 +83,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_flags(p)
 
     p = sub.add_parser("simulate", help="simulate N workers on one device", formatter_class=fmt,
-                       description="Run N workers in one process with the same algorithm objects as real runs.",
+                       description="Run N workers in one process with the same algorithm objects as real runs, "
+                                   "on a virtual clock with per-worker speeds and a network model. With no --config "
+                                   "it runs the demo preset configs/simulate.yaml (tiny model, 4 DiLoCo workers, "
+                                   "then DDP on the same tokens for comparison).",
                        epilog=EXAMPLES["simulate"])
     _add_training_flags(p)
-    p.add_argument("--workers", type=int, default=4, metavar="N", help="number of simulated workers, e.g. --workers 8")
+    g = p.add_argument_group("simulation (each sets a sim.* key)")
+    g.add_argument("--workers", type=int, metavar="N", help="number of simulated workers (sim.workers), e.g. --workers 8")
+    g.add_argument("--speeds", metavar="LIST", help="relative speed of each worker (sim.speeds), e.g. --speeds 1,1,0.5,0.25")
+    g.add_argument("--speed-dist", metavar="DIST",
+                   help="draw speeds from lognormal:SIGMA or uniform:LOW (sim.speed_dist), e.g. --speed-dist lognormal:0.5")
+    g.add_argument("--bandwidth", metavar="RATE", help="per-worker link (sim.bandwidth), e.g. --bandwidth 1Gbit or 100Mbit/s")
+    g.add_argument("--latency", metavar="DURATION", help="one-way latency (sim.latency), e.g. --latency 80ms")
+    g.add_argument("--step-time", metavar="DURATION",
+                   help="virtual compute per step at speed 1 instead of the measured time (sim.step_time), e.g. --step-time 0.35s")
+    g.add_argument("--offload", action="store_true", default=None,
+                   help="keep idle workers' state off the accelerator (sim.offload)")
+    g.add_argument("--baseline", choices=["ddp", "none"],
+                   help="also simulate DDP on the same tokens and compare (sim.baseline), e.g. --baseline none")
 
     p = sub.add_parser("join", help="join (or start) a run of internet peers", formatter_class=fmt,
                        description="Train together with peers over hivemind.", epilog=EXAMPLES["join"])
@@ -125,10 +142,18 @@ def _load(args: argparse.Namespace):
         value = getattr(args, flag)
         if value is not None:
             extra[key] = (value, "--" + flag.replace("_", "-"))
+    for flag, key in (("workers", "sim.workers"), ("speeds", "sim.speeds"), ("speed_dist", "sim.speed_dist"),
+                      ("bandwidth", "sim.bandwidth"), ("latency", "sim.latency"), ("step_time", "sim.step_time"),
+                      ("offload", "sim.offload"), ("baseline", "sim.baseline")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            extra[key] = (value, "--" + flag.replace("_", "-"))
     if args.resume:
         extra["run.resume"] = (True, "--resume")
     if args.resume and not args.config and args.run_dir and (Path(args.run_dir) / "config.yaml").is_file():
         args.config = [str(Path(args.run_dir) / "config.yaml")]  # continue with the run's own settings
+    elif args.command == "simulate" and not args.config:
+        args.config = ["simulate"]  # the demo preset
     cfg, _ = load_config(args.config, args.overrides, extra)
     return cfg
 
@@ -140,10 +165,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from launch.simulate import simulate
+
+    simulate(_load(args))
+    return 0
+
+
 def cmd_not_yet(args: argparse.Namespace) -> int:
     _load(args)  # still check the config the user gave
-    raise UserError(f"'loco {args.command}' is not available in this version yet; "
-                    f"'loco train' runs DDP (one process, or several under torchrun)")
+    raise UserError(f"'loco {args.command}' is not available in this version yet; 'loco train' (torchrun) and "
+                    f"'loco simulate' (N workers on one device) are")
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
@@ -214,7 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(describe_fields())
         return 0
-    handler = {"train": cmd_train, "simulate": cmd_not_yet, "join": cmd_not_yet, "sample": cmd_sample,
+    handler = {"train": cmd_train, "simulate": cmd_simulate, "join": cmd_not_yet, "sample": cmd_sample,
                "plot": cmd_plot, "status": cmd_status}[args.command]
     warnings.simplefilter("default", UserWarning)
     try:

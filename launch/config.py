@@ -85,11 +85,37 @@ class OptimConfig:
 
 @dataclass
 class AlgoConfig:
-    name: Literal["ddp"] = _f("ddp", "Training algorithm. ddp: average gradients every step (the baseline).")
-    inner_steps: int = _f(100, "Inner steps per round (H) for low-communication algorithms.", gt=0)
-    outer_lr: float = _f(0.7, "Outer optimizer learning rate.", gt=0)
-    outer_momentum: float = _f(0.9, "Outer optimizer momentum.", ge=0, lt=1)
+    name: Literal["ddp", "diloco", "streaming"] = _f(
+        "ddp", "Training algorithm. ddp: average gradients every step (the baseline); diloco: H local steps, "
+               "then an outer step on the averaged pseudo-gradient; streaming: Streaming DiLoCo (fragments, overlap).")
+    inner_steps: int = _f(100, "Inner steps per round (H) for diloco and streaming.", gt=0)
+    outer_lr: float = _f(0.7, "Outer optimizer (SGD) learning rate.", gt=0)
+    outer_momentum: float = _f(0.9, "Outer optimizer momentum (0: plain SGD).", ge=0, lt=1)
     nesterov: bool = _f(True, "Nesterov momentum in the outer optimizer.")
+    offload_outer: bool = _f(False, "Keep the global parameters and outer momentum on the CPU.")
+    fragments: int = _f(1, "Streaming DiLoCo: fragments P, strided by layer, each synced on its own schedule.", gt=0)
+    overlap_steps: int = _f(0, "Streaming DiLoCo: inner steps tau that hide a fragment's communication.", ge=0)
+    mix_alpha: float = _f(0.0, "Streaming DiLoCo: local = alpha * local + (1 - alpha) * global after an exchange.", ge=0, le=1)
+
+
+@dataclass
+class SyncConfig:
+    mode: Literal["steps", "time"] = _f(
+        "steps", "steps: every worker does algo.inner_steps per round; time: every worker trains until "
+                 "sync.time_budget_s has passed on its clock, so fast workers do more steps (averages weighted by tokens).")
+    time_budget_s: Optional[float] = _f(None, "Round length for sync.mode=time, e.g. 30s or 5m.", gt=0, duration=True)
+
+
+@dataclass
+class SimConfig:
+    workers: int = _f(4, "Simulated workers N (loco simulate --workers).", gt=0)
+    speeds: Optional[str] = _f(None, "Relative worker speeds, one per worker, e.g. 1,1,0.5,0.25 (--speeds).")
+    speed_dist: Optional[str] = _f(None, "Draw speeds instead: lognormal:SIGMA or uniform:LOW (--speed-dist).")
+    bandwidth: Optional[str] = _f("1Gbit", "Per-worker link bandwidth for virtual time, e.g. 1Gbit, 100Mbit/s, 50MB/s; empty: unlimited.")
+    latency: float = _f(0.08, "One-way latency per message, e.g. 80ms.", ge=0, duration=True)
+    step_time: Optional[float] = _f(None, "Virtual compute seconds per step at speed 1 (empty: the measured time), e.g. 0.35s.", gt=0, duration=True)
+    offload: bool = _f(False, "Keep idle workers' model and optimizer state off the accelerator.")
+    baseline: Literal["ddp", "none"] = _f("ddp", "Also simulate DDP on the same tokens and compare (ignored when algo.name is ddp).")
 
 
 @dataclass
@@ -142,10 +168,12 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     compress: CompressConfig = field(default_factory=CompressConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     log: LogConfig = field(default_factory=LogConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -340,7 +368,8 @@ class ConfigBuilder:
             for key, value in values.items():
                 self.set(f"{section}.{key}", value, source)
 
-    def apply_file(self, path: str | Path) -> None:
+    def apply_file(self, path: str | Path, _chain: tuple[Path, ...] = ()) -> None:
+        """Apply a YAML file; ``extends: other.yaml`` (relative to this file) applies that file first."""
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"{p}: config file not found")
@@ -348,6 +377,13 @@ class ConfigBuilder:
             data = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if isinstance(data, dict) and "extends" in data:
+            parent = (p.parent / str(data.pop("extends"))).resolve()
+            if parent in _chain or parent == p.resolve():
+                raise ConfigError(f"{p}: extends {parent}, which extends it back (a cycle)")
+            if not parent.is_file():
+                raise ConfigError(f"{p}: extends: {parent} not found")
+            self.apply_file(parent, _chain + (p.resolve(),))
         self.apply_mapping(data, str(p))
 
     def apply_override(self, text: str, source: str = "--set") -> None:
@@ -401,17 +437,55 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
         raise ConfigError(f"{where('data.source')}: data.vocab_size: source 'shards' needs the vocabulary size "
                           f"of its tokens (data.vocab_size)")
     try:  # the named size with its overrides must make a valid shape
-        model_args_from_config(cfg.model, cfg.model.vocab_size or 256, d.seq_len)
+        args = model_args_from_config(cfg.model, cfg.model.vocab_size or 256, d.seq_len)
     except ValueError as e:
         named = re.findall(r"model\.\w+", str(e))  # blame the first key in the message the user set
         fail(next((k for k in named if where(k) != "default"), named[0] if named else "model.size"), str(e))
+    a = cfg.algo
+    if a.name == "streaming":
+        if a.fragments > args.n_layers:
+            fail("algo.fragments", f"{a.fragments} fragments but the model has {args.n_layers} layers; "
+                                   f"use at most {args.n_layers}")
+        if a.overlap_steps >= a.inner_steps:
+            fail("algo.overlap_steps", f"{a.overlap_steps} must be smaller than algo.inner_steps={a.inner_steps}")
+        if cfg.sync.mode != "steps":
+            fail("sync.mode", "streaming follows a step schedule: use sync.mode=steps")
+    if cfg.sync.mode == "time":
+        if a.name == "ddp":
+            fail("sync.mode", "time-budgeted rounds need a round-based algorithm (algo.name=diloco)")
+        if not cfg.sync.time_budget_s:
+            raise ConfigError(f"{where('sync.mode')}: sync.time_budget_s: sync.mode=time needs a round length, "
+                              f"e.g. sync.time_budget_s=30s")
+    from diloco.sim import parse_bandwidth, resolve_speeds
+
+    sim = cfg.sim
+    if sim.bandwidth:
+        try:
+            parse_bandwidth(sim.bandwidth)
+        except ValueError as e:
+            fail("sim.bandwidth", str(e))
+    try:
+        resolve_speeds(sim.workers, sim.speeds, sim.speed_dist, cfg.run.seed)
+    except ValueError as e:
+        fail("sim.speeds" if sim.speeds else "sim.speed_dist", str(e))
+
+
+def resolve_config_path(name: str) -> str:
+    """A file path as given, or a preset name: 'tiny' -> <checkout>/configs/tiny.yaml."""
+    if Path(name).exists() or "/" in name or name.endswith((".yaml", ".yml")):
+        return name
+    preset = PRESETS_DIR / f"{name}.yaml"
+    return str(preset) if preset.is_file() else name
+
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | tuple[str, ...] = (),
                 extra: dict[str, Any] | None = None) -> tuple[Config, ConfigBuilder]:
-    """Defaults <- each file <- each ``--set`` <- ``extra`` ({'run.seed': 3} from flags); then validate."""
+    """Defaults <- each file <- each ``--set`` <- ``extra`` ({'run.seed': (3, '--seed')} from flags); then validate."""
     builder = ConfigBuilder()
-    for f in files:
+    for f in map(resolve_config_path, files):
         builder.apply_file(f)
     for o in overrides:
         builder.apply_override(o)

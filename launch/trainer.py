@@ -78,6 +78,32 @@ def build_optimizer(model: nn.Module, ocfg, device: torch.device) -> torch.optim
                              fused=device.type == "cuda")
 
 
+def build_algorithm(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,
+                    tokens_per_step: int):
+    """The configured algorithm around the inner optimizer."""
+    a = cfg.algo
+    cls = ALGORITHMS[a.name]
+    if a.name == "ddp":
+        return cls(model, optimizer, transport, cfg.optim.grad_clip)
+    kwargs: dict[str, Any] = dict(inner_steps=a.inner_steps, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
+                                  nesterov=a.nesterov, offload_outer=a.offload_outer, sync_mode=cfg.sync.mode,
+                                  time_budget_s=cfg.sync.time_budget_s, tokens_per_step=tokens_per_step)
+    if a.name == "streaming":
+        kwargs.update(fragments=a.fragments, overlap_steps=a.overlap_steps, mix_alpha=a.mix_alpha)
+    return cls(model, optimizer, transport, cfg.optim.grad_clip, **kwargs)
+
+
+def _clone(obj: Any) -> Any:
+    """A deep copy of the tensors in a state (another worker keeps training while rank 0 writes it)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(v) for v in obj)
+    return obj
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
@@ -109,13 +135,14 @@ class Trainer:
             self.model_args = getattr(model, "args", None)
         self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
-        self.algo = ALGORITHMS[cfg.algo.name](self.model, self.optimizer, self.transport, cfg.optim.grad_clip)
-        if self.world > 1:
-            self.algo.broadcast_parameters(0)
+        self.tokens_per_step = run.batch_size * cfg.data.seq_len  # per worker
+        if self.world > 1:  # every worker starts from rank 0's parameters (also the global copy of DiLoCo)
+            with torch.no_grad():
+                self.transport.broadcast_tensors_([p.data for p in self.model.parameters()], 0)
+        self.algo = build_algorithm(cfg, self.model, self.optimizer, self.transport, self.tokens_per_step)
         for group in self.optimizer.param_groups:
             group["initial_lr"] = group["lr"]
         self.bf16 = run.precision == "bf16" or (run.precision == "auto" and self.device.type == "cuda")
-        self.tokens_per_step = run.batch_size * cfg.data.seq_len  # per worker
         self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
         self.peak = peak_flops(self.device)
 
@@ -175,35 +202,54 @@ class Trainer:
         return Path(found)
 
     # ---- state ------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def worker_state(self) -> dict[str, Any]:
+        """What differs between workers: local model, algorithm (inner and outer optimizer), data, RNG."""
         return {
+            "step": self.step,
             "model": self.model.state_dict(),
             "algo": self.algo.state_dict(),
             "data": {"samples": self.batcher.samples_before(self.step), "worker_index": self.rank,
                      "num_workers": self.world, "seed": self.cfg.run.seed},
             "rng": rng_state(),
-            "wall_s": self.wall_s(),
             "comm": self.transport.stats.as_dict(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint: shared fields, then the worker state (replicated algorithms) or all workers' states."""
+        shared: dict[str, Any] = {
+            "wall_s": self.wall_s(),
             "config": self.cfg.to_dict(),
             "model_args": vars(self.model_args) if self.model_args is not None else None,
             "tokenizer": self.data.tokenizer,
+            "num_workers": self.world,
         }
+        if self.algo.replicated_state:
+            return {**shared, **self.worker_state()}
+        states = self.transport.all_gather_object(_clone(self.worker_state()))
+        with self.algo.evaluation_weights():  # the global model, for sampling and evaluation
+            global_model = _clone(self.model.state_dict())
+        return {**shared, "model": global_model, "workers": states}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.algo.load_state_dict(state["algo"])
-        set_rng_state(state["rng"])
-        self.step = int(state["step"])
+        if state.get("num_workers", 1) != self.world:
+            raise RunError(f"the checkpoint was written by {state.get('num_workers', 1)} workers and this run has "
+                           f"{self.world}; resume with the same number of workers")
+        mine = state["workers"][self.rank] if "workers" in state else state
+        self.model.load_state_dict(mine["model"])
+        self.algo.load_state_dict(mine["algo"])
+        set_rng_state(mine["rng"])
+        self.step = int(mine["step"])
         self.wall_prior = float(state.get("wall_s", 0.0))
-        comm = state.get("comm", {})
+        comm = mine.get("comm", {})
         self.transport.stats.bytes_sent = int(comm.get("bytes_sent", 0))
         self.transport.stats.bytes_received = int(comm.get("bytes_received", 0))
 
     def save(self) -> Optional[Path]:
-        """Rank 0 writes: DDP replicas hold identical state."""
+        """Rank 0 writes; algorithms whose workers differ first gather every worker's state (a collective)."""
+        state = self.state_dict()
         if not self.leader:
             return None
-        return save_checkpoint(self.ckpt_dir, self.step, self.state_dict(), keep=self.cfg.run.keep_checkpoints)
+        return save_checkpoint(self.ckpt_dir, self.step, state, keep=self.cfg.run.keep_checkpoints)
 
     # ---- the loop ---------------------------------------------------------------------------
     def wall_s(self) -> float:
@@ -217,10 +263,12 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Validation loss of the model the algorithm stands for (DiLoCo: the global parameters)."""
         self.model.eval()
         total = 0.0
-        for k in range(self.cfg.run.eval_batches):
-            total += float(self.loss_on(*self.batcher.val_batch(k)))
+        with self.algo.evaluation_weights():
+            for k in range(self.cfg.run.eval_batches):
+                total += float(self.loss_on(*self.batcher.val_batch(k)))
         self.model.train()
         return total / self.cfg.run.eval_batches
 
@@ -235,15 +283,36 @@ class Trainer:
             group["lr"] = group["initial_lr"] * factor
         return self.optimizer.param_groups[0]["lr"]
 
-    def _should_stop(self) -> bool:
+    def _time_rounds(self) -> bool:
+        return bool(self.algo.round_based and getattr(self.algo, "policy", None) and self.algo.policy.mode == "time")
+
+    def _should_stop(self, synced: bool) -> bool:
+        """Stop where every worker stops too: DDP at any step, round-based algorithms after a sync.
+
+        With time-budgeted rounds the workers' step counts differ, so run.max_steps becomes a token budget
+        (max_steps x batch tokens x workers) checked against the tokens all workers agreed on in the averages.
+        """
         run = self.cfg.run
-        stop = bool(run.max_steps and self.step >= run.max_steps)
-        if run.max_time is not None:
-            out_of_time = self.wall_s() >= run.max_time
-            if self.world > 1:  # every worker must stop at the same step
-                out_of_time = self.transport.broadcast_object(out_of_time)
-            stop = stop or out_of_time
+        if self._time_rounds():
+            stop = synced and bool(run.max_steps) and \
+                self.algo.global_tokens >= run.max_steps * self.tokens_per_step * self.world
+        else:
+            stop = bool(run.max_steps and self.step >= run.max_steps)
+        if run.max_time is not None and not stop:
+            if self.world == 1:
+                stop = self.wall_s() >= run.max_time
+            elif synced or not self.algo.round_based:  # a point every worker reaches together
+                stop = bool(self.transport.broadcast_object(self.wall_s() >= run.max_time))
         return stop
+
+    def _checkpoint_due(self, synced: bool) -> bool:
+        every = self.cfg.run.checkpoint_every
+        if not every:
+            return False
+        if self._time_rounds():  # a round count every worker shares
+            rounds = max(1, -(-every // self.cfg.algo.inner_steps))
+            return synced and self.algo.round % rounds == 0
+        return self.step % every == 0
 
     def fit(self) -> dict[str, Any]:
         cfg, run = self.cfg, self.cfg.run
@@ -257,14 +326,18 @@ class Trainer:
         self._t0 = time.perf_counter()
         window_loss, window_steps, window_t = 0.0, 0, time.perf_counter()
         try:
-            while not self._should_stop():
+            synced = False
+            while not self._should_stop(synced):
                 lr = self._set_lr()
                 step_loss = 0.0
+                compute_start = time.perf_counter()
                 for micro in range(run.grad_accum):
                     loss = self.loss_on(*self.batcher.train_batch(self.step, micro))
                     (loss / run.grad_accum).backward()
                     step_loss += float(loss.detach()) / run.grad_accum
+                self.transport.advance_compute(time.perf_counter() - compute_start)
                 info = self.algo.step()
+                synced = bool(info.get("synced"))
                 self.algo.zero_grad()
                 self.step += 1
                 if info.get("skipped"):
@@ -284,7 +357,7 @@ class Trainer:
                     if self.on_step:
                         self.on_step(self.step, record)
                     window_loss, window_steps, window_t = 0.0, 0, time.perf_counter()
-                if run.checkpoint_every and self.step % run.checkpoint_every == 0:
+                if self._checkpoint_due(synced):
                     self.save()
         except KeyboardInterrupt:
             if self.world == 1 and self.step > 0:
@@ -297,20 +370,28 @@ class Trainer:
     def _record(self, loss: float, lr: float, tps_local: float, info: dict[str, Any]) -> dict[str, Any]:
         stats = self.transport.stats
         mfu = self.flops_per_token * tps_local / self.peak if self.peak else None
-        return {"step": self.step, "tokens": self.step * self.tokens_per_step * self.world, "loss": loss, "lr": lr,
+        return {"step": self.step, "tokens": self.tokens_seen(), "loss": loss, "lr": lr,
                 "tokens_per_s": tps_local * self.world, "mfu": mfu, "grad_norm": info.get("grad_norm"),
-                "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "wall_s": self.wall_s()}
+                "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "wall_s": self.wall_s(),
+                **self.transport.metrics()}
+
+    def tokens_seen(self) -> int:
+        """Tokens trained by all workers (with time-budgeted rounds: as agreed at the last sync)."""
+        if self._time_rounds():
+            return int(self.algo.global_tokens)
+        return self.step * self.tokens_per_step * self.world
 
     def _finish(self) -> dict[str, Any]:
         m = self.metrics
-        if self.last_val is not None and self.last_val[0] == self.step:
+        self.algo.finalize()
+        if self.last_val is not None and self.last_val[0] == self.step and not self.algo.round_based:
             val = self.last_val[1]
         else:
             val = self.evaluate()
             stats = self.transport.stats
-            m.log({"step": self.step, "tokens": self.step * self.tokens_per_step * self.world, "val_loss": val,
+            m.log({"step": self.step, "tokens": self.tokens_seen(), "val_loss": val,
                    "lr": self.optimizer.param_groups[0]["lr"], "bytes_sent": stats.bytes_sent,
-                   "bytes_received": stats.bytes_received, "wall_s": self.wall_s()})
+                   "bytes_received": stats.bytes_received, "wall_s": self.wall_s(), **self.transport.metrics()})
         self.save()
         stats = self.transport.stats
         mine = {"worker": self.rank, "tokens": self.step * self.tokens_per_step, "bytes_sent": stats.bytes_sent,
@@ -321,7 +402,10 @@ class Trainer:
             "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "wall_s": self.wall_s(),
             "algorithm": self.cfg.algo.name, "workers": workers, "num_workers": self.world,
             "skipped_steps": self.algo.skipped_steps, "run_dir": str(self.run_dir),
+            **self.transport.summary(),
         }
+        if summary.get("virtual_wall_s"):
+            summary["tokens_per_virtual_s"] = summary["tokens"] / summary["virtual_wall_s"]
         if self.leader:
             tmp = self.run_dir / ".summary.json.tmp"
             tmp.write_text(json.dumps(summary, indent=2) + "\n")

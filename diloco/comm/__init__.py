@@ -1,9 +1,9 @@
 """Transports: local (one worker), torch_dist (torchrun); hivemind and the simulator's in-process one follow."""
 
-from diloco.comm.base import CommStats, Transport, TransportError
+from diloco.comm.base import CommStats, Handle, Transport, TransportError
 from diloco.comm.local import LocalTransport
 
-__all__ = ["CommStats", "LocalTransport", "Transport", "TransportError", "make_transport"]
+__all__ = ["CommStats", "Handle", "LocalTransport", "Transport", "TransportError", "make_transport"]
 
 
 def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: float = 300.0, device=None) -> Transport:

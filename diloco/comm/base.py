@@ -11,6 +11,7 @@ ring algorithm's ``2 (W - 1) / W`` times the buffer, each way.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -32,6 +33,13 @@ class CommStats:
     def as_dict(self) -> dict[str, float]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "collectives": self.collectives, "comm_s": self.seconds}
+
+
+class Handle:
+    """A collective that may still be in flight; ``wait()`` returns once its result may be used."""
+
+    def wait(self) -> None:
+        pass
 
 
 class Transport(ABC):
@@ -72,6 +80,22 @@ class Transport(ABC):
     def barrier(self) -> None:
         self.broadcast_object(None)
 
+    # ---- time: real here, virtual in the simulator ------------------------------------------
+    def now(self) -> float:
+        """Seconds on this worker's clock (sync.mode=time measures rounds with it)."""
+        return time.monotonic()
+
+    def advance_compute(self, seconds: float) -> None:
+        """The loop reports each step's compute time; the simulator turns it into virtual time."""
+
+    def metrics(self) -> dict[str, Any]:
+        """Extra per-log-line metrics of this transport (virtual time in the simulator)."""
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        """Extra end-of-run summary of this transport."""
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -100,6 +124,15 @@ class Transport(ABC):
             for t in bucket:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+    def all_reduce_async_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> Handle:
+        """Start ``all_reduce_``; the tensors hold the result once the handle's ``wait()`` returns.
+
+        This base version completes before returning. The simulator overlaps the communication time
+        with the compute that follows, as Streaming DiLoCo's overlap needs.
+        """
+        self.all_reduce_(tensors, op)
+        return Handle()
 
     def broadcast_tensors_(self, tensors: Iterable[torch.Tensor], src: int = 0) -> None:
         if self.world_size == 1:

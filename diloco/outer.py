@@ -1,0 +1,154 @@
+"""DiLoCo: many inner steps on local data, then one outer step on the averaged pseudo-gradient.
+
+Every round (Douillard et al. 2023, arXiv 2311.08105)::
+
+    delta_i = theta_global - theta_local_i                 per worker, fp32
+    delta   = sum_i w_i delta_i / sum_i w_i                 w_i: tokens worker i trained this round
+    theta_global <- OuterSGD(theta_global, grad=delta)     lr 0.7, momentum 0.9, Nesterov
+    theta_local_i <- theta_global
+
+The parameters may be split into *fragments*, each with its own outer
+optimizer and its own exchange; plain DiLoCo has one fragment, Streaming
+DiLoCo (``streaming.py``) several on staggered schedules. The global copy and
+the outer momentum can live on the CPU (``offload_outer``) to save
+accelerator memory. A worker whose weight is 0 (it did no step) adds nothing
+to the average and still takes the new global parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from diloco.algorithm import Algorithm
+from diloco.comm.base import Handle, Transport
+from diloco.sync import SyncPolicy
+
+
+class DiLoCo(Algorithm):
+    name = "diloco"
+    round_based = True
+    replicated_state = False
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Optional[Transport] = None,
+                 grad_clip: float = 0.0, *, inner_steps: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 nesterov: bool = True, offload_outer: bool = False, sync_mode: str = "steps",
+                 time_budget_s: Optional[float] = None, tokens_per_step: int = 1,
+                 fragments: Optional[Sequence[Sequence[int]]] = None) -> None:
+        super().__init__(model, optimizer, transport, grad_clip)
+        self.policy = SyncPolicy(sync_mode, inner_steps, time_budget_s)
+        self.tokens_per_step = tokens_per_step
+        self.outer_device = torch.device("cpu") if offload_outer else self.params[0].device
+        with torch.no_grad():
+            self.global_params = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
+        self.fragments = [list(f) for f in fragments] if fragments is not None else [list(range(len(self.params)))]
+        covered = sorted(i for f in self.fragments for i in f)
+        if covered != list(range(len(self.params))):
+            raise ValueError("fragments must cover every parameter exactly once")
+        nesterov = nesterov and outer_momentum > 0
+        self.outer_optimizers = [
+            torch.optim.SGD([self.global_params[i] for i in frag], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+            for frag in self.fragments
+        ]
+        self.round = 0
+        self.round_steps = 0  # inner steps since this worker's last full sync
+        self.global_tokens = 0.0  # tokens trained by all workers, as agreed through the averages
+        self.policy.start_round(self.transport.now())
+
+    # ---- the round --------------------------------------------------------------------------
+    def _after_step(self) -> dict[str, Any]:
+        self.round_steps += 1
+        if self.policy.round_done(self.round_steps, self.transport.now()):
+            return self.sync()
+        return {}
+
+    def sync(self) -> dict[str, Any]:
+        """End the round for every fragment at once."""
+        weight = SyncPolicy.round_weight(self.round_steps, self.tokens_per_step)
+        total = self.exchange(0 if len(self.fragments) == 1 else None, weight)
+        self.round += 1
+        self.round_steps = 0
+        self.global_tokens += total
+        self.policy.start_round(self.transport.now())
+        return {"synced": True, "round": self.round, "round_tokens": total}
+
+    def exchange(self, fragment: Optional[int], weight: float) -> float:
+        """Average the pseudo-gradients of one fragment (None: all) and apply the outer step now."""
+        indices = list(range(len(self.params))) if fragment is None else self.fragments[fragment]
+        deltas, total, handle = self.start_exchange(indices, weight)
+        handle.wait()
+        self.apply_exchange(indices, deltas, self._total(total), mix_alpha=0.0)
+        return self._total(total)
+
+    def start_exchange(self, indices: Sequence[int], weight: float) -> tuple[list[torch.Tensor], torch.Tensor, Handle]:
+        """Pseudo-gradients of ``indices`` times this worker's weight, and the weight, summed over workers."""
+        with torch.no_grad():
+            deltas = [(self.global_params[i] - self.params[i].detach().to(self.outer_device, torch.float32)).mul_(weight)
+                      for i in indices]
+        total = torch.tensor([weight], dtype=torch.float32, device=self.outer_device)
+        return deltas, total, self.transport.all_reduce_async_([*deltas, total], op="sum")
+
+    @staticmethod
+    def _total(total: torch.Tensor) -> float:
+        return float(total.item())
+
+    def apply_exchange(self, indices: Sequence[int], deltas: list[torch.Tensor], total: float, mix_alpha: float) -> None:
+        """Outer step on the global copy; local := alpha * local + (1 - alpha) * global."""
+        with torch.no_grad():
+            if total > 0:
+                for i, d in zip(indices, deltas):
+                    self.global_params[i].grad = d.div_(total)
+                for opt in self._optimizers_of(indices):
+                    opt.step()
+                for i in indices:
+                    self.global_params[i].grad = None
+            for i in indices:
+                target = self.global_params[i].to(self.params[i].device, self.params[i].dtype)
+                if mix_alpha > 0:
+                    self.params[i].mul_(mix_alpha).add_(target, alpha=1 - mix_alpha)
+                else:
+                    self.params[i].copy_(target)
+
+    def _optimizers_of(self, indices: Sequence[int]) -> list[torch.optim.Optimizer]:
+        wanted = set(indices)
+        return [opt for opt, frag in zip(self.outer_optimizers, self.fragments) if wanted & set(frag)]
+
+    def finalize(self) -> None:
+        """At the end of training: a last sync of a partial round, so every worker holds the global model."""
+        if self.round_steps > 0:
+            self.sync()
+
+    @contextlib.contextmanager
+    def evaluation_weights(self) -> Iterator[None]:
+        """Evaluate the global model: swap it into the local parameters, then restore them."""
+        with torch.no_grad():
+            saved = [p.detach().clone() for p in self.params]
+            for p, g in zip(self.params, self.global_params):
+                p.copy_(g.to(p.device, p.dtype))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, s in zip(self.params, saved):
+                    p.copy_(s)
+
+    # ---- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.update(global_params=[g.detach().clone() for g in self.global_params],
+                     outer_optimizers=[o.state_dict() for o in self.outer_optimizers],
+                     round=self.round, round_steps=self.round_steps, global_tokens=self.global_tokens)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        with torch.no_grad():
+            for g, saved in zip(self.global_params, state["global_params"]):
+                g.copy_(saved)
+        for opt, saved in zip(self.outer_optimizers, state["outer_optimizers"]):
+            opt.load_state_dict(saved)
+        self.round, self.round_steps = state["round"], state["round_steps"]
+        self.global_tokens = state["global_tokens"]
+        self.policy.start_round(self.transport.now())

@@ -1,0 +1,60 @@
+"""Network-time model: bytes a collective really moved -> virtual seconds on a per-worker link.
+
+Each worker has a link of ``bandwidth`` bytes/s and one-way ``latency``. A ring
+all-reduce over W workers takes 2(W-1) latency-bound phases and puts
+2(W-1)/W of the buffer on every link; an all-gather takes W-1 phases and moves
+everyone else's payload. Collectives on one link run one after another.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+_BW = re.compile(r"^([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*([kKmMgGtT]?)"
+                 r"(bit/s|bits/s|bits|bit|bps|b|B/s|Bps|B|bytes/s|byte/s)?$")
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_bandwidth(text: str | float | int) -> float:
+    """'1Gbit', '100Mbit/s', '10Gbps', '50MB/s', a plain number (bits/s) -> bytes per second.
+
+    Lower-case b / bit / bps are bits, capital B and byte are bytes.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"{text!r} is not a bandwidth")
+    if isinstance(text, (int, float)):
+        value, prefix, unit = float(text), "", "bit"
+    else:
+        m = _BW.match(str(text).strip())
+        if not m:
+            raise ValueError(f"{text!r} is not a bandwidth (examples: 1Gbit, 100Mbit/s, 10Gbps, 50MB/s)")
+        value, prefix, unit = float(m.group(1)), m.group(2).lower(), m.group(3) or "bit"
+    in_bytes = unit.startswith("B") or unit.startswith("byte")
+    bytes_per_s = value * _PREFIX[prefix] / (1.0 if in_bytes else 8.0)
+    if not math.isfinite(bytes_per_s) or bytes_per_s <= 0:
+        raise ValueError(f"bandwidth {text!r} must be positive")
+    return bytes_per_s
+
+
+@dataclass
+class NetworkModel:
+    bandwidth: Optional[float] = None  # bytes/s per worker link; None: infinitely fast
+    latency: float = 0.0  # seconds, one way
+
+    def all_reduce_s(self, nbytes: int, world: int) -> float:
+        if world <= 1:
+            return 0.0
+        wire = 2 * (world - 1) * nbytes / world
+        return 2 * (world - 1) * self.latency + (wire / self.bandwidth if self.bandwidth else 0.0)
+
+    def all_gather_s(self, received_bytes: int, world: int) -> float:
+        if world <= 1:
+            return 0.0
+        return (world - 1) * self.latency + (received_bytes / self.bandwidth if self.bandwidth else 0.0)
+
+    def describe(self) -> str:
+        bw = "unlimited" if not self.bandwidth else f"{self.bandwidth * 8 / 1e9:g} Gbit/s"
+        return f"{bw}, {self.latency * 1e3:g} ms latency"

@@ -1,0 +1,128 @@
+"""Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512).
+
+The model is cut into P fragments, strided by layer (layer j goes to fragment
+j mod P; parameters outside the layers join the lightest fragment). Fragment p
+is exchanged every H inner steps, offset by p*H/P steps, so at most one
+fragment's bytes are on the wire at a time: the peak bytes per exchange drop
+by about P. The exchange of a fragment sent at step t is applied at step
+t + tau (``overlap_steps``), so communication hides behind tau inner steps;
+then the fragment's local parameters are merged with the new global ones,
+``local = alpha * local + (1 - alpha) * global`` (``mix_alpha``).
+
+With P=1, tau=0, alpha=0 this is exactly DiLoCo (a test proves it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from diloco.comm.base import Transport
+from diloco.outer import DiLoCo
+
+
+def layer_fragments(model: torch.nn.Module, num_fragments: int) -> list[list[int]]:
+    """Indices (into the trainable parameters, in ``model.parameters()`` order) of each fragment."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    index = {id(p): i for i, p in enumerate(params)}
+    layers: list[list[int]] = []
+    for child in model.children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)):
+            layers.extend([index[id(p)] for p in layer.parameters() if id(p) in index] for layer in child)
+    layers = [l for l in layers if l]
+    if num_fragments > len(layers):
+        raise ValueError(f"algo.fragments={num_fragments} is more than the model's {len(layers)} layers")
+    fragments: list[list[int]] = [[] for _ in range(num_fragments)]
+    for j, layer in enumerate(layers):
+        fragments[j % num_fragments].extend(layer)
+    in_layers = {i for layer in layers for i in layer}
+    size = [sum(params[i].numel() for i in f) for f in fragments]
+    for i, p in enumerate(params):  # embeddings, final norm, output head
+        if i not in in_layers:
+            lightest = min(range(num_fragments), key=lambda f: size[f])
+            fragments[lightest].append(i)
+            size[lightest] += p.numel()
+    return [sorted(f) for f in fragments]
+
+
+class StreamingDiLoCo(DiLoCo):
+    name = "streaming"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Optional[Transport] = None,
+                 grad_clip: float = 0.0, *, fragments: int = 1, overlap_steps: int = 0, mix_alpha: float = 0.0,
+                 **kwargs: Any) -> None:
+        if kwargs.get("sync_mode", "steps") != "steps":
+            raise ValueError("Streaming DiLoCo runs with sync.mode=steps (its fragments follow a step schedule)")
+        inner_steps = kwargs.get("inner_steps", 100)
+        if overlap_steps >= inner_steps:
+            raise ValueError(f"algo.overlap_steps={overlap_steps} must be smaller than algo.inner_steps={inner_steps}")
+        if not 0.0 <= mix_alpha <= 1.0:
+            raise ValueError(f"algo.mix_alpha must be in [0, 1], got {mix_alpha}")
+        super().__init__(model, optimizer, transport, grad_clip, fragments=layer_fragments(model, fragments), **kwargs)
+        self.overlap_steps, self.mix_alpha = overlap_steps, mix_alpha
+        num = len(self.fragments)
+        self.offsets = [p * self.policy.inner_steps // num for p in range(num)]
+        self.fragment_steps = [0] * num  # inner steps since each fragment was last sent
+        self.pending: list[dict[str, Any]] = []  # exchanges started, not yet applied
+
+    def _due(self, step: int) -> list[int]:
+        H = self.policy.inner_steps
+        return [p for p, off in enumerate(self.offsets) if step >= max(off, 1) and (step - off) % H == 0]
+
+    def _after_step(self) -> dict[str, Any]:
+        step = self.steps
+        self.round_steps += 1
+        self.fragment_steps = [s + 1 for s in self.fragment_steps]
+        for p in self._due(step):
+            self._send(p, apply_at=step + self.overlap_steps)
+        return self._apply_due(step)
+
+    def _send(self, p: int, apply_at: int) -> None:
+        weight = float(self.fragment_steps[p] * self.tokens_per_step)
+        self.fragment_steps[p] = 0
+        deltas, total, handle = self.start_exchange(self.fragments[p], weight)
+        self.pending.append({"apply_at": apply_at, "fragment": p, "deltas": deltas, "total": total, "handle": handle})
+
+    def _apply_due(self, step: int, alpha: Optional[float] = None) -> dict[str, Any]:
+        info: dict[str, Any] = {}
+        due = [x for x in self.pending if x["apply_at"] <= step]
+        self.pending = [x for x in self.pending if x["apply_at"] > step]
+        for x in due:
+            x["handle"].wait()
+            total = self._total(x["total"])
+            self.apply_exchange(self.fragments[x["fragment"]], x["deltas"], total,
+                                self.mix_alpha if alpha is None else alpha)
+            if x["fragment"] == 0:  # every step is counted once, through fragment 0's exchanges
+                self.round += 1
+                self.round_steps = 0
+                self.global_tokens += total
+            info = {"synced": True, "round": self.round, "fragment": x["fragment"]}
+        return info
+
+    def sync(self) -> dict[str, Any]:
+        """Send every fragment with unsent steps and apply everything now (used at the end of training)."""
+        for p, n in enumerate(self.fragment_steps):
+            if n > 0:
+                self._send(p, apply_at=self.steps)
+        return self._apply_due(self.steps, alpha=0.0)
+
+    def finalize(self) -> None:
+        self._apply_due(self.steps)
+        if any(self.fragment_steps):
+            self.sync()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        for x in self.pending:
+            x["handle"].wait()
+        state["pending"] = [{k: v for k, v in x.items() if k != "handle"} for x in self.pending]
+        state["fragment_steps"] = list(self.fragment_steps)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from diloco.comm.base import Handle
+
+        super().load_state_dict(state)
+        self.fragment_steps = list(state["fragment_steps"])
+        self.pending = [{**x, "handle": Handle()} for x in state["pending"]]

@@ -1,0 +1,38 @@
+"""When a round ends: after a fixed number of inner steps, or when a time budget runs out.
+
+``steps``: every worker does H inner steps per round, so all reach the
+collective together. ``time``: every worker trains until its clock has spent
+the round's budget (real time, or the simulator's virtual time), so a fast
+worker does more steps than a slow one; the average is weighted by the tokens
+each one processed, which is what ``round_weight`` returns.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+MODES = ("steps", "time")
+
+
+class SyncPolicy:
+    def __init__(self, mode: str = "steps", inner_steps: int = 100, time_budget_s: Optional[float] = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"sync.mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if inner_steps < 1:
+            raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
+        if mode == "time" and not (time_budget_s and time_budget_s > 0):
+            raise ValueError("sync.mode=time needs sync.time_budget_s > 0")
+        self.mode, self.inner_steps, self.time_budget_s = mode, inner_steps, time_budget_s
+        self.round_start = 0.0
+
+    def start_round(self, now: float) -> None:
+        self.round_start = now
+
+    def round_done(self, steps_in_round: int, now: float) -> bool:
+        if self.mode == "steps":
+            return steps_in_round >= self.inner_steps
+        return steps_in_round >= 1 and now - self.round_start >= self.time_budget_s
+
+    @staticmethod
+    def round_weight(steps_in_round: int, tokens_per_step: int) -> float:
+        return float(steps_in_round * tokens_per_step)

@@ -1,0 +1,132 @@
+"""`loco simulate`: N workers on one device, each running the ordinary training loop.
+
+Every worker is a :class:`launch.trainer.Trainer` over an endpoint of one
+:class:`diloco.sim.InProcessGroup`, so the algorithm code is the code that runs
+under torchrun or hivemind. The run folder has the usual layout; its
+summary.json adds ``bytes_sent_per_worker``, ``virtual_wall_s``,
+``compute_utilization`` and ``tokens_per_virtual_s``. Unless told otherwise
+(``sim.baseline: none``), a DDP run on the same tokens follows in
+``RUN/baseline-ddp`` and a table compares the two.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers
+from launch.config import Config
+from launch.data import TokenData, load_data
+from launch.metrics import human_bytes, plot_runs
+from launch.trainer import Trainer
+
+
+def network_of(cfg: Config) -> NetworkModel:
+    sim = cfg.sim
+    return NetworkModel(parse_bandwidth(sim.bandwidth) if sim.bandwidth else None, sim.latency)
+
+
+def _move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in opt.state.values():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.device != device and k != "step":
+                state[k] = v.to(device)
+
+
+def move_worker_state(trainer: Trainer, device: torch.device) -> None:
+    """Move a worker's model, optimizer state and (unless already offloaded) outer state to ``device``."""
+    trainer.model.to(device)
+    _move_optimizer_state(trainer.optimizer, device)
+    algo = trainer.algo
+    if getattr(algo, "global_params", None) is not None and not trainer.cfg.algo.offload_outer:
+        for g in algo.global_params:
+            g.data = g.data.to(device)
+        for opt in algo.outer_optimizers:
+            _move_optimizer_state(opt, device)
+        algo.outer_device = device
+
+
+def simulate_once(cfg: Config, data: Optional[TokenData] = None) -> dict[str, Any]:
+    """One simulated run; returns rank 0's summary."""
+    sim = cfg.sim
+    data = data or load_data(cfg.data)
+    speeds = resolve_speeds(sim.workers, sim.speeds, sim.speed_dist, cfg.run.seed)
+    group = InProcessGroup(sim.workers, speeds, network_of(cfg), sim.step_time, cfg.transport.timeout)
+    trainers: list[Optional[Trainer]] = [None] * sim.workers
+    if sim.offload:
+        def park(rank: int) -> None:
+            if trainers[rank] is not None:
+                move_worker_state(trainers[rank], torch.device("cpu"))
+
+        def unpark(rank: int) -> None:
+            if trainers[rank] is not None:
+                move_worker_state(trainers[rank], trainers[rank].device)
+
+        group.on_release, group.on_acquire = park, unpark
+
+    def worker(rank: int, transport) -> dict[str, Any]:
+        trainers[rank] = Trainer(cfg, transport=transport, data=data)
+        try:
+            return trainers[rank].fit()
+        finally:
+            trainers[rank] = None  # free the worker's memory as soon as it is done
+
+    return run_workers(group, worker)[0]
+
+
+def baseline_config(cfg: Config, run_dir: Path) -> Config:
+    base = copy.deepcopy(cfg)
+    base.algo.name = "ddp"
+    base.sync.mode = "steps"
+    base.run.dir = str(run_dir / "baseline-ddp")
+    base.run.name = f"{cfg.run.name}-ddp"
+    base.log.wandb = False
+    return base
+
+
+def simulate(cfg: Config) -> dict[str, Any]:
+    """The main job of ``loco simulate``: the configured run, the DDP baseline, a table and a plot."""
+    data = load_data(cfg.data)
+    summary = simulate_once(cfg, data)
+    run_dir = Path(summary["run_dir"])
+    rows = [(_label(cfg), summary)]
+    if cfg.sim.baseline == "ddp" and cfg.algo.name != "ddp":
+        print(f"[simulate] baseline: DDP with {cfg.sim.workers} workers on the same tokens", file=sys.stderr, flush=True)
+        base_cfg = baseline_config(cfg, run_dir)
+        base = simulate_once(base_cfg, data)
+        rows.append((_label(base_cfg), base))
+        plot_runs([run_dir, Path(base["run_dir"])], run_dir / "compare.png", title=f"{_label(cfg)} vs DDP")
+        (run_dir / "comparison.json").write_text(json.dumps({label: s for label, s in rows}, indent=2) + "\n")
+    print(format_table(rows, network_of(cfg)))
+    return summary
+
+
+def _label(cfg: Config) -> str:
+    a, w = cfg.algo, cfg.sim.workers
+    if a.name == "ddp":
+        return f"ddp x{w}"
+    extra = f", P={a.fragments}" if a.name == "streaming" else ""
+    return f"{a.name} x{w} (H={a.inner_steps}{extra})"
+
+
+def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel) -> str:
+    head = f"{'run':<28} {'val loss':>9} {'tokens':>9} {'sent/worker':>12} {'virtual wall':>13} {'compute util':>13}"
+    lines = ["", f"simulated network: {network.describe()} per worker", head, "-" * len(head)]
+    for label, s in rows:
+        per_worker = s.get("bytes_sent_per_worker") or [s["bytes_sent"]]
+        util = s.get("compute_utilization")
+        lines.append(f"{label:<28} {s['val_loss']:>9.4f} {s['tokens'] / 1e6:>8.2f}M {human_bytes(max(per_worker)):>12} "
+                     f"{s.get('virtual_wall_s', 0):>12.1f}s {'' if util is None else f'{100 * util:.1f}%':>13}")
+    if len(rows) == 2:
+        (_, a), (_, b) = rows
+        ratio = (max(b["bytes_sent_per_worker"]) / max(1, max(a["bytes_sent_per_worker"])))
+        speed = b["virtual_wall_s"] / a["virtual_wall_s"] if a.get("virtual_wall_s") else float("nan")
+        lines.append(f"{rows[0][0]} sends {ratio:.0f}x fewer bytes than DDP and finishes {speed:.1f}x sooner in "
+                     f"virtual time; val loss {100 * (a['val_loss'] / b['val_loss'] - 1):+.1f}% vs DDP.")
+        lines.append(f"plot: {Path(a['run_dir']) / 'compare.png'}")
+    return "\n".join(lines)
