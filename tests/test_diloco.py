@@ -1,0 +1,190 @@
+"""DiLoCo and Streaming DiLoCo: the three identities, fragments, weighting, resume, and simulator == gloo."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import FAST, TINY, child_env, free_port, run_cli
+from diloco.streaming import layer_fragments
+from launch.checkpoint import latest_checkpoint
+from launch.config import load_config
+from launch.models import SIZES, Transformer
+from launch.simulate import simulate_once
+from launch.trainer import train
+
+SMALL = ["run.batch_size=4", "run.eval_every=0", "run.checkpoint_every=0", "sim.baseline=none", "sim.step_time=0.01"]
+
+
+def cfg_of(tmp_path, name, *overrides):
+    cfg, _ = load_config([TINY], [*FAST, *SMALL, f"run.dir={tmp_path / name}", *overrides])
+    return cfg
+
+
+def final_model(summary) -> dict[str, torch.Tensor]:
+    _, state = latest_checkpoint(f"{summary['run_dir']}/checkpoints")
+    return state["model"]
+
+
+def max_diff(a, b) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def test_identity_h1_plain_outer_sgd_equals_ddp(tmp_path):
+    """(a) H=1, outer SGD lr 1 without momentum, M workers == DDP with M workers (inner SGD: averaging is linear)."""
+    common = ["optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0", "optim.warmup_steps=0", "run.max_steps=6",
+              "sim.workers=3"]
+    ddp = simulate_once(cfg_of(tmp_path, "ddp", *common, "algo.name=ddp"))
+    dil = simulate_once(cfg_of(tmp_path, "diloco", *common, "algo.name=diloco", "algo.inner_steps=1",
+                               "algo.outer_lr=1", "algo.outer_momentum=0"))
+    diff = max_diff(final_model(ddp), final_model(dil))
+    assert diff < 1e-5, diff
+    # the same dense exchange every step, plus the 4-byte weight riding in the same bucket
+    assert 0 < dil["bytes_sent"] - ddp["bytes_sent"] <= 6 * 8
+
+
+def test_identity_one_worker_equals_plain_training(tmp_path):
+    """(b) M=1 with outer SGD lr 1, no momentum == plain inner-optimizer (AdamW) training."""
+    plain = train(cfg_of(tmp_path, "plain", "run.max_steps=10"))
+    dil = simulate_once(cfg_of(tmp_path, "diloco", "run.max_steps=10", "sim.workers=1", "algo.name=diloco",
+                               "algo.inner_steps=4", "algo.outer_lr=1", "algo.outer_momentum=0"))
+    assert max_diff(final_model(plain), final_model(dil)) < 1e-5
+    assert dil["bytes_sent"] == 0
+
+
+def test_identity_streaming_p1_equals_diloco(tmp_path):
+    """(c) Streaming DiLoCo with P=1, tau=0, alpha=0 == DiLoCo (default outer Nesterov, AdamW inside)."""
+    common = ["run.max_steps=10", "sim.workers=2", "algo.inner_steps=3"]
+    dil = simulate_once(cfg_of(tmp_path, "diloco", *common, "algo.name=diloco"))
+    st = simulate_once(cfg_of(tmp_path, "stream", *common, "algo.name=streaming", "algo.fragments=1"))
+    assert max_diff(final_model(dil), final_model(st)) < 1e-6
+    assert st["bytes_sent"] == dil["bytes_sent"]
+
+
+def test_diloco_moves_the_model_and_workers_agree_after_sync(tmp_path):
+    cfg = cfg_of(tmp_path, "d", "run.max_steps=8", "sim.workers=2", "algo.name=diloco", "algo.inner_steps=4",
+                 "run.checkpoint_every=8")
+    summary = simulate_once(cfg)
+    _, state = latest_checkpoint(f"{summary['run_dir']}/checkpoints")
+    w0, w1 = (s["model"] for s in state["workers"])
+    assert max_diff(w0, w1) == 0.0, "after a sync every worker holds the global parameters"
+    assert max_diff(w0, state["model"]) == 0.0
+    assert state["workers"][0]["algo"]["round"] == 2
+    # the two workers trained on different data: their inner optimizer states differ
+    m0 = state["workers"][0]["algo"]["optimizer"]["state"][0]["exp_avg"]
+    m1 = state["workers"][1]["algo"]["optimizer"]["state"][0]["exp_avg"]
+    assert not torch.equal(m0, m1)
+
+
+def test_layer_fragments_are_strided_and_cover_everything():
+    model = Transformer(SIZES["tiny"])
+    frags = layer_fragments(model, 2)
+    params = list(model.parameters())
+    assert sorted(i for f in frags for i in f) == list(range(len(params)))
+    names = [n for n, _ in model.named_parameters()]
+    layer_of = lambda i: int(names[i].split(".")[1]) if names[i].startswith("layers.") else None  # noqa: E731
+    assert {layer_of(i) for i in frags[0]} - {None} == {0, 2}
+    assert {layer_of(i) for i in frags[1]} - {None} == {1, 3}
+    with pytest.raises(ValueError, match="more than the model's 4 layers"):
+        layer_fragments(model, 5)
+
+
+def test_streaming_lowers_peak_bytes_per_exchange(tmp_path):
+    """P fragments on staggered schedules: each exchange carries about 1/P of the model."""
+    from diloco.sim import InProcessGroup
+
+    sizes = {}
+    original = InProcessGroup.rendezvous
+
+    def spy(self, rank, value, combine, comm_s=None):
+        if rank == 0 and isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.numel() > 1:
+            sizes.setdefault(self.world, []).append(value.numel())
+        return original(self, rank, value, combine, comm_s)
+
+    InProcessGroup.rendezvous = spy
+    try:
+        plain = simulate_once(cfg_of(tmp_path, "d", "run.max_steps=8", "sim.workers=2", "algo.name=diloco",
+                                     "algo.inner_steps=8"))
+        peak_plain = max(sizes.pop(2))
+        stream = simulate_once(cfg_of(tmp_path, "s", "run.max_steps=8", "sim.workers=2", "algo.name=streaming",
+                                      "algo.inner_steps=8", "algo.fragments=4", "algo.overlap_steps=2",
+                                      "algo.mix_alpha=0.5"))
+        peak_stream = max(sizes.pop(2))
+    finally:
+        InProcessGroup.rendezvous = original
+    assert peak_stream < peak_plain / 3, (peak_plain, peak_stream)
+    assert stream["val_loss"] < 5.0
+
+
+def test_time_mode_heterogeneous_speeds(tmp_path):
+    """Speeds (1, 0.25) with sync.mode=time: the slow worker does about a quarter of the steps and weight."""
+    cfg = cfg_of(tmp_path, "t", "sim.workers=2", "sim.speeds=1,0.25", "algo.name=diloco", "sync.mode=time",
+                 "sync.time_budget_s=0.2", "sim.step_time=0.01", "run.max_steps=40")
+    summary = simulate_once(cfg)
+    fast, slow = summary["workers"]
+    assert fast["steps"] >= 40
+    assert abs(slow["steps"] / fast["steps"] - 0.25) < 0.05
+    assert abs(slow["tokens"] / (fast["tokens"] + slow["tokens"]) - 0.2) < 0.03  # 1 : 0.25 of the tokens
+    # the token budget (40 steps x 4 x 128 x 2 workers) is met, counted over both workers
+    assert summary["tokens"] >= 40 * 4 * 128 * 2
+    assert summary["virtual_compute_s_per_worker"][1] == pytest.approx(summary["virtual_compute_s_per_worker"][0], rel=0.1)
+
+
+def test_weighted_average_leaves_out_a_worker_with_no_tokens():
+    from diloco import DiLoCo
+    from diloco.sim import InProcessGroup, run_workers
+
+    group = InProcessGroup(2)
+
+    def body(rank, transport):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1, bias=False)
+        algo = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transport, inner_steps=1,
+                      outer_lr=1.0, outer_momentum=0.0)
+        with torch.no_grad():
+            model.weight.add_(1.0 if rank == 0 else 100.0)  # worker 1 drifted far...
+        algo.round_steps = 1 if rank == 0 else 0  # ...but trained no tokens this round
+        algo.sync()
+        return model.weight.detach().clone(), algo.global_tokens
+
+    (w0, t0), (w1, t1) = run_workers(group, body)
+    assert torch.equal(w0, w1)
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(3, 1, bias=False).weight.detach() + 1.0
+    assert torch.allclose(w0, expected)
+    assert t0 == t1 == 1.0
+
+
+def test_simulated_run_resumes_exactly(tmp_path):
+    extra = ["sim.workers=2", "algo.name=diloco", "algo.inner_steps=4", "run.max_steps=16", "log.every=2"]
+    full = simulate_once(cfg_of(tmp_path, "full", *extra))
+    part = simulate_once(cfg_of(tmp_path, "part", *extra[:-2], "run.max_steps=8", "log.every=2",
+                                "run.checkpoint_every=4"))
+    assert part["steps"] == 8
+    # continue the same run folder to 16 steps
+    resumed = simulate_once(cfg_of(tmp_path, "part", *extra, "run.resume=true"))
+    assert resumed["steps"] == 16
+    assert max_diff(final_model(full), final_model(resumed)) < 1e-6
+
+
+def test_simulator_equals_real_gloo_processes(tmp_path):
+    """A simulated 2-worker DiLoCo run and 2 torchrun processes over gloo end with the same parameters."""
+    args = ["--config", TINY, "--max-steps", "8", "--seed", "5",
+            *[a for s in [*FAST, *SMALL, "algo.name=diloco", "algo.inner_steps=4"] for a in ("--set", s)]]
+    sim = run_cli(["simulate", *args, "--workers", "2", "--run-dir", str(tmp_path / "sim")])
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    real = run_cli(["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                    "-m", "launch.cli", "train", *args, "--run-dir", str(tmp_path / "real")],
+                   module="torch.distributed.run")
+    assert real.returncode == 0, real.stderr[-3000:]
+    a = latest_checkpoint(tmp_path / "sim" / "checkpoints")[1]
+    b = latest_checkpoint(tmp_path / "real" / "checkpoints")[1]
+    assert max_diff(a["model"], b["model"]) < 1e-5
+    for wa, wb in zip(a["workers"], b["workers"]):
+        assert max_diff(wa["model"], wb["model"]) < 1e-5
+    sa = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    sb = json.loads((tmp_path / "real" / "summary.json").read_text())
+    assert sa["bytes_sent"] == sb["bytes_sent"] > 0

@@ -1,0 +1,120 @@
+"""The simulator: bad input, virtual time and the network model, failures, the demo's table and plot."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from conftest import FAST, TINY, run_cli
+from diloco.comm import TransportError
+from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers, sample_speeds
+from launch.config import load_config
+from launch.simulate import simulate_once
+
+QUICK = [*FAST, "run.batch_size=4", "run.eval_every=0", "run.checkpoint_every=0", "sim.baseline=none"]
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--workers", "0"], "sim.workers"),
+    (["--set", "algo.inner_steps=0"], "algo.inner_steps"),
+    (["--speeds", "1,0.5"], "sim.speeds"),
+    (["--speeds", "1,0,1,1"], "sim.speeds"),
+    (["--speed-dist", "zipf:2"], "sim.speed_dist"),
+    (["--bandwidth", "fast"], "sim.bandwidth"),
+    (["--latency", "soon"], "sim.latency"),
+    (["--set", "algo.name=streaming", "--set", "algo.fragments=9"], "algo.fragments"),
+    (["--set", "sync.mode=time"], "sync.time_budget_s"),
+])
+def test_bad_input_fails_before_training(args, key):
+    res = run_cli(["simulate", *args], timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert key in res.stderr and "Traceback" not in res.stderr
+    assert "[worker" not in res.stderr, "training started before the config was checked"
+
+
+def test_bandwidth_units():
+    assert parse_bandwidth("1Gbit") == parse_bandwidth("1Gbps") == parse_bandwidth("1000Mbit/s") == 125e6
+    assert parse_bandwidth("50MB/s") == 50e6 and parse_bandwidth("1e9") == 125e6
+    with pytest.raises(ValueError):
+        parse_bandwidth("0Gbit")
+
+
+def test_speed_distributions_are_seeded_and_normalised():
+    a, b = sample_speeds("lognormal:0.5", 8, seed=1), sample_speeds("lognormal:0.5", 8, seed=1)
+    assert a == b and max(a) == 1.0 and min(a) < 1.0
+    assert sample_speeds("lognormal:0.5", 8, seed=2) != a
+    u = sample_speeds("uniform:0.25", 100, seed=0)
+    assert min(u) >= 0.25 - 1e-9 and max(u) == 1.0
+    assert resolve_speeds(3, None, None) == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="one speed per worker"):
+        resolve_speeds(3, "1,1", None)
+
+
+def test_virtual_time_follows_compute_and_network(tmp_path):
+    steps, H, W = 12, 4, 2
+    common = [*QUICK, f"run.max_steps={steps}", f"sim.workers={W}", "algo.name=diloco", f"algo.inner_steps={H}",
+              "sim.step_time=0.5"]
+    cfg, _ = load_config([TINY], [*common, "sim.bandwidth=null", "sim.latency=0", f"run.dir={tmp_path / 'free'}"])
+    free = simulate_once(cfg)
+    assert free["virtual_wall_s"] == pytest.approx(steps * 0.5)
+    assert free["compute_utilization"] == pytest.approx(1.0)
+
+    cfg, _ = load_config([TINY], [*common, "sim.bandwidth=8Mbit", "sim.latency=100ms", f"run.dir={tmp_path / 'net'}"])
+    net = simulate_once(cfg)
+    wire_per_round = net["bytes_sent"] / (steps // H)  # what each link carries in one ring all-reduce
+    round_s = 2 * (W - 1) * 0.1 + wire_per_round / 1e6  # 2(W-1) latency-bound phases + bytes at 1 MB/s
+    assert net["virtual_wall_s"] == pytest.approx(steps * 0.5 + (steps // H) * round_s, rel=1e-3)
+    assert net["compute_utilization"] == pytest.approx(steps * 0.5 / net["virtual_wall_s"])
+    assert net["tokens_per_virtual_s"] == pytest.approx(net["tokens"] / net["virtual_wall_s"])
+    assert len(net["bytes_sent_per_worker"]) == W and net["bytes_sent_per_worker"][0] == net["bytes_sent"]
+
+
+def test_a_failing_worker_stops_the_others_without_a_hang():
+    group = InProcessGroup(3, timeout=60)
+
+    def body(rank, transport):
+        if rank == 1:
+            raise ValueError("worker 1 ran out of data")
+        transport.all_reduce_([torch.ones(4)])  # would wait forever for worker 1
+        return rank
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="ran out of data"):
+        run_workers(group, body)
+    assert time.monotonic() - start < 10
+
+
+def test_a_missing_worker_times_out_naming_it():
+    group = InProcessGroup(2, timeout=0.5)
+
+    def body(rank, transport):
+        if rank == 0:
+            transport.all_reduce_([torch.ones(2)])
+        else:
+            group.release(1)  # never arrives, but lets rank 0 use the device
+            time.sleep(2)
+            group.acquire(1)
+
+    with pytest.raises(TransportError, match=r"workers \[1\] did not reach"):
+        run_workers(group, body)
+
+
+def test_main_demo_prints_a_table_and_plots(tmp_path):
+    res = run_cli(["simulate", "--max-steps", "12", "--set", "algo.inner_steps=4", "--set", "run.eval_every=6",
+                   *[a for s in FAST for a in ("--set", s)], "--set", "run.batch_size=4",
+                   "--run-dir", str(tmp_path / "demo")])
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    assert "diloco x4 (H=4)" in out and "ddp x4" in out and "fewer bytes than DDP" in out
+    assert (tmp_path / "demo" / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    comparison = json.loads((tmp_path / "demo" / "comparison.json").read_text())
+    diloco, ddp = comparison.values()
+    assert diloco["tokens"] == ddp["tokens"]
+    assert max(ddp["bytes_sent_per_worker"]) > 3 * max(diloco["bytes_sent_per_worker"])
+    assert diloco["virtual_wall_s"] < ddp["virtual_wall_s"]
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    for key in ("bytes_sent_per_worker", "virtual_wall_s", "compute_utilization", "tokens_per_virtual_s"):
+        assert key in summary
