@@ -56,7 +56,7 @@ def simulate_once(cfg: Config, data: Optional[TokenData] = None) -> dict[str, An
     sim = cfg.sim
     data = data or load_data(cfg.data)
     speeds = resolve_speeds(sim.workers, sim.speeds, sim.speed_dist, cfg.run.seed)
-    group = InProcessGroup(sim.workers, speeds, network_of(cfg), sim.step_time, cfg.transport.timeout)
+    group = InProcessGroup(sim.workers, speeds, network_of(cfg), sim.step_time)
     trainers: list[Optional[Trainer]] = [None] * sim.workers
     if sim.offload:
         def park(rank: int) -> None:

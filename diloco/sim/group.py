@@ -1,15 +1,18 @@
 """N workers in one process: an in-process transport, a shared device, virtual clocks.
 
-Each simulated worker is a thread running the ordinary training loop with its
+Each simulated worker is a greenlet running the ordinary training loop with its
 own :class:`InProcessTransport` endpoint, so the simulator runs the very
-algorithm objects that real runs use. Workers take turns on the device: a
-worker holds the *device lock* while it computes and gives it up only while it
-waits at a collective, so a DiLoCo round runs worker after worker, each for
-its H inner steps, and N simulated workers cost about N times one.
+algorithm objects that real runs use. All workers share the main thread and
+take turns on the device: a worker computes until it reaches a collective,
+then the next one runs. A DiLoCo round thus runs worker after worker, each for
+its H inner steps, and N simulated workers cost about N times one. (Greenlets
+rather than threads: torch computes fastest on the thread that owns its
+OpenMP team, and switching only at collectives makes the order deterministic.)
 
 Collectives are rendezvous: every worker deposits its contribution; the last
-to arrive combines them in rank order (so results do not depend on thread
-timing) and wakes the others.
+to arrive combines them in rank order and wakes the others. When every live
+worker waits and a collective still lacks someone (a worker that finished or
+failed early), the group says who is missing at once, instead of hanging.
 
 Time is virtual. Each worker has a clock that its compute advances (the
 measured seconds of a step, or ``step_time``, divided by its speed). A
@@ -21,10 +24,10 @@ A synchronous collective moves the clocks to its end; an asynchronous one
 
 from __future__ import annotations
 
-import threading
-import time
+from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
+import greenlet
 import torch
 
 from diloco.comm.base import Handle, Transport, TransportError
@@ -33,7 +36,7 @@ from diloco.sim.network import NetworkModel
 
 class InProcessGroup:
     def __init__(self, world: int, speeds: Optional[Sequence[float]] = None, network: Optional[NetworkModel] = None,
-                 step_time: Optional[float] = None, timeout: float = 300.0) -> None:
+                 step_time: Optional[float] = None) -> None:
         if world < 1:
             raise ValueError(f"the number of workers must be >= 1, got {world}")
         self.world = world
@@ -42,88 +45,54 @@ class InProcessGroup:
             raise ValueError(f"{len(self.speeds)} speeds for {world} workers")
         self.network = network or NetworkModel()
         self.step_time = step_time
-        self.timeout = timeout
-        self.device = threading.Lock()
         self.on_release: Optional[Callable[[int], None]] = None  # e.g. move an idle worker's state off the GPU
         self.on_acquire: Optional[Callable[[int], None]] = None
-        self._cond = threading.Condition()
         self._values: list[Any] = [None] * world
         self._present = [False] * world
-        self._generation = 0
         self._result: Any = None
-        self._error: Optional[str] = None
+        self.runnable: deque[int] = deque()  # workers the scheduler may resume, in order
+        self.hub: Optional[greenlet.greenlet] = None  # the scheduler, while run_workers runs
         self.clock = [0.0] * world
         self.compute_s = [0.0] * world
         self.link_free_at = 0.0
         self.endpoints = [InProcessTransport(self, r) for r in range(world)]
 
-    # ---- the device -------------------------------------------------------------------------
-    def acquire(self, rank: int) -> None:
-        self.device.acquire()
-        if self.on_acquire is not None:
-            self.on_acquire(rank)
-
-    def release(self, rank: int) -> None:
-        if self.on_release is not None:
-            self.on_release(rank)
-        self.device.release()
-
-    # ---- failure ----------------------------------------------------------------------------
-    def abort(self, reason: str) -> None:
-        """Wake every waiting worker with an error (a worker failed, or the user pressed Ctrl-C)."""
-        with self._cond:
-            if self._error is None:
-                self._error = reason
-            self._cond.notify_all()
-
-    def check(self, rank: int) -> None:
-        if self._error is not None:
-            raise TransportError(f"worker {rank}: the simulation stopped: {self._error}")
-
     # ---- the one rendezvous everything is built on -------------------------------------------
     def rendezvous(self, rank: int, value: Any, combine: Callable[[list[Any]], Any],
                    comm_s: Callable[[list[Any]], float] | None = None) -> tuple[Any, float]:
         """Every worker brings ``value``; returns ``combine(values in rank order)`` and the virtual end time."""
-        self.release(rank)
-        try:
-            with self._cond:
-                self.check(rank)
-                generation = self._generation
-                self._values[rank] = value
-                self._present[rank] = True
-                if all(self._present):
-                    values = self._values
-                    try:
-                        result = combine(values)
-                        seconds = comm_s(values) if comm_s else 0.0
-                    except Exception as e:
-                        self._error = f"worker {rank}: combining a collective failed: {e}"
-                        self._cond.notify_all()
-                        raise
-                    start = max(self.clock)
-                    if seconds > 0:
-                        start = max(start, self.link_free_at)
-                        self.link_free_at = start + seconds
-                    self._result = (result, start + seconds)
-                    self._values = [None] * self.world
-                    self._present = [False] * self.world
-                    self._generation += 1
-                    self._cond.notify_all()
-                else:
-                    deadline = time.monotonic() + self.timeout
-                    while self._generation == generation and self._error is None:
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            missing = [r for r, here in enumerate(self._present) if not here]
-                            self._error = f"workers {missing} did not reach a collective within {self.timeout:g}s"
-                            self._cond.notify_all()
-                            break
-                        self._cond.wait(left)
-                    if self._generation == generation:
-                        self.check(rank)
-                return self._result
-        finally:
-            self.acquire(rank)
+        self._values[rank] = value
+        self._present[rank] = True
+        if all(self._present):
+            values = self._values
+            result = combine(values)
+            seconds = comm_s(values) if comm_s else 0.0
+            start = max(self.clock)
+            if seconds > 0:
+                start = max(start, self.link_free_at)
+                self.link_free_at = start + seconds
+            self._result = (result, start + seconds)
+            self._values = [None] * self.world
+            self._present = [False] * self.world
+            self.runnable.extend(r for r in range(self.world) if r != rank)  # everyone else may go on
+            return self._result
+        self._yield(rank)
+        return self._result  # valid: the next collective cannot complete before this worker joins it
+
+    def _yield(self, rank: int) -> None:
+        """Give the device to the next worker until this one is runnable again."""
+        if self.hub is None:
+            raise TransportError(f"worker {rank}: a collective outside run_workers() would wait forever")
+        grad = torch.is_grad_enabled()  # thread-local torch state, shared by the greenlets of this thread
+        if self.on_release is not None:
+            self.on_release(rank)
+        self.hub.switch()
+        if self.on_acquire is not None:
+            self.on_acquire(rank)
+        torch.set_grad_enabled(grad)
+
+    def waiting(self) -> list[int]:
+        return [r for r, here in enumerate(self._present) if here]
 
     # ---- reporting --------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -211,7 +180,6 @@ class InProcessTransport(Transport):
 
     def advance_compute(self, seconds: float) -> None:
         g = self.group
-        g.check(self.rank)
         virtual = (g.step_time if g.step_time is not None else seconds) / g.speeds[self.rank]
         g.clock[self.rank] += virtual
         g.compute_s[self.rank] += virtual
@@ -224,39 +192,56 @@ class InProcessTransport(Transport):
 
 
 def run_workers(group: InProcessGroup, fn: Callable[[int, Transport], Any]) -> list[Any]:
-    """Run ``fn(rank, transport)`` for every worker in its own thread; return their results in rank order.
+    """Run ``fn(rank, transport)`` for every worker, taking turns at collectives; results in rank order.
 
-    A worker that fails stops the others (they get a TransportError at their next collective or step)
-    and its error is raised here; Ctrl-C stops all of them the same way.
+    A worker that fails stops the others (each gets a TransportError where it waits) and its error is
+    raised here. A collective that can never complete (a worker finished or failed without joining it)
+    raises TransportError naming who is missing. Ctrl-C unwinds every worker and propagates.
     """
     results: list[Any] = [None] * group.world
-    errors: list[tuple[int, Exception]] = []
+    done = [False] * group.world
+    hub = greenlet.getcurrent()
+    grad = torch.is_grad_enabled()  # every worker starts in the caller's grad mode, whatever the others left set
 
-    def body(rank: int) -> None:
-        group.acquire(rank)
-        try:
-            results[rank] = fn(rank, group.endpoints[rank])
-        except Exception as e:  # reported to the caller below; never swallowed
-            errors.append((rank, e))
-            group.abort(f"worker {rank} failed: {type(e).__name__}: {e}")
-        finally:
-            group.release(rank)
+    def start(rank: int) -> Any:
+        torch.set_grad_enabled(grad)
+        return fn(rank, group.endpoints[rank])
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"loco-worker-{r}", daemon=True)
-               for r in range(group.world)]
-    for t in threads:
-        t.start()
+    workers = [greenlet.greenlet(lambda r=r: start(r), parent=hub) for r in range(group.world)]
+    group.hub = hub
+    group.runnable = deque(range(group.world))
+    failure: Optional[tuple[int, Exception]] = None
     try:
-        for t in threads:
-            while t.is_alive():
-                t.join(0.2)
-    except KeyboardInterrupt:
-        group.abort("interrupted by the user")
-        for t in threads:
-            t.join(30)
-        raise
-    if errors:
-        # the root cause is the first error that is not another worker's "the simulation stopped"
-        root = next((e for _, e in errors if not isinstance(e, TransportError)), errors[0][1])
-        raise root
+        while not all(done):
+            if not group.runnable:
+                waiting = group.waiting()
+                missing = [r for r in range(group.world) if r not in waiting]
+                raise TransportError(f"workers {missing} did not reach a collective that workers {waiting} wait in "
+                                     f"(they finished or failed first)")
+            rank = group.runnable.popleft()
+            try:
+                value = workers[rank].switch()
+            except Exception as e:  # a worker failed: stop the others where they wait
+                done[rank] = True
+                failure = failure or (rank, e)
+                for other in range(group.world):
+                    if not done[other] and workers[other]:  # started and waiting in a collective
+                        try:
+                            workers[other].throw(TransportError(f"worker {other}: the simulation stopped: worker "
+                                                                f"{rank} failed: {type(e).__name__}: {e}"))
+                        except Exception:
+                            pass
+                    done[other] = True
+                group.runnable.clear()
+                continue
+            if workers[rank].dead:
+                results[rank], done[rank] = value, True
+    finally:
+        group.hub = None
+        torch.set_grad_enabled(grad)
+        for g in workers:
+            if g and not g.dead:
+                g.throw(greenlet.GreenletExit)  # unwind (Ctrl-C or an error above)
+    if failure is not None:
+        raise failure[1]
     return results
