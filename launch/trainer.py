@@ -243,6 +243,7 @@ class Trainer:
         comm = mine.get("comm", {})
         self.transport.stats.bytes_sent = int(comm.get("bytes_sent", 0))
         self.transport.stats.bytes_received = int(comm.get("bytes_received", 0))
+        self.transport.stats.peak_bytes = int(comm.get("peak_bytes", 0))
 
     def save(self) -> Optional[Path]:
         """Rank 0 writes; algorithms whose workers differ first gather every worker's state (a collective)."""
@@ -400,7 +401,7 @@ class Trainer:
         summary = {
             "val_loss": val, "steps": self.step, "tokens": sum(w["tokens"] for w in workers),
             "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "wall_s": self.wall_s(),
-            "algorithm": self.cfg.algo.name, "workers": workers, "num_workers": self.world,
+            "peak_bytes_per_exchange": stats.peak_bytes, "algorithm": self.cfg.algo.name, "workers": workers, "num_workers": self.world,
             "skipped_steps": self.algo.skipped_steps, "run_dir": str(self.run_dir),
             **self.transport.summary(),
         }

@@ -53,7 +53,7 @@ def test_unknown_section_in_file_names_file_suggestion_and_sections(tmp_path):
     assert msg.startswith(path + ":"), msg
     assert "unknown section 'modle'" in msg
     assert "did you mean 'model'" in msg
-    assert "sections are: model, data, optim, algo, compress, transport, log, run" in msg
+    assert "sections are: model, data, optim, algo, sync, compress, transport, log, run, sim" in msg
     assert_one_line(msg)
 
 
@@ -565,9 +565,28 @@ def test_defaults_do_not_share_mutable_state():
 def test_every_preset_loads_and_differs_from_defaults(preset):
     path = Path(__file__).parent.parent / "configs" / preset
     cfg, builder = load_config([str(path)])
-    assert builder.sources and all(src == str(path) for src in builder.sources.values())
+    assert builder.sources
+    own = {k for k, src in builder.sources.items() if src == str(path)}
+    assert own, f"{preset} sets nothing of its own"
     # presets hold only differences: no key repeats its default
     defaults = Config().to_dict()
-    for key in builder.sources:
+    for key in own:
         section, name = key.split(".")
         assert cfg.to_dict()[section][name] != defaults[section][name], f"{preset}: {key} repeats the default"
+
+
+def test_extends_layers_a_parent_file_and_refuses_cycles(tmp_path):
+    parent = write(tmp_path, "parent.yaml", "optim:\n  lr: 0.002\nrun:\n  seed: 4\n")
+    child = write(tmp_path, "child.yaml", "extends: parent.yaml\nrun:\n  seed: 9\n")
+    cfg, builder = load_config([child])
+    assert cfg.optim.lr == 0.002 and cfg.run.seed == 9
+    assert builder.where("optim.lr") == str((tmp_path / "parent.yaml").resolve())
+    a = write(tmp_path, "a.yaml", "extends: b.yaml\n")
+    write(tmp_path, "b.yaml", "extends: a.yaml\n")
+    assert "cycle" in error_of([a])
+    assert "not found" in error_of([write(tmp_path, "c.yaml", "extends: nope.yaml\n")])
+
+
+def test_preset_names_resolve_to_the_configs_folder():
+    cfg, _ = load_config(["simulate"])
+    assert cfg.algo.name == "diloco" and cfg.data.seq_len == 128  # its own keys and tiny's

@@ -29,10 +29,11 @@ class CommStats:
     bytes_received: int = 0
     collectives: int = 0
     seconds: float = 0.0
+    peak_bytes: int = 0  # the most bytes one exchange (one all_reduce_ call) put on the wire
 
     def as_dict(self) -> dict[str, float]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "collectives": self.collectives, "comm_s": self.seconds}
+                "collectives": self.collectives, "comm_s": self.seconds, "peak_bytes": self.peak_bytes}
 
 
 class Handle:
@@ -114,6 +115,7 @@ class Transport(ABC):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         if self.world_size == 1 or not tensors:
             return
+        before = self.stats.bytes_sent
         for bucket in _buckets(tensors, self.bucket_bytes):
             flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
             self._all_reduce_sum_(flat)
@@ -124,6 +126,7 @@ class Transport(ABC):
             for t in bucket:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
+        self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes_sent - before)
 
     def all_reduce_async_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> Handle:
         """Start ``all_reduce_``; the tensors hold the result once the handle's ``wait()`` returns.

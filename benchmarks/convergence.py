@@ -1,0 +1,219 @@
+"""Loss against bytes: DDP, DiLoCo at several H, Streaming DiLoCo and one worker, side by side.
+
+    python benchmarks/convergence.py                                  # tiny, 4 workers, 1200 steps, seeds 0,1,2
+    python benchmarks/convergence.py --steps 300 --seeds 0 --methods ddp,diloco-h50
+    python benchmarks/convergence.py --model small --out benchmarks/results/convergence_gpu.md   # on a GPU
+
+Every multi-worker method runs in the simulator with the same workers, per-worker batch, steps and seeds,
+so all see the same tokens (``single`` is one of those workers alone: the same steps on 1/M of the tokens,
+as in the DiLoCo paper's baseline). Reported per method: the median final validation loss over seeds, its
+gap to DDP, bytes sent per worker and DDP's bytes over them, the peak bytes of one exchange, and, with the
+network model (default 1 Gbit/s, 80 ms), the virtual wall-clock of the whole run and to reach DDP's final
+loss. Virtual compute per step is fixed (``--step-time``, default: measured once here) so timings of all
+methods compare. Writes a Markdown table (``--out``) and a plot of validation loss vs tokens and vs bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+METHODS = {
+    "single": ["algo.name=ddp", "sim.workers=1"],
+    "ddp": ["algo.name=ddp"],
+    "diloco-h10": ["algo.name=diloco", "algo.inner_steps=10"],
+    "diloco-h50": ["algo.name=diloco", "algo.inner_steps=50"],
+    "diloco-h100": ["algo.name=diloco", "algo.inner_steps=100"],
+    "streaming-h50-p4": ["algo.name=streaming", "algo.inner_steps=50", "algo.fragments=4", "algo.overlap_steps=5",
+                         "algo.mix_alpha=0.5"],
+}
+
+
+def measure_step_time(args, data) -> float:
+    """Median seconds of one training step of one worker on this device."""
+    from launch.config import load_config
+    from launch.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, _ = load_config([], _base(args, 0) + ["run.max_steps=25", f"run.dir={tmp}"])
+        trainer = Trainer(cfg, data=data)
+        times = []
+        trainer.transport.advance_compute = times.append  # the loop reports each step's compute time here
+        trainer.fit()
+    return statistics.median(times[5:])
+
+
+def _base(args, seed: int) -> list[str]:
+    return [f"model.size={args.model}", f"data.seq_len={args.seq_len}", f"run.batch_size={args.batch_size}",
+            f"run.max_steps={args.steps}", f"run.seed={seed}", f"run.eval_every={max(1, args.steps // args.evals)}",
+            f"run.eval_batches={args.eval_batches}", "run.checkpoint_every=0", "log.plot=false", "log.progress=off",
+            f"log.every={max(1, args.steps // args.evals)}", f"sim.workers={args.workers}", "sim.baseline=none",
+            f"optim.lr={args.lr}", f"optim.warmup_steps={args.warmup}", "optim.weight_decay=0.05",
+            f"sim.bandwidth={args.bandwidth}", f"sim.latency={args.latency}"] + \
+        ([f"run.device={args.device}"] if args.device else [])
+
+
+def run_one(args, method: str, seed: int, data, step_time: float, out_dir: Path) -> dict[str, Any]:
+    from launch.config import load_config
+    from launch.metrics import read_metrics
+    from launch.simulate import simulate_once
+
+    run_dir = out_dir / f"{method}-seed{seed}"
+    cfg, _ = load_config([], _base(args, seed) + METHODS[method] + [f"sim.step_time={step_time}",
+                                                                      f"run.dir={run_dir}"] + args.set)
+    start = time.perf_counter()
+    summary = simulate_once(cfg, data)
+    curve = [(r["tokens"], r.get("bytes_sent", 0), r.get("virtual_s", 0.0), r["val_loss"])
+             for r in read_metrics(run_dir) if r.get("val_loss") is not None]
+    return {"method": method, "seed": seed, "val_loss": summary["val_loss"], "bytes": summary["bytes_sent"],
+            "peak": summary.get("peak_bytes_per_exchange", 0), "virtual_s": summary.get("virtual_wall_s", 0.0),
+            "curve": curve, "real_s": time.perf_counter() - start}
+
+
+def time_to(curve: list, target: float) -> Optional[float]:
+    return next((v for _, _, v, loss in curve if loss <= target), None)
+
+
+def report(args, results: list[dict], step_time: float, device: str) -> str:
+    from launch.metrics import human_bytes
+
+    methods = [m for m in args.methods if any(r["method"] == m for r in results)]
+    by = {m: [r for r in results if r["method"] == m] for m in methods}
+    med = {m: statistics.median(r["val_loss"] for r in by[m]) for m in methods}
+    ddp = med.get("ddp")
+    ddp_bytes = statistics.median(r["bytes"] for r in by["ddp"]) if "ddp" in by else None
+    import torch
+
+    lines = [
+        "# Convergence: loss against bytes",
+        "",
+        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; device: {device}; torch {torch.__version__}, "
+        f"Python {platform.python_version()}",
+        f"- model {args.model}, {args.workers} workers x batch {args.batch_size} x {args.seq_len} tokens, {args.steps} inner "
+        f"steps per worker, seeds {','.join(map(str, args.seeds))}; inner AdamW lr {args.lr}, warmup {args.warmup}, cosine",
+        f"- network model: {args.bandwidth}, {args.latency} per worker; virtual compute {step_time * 1e3:.1f} ms/step",
+        f"- command: python benchmarks/convergence.py {' '.join(sys.argv[1:])}",
+        "",
+        "| method | val loss (median) | seeds | vs DDP | bytes sent / worker | DDP bytes / these | peak bytes / exchange | virtual wall | virtual time to DDP's loss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for m in methods:
+        rs = by[m]
+        b = statistics.median(r["bytes"] for r in rs)
+        reach = [time_to(r["curve"], ddp) for r in rs] if ddp is not None else []
+        reached = [t for t in reach if t is not None]
+        lines.append(
+            f"| {m} | {med[m]:.4f} | {', '.join(f'{r['val_loss']:.3f}' for r in rs)} | "
+            f"{'' if ddp is None else f'{100 * (med[m] / ddp - 1):+.1f}%'} | {human_bytes(b)} | "
+            f"{'' if not (ddp_bytes and b) else f'{ddp_bytes / b:.0f}x'} | "
+            f"{human_bytes(statistics.median(r['peak'] for r in rs))} | "
+            f"{statistics.median(r['virtual_s'] for r in rs):.1f} s | "
+            f"{f'{statistics.median(reached):.1f} s' if len(reached) == len(rs) and reached else 'not reached'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], methods: list[str], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    from launch.metrics import human_bytes
+
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for m in methods:
+        rs = [r for r in results if r["method"] == m]
+        if not rs:
+            continue
+        r = sorted(rs, key=lambda r: r["val_loss"])[len(rs) // 2]  # the median seed's curve
+        tok, byt, _, loss = zip(*r["curve"])
+        line, = ax_t.plot(tok, loss, "o-", ms=3, label=m)
+        pts = [(b, l) for b, l in zip(byt, loss) if b > 0]
+        if pts:
+            ax_b.plot(*zip(*pts), "o-", ms=3, color=line.get_color(), label=m)
+    ax_t.set_xlabel("tokens trained (all workers)")
+    ax_b.set_xlabel("bytes sent per worker")
+    ax_b.set_xscale("log")
+    ax_b.xaxis.set_major_formatter(FuncFormatter(lambda x, _: human_bytes(x)))
+    ax_b.xaxis.set_minor_formatter(NullFormatter())
+    for ax in (ax_t, ax_b):
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("validation loss vs tokens and vs bytes communicated (median seed)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--evals", type=int, default=12, help="validation points per run")
+    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--bandwidth", default="1Gbit")
+    p.add_argument("--latency", default="80ms")
+    p.add_argument("--step-time", type=float, help="virtual compute seconds per step (default: measured)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--set", action="append", default=[], help="extra config override for every run")
+    p.add_argument("--out", default="benchmarks/results/convergence_cpu.md")
+    p.add_argument("--keep-runs", help="keep run folders here (default: a temporary folder)")
+    args = p.parse_args()
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+
+    import torch
+
+    from launch.config import load_config
+    from launch.data import load_data
+    from benchmarks.simulator import device_name
+
+    cfg, _ = load_config([], _base(args, 0))
+    data = load_data(cfg.data)
+    step_time = args.step_time or measure_step_time(args, data)
+    device = device_name(args.device or "auto")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = Path(args.keep_runs or tmp)
+        for seed in args.seeds:
+            for m in args.methods:
+                r = run_one(args, m, seed, data, step_time, out_dir)
+                results.append(r)
+                print(f"[convergence] {m} seed {seed}: val {r['val_loss']:.4f}, sent {r['bytes']:,} B, "
+                      f"{r['real_s']:.0f}s", file=sys.stderr, flush=True)
+                Path(args.out).with_suffix(".json").write_text(json.dumps(results) + "\n")  # survive an interruption
+    text = report(args, results, step_time, device)
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    plot(results, args.methods, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
