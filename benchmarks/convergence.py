@@ -179,6 +179,8 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="extra config override for every run")
     p.add_argument("--out", default="benchmarks/results/convergence_cpu.md")
     p.add_argument("--keep-runs", help="keep run folders here (default: a temporary folder)")
+    p.add_argument("--report-only", action="store_true",
+                   help="rebuild the table and plot from the .json that an earlier (maybe interrupted) run saved")
     args = p.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.methods = [m for m in args.methods.split(",") if m]
@@ -192,10 +194,17 @@ def main() -> None:
     from launch.data import load_data
     from benchmarks.simulator import device_name
 
+    device = device_name(args.device or "auto")
+    saved = Path(args.out).with_suffix(".json")
+    if args.report_only:
+        state = json.loads(saved.read_text())
+        results, step_time = state["results"], state["step_time"]
+        args.seeds = sorted({r["seed"] for r in results})
+        _write(args, results, step_time, device)
+        return
     cfg, _ = load_config([], _base(args, 0))
     data = load_data(cfg.data)
     step_time = args.step_time or measure_step_time(args, data)
-    device = device_name(args.device or "auto")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(args.keep_runs or tmp)
@@ -205,7 +214,11 @@ def main() -> None:
                 results.append(r)
                 print(f"[convergence] {m} seed {seed}: val {r['val_loss']:.4f}, sent {r['bytes']:,} B, "
                       f"{r['real_s']:.0f}s", file=sys.stderr, flush=True)
-                Path(args.out).with_suffix(".json").write_text(json.dumps(results) + "\n")  # survive an interruption
+                saved.write_text(json.dumps({"step_time": step_time, "results": results}) + "\n")  # survives Ctrl-C
+    _write(args, results, step_time, device)
+
+
+def _write(args, results: list[dict], step_time: float, device: str) -> None:
     text = report(args, results, step_time, device)
     print(text)
     out = Path(args.out)
