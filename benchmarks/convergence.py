@@ -112,15 +112,16 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
     for m in methods:
         rs = by[m]
         b = statistics.median(r["bytes"] for r in rs)
+        seeds = ", ".join(f"{r['val_loss']:.3f}" for r in rs)
+        gap = "" if ddp is None else f"{100 * (med[m] / ddp - 1):+.1f}%"
+        fewer = f"{ddp_bytes / b:.0f}x" if ddp_bytes and b else ""
+        peak = human_bytes(statistics.median(r["peak"] for r in rs))
+        wall = statistics.median(r["virtual_s"] for r in rs)
         reach = [time_to(r["curve"], ddp) for r in rs] if ddp is not None else []
         reached = [t for t in reach if t is not None]
-        lines.append(
-            f"| {m} | {med[m]:.4f} | {', '.join(f'{r['val_loss']:.3f}' for r in rs)} | "
-            f"{'' if ddp is None else f'{100 * (med[m] / ddp - 1):+.1f}%'} | {human_bytes(b)} | "
-            f"{'' if not (ddp_bytes and b) else f'{ddp_bytes / b:.0f}x'} | "
-            f"{human_bytes(statistics.median(r['peak'] for r in rs))} | "
-            f"{statistics.median(r['virtual_s'] for r in rs):.1f} s | "
-            f"{f'{statistics.median(reached):.1f} s' if len(reached) == len(rs) and reached else 'not reached'} |")
+        to_ddp = f"{statistics.median(reached):.1f} s" if reached and len(reached) == len(rs) else "not reached"
+        lines.append(f"| {m} | {med[m]:.4f} | {seeds} | {gap} | {human_bytes(b)} | {fewer} | {peak} | {wall:.1f} s | "
+                     f"{to_ddp} |")
     return "\n".join(lines) + "\n"
 
 

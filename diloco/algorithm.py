@@ -79,11 +79,6 @@ class Algorithm:
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
-    def broadcast_parameters(self, src: int = 0) -> None:
-        """Make every worker start from rank ``src``'s parameters."""
-        with torch.no_grad():
-            self.transport.broadcast_tensors_([p.data for p in self.model.parameters()], src)
-
     def finalize(self) -> None:
         """Called once when training ends, before the last evaluation."""
 

@@ -81,7 +81,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=True)  # pages load on use
     except Exception as e:  # a truncated zip, a foreign pickle: all mean "not a usable checkpoint"
         raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT or not state.get("complete"):

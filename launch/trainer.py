@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from diloco import ALGORITHMS
 from diloco.comm import Transport, make_transport
-from launch.checkpoint import latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from launch.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from launch.config import Config, dump_config
 from launch.data import Batcher, TokenData, load_data
 from launch.metrics import Metrics, peak_flops, plot_runs, truncate_metrics
@@ -193,8 +193,6 @@ class Trainer:
             if self.leader:
                 print(f"[worker {self.rank}] no checkpoint in {self.ckpt_dir}: starting from step 0", flush=True)
             return None
-        from launch.checkpoint import load_checkpoint
-
         state = load_checkpoint(found, map_location="cpu")
         self.load_state(state)
         if self.leader:
