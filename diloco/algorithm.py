@@ -6,10 +6,11 @@
 
 An algorithm wraps an inner ``torch.optim.Optimizer`` and a :class:`Transport`.
 ``step()`` runs, in order: gradient exchange (DDP only), a check that the
-gradients are finite (a step with NaN/Inf gradients is skipped on every worker
-alike, so nothing non-finite reaches the model), clipping of the global norm,
-the inner optimizer step, and the algorithm's own after-step work (a DiLoCo
-round). Clipping after the exchange makes DDP equal to one worker with the
+gradients are finite (a step with NaN/Inf gradients skips its optimizer update,
+so nothing non-finite reaches the model; under DDP every worker decides alike,
+since the check follows the exchange), clipping of the global norm, the inner
+optimizer step, and the algorithm's own after-step work (a DiLoCo round), which
+runs for skipped steps too so that round schedules stay aligned. Clipping after the exchange makes DDP equal to one worker with the
 combined batch.
 """
 
@@ -46,17 +47,17 @@ class Algorithm:
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) if grads else torch.zeros(())
         grad_norm = float(norm)
-        info: dict[str, Any] = {"grad_norm": grad_norm, "skipped": False}
-        if not math.isfinite(grad_norm):
+        info: dict[str, Any] = {"grad_norm": grad_norm, "skipped": not math.isfinite(grad_norm)}
+        if info["skipped"]:
             self.skipped_steps += 1
-            info["skipped"] = True
             self.zero_grad()
-            return info
-        if self.grad_clip > 0 and grad_norm > self.grad_clip:
-            scale = self.grad_clip / (grad_norm + 1e-6)
-            for g in grads:
-                g.mul_(scale)
-        self.optimizer.step()
+        else:
+            if self.grad_clip > 0 and grad_norm > self.grad_clip:
+                scale = self.grad_clip / (grad_norm + 1e-6)
+                for g in grads:
+                    g.mul_(scale)
+            self.optimizer.step()
+        # a skipped step still counts: round schedules must stay in step on every worker
         self.steps += 1
         info.update(self._after_step())
         return info

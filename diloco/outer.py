@@ -11,8 +11,9 @@ The parameters may be split into *fragments*, each with its own outer
 optimizer and its own exchange; plain DiLoCo has one fragment, Streaming
 DiLoCo (``streaming.py``) several on staggered schedules. The global copy and
 the outer momentum can live on the CPU (``offload_outer``) to save
-accelerator memory. A worker whose weight is 0 (it did no step) adds nothing
-to the average and still takes the new global parameters.
+accelerator memory. A worker whose weight is 0 (it did no step, or its
+pseudo-gradient is not finite) adds nothing to the average and still takes the
+new global parameters, so no NaN is ever averaged into the model.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class DiLoCo(Algorithm):
             for frag in self.fragments
         ]
         self.round = 0
+        self.rejected_updates = 0  # rounds this worker sat out with a non-finite pseudo-gradient
         self.round_steps = 0  # inner steps since this worker's last full sync
         self.global_tokens = 0.0  # tokens trained by all workers, as agreed through the averages
         self.policy.start_round(self.transport.now())
@@ -85,8 +87,16 @@ class DiLoCo(Algorithm):
     def start_exchange(self, indices: Sequence[int], weight: float) -> tuple[list[torch.Tensor], torch.Tensor, Handle]:
         """Pseudo-gradients of ``indices`` times this worker's weight, and the weight, summed over workers."""
         with torch.no_grad():
-            deltas = [(self.global_params[i] - self.params[i].detach().to(self.outer_device, torch.float32)).mul_(weight)
+            deltas = [self.global_params[i] - self.params[i].detach().to(self.outer_device, torch.float32)
                       for i in indices]
+            if not all(bool(torch.isfinite(d).all()) for d in deltas):
+                # a diverged worker is left out of this average (weight 0) and re-syncs to the new global model
+                self.rejected_updates += 1
+                weight = 0.0
+                for d in deltas:
+                    d.zero_()
+            for d in deltas:
+                d.mul_(weight)
         total = torch.tensor([weight], dtype=torch.float32, device=self.outer_device)
         return deltas, total, self.transport.all_reduce_async_([*deltas, total], op="sum")
 

@@ -188,3 +188,49 @@ def test_simulator_equals_real_gloo_processes(tmp_path):
     sa = json.loads((tmp_path / "sim" / "summary.json").read_text())
     sb = json.loads((tmp_path / "real" / "summary.json").read_text())
     assert sa["bytes_sent"] == sb["bytes_sent"] > 0
+
+
+def test_a_diverged_worker_is_left_out_and_resynced():
+    """No NaN is averaged into the model: a worker with non-finite parameters sends weight 0."""
+    from diloco import DiLoCo
+    from diloco.sim import InProcessGroup, run_workers
+
+    def body(rank, transport):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1, bias=False)
+        algo = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transport, inner_steps=1,
+                      outer_lr=1.0, outer_momentum=0.0)
+        with torch.no_grad():
+            model.weight.add_(1.0 if rank == 0 else float("nan"))
+        algo.round_steps = 1
+        algo.sync()
+        return model.weight.detach().clone(), algo.rejected_updates, algo.global_tokens
+
+    (w0, r0, t0), (w1, r1, t1) = run_workers(InProcessGroup(2), body)
+    assert torch.isfinite(w0).all() and torch.equal(w0, w1)
+    torch.manual_seed(0)
+    assert torch.allclose(w0, torch.nn.Linear(3, 1, bias=False).weight.detach() + 1.0)
+    assert (r0, r1) == (0, 1) and t0 == t1 == 1.0
+
+
+def test_skipped_steps_keep_the_round_schedule():
+    """A worker that skips a non-finite step still reaches the sync with the others (no deadlock)."""
+    from diloco import DiLoCo
+    from diloco.sim import InProcessGroup, run_workers
+
+    def body(rank, transport):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1, bias=False)
+        algo = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transport, inner_steps=2)
+        infos = []
+        for step in range(4):
+            model(torch.ones(2, 3)).sum().backward()
+            if rank == 1 and step == 0:
+                model.weight.grad.fill_(float("inf"))
+            infos.append(algo.step())
+            algo.zero_grad()
+        return [bool(i.get("synced")) for i in infos], algo.skipped_steps
+
+    (s0, k0), (s1, k1) = run_workers(InProcessGroup(2), body)
+    assert s0 == s1 == [False, True, False, True]
+    assert (k0, k1) == (0, 1)
