@@ -138,3 +138,13 @@ def test_main_demo_prints_a_table_and_plots(tmp_path):
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     for key in ("bytes_sent_per_worker", "virtual_wall_s", "compute_utilization", "tokens_per_virtual_s"):
         assert key in summary
+
+
+def test_offload_paths_run_and_change_nothing_on_cpu(tmp_path):
+    common = [*QUICK, "run.max_steps=6", "sim.workers=2", "algo.name=diloco", "algo.inner_steps=3"]
+    runs = {}
+    for name, extra in (("plain", []), ("offload", ["sim.offload=true", "algo.offload_outer=true"])):
+        cfg, _ = load_config([TINY], [*common, *extra, f"run.dir={tmp_path / name}"])
+        runs[name] = simulate_once(cfg)
+    assert runs["plain"]["val_loss"] == runs["offload"]["val_loss"]
+    assert runs["plain"]["bytes_sent"] == runs["offload"]["bytes_sent"]
