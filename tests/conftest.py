@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,19 @@ def run_cli(args: list[str], timeout: float = 240, env: dict[str, str] | None = 
         out, err = proc.communicate()
         raise AssertionError(f"{args} timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err[-4000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def kill_when(proc: subprocess.Popen, ready, timeout: float = 180, poll: float = 0.005) -> int:
+    """SIGKILL ``proc``'s process group as soon as ``ready()`` holds (or at the timeout); its return code."""
+    try:
+        deadline = time.time() + timeout
+        while time.time() < deadline and not ready():
+            time.sleep(poll)
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture

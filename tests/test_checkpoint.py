@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import child_env
+from conftest import child_env, kill_when
 from launch.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, rng_state,
                                save_checkpoint, set_rng_state)
 
@@ -47,21 +45,13 @@ def test_kill_mid_write_leaves_previous_checkpoint_readable(tmp_path):
     ckpt = tmp_path / "ckpts"
     proc = subprocess.Popen([sys.executable, str(script), str(ckpt)], stdout=subprocess.PIPE, text=True,
                             env=child_env(), start_new_session=True)
-    try:
-        assert proc.stdout.readline().strip() == "first-saved"
-        deadline = time.time() + 120
-        tmp = None
-        while time.time() < deadline:  # wait until the second checkpoint is being written
-            tmp = next((p for p in ckpt.iterdir() if p.name.startswith(".step_00000002")), None)
-            if tmp is not None and tmp.stat().st_size > 1 << 20:
-                break
-            time.sleep(0.005)
-        assert tmp is not None, "the writer never started the second checkpoint"
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.stdout.readline().strip() == "first-saved"
+
+    def writing_second() -> bool:  # the second checkpoint's temp file exists and is being filled
+        tmp = next((p for p in ckpt.iterdir() if p.name.startswith(".step_00000002")), None)
+        return tmp is not None and tmp.stat().st_size > 1 << 20
+
+    kill_when(proc, writing_second, timeout=120)
     assert proc.returncode == -signal.SIGKILL, "the writer finished before it could be killed"
     assert [p.name for p in list_checkpoints(ckpt)] == ["step_00000001.pt"]
     path, state = latest_checkpoint(ckpt)

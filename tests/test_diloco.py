@@ -133,17 +133,28 @@ def test_time_mode_heterogeneous_speeds(tmp_path):
     assert summary["virtual_compute_s_per_worker"][1] == pytest.approx(summary["virtual_compute_s_per_worker"][0], rel=0.1)
 
 
-def test_weighted_average_leaves_out_a_worker_with_no_tokens():
+def _linear_diloco(transport, **kwargs):
+    """A seeded 3 -> 1 linear model under DiLoCo with inner SGD; the same start on every worker."""
     from diloco import DiLoCo
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1, bias=False)
+    return model, DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transport,
+                         **{"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0, **kwargs})
+
+
+def _linear_start() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1, bias=False).weight.detach()
+
+
+def test_weighted_average_leaves_out_a_worker_with_no_tokens():
     from diloco.sim import InProcessGroup, run_workers
 
     group = InProcessGroup(2)
 
     def body(rank, transport):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(3, 1, bias=False)
-        algo = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transport, inner_steps=1,
-                      outer_lr=1.0, outer_momentum=0.0)
+        model, algo = _linear_diloco(transport)
         with torch.no_grad():
             model.weight.add_(1.0 if rank == 0 else 100.0)  # worker 1 drifted far...
         algo.round_steps = 1 if rank == 0 else 0  # ...but trained no tokens this round
@@ -152,9 +163,7 @@ def test_weighted_average_leaves_out_a_worker_with_no_tokens():
 
     (w0, t0), (w1, t1) = run_workers(group, body)
     assert torch.equal(w0, w1)
-    torch.manual_seed(0)
-    expected = torch.nn.Linear(3, 1, bias=False).weight.detach() + 1.0
-    assert torch.allclose(w0, expected)
+    assert torch.allclose(w0, _linear_start() + 1.0)
     assert t0 == t1 == 1.0
 
 
@@ -192,14 +201,10 @@ def test_simulator_equals_real_gloo_processes(tmp_path):
 
 def test_a_diverged_worker_is_left_out_and_resynced():
     """No NaN is averaged into the model: a worker with non-finite parameters sends weight 0."""
-    from diloco import DiLoCo
     from diloco.sim import InProcessGroup, run_workers
 
     def body(rank, transport):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(3, 1, bias=False)
-        algo = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transport, inner_steps=1,
-                      outer_lr=1.0, outer_momentum=0.0)
+        model, algo = _linear_diloco(transport)
         with torch.no_grad():
             model.weight.add_(1.0 if rank == 0 else float("nan"))
         algo.round_steps = 1
@@ -208,20 +213,16 @@ def test_a_diverged_worker_is_left_out_and_resynced():
 
     (w0, r0, t0), (w1, r1, t1) = run_workers(InProcessGroup(2), body)
     assert torch.isfinite(w0).all() and torch.equal(w0, w1)
-    torch.manual_seed(0)
-    assert torch.allclose(w0, torch.nn.Linear(3, 1, bias=False).weight.detach() + 1.0)
+    assert torch.allclose(w0, _linear_start() + 1.0)
     assert (r0, r1) == (0, 1) and t0 == t1 == 1.0
 
 
 def test_skipped_steps_keep_the_round_schedule():
     """A worker that skips a non-finite step still reaches the sync with the others (no deadlock)."""
-    from diloco import DiLoCo
     from diloco.sim import InProcessGroup, run_workers
 
     def body(rank, transport):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(3, 1, bias=False)
-        algo = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), transport, inner_steps=2)
+        model, algo = _linear_diloco(transport, inner_steps=2, outer_lr=0.7, outer_momentum=0.9)
         infos = []
         for step in range(4):
             model(torch.ones(2, 3)).sum().backward()

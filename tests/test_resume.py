@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import FAST, ROOT, TINY, child_env, run_cli
+from conftest import FAST, ROOT, TINY, child_env, kill_when, run_cli
 from launch.checkpoint import list_checkpoints
 from launch.metrics import read_metrics
 from launch.trainer import RunError, train
@@ -38,15 +36,7 @@ def test_killed_run_resumes_exactly(reference, tmp_path):
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *ARGS, "--run-dir", str(run_dir)], cwd=ROOT,
                             env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline and not (run_dir / "checkpoints" / "step_00000020.pt").exists():
-            time.sleep(0.01)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    kill_when(proc, (run_dir / "checkpoints" / "step_00000020.pt").exists, poll=0.01)
     assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed"
     newest = list_checkpoints(run_dir / "checkpoints")[0].name
     assert newest < f"step_{STEPS:08d}.pt", "the kill came too late to test a resume"
