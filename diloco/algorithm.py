@@ -10,8 +10,8 @@ gradients are finite (a step with NaN/Inf gradients skips its optimizer update,
 so nothing non-finite reaches the model; under DDP every worker decides alike,
 since the check follows the exchange), clipping of the global norm, the inner
 optimizer step, and the algorithm's own after-step work (a DiLoCo round), which
-runs for skipped steps too so that round schedules stay aligned. Clipping after the exchange makes DDP equal to one worker with the
-combined batch.
+runs for skipped steps too so that round schedules stay aligned. Clipping after
+the exchange makes DDP equal to one worker with the combined batch.
 """
 
 from __future__ import annotations

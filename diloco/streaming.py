@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from diloco.comm.base import Transport
+from diloco.comm.base import Handle, Transport
 from diloco.outer import DiLoCo
 
 
@@ -121,8 +121,6 @@ class StreamingDiLoCo(DiLoCo):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from diloco.comm.base import Handle
-
         super().load_state_dict(state)
         self.fragment_steps = list(state["fragment_steps"])
         self.pending = [{**x, "handle": Handle()} for x in state["pending"]]

@@ -140,6 +140,8 @@ class Trainer:
             with torch.no_grad():
                 self.transport.broadcast_tensors_([p.data for p in self.model.parameters()], 0)
         self.algo = build_algorithm(cfg, self.model, self.optimizer, self.transport, self.tokens_per_step)
+        # rounds that end on a time budget: workers' step counts differ, so they meet only after syncs
+        self.time_rounds = self.algo.round_based and cfg.sync.mode == "time"
         for group in self.optimizer.param_groups:
             group["initial_lr"] = group["lr"]
         self.bf16 = run.precision == "bf16" or (run.precision == "auto" and self.device.type == "cuda")
@@ -282,9 +284,6 @@ class Trainer:
             group["lr"] = group["initial_lr"] * factor
         return self.optimizer.param_groups[0]["lr"]
 
-    def _time_rounds(self) -> bool:
-        return bool(self.algo.round_based and getattr(self.algo, "policy", None) and self.algo.policy.mode == "time")
-
     def _should_stop(self, synced: bool) -> bool:
         """Stop where every worker stops too: DDP at any step, round-based algorithms after a sync.
 
@@ -292,7 +291,7 @@ class Trainer:
         (max_steps x batch tokens x workers) checked against the tokens all workers agreed on in the averages.
         """
         run = self.cfg.run
-        if self._time_rounds():
+        if self.time_rounds:
             stop = synced and bool(run.max_steps) and \
                 self.algo.global_tokens >= run.max_steps * self.tokens_per_step * self.world
         else:
@@ -308,7 +307,7 @@ class Trainer:
         every = self.cfg.run.checkpoint_every
         if not every:
             return False
-        if self._time_rounds():  # a round count every worker shares
+        if self.time_rounds:  # a round count every worker shares
             rounds = max(1, -(-every // self.cfg.algo.inner_steps))
             return synced and self.algo.round % rounds == 0
         return self.step % every == 0
@@ -340,7 +339,7 @@ class Trainer:
                 self.algo.zero_grad()
                 self.step += 1
                 if info.get("skipped"):
-                    m.info(f"non-finite gradients (norm {info['grad_norm']}): step skipped on every worker; "
+                    m.info(f"non-finite gradients (norm {info['grad_norm']}): this step's update was skipped; "
                            f"lower optim.lr or set optim.grad_clip", self.step)
                 window_loss += step_loss
                 window_steps += 1
@@ -376,7 +375,7 @@ class Trainer:
 
     def tokens_seen(self) -> int:
         """Tokens trained by all workers (with time-budgeted rounds: as agreed at the last sync)."""
-        if self._time_rounds():
+        if self.time_rounds:
             return int(self.algo.global_tokens)
         return self.step * self.tokens_per_step * self.world
 
@@ -399,7 +398,8 @@ class Trainer:
         summary = {
             "val_loss": val, "steps": self.step, "tokens": sum(w["tokens"] for w in workers),
             "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "wall_s": self.wall_s(),
-            "peak_bytes_per_exchange": stats.peak_bytes, "algorithm": self.cfg.algo.name, "workers": workers, "num_workers": self.world,
+            "peak_bytes_per_exchange": stats.peak_bytes, "algorithm": self.cfg.algo.name, "workers": workers,
+            "num_workers": self.world,
             "skipped_steps": self.algo.skipped_steps, "run_dir": str(self.run_dir),
             **self.transport.summary(),
         }
