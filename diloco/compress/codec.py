@@ -1,0 +1,427 @@
+"""Codec chains: ``make_codec("topk:0.02+2bit+zstd")`` -> an object with ``encode`` / ``decode``.
+
+A chain is up to four stages, in this order, joined by ``+``:
+
+==========  ==========================================  ==========================================
+stage       what it does                                options (``name:opt=value,...``)
+==========  ==========================================  ==========================================
+``dct``     orthonormal DCT-II per chunk (1-D)          ``chunk`` (64)
+``topk``    per chunk keep the k largest |values|,      ``density`` (0.02) or ``k``, ``chunk`` (4096,
+            indices in ceil(log2 chunk) bits, error     a power of two), ``ef`` (1.0: error-feedback
+            feedback for what was not sent              decay; 0 turns it off)
+values      ``fp32`` ``bf16`` ``fp16``                  -
+            ``int8`` ``int4`` ``fp4`` ``2bit``          ``block`` (int8 256, others 128)
+``zstd``    zstandard over the packed bytes             ``level`` (3)
+==========  ==========================================  ==========================================
+
+Each stage takes one positional option (``topk:0.02``, ``int8:128``, ``zstd:9``); for
+``topk`` a number below 1 is a density and a whole number is k. The value stage
+defaults to ``fp32`` (``topk+zstd`` sends fp32 values).
+
+``encode(tensor, key)`` returns the wire bytes (header + payload, see ``wire.py``); their
+length is exactly what crosses the network. Top-k's error feedback keeps one residual
+per ``key`` (one per buffer the caller encodes repeatedly); the quantization error of the
+values that were sent goes into the residual too. ``decode`` validates the header, the
+exact section sizes, indices and values before it returns, and raises
+:class:`CorruptPayload` for anything wrong; it never returns NaN or Inf.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Optional
+
+import torch
+import zstandard
+
+from diloco.compress import wire
+from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
+from diloco.compress.dct import dct_chunks, idct_chunks, padded_length
+from diloco.compress.kernels import quant as q
+from diloco.compress.kernels import topk as tk
+from diloco.compress.wire import CorruptPayload
+
+VALUE_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4", "fp4", "2bit")
+STAGE_ORDER = ("dct", "topk", "value", "zstd")
+DEFAULT_BLOCK = {"int8": 256, "int4": 128, "fp4": 128, "2bit": 128}
+MAX_SCALE = 1e36  # a received scale above this could overflow once multiplied and summed
+_FLOAT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_FLOAT_MAX = {"fp16": 65504.0, "bf16": float(torch.finfo(torch.bfloat16).max)}
+STAGE_NAMES = ("dct", "topk", *VALUE_FORMATS, "zstd")
+
+
+class CodecSpecError(ValueError):
+    """A codec chain string that cannot be parsed (unknown stage, bad option, wrong order)."""
+
+
+@dataclass
+class ChainSpec:
+    dct_chunk: Optional[int] = None
+    topk_chunk: Optional[int] = None
+    topk_k: int = 0
+    ef_decay: float = 1.0
+    value: str = "fp32"
+    block: int = 0
+    zstd_level: Optional[int] = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def canonical(self) -> str:
+        parts = []
+        if self.dct_chunk is not None:
+            parts.append(f"dct:chunk={self.dct_chunk}")
+        if self.topk_chunk is not None:
+            parts.append(f"topk:chunk={self.topk_chunk},k={self.topk_k},ef={self.ef_decay:g}")
+        parts.append(f"{self.value}:block={self.block}" if self.value in q.FORMATS else self.value)
+        if self.zstd_level is not None:
+            parts.append(f"zstd:level={self.zstd_level}")
+        return "+".join(parts)
+
+
+def _number(stage: str, key: str, text: str, kind: type) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise CodecSpecError(f"codec stage {stage!r}: option {key}={text!r} is not a{'n integer' if kind is int else ' number'}") from None
+    if kind is float and not math.isfinite(value):
+        raise CodecSpecError(f"codec stage {stage!r}: option {key}={text!r} must be finite")
+    return value
+
+
+def parse_chain(text: str) -> ChainSpec:
+    """Parse and check a chain string; errors name the stage and option."""
+    if not isinstance(text, str) or not text.strip():
+        raise CodecSpecError("the codec chain is empty (examples: fp32, int8, topk:0.02+2bit+zstd)")
+    spec = ChainSpec()
+    seen: list[str] = []  # roles so far
+    names: list[str] = []
+    for raw in text.strip().split("+"):
+        raw = raw.strip()
+        name, _, opts_text = raw.partition(":")
+        name = name.strip().lower()
+        if name not in STAGE_NAMES:
+            raise CodecSpecError(f"unknown codec stage {name!r} in {text!r}; stages: {', '.join(STAGE_NAMES)}")
+        role = "value" if name in VALUE_FORMATS else name
+        if role in seen:
+            raise CodecSpecError(f"codec chain {text!r} has more than one {role} stage")
+        if seen and STAGE_ORDER.index(role) < STAGE_ORDER.index(seen[-1]):
+            raise CodecSpecError(f"codec chain {text!r}: stage {name!r} must come before {names[-1]!r} "
+                                 f"(order: dct, topk, a value format, zstd)")
+        seen.append(role)
+        names.append(name)
+        opts: dict[str, str] = {}
+        for item in filter(None, (s.strip() for s in opts_text.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq:
+                key, value = "", item
+            if key in opts:
+                raise CodecSpecError(f"codec stage {name!r}: option {key or 'positional'!r} given twice")
+            opts[key.strip()] = value.strip()
+        _apply_stage(spec, name, opts)
+    if spec.value in q.FORMATS and not spec.block:
+        spec.block = DEFAULT_BLOCK[spec.value]
+    return spec
+
+
+def _apply_stage(spec: ChainSpec, name: str, opts: dict[str, str]) -> None:
+    def take(allowed: tuple[str, ...]) -> dict[str, str]:
+        if "" in opts:
+            if not allowed:
+                raise CodecSpecError(f"codec stage {name!r} takes no options, got {opts['']!r}")
+            if allowed[0] in opts:
+                raise CodecSpecError(f"codec stage {name!r}: option {allowed[0]!r} given twice")
+            opts[allowed[0]] = opts.pop("")
+        unknown = [k for k in opts if k not in allowed]
+        if unknown:
+            raise CodecSpecError(f"codec stage {name!r}: unknown option {unknown[0]!r} (options: {', '.join(allowed)})")
+        return opts
+
+    if name == "dct":
+        o = take(("chunk",))
+        spec.dct_chunk = _number(name, "chunk", o.get("chunk", "64"), int)
+        if not 1 <= spec.dct_chunk <= 4096:
+            raise CodecSpecError(f"codec stage 'dct': chunk must be in [1, 4096], got {spec.dct_chunk}")
+    elif name == "topk":
+        o = take(("density", "k", "chunk", "ef"))
+        chunk = _number(name, "chunk", o.get("chunk", "4096"), int)
+        if chunk < 2 or chunk > 65536 or chunk & (chunk - 1):
+            raise CodecSpecError(f"codec stage 'topk': chunk must be a power of two in [2, 65536], got {chunk}")
+        if "density" in o and "k" in o:
+            raise CodecSpecError("codec stage 'topk': give density or k, not both")
+        if "density" in o:
+            d = _number(name, "density", o["density"], float)
+            if d >= 1 and d == int(d) and "." not in o["density"]:
+                k = int(d)  # topk:41 -> k = 41
+            elif 0 < d <= 1:
+                k = max(1, round(d * chunk))
+            else:
+                raise CodecSpecError(f"codec stage 'topk': density must be in (0, 1], got {o['density']}")
+        else:
+            k = _number(name, "k", o.get("k", str(max(1, round(0.02 * chunk)))), int)
+        if not 1 <= k <= chunk:
+            raise CodecSpecError(f"codec stage 'topk': k must be in [1, chunk={chunk}], got {k}")
+        ef = _number(name, "ef", o.get("ef", "1"), float)
+        if not 0.0 <= ef <= 1.0:
+            raise CodecSpecError(f"codec stage 'topk': ef (error-feedback decay) must be in [0, 1], got {ef}")
+        spec.topk_chunk, spec.topk_k, spec.ef_decay = chunk, k, ef
+    elif name in q.FORMATS:
+        o = take(("block",))
+        spec.value = name
+        spec.block = _number(name, "block", o.get("block", str(DEFAULT_BLOCK[name])), int)
+        try:
+            q.check_block(spec.block, name)
+        except ValueError as e:
+            raise CodecSpecError(f"codec stage {name!r}: {e}") from None
+    elif name in VALUE_FORMATS:
+        take(())
+        spec.value = name
+    else:  # zstd
+        o = take(("level",))
+        spec.zstd_level = _number(name, "level", o.get("level", "3"), int)
+        if not -7 <= spec.zstd_level <= 22:
+            raise CodecSpecError(f"codec stage 'zstd': level must be in [-7, 22], got {spec.zstd_level}")
+
+
+@dataclass
+class CodecStats:
+    tensors: int = 0
+    raw_bytes: int = 0  # fp32 bytes of what was encoded
+    wire_bytes: int = 0  # bytes encode returned
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.wire_bytes if self.wire_bytes else float("nan")
+
+
+class Codec:
+    """One worker's codec: a parsed chain plus its error-feedback residuals (state)."""
+
+    def __init__(self, chain: str = "fp32", max_numel: int = 1 << 31) -> None:
+        self.spec = parse_chain(chain)
+        self.chain = self.spec.canonical()
+        self.max_numel = max_numel
+        self.residuals: dict[Hashable, torch.Tensor] = {}
+        self.stats = CodecStats()
+        s = self.spec
+        self.is_identity = self.chain == "fp32"
+        self.lossless = s.dct_chunk is None and s.topk_chunk is None and s.value == "fp32"
+        self.error_feedback = s.topk_chunk is not None and s.ef_decay > 0
+        align = 1
+        for a in (s.dct_chunk, s.topk_chunk, s.block or None):
+            if a:
+                align = align * a // math.gcd(align, a)
+        self.align = align  # shard boundaries at multiples of this keep chunks and blocks whole
+        self._zc = zstandard.ZstdCompressor(level=s.zstd_level) if s.zstd_level is not None else None
+        self._zd = zstandard.ZstdDecompressor()
+
+    def __repr__(self) -> str:
+        return f"Codec({self.chain!r})"
+
+    # ---- sizes ------------------------------------------------------------------------------
+    def _layout(self, numel: int) -> tuple[int, int, int, int]:
+        """(dense length, values sent, index bytes, value bytes) for a tensor of ``numel`` elements."""
+        s = self.spec
+        dense = padded_length(numel, s.dct_chunk) if s.dct_chunk else numel
+        if s.topk_chunk:
+            count = tk.selected_count(dense, s.topk_chunk, s.topk_k)
+            index_bytes = packed_size(count, bits_for(s.topk_chunk))
+        else:
+            count, index_bytes = dense, 0
+        if s.value in q.FORMATS:
+            value_bytes = 4 * q.num_blocks(count, s.block) + q.packed_bytes(count, s.value)
+        else:
+            value_bytes = _FLOAT_BYTES[s.value] * count
+        return dense, count, index_bytes, value_bytes
+
+    def payload_bytes(self, numel: int) -> int:
+        """Bytes of the payload before zstd (the exact wire size when the chain has no zstd stage)."""
+        _, _, ib, vb = self._layout(numel)
+        return ib + vb
+
+    # ---- encode -----------------------------------------------------------------------------
+    def encode(self, tensor: torch.Tensor, key: Hashable = None) -> bytes:
+        if tensor.dtype not in wire.DTYPE_CODES:
+            raise ValueError(f"cannot encode a tensor of dtype {tensor.dtype}")
+        if tensor.numel() > self.max_numel:
+            raise ValueError(f"tensor of {tensor.numel()} elements is above this codec's limit of {self.max_numel}")
+        x = tensor.detach().reshape(-1).float()
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError("cannot encode a tensor with NaN or Inf values")
+        s = self.spec
+        numel = x.numel()
+        dense, count, _, _ = self._layout(numel)
+        if s.dct_chunk:
+            x = dct_chunks(x, s.dct_chunk)
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError("values too large to encode: the DCT overflows float32")
+        sections: list[bytes] = []  # values (scales first), then the packed indices
+        index_section = b""
+        residual = None
+        flat_idx = None
+        if s.topk_chunk:
+            if self.error_feedback:
+                residual = self._residual(key, dense, x.device)
+            idx, values = tk.topk_chunks(x, s.topk_chunk, s.topk_k, residual, s.ef_decay)
+            index_section = _bytes(pack_bits(idx, bits_for(s.topk_chunk)))
+            if residual is not None:
+                chunk_of = torch.arange(count, device=x.device) // s.topk_k
+                flat_idx = idx.long() + chunk_of * s.topk_chunk
+        else:
+            values = x
+        if s.value in q.FORMATS:
+            packed, scales = q.quantize(values, s.block, s.value)
+            if scales.numel() and float(scales.max()) > MAX_SCALE:
+                raise ValueError(f"values too large to encode with {s.value} (a block scale above {MAX_SCALE:g})")
+            sections += [_bytes(scales), _bytes(packed)]
+            if flat_idx is not None:  # what quantization lost also waits in the residual
+                sent = q.dequantize(packed, scales, count, s.block, s.value)
+                residual.index_add_(0, flat_idx, values - sent)
+        else:
+            if s.value in _FLOAT_MAX:
+                values = values.clamp(-_FLOAT_MAX[s.value], _FLOAT_MAX[s.value])
+            cast = values.to(_FLOAT_DTYPES[s.value])
+            sections.append(_bytes(cast))
+            if flat_idx is not None and s.value != "fp32":
+                residual.index_add_(0, flat_idx, values - cast.float())
+        payload = b"".join(sections) + index_section
+        if self._zc is not None:
+            payload = self._zc.compress(payload)
+        out = wire.pack(payload, tensor.dtype, tuple(tensor.shape), self.chain)
+        self.stats.tensors += 1
+        self.stats.raw_bytes += 4 * numel
+        self.stats.wire_bytes += len(out)
+        return out
+
+    def _residual(self, key: Hashable, length: int, device: torch.device) -> torch.Tensor:
+        r = self.residuals.get(key)
+        if r is None or r.numel() != length:  # new buffer (or its size changed: the group did): start empty
+            r = self.residuals[key] = torch.zeros(length, dtype=torch.float32, device=device)
+        elif r.device != torch.device(device):
+            r = self.residuals[key] = r.to(device)
+        return r
+
+    # ---- decode -----------------------------------------------------------------------------
+    def decode(self, payload: bytes | bytearray | memoryview, *, expect_numel: Optional[int] = None,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+        """The tensor (its shape and dtype from the header); raises CorruptPayload for any bad input."""
+        header = self.check(payload, expect_numel)
+        body = self._body(payload, header)  # sizes checked before the tensor is allocated
+        out = torch.zeros(header.numel, dtype=torch.float32, device=device)
+        self._accumulate(body, header, out, 1.0)
+        result = out.view(header.shape).to(header.dtype)
+        if header.dtype != torch.float32 and not bool(torch.isfinite(result).all()):
+            raise CorruptPayload(f"decoded values overflow {header.dtype}")
+        return result
+
+    def decode_accumulate_(self, payload: bytes | bytearray | memoryview, out: torch.Tensor, weight: float = 1.0) -> None:
+        """``out += weight * decode(payload)`` (``out``: fp32, flat, of the payload's size), fused where a kernel is."""
+        header = self.check(payload, out.numel())
+        self._accumulate(self._body(payload, header), header, out, weight)
+
+    def check(self, payload: bytes | bytearray | memoryview, expect_numel: Optional[int] = None) -> wire.Header:
+        header = wire.parse_header(payload, self.max_numel)
+        if header.chain != self.chain:
+            raise CorruptPayload(f"codec mismatch: the payload was encoded with {header.chain!r}, this worker uses "
+                                 f"{self.chain!r}")
+        if expect_numel is not None and header.numel != expect_numel:
+            raise CorruptPayload(f"shape mismatch: the payload holds {header.numel} values ({header.shape}), "
+                                 f"expected {expect_numel}")
+        return header
+
+    def _body(self, payload: bytes | bytearray | memoryview, header: wire.Header) -> bytes | memoryview:
+        """The payload after the header (decompressed), of exactly the size the chain needs for its shape."""
+        _, _, index_bytes, value_bytes = self._layout(header.numel)
+        body = memoryview(payload)[header.offset:]
+        expected = index_bytes + value_bytes
+        if self._zc is not None:
+            body = self._unzstd(body, expected)
+        if len(body) != expected:
+            raise CorruptPayload(f"payload of {len(body)} bytes, the chain {self.chain!r} needs {expected} for "
+                                 f"{header.numel} values")
+        return body
+
+    def _accumulate(self, body: bytes | memoryview, header: wire.Header, out: torch.Tensor, weight: float) -> None:
+        s = self.spec
+        numel = header.numel
+        dense, count, index_bytes, value_bytes = self._layout(numel)
+        expected = index_bytes + value_bytes
+        data = torch.frombuffer(bytearray(body), dtype=torch.uint8) if expected else torch.zeros(0, dtype=torch.uint8)
+        data = data.to(out.device)
+        val_data, idx_data = data[:value_bytes], data[value_bytes:]  # both start 4-byte aligned or are bytes
+        flat = None
+        if s.topk_chunk:
+            flat = self._indices(idx_data, dense, count)
+        fused = flat is None and not s.dct_chunk
+        if s.value in q.FORMATS:
+            nb = q.num_blocks(count, s.block)
+            scales = val_data[:4 * nb].view(torch.float32)
+            if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()) or bool((scales > MAX_SCALE).any()):
+                raise CorruptPayload("quantization scales out of range (negative, non-finite or above 1e36)")
+            packed = val_data[4 * nb:]
+            if fused:  # unpack + dequantize + weighted accumulate in one kernel
+                q.dequantize(packed, scales, count, s.block, s.value, out=out, weight=weight, accumulate=True)
+                if not bool(torch.isfinite(out).all()):
+                    raise CorruptPayload("decoded values overflow the accumulator")
+                return
+            values = q.dequantize(packed, scales, count, s.block, s.value)
+        else:
+            values = val_data.view(_FLOAT_DTYPES[s.value]).float()
+            if not bool(torch.isfinite(values).all()):
+                raise CorruptPayload("payload holds NaN or Inf values")
+        if flat is not None:
+            coeffs = torch.zeros(dense, dtype=torch.float32, device=out.device)
+            coeffs[flat] = values
+        else:
+            coeffs = values
+        x = idct_chunks(coeffs, s.dct_chunk, numel) if s.dct_chunk else coeffs
+        if not bool(torch.isfinite(x).all()):
+            raise CorruptPayload("decoded values overflow")
+        out.add_(x, alpha=weight)
+
+    def _unzstd(self, body: memoryview, expected: int) -> bytes:
+        try:
+            declared = zstandard.frame_content_size(body)
+        except zstandard.ZstdError as e:
+            raise CorruptPayload(f"zstd frame: {e}") from None
+        if declared not in (-1, expected):
+            raise CorruptPayload(f"zstd frame declares {declared} bytes, the chain needs {expected}")
+        try:
+            raw = self._zd.decompress(body, max_output_size=expected)
+        except zstandard.ZstdError as e:
+            raise CorruptPayload(f"zstd: {e}") from None
+        return raw
+
+    def _indices(self, data: torch.Tensor, dense: int, count: int) -> torch.Tensor:
+        """Flat positions of the sent values; each chunk's indices must be in range and strictly increasing."""
+        s = self.spec
+        chunk, k = s.topk_chunk, s.topk_k
+        idx = unpack_bits(data, bits_for(chunk), count)
+        full, last = divmod(dense, chunk)
+        rows = [idx[: full * k].view(full, k)] if full else []
+        if last:
+            rows.append(idx[full * k:].view(1, -1))
+        for r, limit in zip(rows, [chunk] * bool(full) + [last] * bool(last)):
+            if r.numel() and (bool((r >= limit).any()) or bool((r[:, 1:] <= r[:, :-1]).any())):
+                raise CorruptPayload("top-k indices out of range or not strictly increasing within a chunk")
+        chunk_of = torch.arange(count, device=data.device) // k
+        return idx + chunk_of * chunk
+
+    # ---- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"chain": self.chain, "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("chain") != self.chain:
+            raise ValueError(f"codec state is for {state.get('chain')!r}, this codec is {self.chain!r}")
+        self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def make_codec(chain: str = "fp32", max_numel: int = 1 << 31) -> Codec:
+    """A codec for the chain string (the config value ``compress.codec``)."""
+    return Codec(chain, max_numel)
+

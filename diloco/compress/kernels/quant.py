@@ -1,0 +1,262 @@
+"""Blockwise quantization: quantize + pack, and unpack + dequantize (+ weighted accumulate).
+
+Formats (``fmt``), each with one fp32 scale per block of ``block`` values:
+
+* ``int8``: scale = absmax / 127, q = clamp(floor(x / scale + 0.5), -127, 127), one byte each.
+* ``int4``: scale = absmax / 7, q in [-7, 7] stored as q + 8, two values a byte.
+* ``fp4``: E3M0, sign + 3-bit exponent e: value = sign * scale * 2**(e - 7) for e in 1..7,
+  e = 0 is zero; scale = absmax; rounds to the nearest level. Two values a byte.
+* ``2bit``: four levels (q - 1.5) * scale, q in 0..3, scale = absmax / 1.5 (no zero level:
+  meant for top-k values, which are all large). Four values a byte.
+
+Value i of a byte sits at bits ``[i*b, (i+1)*b)``, low bits first. Integer outputs (codes and
+their packing) are byte-identical between the kernel and the reference; scales are computed
+with correctly rounded division in both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diloco.compress.kernels import HAVE_TRITON, require_triton, use_triton
+
+# fmt -> (format id, bits per value, values per byte)
+FORMATS = {"int8": (0, 8, 1), "int4": (1, 4, 2), "fp4": (2, 4, 2), "2bit": (3, 2, 4)}
+_QMAX = {"int8": 127.0, "int4": 7.0}
+# fp4 decision thresholds, as fractions of the scale: e >= j when |x| >= scale * _FP4_T[j-1]
+_FP4_T = (2.0**-7, 0.75 * 2.0**-5, 0.75 * 2.0**-4, 0.75 * 2.0**-3, 0.75 * 2.0**-2, 0.75 * 2.0**-1, 0.75)
+
+
+def packed_bytes(n: int, fmt: str) -> int:
+    per = FORMATS[fmt][2]
+    return -(-n // per)
+
+
+def num_blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def check_block(block: int, fmt: str) -> None:
+    if block < 4 or block > 65536 or block & (block - 1):
+        raise ValueError(f"{fmt} block size must be a power of two in [4, 65536], got {block}")
+
+
+# ---------------------------------------------------------------------------------------------
+# torch reference
+# ---------------------------------------------------------------------------------------------
+def quantize_ref(x: torch.Tensor, block: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (fp32, 1-D) -> (packed codes uint8 of ``packed_bytes(n, fmt)``, scales fp32 of ``num_blocks``)."""
+    _, bits, per = FORMATS[fmt]
+    n = x.numel()
+    nb = num_blocks(n, block)
+    xp = x.reshape(-1).float()
+    if nb * block != n:
+        xp = torch.cat([xp, xp.new_zeros(nb * block - n)])
+    xp = xp.view(nb, block)
+    amax = xp.abs().amax(dim=1) if nb else xp.new_zeros(0)
+    if fmt in _QMAX:
+        qmax = _QMAX[fmt]
+        scale = amax / qmax
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
+        q = torch.floor(xp / safe + 0.5).clamp_(-qmax, qmax).to(torch.int32)
+        codes = q & 0xFF if fmt == "int8" else q + 8
+    elif fmt == "fp4":
+        scale = amax
+        a = xp.abs()
+        e = torch.zeros_like(xp, dtype=torch.int32)
+        for t in _FP4_T:
+            e += (a >= scale[:, None] * t).to(torch.int32)
+        codes = torch.where((xp < 0) & (e > 0), e + 8, e)
+    else:  # 2bit
+        scale = amax / 1.5
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
+        codes = (torch.floor(xp / safe) + 2.0).clamp_(0.0, 3.0).to(torch.int32)
+    codes = codes.reshape(-1)
+    if per > 1:
+        codes = codes.view(-1, per) << torch.arange(0, bits * per, bits, device=x.device, dtype=torch.int32)
+        codes = codes.sum(dim=1, dtype=torch.int32)
+    return codes.to(torch.uint8)[:packed_bytes(n, fmt)].contiguous(), scale.contiguous()
+
+
+def dequantize_ref(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int, fmt: str,
+                   out: torch.Tensor | None = None, weight: float = 1.0, accumulate: bool = False) -> torch.Tensor:
+    """Codes -> fp32 values; with ``accumulate``, ``out += weight * values`` instead (``out`` given)."""
+    _, bits, per = FORMATS[fmt]
+    if fmt == "int8":
+        codes = packed.view(torch.int8).to(torch.int32)
+    else:
+        shifts = torch.arange(0, bits * per, bits, device=packed.device, dtype=torch.int32)
+        codes = ((packed.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:n]
+    scale = scales.float().repeat_interleave(block)[:n] if n else scales.new_zeros(0)
+    if fmt == "int8":
+        values = codes.float() * scale
+    elif fmt == "int4":
+        values = (codes - 8).float() * scale
+    elif fmt == "fp4":
+        e = codes & 7
+        pow2 = ((e + 120) << 23).view(torch.float32)
+        mag = torch.where(e > 0, scale * pow2, torch.zeros_like(scale))
+        values = torch.where(codes >= 8, -mag, mag)
+    else:
+        values = (codes.float() - 1.5) * scale
+    if accumulate:
+        if out is None:
+            raise ValueError("accumulate needs an output tensor")
+        out.add_(values, alpha=weight)
+        return out
+    if out is not None:
+        out.copy_(values)
+        return out
+    return values
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _encode_value(x, scale, FMT: tl.constexpr):
+        if FMT == 0:
+            safe = tl.where(scale > 0, scale, 1.0)
+            q = tl.floor(tl.div_rn(x, safe) + 0.5)
+            q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+            c = q.to(tl.int32) & 0xFF
+        elif FMT == 1:
+            safe = tl.where(scale > 0, scale, 1.0)
+            q = tl.floor(tl.div_rn(x, safe) + 0.5)
+            q = tl.minimum(tl.maximum(q, -7.0), 7.0)
+            c = q.to(tl.int32) + 8
+        elif FMT == 2:
+            a = tl.abs(x)
+            e = (a >= scale * 0.0078125).to(tl.int32)
+            e += (a >= scale * 0.0234375).to(tl.int32)
+            e += (a >= scale * 0.046875).to(tl.int32)
+            e += (a >= scale * 0.09375).to(tl.int32)
+            e += (a >= scale * 0.1875).to(tl.int32)
+            e += (a >= scale * 0.375).to(tl.int32)
+            e += (a >= scale * 0.75).to(tl.int32)
+            c = tl.where((x < 0) & (e > 0), e + 8, e)
+        else:
+            safe = tl.where(scale > 0, scale, 1.0)
+            q = tl.floor(tl.div_rn(x, safe)) + 2.0
+            q = tl.minimum(tl.maximum(q, 0.0), 3.0)
+            c = q.to(tl.int32)
+        return c
+
+    @triton.jit
+    def _decode_value(c, scale, FMT: tl.constexpr):
+        if FMT == 0:
+            v = tl.where(c >= 128, c - 256, c).to(tl.float32) * scale
+        elif FMT == 1:
+            v = (c - 8).to(tl.float32) * scale
+        elif FMT == 2:
+            e = c & 7
+            pow2 = ((e + 120) << 23).to(tl.float32, bitcast=True)
+            mag = tl.where(e > 0, scale * pow2, 0.0)
+            v = tl.where(c >= 8, -mag, mag)
+        else:
+            v = (c.to(tl.float32) - 1.5) * scale
+        return v
+
+    @triton.jit
+    def _quant_kernel(x_ptr, packed_ptr, scale_ptr, n, nblocks, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                      FMT: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK // PER)
+        elem = rows[:, None] * BLOCK + cols[None, :] * PER
+        x0 = tl.load(x_ptr + elem, mask=elem < n, other=0.0)
+        amax = tl.max(tl.abs(x0), axis=1)
+        if PER >= 2:
+            x1 = tl.load(x_ptr + elem + 1, mask=elem + 1 < n, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x1), axis=1))
+        if PER == 4:
+            x2 = tl.load(x_ptr + elem + 2, mask=elem + 2 < n, other=0.0)
+            x3 = tl.load(x_ptr + elem + 3, mask=elem + 3 < n, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x2), axis=1))
+            amax = tl.maximum(amax, tl.max(tl.abs(x3), axis=1))
+        if FMT == 0:
+            scale = tl.div_rn(amax, 127.0)
+        elif FMT == 1:
+            scale = tl.div_rn(amax, 7.0)
+        elif FMT == 2:
+            scale = amax
+        else:
+            scale = tl.div_rn(amax, 1.5)
+        tl.store(scale_ptr + rows, scale, mask=rows < nblocks)
+        s = scale[:, None]
+        byte = _encode_value(x0, s, FMT)
+        if PER >= 2:
+            byte = byte | (_encode_value(x1, s, FMT) << BITS)
+        if PER == 4:
+            byte = byte | (_encode_value(x2, s, FMT) << (2 * BITS))
+            byte = byte | (_encode_value(x3, s, FMT) << (3 * BITS))
+        out = rows[:, None] * (BLOCK // PER) + cols[None, :]
+        tl.store(packed_ptr + out, byte.to(tl.uint8), mask=elem < n)
+
+    @triton.jit
+    def _dequant_kernel(packed_ptr, scale_ptr, out_ptr, n, nblocks, weight, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                        FMT: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, ACC: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK // PER)
+        elem = rows[:, None] * BLOCK + cols[None, :] * PER
+        byte = tl.load(packed_ptr + rows[:, None] * (BLOCK // PER) + cols[None, :], mask=elem < n, other=0)
+        byte = byte.to(tl.int32)
+        scale = tl.load(scale_ptr + rows, mask=rows < nblocks, other=0.0)[:, None]
+        for j in tl.static_range(PER):
+            c = (byte >> (BITS * j)) & ((1 << BITS) - 1)
+            v = _decode_value(c, scale, FMT)
+            m = elem + j < n
+            if ACC:
+                o = tl.load(out_ptr + elem + j, mask=m, other=0.0)
+                v = o + weight * v
+            tl.store(out_ptr + elem + j, v, mask=m)
+
+
+def _rows(block: int) -> int:
+    return max(1, 2048 // block)
+
+
+def quantize_triton(x: torch.Tensor, block: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    require_triton(x)
+    fid, bits, per = FORMATS[fmt]
+    x = x.reshape(-1).float().contiguous()
+    n = x.numel()
+    nb = num_blocks(n, block)
+    packed = torch.empty(packed_bytes(n, fmt), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(nb, dtype=torch.float32, device=x.device)
+    if n:
+        rows = _rows(block)
+        _quant_kernel[(-(-nb // rows),)](x, packed, scales, n, nb, BLOCK=block, ROWS=rows, FMT=fid, BITS=bits, PER=per)
+    return packed, scales
+
+
+def dequantize_triton(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int, fmt: str,
+                      out: torch.Tensor | None = None, weight: float = 1.0, accumulate: bool = False) -> torch.Tensor:
+    require_triton(packed)
+    fid, bits, per = FORMATS[fmt]
+    if accumulate and out is None:
+        raise ValueError("accumulate needs an output tensor")
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32, device=packed.device)
+    nb = num_blocks(n, block)
+    if n:
+        rows = _rows(block)
+        _dequant_kernel[(-(-nb // rows),)](packed.contiguous(), scales.float().contiguous(), out, n, nb, float(weight),
+                                           BLOCK=block, ROWS=rows, FMT=fid, BITS=bits, PER=per, ACC=accumulate)
+    return out
+
+
+def quantize(x: torch.Tensor, block: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: the Triton kernel on CUDA tensors, the torch reference elsewhere."""
+    return quantize_triton(x, block, fmt) if use_triton(x) else quantize_ref(x, block, fmt)
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int, fmt: str,
+               out: torch.Tensor | None = None, weight: float = 1.0, accumulate: bool = False) -> torch.Tensor:
+    fn = dequantize_triton if use_triton(packed) else dequantize_ref
+    return fn(packed, scales, n, block, fmt, out=out, weight=weight, accumulate=accumulate)

@@ -1,0 +1,135 @@
+"""Chunked top-k by magnitude with the error-feedback update in the same pass.
+
+For chunk c (``chunk`` values; the last chunk may be shorter, L values):
+
+    acc  = x + decay * residual          (x alone without a residual)
+    keep = the min(k, L) entries of acc with the largest |acc|; among equal
+           magnitudes the lowest index wins
+    indices (int32, ascending within the chunk, relative to it), values = acc[keep]
+    residual <- acc with the kept entries set to 0   (what was not sent waits for the next round)
+
+Indices and the selection are byte-identical between the kernel and the reference:
+both pick by the exact bit pattern of |acc|, and the kernel finds the k-th largest by a
+binary search over those bits (no sort), so selection costs 31 passes over registers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from diloco.compress.kernels import HAVE_TRITON, require_triton, use_triton
+from diloco.compress.bits import bits_for
+
+
+def check_chunk(chunk: int, k: int) -> None:
+    if chunk < 2 or chunk > 65536 or chunk & (chunk - 1):
+        raise ValueError(f"topk chunk must be a power of two in [2, 65536], got {chunk}")
+    if not 1 <= k <= chunk:
+        raise ValueError(f"topk k must be in [1, chunk={chunk}], got {k}")
+
+
+def selected_count(n: int, chunk: int, k: int) -> int:
+    full, last = divmod(n, chunk)
+    return full * k + min(k, last)
+
+
+def _accumulate(x: torch.Tensor, residual: Optional[torch.Tensor], decay: float) -> torch.Tensor:
+    if residual is None:
+        return x.float().clone()
+    if decay == 1.0:
+        return x.float() + residual
+    return residual.mul(decay).add_(x.float())  # two roundings, as in the kernel (no FMA)
+
+
+def topk_chunks_ref(x: torch.Tensor, chunk: int, k: int, residual: Optional[torch.Tensor] = None,
+                    decay: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices int32, values fp32) of ``selected_count(n, chunk, k)`` entries; updates ``residual`` in place."""
+    x = x.reshape(-1)
+    n = x.numel()
+    acc = _accumulate(x, residual, decay)
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int32, device=x.device), acc[:0]
+    nchunks = -(-n // chunk)
+    ib = bits_for(chunk)
+    keys = acc.abs().view(torch.int32).to(torch.int64)
+    pad = nchunks * chunk - n
+    if pad:
+        keys = torch.cat([keys, keys.new_full((pad,), -1)])
+    j = torch.arange(chunk, device=x.device, dtype=torch.int64)
+    keys = (keys.view(nchunks, chunk) << ib) | (chunk - 1 - j)
+    kk = min(k, chunk)
+    idx = torch.topk(keys, kk, dim=1, sorted=False).indices.sort(dim=1).values
+    flat = (idx + torch.arange(nchunks, device=x.device)[:, None] * chunk).reshape(-1)
+    count = selected_count(n, chunk, k)
+    idx, flat = idx.reshape(-1)[:count], flat[:count]
+    values = acc[flat]
+    if residual is not None:
+        acc[flat] = 0.0
+        residual.copy_(acc)
+    return idx.to(torch.int32), values
+
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _topk_kernel(x_ptr, res_ptr, idx_ptr, val_ptr, n, decay, CHUNK: tl.constexpr, K: tl.constexpr,
+                     HAS_RES: tl.constexpr, DECAY_ONE: tl.constexpr):
+        pid = tl.program_id(0)
+        base = pid.to(tl.int64) * CHUNK
+        offs = tl.arange(0, CHUNK)
+        m = base + offs < n
+        acc = tl.load(x_ptr + base + offs, mask=m, other=0.0)
+        if HAS_RES:
+            r = tl.load(res_ptr + base + offs, mask=m, other=0.0)
+            if DECAY_ONE:
+                acc = acc + r
+            else:
+                acc = r * decay + acc
+        bits = tl.where(m, tl.abs(acc).to(tl.int32, bitcast=True), -1)
+        length = tl.minimum(n - base, CHUNK).to(tl.int32)
+        keff = tl.minimum(length, K)
+        lo = tl.zeros((), tl.int32)
+        hi = tl.full((), 0x7F800000, tl.int32)
+        for _ in range(31):
+            mid = lo + (hi - lo + 1) // 2
+            ok = tl.sum((bits >= mid).to(tl.int32), axis=0) >= keff
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        gt = bits > lo
+        eq = bits == lo
+        need = keff - tl.sum(gt.to(tl.int32), axis=0)
+        sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+        pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        out = pid.to(tl.int64) * K + pos
+        tl.store(idx_ptr + out, offs, mask=sel)
+        tl.store(val_ptr + out, acc, mask=sel)
+        if HAS_RES:
+            tl.store(res_ptr + base + offs, tl.where(sel, 0.0, acc), mask=m)
+
+
+def topk_chunks_triton(x: torch.Tensor, chunk: int, k: int, residual: Optional[torch.Tensor] = None,
+                       decay: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    require_triton(x)
+    x = x.reshape(-1).float().contiguous()
+    n = x.numel()
+    count = selected_count(n, chunk, k)
+    idx = torch.empty(count, dtype=torch.int32, device=x.device)
+    values = torch.empty(count, dtype=torch.float32, device=x.device)
+    if n:
+        if residual is not None and not residual.is_contiguous():
+            raise ValueError("the residual must be contiguous")
+        _topk_kernel[(-(-n // chunk),)](x, residual if residual is not None else x, idx, values, n, float(decay),
+                                        CHUNK=chunk, K=min(k, chunk), HAS_RES=residual is not None,
+                                        DECAY_ONE=decay == 1.0, enable_fp_fusion=False)
+    return idx, values
+
+
+def topk_chunks(x: torch.Tensor, chunk: int, k: int, residual: Optional[torch.Tensor] = None,
+                decay: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: the Triton kernel on CUDA tensors, the torch reference elsewhere."""
+    fn = topk_chunks_triton if use_triton(x) else topk_chunks_ref
+    return fn(x, chunk, k, residual, decay)

@@ -1,0 +1,476 @@
+"""Codec chains: round trips, exact sizes, bit packing, DCT, error feedback, chain parsing, hostile payloads."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import struct
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import zstandard
+
+from conftest import ROOT, child_env
+from diloco.compress import CodecSpecError, CorruptPayload, make_codec, wire
+from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
+from diloco.compress.dct import dct_basis, dct_blocks, dct_chunks, idct_blocks, idct_chunks
+
+CHAINS = ["fp32", "fp32+zstd", "bf16", "fp16", "int8", "int4", "fp4", "2bit", "int8:block=64+zstd", "topk:0.1",
+          "topk:0.1+2bit+zstd", "topk:k=3,chunk=16,ef=0.5+fp4", "dct+topk:0.25+int8", "dct:chunk=16+fp16+zstd:1"]
+NO_ZSTD = [c for c in CHAINS if "zstd" not in c]
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _header_size(codec, t: torch.Tensor) -> int:
+    return len(wire.pack(b"", t.dtype, tuple(t.shape), codec.chain))
+
+
+def _block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Each element's block absmax (the quantization scale's basis)."""
+    n = x.numel()
+    pad = -n % block
+    return torch.cat([x.abs(), x.new_zeros(pad)]).view(-1, block).amax(dim=1).repeat_interleave(block)[:n]
+
+
+# ---- round trips ------------------------------------------------------------------------------
+@pytest.mark.parametrize("chain", ["fp32", "fp32+zstd", "zstd:19"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_lossless_chains_round_trip_exactly(chain, dtype):
+    codec = make_codec(chain)
+    for shape in [(), (1,), (257,), (3, 5, 11), (0,), (4, 0, 2)]:
+        t = _randn(*shape).to(dtype)
+        out = codec.decode(codec.encode(t))
+        assert out.dtype == dtype and out.shape == t.shape
+        assert torch.equal(out, t if dtype != torch.float64 else t.float().double())
+
+
+# per-element error bounds for a 1-D fp32 input
+BOUNDS = {
+    "bf16": lambda x: x.abs() * 2**-8,
+    "fp16": lambda x: x.abs() * 2**-11 + 2**-24,
+    "int8": lambda x: _block_amax(x, 256) / 254,
+    "int8:block=64+zstd": lambda x: _block_amax(x, 64) / 254,
+    "int4": lambda x: _block_amax(x, 128) / 14,
+    "fp4": lambda x: x.abs() / 3 + _block_amax(x, 128) / 128,
+    "2bit": lambda x: _block_amax(x, 128) / 3,
+    "topk:1.0": lambda x: torch.zeros_like(x),
+    "dct:chunk=16+topk:1.0": lambda x: torch.full_like(x, 1e-5),
+    "dct:chunk=16+fp32+zstd": lambda x: torch.full_like(x, 1e-5),
+    "topk:k=16,chunk=16+bf16": lambda x: x.abs() * 2**-8,
+}
+
+
+@pytest.mark.parametrize("chain", list(BOUNDS))
+def test_lossy_chains_round_trip_within_bound(chain):
+    x = _randn(1000, seed=1) * torch.logspace(-2, 1, 1000)
+    x[100:200] = 0.0
+    err = (make_codec(chain).decode(make_codec(chain).encode(x)) - x).abs()
+    assert bool((err <= BOUNDS[chain](x) * (1 + 1e-5) + 1e-30).all()), err.max()
+
+
+def test_topk_sends_exact_values_of_the_largest_entries():
+    x = _randn(5000, seed=2)
+    codec = make_codec("topk:0.1")  # k = 410 per 4096-chunk
+    y = codec.decode(codec.encode(x))
+    sent = y != 0
+    assert int(sent.sum()) == 410 + 410
+    assert torch.equal(y[sent], x[sent])
+    assert x[:4096][sent[:4096]].abs().min() >= x[:4096][~sent[:4096]].abs().max()
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_shape_and_dtype_preserved(chain, dtype):
+    for shape in [(), (1,), (300,), (2, 3, 50), (0,), (3, 0)]:
+        t = _randn(*shape, seed=3).to(dtype)
+        out = make_codec(chain).decode(make_codec(chain).encode(t))
+        assert out.shape == t.shape and out.dtype == dtype, shape
+        assert bool(torch.isfinite(out).all())
+
+
+# ---- sizes ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chain", NO_ZSTD)
+def test_wire_size_is_header_plus_payload_bytes(chain):
+    codec = make_codec(chain)
+    for shape in [(0,), (1,), (5,), (129,), (1000,), (5000,), (4, 7, 9)]:
+        t = _randn(*shape, seed=4)
+        n = t.numel()
+        assert len(codec.encode(t)) - _header_size(codec, t) == codec.payload_bytes(n), shape
+
+
+@pytest.mark.parametrize("chain,per_value,block", [("fp32", 4, None), ("bf16", 2, None), ("int8", 1, 256),
+                                                   ("int4", 0.5, 128), ("fp4", 0.5, 128), ("2bit", 0.25, 128)])
+def test_bytes_per_value(chain, per_value, block):
+    codec, n = make_codec(chain), 100_003
+    scales = 4 * -(-n // block) if block else 0
+    assert codec.payload_bytes(n) == math.ceil(n * per_value) + scales
+    assert per_value <= codec.payload_bytes(n) / n <= per_value + 0.032
+
+
+def test_sparse_2bit_zstd_is_100x_smaller_than_fp32():
+    n = 1 << 20
+    x = _randn(n, seed=5) * torch.linspace(0.1, 3.0, n)
+    codec = make_codec("topk:0.01+2bit+zstd")
+    payload = codec.encode(x)
+    assert len(payload) * 100 <= 4 * n
+    assert codec.stats.tensors == 1 and codec.stats.wire_bytes == len(payload) and codec.stats.ratio >= 100
+    assert codec.decode(payload, expect_numel=n).shape == x.shape
+
+
+# ---- bit packing ------------------------------------------------------------------------------
+@pytest.mark.parametrize("width", range(1, 21))
+def test_pack_bits_round_trip_and_layout(width):
+    g = torch.Generator().manual_seed(width)
+    for count in [0, 1, 2, 3, 7, 8, 9, 1001]:
+        values = torch.randint(0, 1 << width, (count,), generator=g)
+        if count:
+            values[0] = (1 << width) - 1
+        packed = pack_bits(values, width)
+        assert packed.dtype == torch.uint8 and packed.numel() == packed_size(count, width) == -(-count * width // 8)
+        assert torch.equal(unpack_bits(packed, width, count), values)
+        # value i sits at bits [i*width, (i+1)*width), least significant first
+        stream = sum(int(v) << (i * width) for i, v in enumerate(values.tolist()))
+        assert packed.numpy().tobytes() == stream.to_bytes(packed.numel(), "little")
+
+
+def test_bits_helpers():
+    assert [bits_for(n) for n in (1, 2, 3, 16, 4096, 4097, 65536)] == [0, 1, 2, 4, 12, 13, 16]
+    assert pack_bits(torch.tensor([0xABC, 0x123]), 12).tolist() == [0xBC, 0x3A, 0x12]
+    with pytest.raises(ValueError):
+        unpack_bits(torch.zeros(2, dtype=torch.uint8), 12, 2)
+
+
+# ---- DCT --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 64])
+def test_dct_basis_is_orthonormal(n):
+    d = dct_basis(n, dtype=torch.float64)
+    assert torch.allclose(d @ d.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(d[0], torch.full((n,), n ** -0.5, dtype=torch.float64))
+
+
+def test_dct_chunks_round_trip_with_padding():
+    x = _randn(100, seed=6)
+    coeffs = dct_chunks(x, 16)
+    assert coeffs.numel() == 112
+    assert torch.allclose(coeffs.norm(), x.norm(), rtol=1e-5)  # orthonormal: energy preserved
+    assert torch.allclose(idct_chunks(coeffs, 16, 100), x, atol=1e-5)
+    const = dct_chunks(torch.full((32,), 2.0), 16).view(2, 16)
+    assert torch.allclose(const[:, 0], torch.full((2,), 8.0))  # a constant chunk is all DC
+    assert torch.allclose(const[:, 1:], torch.zeros(2, 15), atol=1e-6)
+
+
+def test_dct_blocks_round_trip():
+    x = _randn(2, 16, 24, seed=7)
+    coeffs = dct_blocks(x, 8, 4)
+    assert coeffs.shape == (2, 2, 6, 8, 4)
+    block = x[1, 8:16, 4:8]
+    assert torch.allclose(coeffs[1, 1, 1], dct_basis(8) @ block @ dct_basis(4).T, atol=1e-5)
+    assert torch.allclose(idct_blocks(coeffs), x, atol=1e-5)
+    with pytest.raises(ValueError):
+        dct_blocks(_randn(10, 16), 8, 4)
+
+
+# ---- error feedback ---------------------------------------------------------------------------
+def _mean_errors(chain: str, rounds: int) -> list[float]:
+    codec, x = make_codec(chain), _randn(4096, seed=8)
+    total, errors = torch.zeros_like(x), []
+    for r in range(1, rounds + 1):
+        total += codec.decode(codec.encode(x, key="w"))
+        errors.append(float((total / r - x).norm() / x.norm()))
+    return errors
+
+
+def test_error_feedback_running_mean_converges():
+    errors = _mean_errors("topk:0.05+fp32", 100)
+    assert errors[0] > 0.5
+    assert errors[9] < errors[0] and errors[49] < errors[9] and errors[99] < 0.1
+
+
+def test_without_error_feedback_the_mean_does_not_converge():
+    errors = _mean_errors("topk:0.05,ef=0+fp32", 20)
+    assert min(errors) > 0.5 and errors[-1] == pytest.approx(errors[0])
+
+
+@pytest.mark.parametrize("chain", ["topk:0.25+fp32", "topk:1.0+int4", "topk:0.25+2bit", "topk:0.1+bf16+zstd"])
+def test_residual_holds_what_was_not_sent(chain):
+    codec, x = make_codec(chain), _randn(3000, seed=9)
+    y = codec.decode(codec.encode(x, key="a"))
+    assert torch.allclose(y + codec.residuals["a"], x, atol=1e-6)
+    assert bool(codec.residuals["a"].abs().sum() > 0)
+
+
+def test_residual_survives_state_dict():
+    chain = "topk:0.05+fp32"
+    a = make_codec(chain)
+    a.encode(_randn(1000, seed=10), key="w")
+    a.encode(_randn(500, seed=11), key="b")
+    state = a.state_dict()
+    b = make_codec(chain)
+    b.load_state_dict(state)
+    assert set(b.residuals) == {"w", "b"}
+    x = _randn(1000, seed=12)
+    expected = a.encode(x, key="w")
+    assert b.encode(x, key="w") == expected
+    assert make_codec(chain).encode(x, key="w") != expected  # the residual matters
+    assert not torch.equal(state["residuals"]["w"], a.residuals["w"])  # the state was a copy
+    with pytest.raises(ValueError):
+        make_codec("topk:0.1+fp32").load_state_dict(state)
+
+
+# ---- chain parsing ----------------------------------------------------------------------------
+@pytest.mark.parametrize("chain,message", [
+    ("", "empty"),
+    ("foo", "unknown codec stage 'foo'"),
+    ("int8+lz4", "unknown codec stage 'lz4'"),
+    ("zstd+int8", "stage 'int8' must come before 'zstd'"),
+    ("int8+topk", "stage 'topk' must come before 'int8'"),
+    ("int8+fp16", "more than one value stage"),
+    ("topk+topk:0.1", "more than one topk stage"),
+    ("int8:foo=1", "unknown option 'foo'"),
+    ("int8:block=64,block=32", "given twice"),
+    ("zstd:level=x", "is not an integer"),
+    ("topk:1.5", "density must be in (0, 1]"),
+    ("topk:0", "density must be in (0, 1]"),
+    ("topk:density=-0.1", "density must be in (0, 1]"),
+    ("topk:density=nan", "must be finite"),
+    ("topk:0.1,k=4", "density or k, not both"),
+    ("topk:k=5000", "k must be in [1, chunk=4096]"),
+    ("topk:chunk=1000", "chunk must be a power of two"),
+    ("topk:ef=2", "ef (error-feedback decay) must be in [0, 1]"),
+    ("int8:block=100", "block size must be a power of two"),
+    ("zstd:99", "level must be in [-7, 22]"),
+    ("dct:chunk=0", "chunk must be in [1, 4096]"),
+])
+def test_bad_chains_name_the_problem(chain, message):
+    with pytest.raises(CodecSpecError, match=re.escape(message)):
+        make_codec(chain)
+
+
+@pytest.mark.parametrize("chain,canonical", [
+    ("topk:0.02", "topk:chunk=4096,k=82,ef=1+fp32"),
+    ("topk:k=41,chunk=2048", "topk:chunk=2048,k=41,ef=1+fp32"),
+    ("topk:41", "topk:chunk=4096,k=41,ef=1+fp32"),
+    ("topk:1.0", "topk:chunk=4096,k=4096,ef=1+fp32"),
+    ("int8:block=128", "int8:block=128"),
+    ("int8:64", "int8:block=64"),
+    ("int4", "int4:block=128"),
+    ("zstd:9", "fp32+zstd:level=9"),
+    (" DCT + topk:0.5,chunk=64,ef=0.9 + 2bit + zstd ",
+     "dct:chunk=64+topk:chunk=64,k=32,ef=0.9+2bit:block=128+zstd:level=3"),
+])
+def test_chain_options_parse_to_canonical(chain, canonical):
+    codec = make_codec(chain)
+    assert codec.chain == canonical
+    assert make_codec(canonical).chain == canonical
+
+
+@pytest.mark.parametrize("chain,message", [("int8:128,block=64", "given twice"), ("fp32:3", "takes no options")])
+def test_positional_option_errors(chain, message):
+    with pytest.raises(CodecSpecError, match=message):
+        make_codec(chain)
+
+
+# ---- encode / decode validation ---------------------------------------------------------------
+def test_decode_rejects_another_codec_and_wrong_numel():
+    x = _randn(300, seed=13)
+    codec = make_codec("int8")
+    payload = codec.encode(x)
+    with pytest.raises(CorruptPayload, match="codec mismatch"):
+        make_codec("int4").decode(payload)
+    with pytest.raises(CorruptPayload, match="codec mismatch"):
+        make_codec("int8:block=128").decode(payload)
+    with pytest.raises(CorruptPayload, match="shape mismatch"):
+        codec.decode(payload, expect_numel=301)
+    with pytest.raises(CorruptPayload, match="shape mismatch"):
+        codec.decode_accumulate_(payload, torch.zeros(299))
+    assert codec.decode(payload, expect_numel=300).shape == (300,)
+    with pytest.raises(CorruptPayload, match="above the limit"):
+        make_codec("int8", max_numel=299).decode(payload)
+
+
+@pytest.mark.parametrize("chain", ["fp32", "int8", "topk:0.5+2bit+zstd", "dct+fp16"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_encode_of_nan_or_inf_raises_value_error(chain, bad):
+    codec = make_codec(chain)
+    x = _randn(200, seed=14)
+    x[17] = bad
+    with pytest.raises(ValueError) as info:
+        codec.encode(x, key="k")
+    assert not isinstance(info.value, CorruptPayload)
+    assert codec.residuals == {} and codec.stats.tensors == 0
+
+
+def test_encode_rejects_unsupported_dtype_and_too_many_values():
+    with pytest.raises(ValueError, match="dtype"):
+        make_codec("fp32").encode(torch.arange(10))
+    with pytest.raises(ValueError, match="limit"):
+        make_codec("fp32", max_numel=10).encode(torch.zeros(11))
+
+
+@pytest.mark.parametrize("chain", ["int8", "topk:0.25+2bit", "dct:chunk=16+fp16"])
+def test_decode_accumulate_adds_weighted_decode(chain):
+    codec = make_codec(chain)
+    payload = codec.encode(_randn(10, 30, seed=15))
+    base = _randn(300, seed=16)
+    out = base.clone()
+    codec.decode_accumulate_(payload, out, 0.25)
+    assert torch.allclose(out, base + 0.25 * codec.decode(payload).reshape(-1), atol=1e-6)
+
+
+# ---- hostile payloads -------------------------------------------------------------------------
+FUZZ_CHAINS = ["fp32", "bf16", "fp16+zstd", "int8:block=64", "int4:block=32", "fp4", "2bit:block=16+zstd",
+               "topk:k=5,chunk=32", "topk:k=3,chunk=16+int4:block=16", "topk:k=4,chunk=64+fp4+zstd",
+               "dct:chunk=16+topk:0.25,chunk=32+int8:block=32", "dct:chunk=8+bf16"]
+
+
+def _decodes(codec, data: bytes) -> bool:
+    """True when ``data`` decodes (to a finite tensor of its header's shape and dtype), False on CorruptPayload."""
+    try:
+        out = codec.decode(data)
+    except CorruptPayload:
+        return False
+    header = wire.parse_header(data, codec.max_numel)
+    assert out.shape == header.shape and out.dtype == header.dtype
+    assert bool(torch.isfinite(out).all())
+    return True
+
+
+def _flip(rng: random.Random, data: bytes) -> bytes:
+    b = bytearray(data)
+    for _ in range(rng.randint(1, 3)):
+        b[rng.randrange(len(b))] ^= rng.randrange(1, 256)
+    return bytes(b)
+
+
+def _zstd_frame_declaring(size: int, body: bytes = bytes(8)) -> bytes:
+    """A zstd frame whose header claims ``size`` content bytes, then one raw block holding ``body``."""
+    return struct.pack("<IBQ", 0xFD2FB528, 0xE0, size) + struct.pack("<I", len(body) << 3 | 1)[:3] + body
+
+
+@pytest.mark.parametrize("chain", FUZZ_CHAINS)
+def test_fuzzed_payloads_raise_corrupt_payload_or_decode_finite(chain):
+    rng = random.Random(chain)
+    encoder, codec = make_codec(chain), make_codec(chain, max_numel=4096)
+    zc = zstandard.ZstdCompressor() if "zstd" in chain else None
+
+    def body(raw: bytes) -> bytes:
+        return zc.compress(raw) if zc else raw
+
+    decoded = {"repacked": 0, "rejected": 0}
+    for i in range(250):
+        shape = rng.choice([(rng.randint(50, 300),), (rng.randint(2, 12), rng.randint(5, 25))])
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(i)) * 10.0 ** rng.uniform(-20, 20)
+        valid = encoder.encode(x, key=i % 3)
+        header = wire.parse_header(valid, codec.max_numel)
+        payload = bytes(valid[header.offset:])
+        raw = zstandard.ZstdDecompressor().decompress(payload) if zc else payload
+        # damaged in transit: the checksum must catch every one
+        for bad in (_flip(rng, valid), valid[:rng.randrange(len(valid))], valid + rng.randbytes(rng.randint(1, 9)),
+                    rng.randbytes(rng.randint(0, 200)), wire.MAGIC + bytes([1]) + rng.randbytes(rng.randint(0, 80))):
+            assert not _decodes(codec, bad)
+        # well-formed frames (valid checksum) around bad contents: CorruptPayload or a finite tensor
+        numel = rng.choice([0, 1, 7, 64, 300, 4096, 4097, 2**33])
+        dims = rng.choice([(numel,), (1, numel), (numel, 3)]) if numel <= 4096 else (numel,)
+        fake_len = codec.payload_bytes(numel) if numel <= 4096 and rng.random() < 0.7 else rng.randint(0, 400)
+        dtype = rng.choice([torch.float32, torch.float64, torch.float16, torch.bfloat16])
+        for bad in (wire.pack(_flip(rng, payload), header.dtype, header.shape, header.chain),
+                    wire.pack(body(_flip(rng, raw)), header.dtype, header.shape, header.chain),
+                    wire.pack(body(rng.randbytes(len(raw))), header.dtype, header.shape, header.chain),
+                    wire.pack(body(rng.randbytes(fake_len)), dtype, dims, header.chain)):
+            decoded["repacked" if _decodes(codec, bad) else "rejected"] += 1
+        if zc:
+            need = len(raw)
+            for frame in (_zstd_frame_declaring(rng.choice([need + 1, 2**40, 2**63 - 1]), raw[:8]),
+                          zstandard.ZstdCompressor(write_content_size=False).compress(raw + b"\0"),
+                          payload[:rng.randrange(len(payload))]):
+                assert not _decodes(codec, wire.pack(frame, header.dtype, header.shape, header.chain))
+    assert decoded["repacked"] > 50 and decoded["rejected"] > 50  # both the deep checks and decoding were reached
+
+
+def test_zstd_bomb_is_rejected_without_inflating():
+    codec = make_codec("fp32+zstd")
+    bomb = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(50_000_000))
+    with pytest.raises(CorruptPayload, match="zstd"):
+        codec.decode(wire.pack(bomb, torch.float32, (10,), codec.chain))
+    with pytest.raises(CorruptPayload, match="declares"):
+        codec.decode(wire.pack(_zstd_frame_declaring(2**62), torch.float32, (10,), codec.chain))
+
+
+def _topk_payload(codec, shape: tuple[int, ...], indices: list[int], values: torch.Tensor) -> bytes:
+    packed = pack_bits(torch.tensor(indices), bits_for(codec.spec.topk_chunk))
+    return wire.pack(values.numpy().tobytes() + packed.numpy().tobytes(), torch.float32, shape, codec.chain)
+
+
+@pytest.mark.parametrize("chain,numel,indices,ok", [
+    ("topk:k=4,chunk=16", 40, [0, 3, 7, 15, 1, 2, 3, 4, 0, 1, 5, 7], True),
+    ("topk:k=4,chunk=16", 40, [0, 3, 7, 15, 1, 2, 3, 4, 0, 1, 5, 8], False),  # 8 is past the 8-value last chunk
+    ("topk:k=4,chunk=16", 40, [0, 3, 3, 15, 1, 2, 3, 4, 0, 1, 5, 7], False),  # repeated
+    ("topk:k=4,chunk=16", 40, [0, 3, 7, 15, 4, 3, 2, 1, 0, 1, 5, 7], False),  # decreasing
+    ("topk:k=4,chunk=16", 40, [0, 3, 7, 15, 1, 2, 3, 4, 7, 1, 2, 3], False),  # decreasing in the last chunk
+    ("topk:k=2,chunk=4096", 5000, [5, 4095, 3, 903], True),  # 12-bit indices
+    ("topk:k=2,chunk=4096", 5000, [5, 4095, 3, 904], False),
+    ("topk:k=2,chunk=4096", 5000, [4095, 5, 3, 900], False),
+])
+def test_topk_index_validation(chain, numel, indices, ok):
+    codec = make_codec(chain)
+    values = torch.arange(1, len(indices) + 1, dtype=torch.float32)
+    data = _topk_payload(codec, (numel,), indices, values)
+    if not ok:
+        with pytest.raises(CorruptPayload, match="indices"):
+            codec.decode(data)
+        return
+    k, chunk = codec.spec.topk_k, codec.spec.topk_chunk
+    flat = torch.tensor(indices) + torch.arange(len(indices)) // k * chunk
+    assert torch.equal(codec.decode(data), torch.zeros(numel).index_put_((flat,), values))
+
+
+def test_topk_payload_with_nan_values_is_rejected():
+    codec = make_codec("topk:k=4,chunk=16")
+    values = torch.tensor([1.0, float("nan"), 2.0, 3.0])
+    with pytest.raises(CorruptPayload, match="NaN"):
+        codec.decode(_topk_payload(codec, (16,), [0, 1, 2, 3], values))
+
+
+@pytest.mark.parametrize("chain,payload,dtype", [
+    ("fp32", struct.pack("<f", 1e10), torch.float16),
+    ("int8", struct.pack("<f", 1e30) + bytes([127]), torch.float16),
+    ("fp32", struct.pack("<f", 3.4e38), torch.bfloat16),
+], ids=["fp32-fp16", "int8-fp16", "fp32-bf16"])
+def test_decode_to_half_precision_never_returns_inf(chain, payload, dtype):
+    codec = make_codec(chain)
+    _decodes(codec, wire.pack(payload, dtype, (1,), codec.chain))  # asserts finite values unless CorruptPayload
+
+
+def test_decode_checks_the_payload_length_before_allocating():
+    script = textwrap.dedent("""
+        import resource, torch
+        from diloco.compress import CorruptPayload, make_codec, wire
+        vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+        codec = make_codec("fp32")
+        try:
+            codec.decode(wire.pack(b"", torch.float32, (1 << 30,), codec.chain))
+        except CorruptPayload:
+            print("CorruptPayload")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(), cwd=ROOT,
+                          timeout=120)
+    assert proc.stdout.strip() == "CorruptPayload", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("chain,value", [("fp4", 1e37), ("int8", 2e38), ("dct:chunk=16", 3e38)])
+def test_encode_of_finite_values_decodes_or_raises_value_error(chain, value):
+    codec = make_codec(chain)
+    x = torch.full((64,), value)
+    try:
+        payload = codec.encode(x)
+    except ValueError:
+        return
+    assert _decodes(codec, payload)

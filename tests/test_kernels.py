@@ -1,0 +1,182 @@
+"""Triton kernels against their torch references (in the interpreter on CPU, see conftest); reference properties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.compress.kernels import quant as q
+from diloco.compress.kernels import topk as tk
+
+FORMATS = list(q.FORMATS)
+
+
+def _quant_inputs(block: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(block)
+
+    def randn(n: int) -> torch.Tensor:
+        return torch.randn(n, generator=g)
+
+    zeros = randn(4 * block)
+    zeros[block:2 * block] = 0.0  # a whole block of zeros
+    zeros[::7] = 0.0
+    zeros[1::11] = -0.0
+    ties = torch.tensor([1.5, -1.5, 0.0, 0.75, -0.75, 1.5, 3.0, -3.0]).repeat(block)[: 2 * block + 3]
+    extreme = randn(3 * block + 1)
+    extreme[:4] = torch.tensor([1e30, -1e30, 1e-30, -1e-30])
+    extreme[block:2 * block] *= 1e-30  # a block of only tiny values
+    extreme[2 * block:3 * block] *= 1e30  # a block of only huge values
+    return {
+        "empty": randn(0),
+        "one": randn(1),
+        "partial": randn(3 * block + 5),
+        "exact": randn(4 * block),
+        "programs": randn(2 * 2048 + 3),  # several kernel programs, the last one partial
+        "zeros": zeros,
+        "ties": ties,
+        "extreme": extreme,
+        "denormal": randn(block + 1) * 1e-40,
+    }
+
+
+
+@pytest.mark.parametrize("block", [4, 64, 256])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_kernel_matches_reference(fmt, block):
+    for name, x in _quant_inputs(block).items():
+        packed, scales = q.quantize_triton(x, block, fmt)
+        ref_packed, ref_scales = q.quantize_ref(x, block, fmt)
+        assert packed.dtype == torch.uint8 and packed.numel() == q.packed_bytes(x.numel(), fmt), name
+        assert scales.numel() == q.num_blocks(x.numel(), block), name
+        assert torch.equal(packed, ref_packed), name
+        assert torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32)), name  # bit for bit
+
+
+@pytest.mark.parametrize("block", [4, 64, 256])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_kernel_matches_reference(fmt, block):
+    g = torch.Generator().manual_seed(7)
+    for name, x in _quant_inputs(block).items():
+        n = x.numel()
+        packed, scales = q.quantize_ref(x, block, fmt)
+        # also every code the quantizer never writes (int8 -128, int4 code 0, fp4 negative zero)
+        noise = torch.randint(0, 256, packed.shape, dtype=torch.uint8, generator=g)
+        for codes in (packed, noise):
+            got = q.dequantize_triton(codes, scales, n, block, fmt)
+            assert torch.equal(got, q.dequantize_ref(codes, scales, n, block, fmt)), name
+            base = torch.randn(n, generator=g)
+            acc = q.dequantize_triton(codes, scales, n, block, fmt, out=base.clone(), weight=0.37, accumulate=True)
+            ref = q.dequantize_ref(codes, scales, n, block, fmt, out=base.clone(), weight=0.37, accumulate=True)
+            assert torch.allclose(acc, ref, rtol=1e-6, atol=1e-6), name
+
+
+def _topk_inputs(chunk: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(chunk)
+
+    def randn(n: int) -> torch.Tensor:
+        return torch.randn(n, generator=g)
+
+    zeros = randn(2 * chunk + 3)
+    zeros[:chunk] = 0.0  # an all-zero chunk: k of the (tied) zeros still go
+    zeros[chunk + 1::3] = -0.0
+    extreme = randn(chunk + 7)
+    extreme[:4] = torch.tensor([1e30, -1e30, 1e-30, -1e-30])
+    extreme[chunk:] *= 1e-30
+    return {
+        "empty": randn(0),
+        "one": randn(1),
+        "partial": randn(2 * chunk + 5),
+        "exact": randn(2 * chunk),
+        "zeros": zeros,
+        "ties": torch.tensor([1.0, -1.0, 0.5, 1.0, -0.5, 2.0, -2.0, 1.0]).repeat(chunk // 4)[: chunk + 6],
+        "extreme": extreme,
+        "denormal": randn(chunk + 1) * 1e-40,
+    }
+
+
+@pytest.mark.parametrize("chunk,k", [(16, 1), (16, 5), (16, 16), (256, 13)])
+@pytest.mark.parametrize("residual,decay", [(False, 1.0), (True, 1.0), (True, 0.9)], ids=["plain", "ef", "ef-decay"])
+def test_topk_kernel_matches_reference(chunk, k, residual, decay):
+    g = torch.Generator().manual_seed(3)
+    for name, x in _topk_inputs(chunk).items():
+        r = torch.randn(x.numel(), generator=g) if residual else None
+        r_kernel, r_ref = (r.clone(), r.clone()) if residual else (None, None)
+        idx, values = tk.topk_chunks_triton(x, chunk, k, r_kernel, decay)
+        ref_idx, ref_values = tk.topk_chunks_ref(x, chunk, k, r_ref, decay)
+        assert idx.dtype == torch.int32 and idx.numel() == tk.selected_count(x.numel(), chunk, k), name
+        assert torch.equal(idx, ref_idx), name
+        assert torch.equal(values.view(torch.int32), ref_values.view(torch.int32)), name
+        if residual:
+            assert torch.equal(r_kernel, r_ref), name
+
+
+# ---- reference properties --------------------------------------------------------------------
+def test_int8_relative_error_below_one_percent():
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
+    packed, scales = q.quantize_ref(x, 256, "int8")
+    y = q.dequantize_ref(packed, scales, x.numel(), 256, "int8")
+    assert (y - x).norm() / x.norm() < 0.01
+    assert (y - x).abs().max() <= scales.max() / 2 * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_all_zero_block_quantizes_to_zeros(fmt):
+    x = torch.randn(3 * 64, generator=torch.Generator().manual_seed(4))
+    x[64:128] = 0.0
+    packed, scales = q.quantize_ref(x, 64, fmt)
+    y = q.dequantize_ref(packed, scales, x.numel(), 64, fmt)
+    assert scales[1] == 0
+    assert torch.equal(y[64:128], torch.zeros(64))
+    assert bool((y[:64] != 0).any())
+
+
+def test_fp4_levels_are_powers_of_two_of_the_scale_and_nearest():
+    x = torch.randn(4 * 128, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 1, 4 * 128)
+    packed, scales = q.quantize_ref(x, 128, "fp4")
+    y = q.dequantize_ref(packed, scales, x.numel(), 128, "fp4")
+    scale = scales.repeat_interleave(128)
+    levels = torch.cat([torch.zeros(1), 2.0 ** torch.arange(-6.0, 1.0)])  # 0 and 2^(e-7), e = 1..7
+    ratio = y.abs() / scale
+    assert bool(torch.isin(ratio, levels).all())
+    assert bool(((y == 0) | (y.sign() == x.sign())).all())
+    nearest = (x.abs()[:, None] - scale[:, None] * levels).abs().min(dim=1).values
+    assert torch.allclose((y - x).abs(), nearest, rtol=1e-6, atol=0)
+
+
+def test_topk_keeps_the_k_largest_magnitudes():
+    chunk, k = 64, 9
+    g = torch.Generator().manual_seed(5)
+    n = 5 * chunk + 20
+    x = torch.randperm(n, generator=g).float() * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    idx, values = tk.topk_chunks_ref(x, chunk, k)
+    for c in range(6):
+        part = x[c * chunk:(c + 1) * chunk]
+        got = idx[c * k:(c + 1) * k]
+        want = torch.topk(part.abs(), min(k, part.numel())).indices.sort().values
+        assert torch.equal(got.long(), want)
+        assert torch.equal(values[c * k:(c + 1) * k], part[want])
+
+
+def test_topk_ties_go_to_the_lowest_index():
+    idx, values = tk.topk_chunks_ref(torch.tensor([1.0, -2.0, 2.0, -2.0, 2.0, 0.0, 0.0, 0.0]), 4, 2)
+    assert idx.tolist() == [1, 2, 0, 1]
+    assert values.tolist() == [-2.0, 2.0, 2.0, 0.0]
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.9])
+def test_topk_error_feedback_conserves_mass(decay):
+    g = torch.Generator().manual_seed(2)
+    chunk, k, n = 32, 3, 100
+    residual = torch.zeros(n)
+    total_in, total_sent = torch.zeros(n), torch.zeros(n)
+    for _ in range(6):
+        before = residual.clone()
+        x = torch.randn(n, generator=g)
+        idx, values = tk.topk_chunks_ref(x, chunk, k, residual, decay)
+        flat = idx.long() + torch.arange(idx.numel()) // k * chunk
+        sent = torch.zeros(n).index_put_((flat,), values)
+        assert torch.equal(residual[flat], torch.zeros(flat.numel()))
+        assert torch.allclose(residual + sent, x + decay * before, atol=1e-6)
+        total_in = decay * total_in + x
+        total_sent = decay * total_sent + sent
+    assert torch.allclose(total_sent + residual, total_in, atol=1e-5)
