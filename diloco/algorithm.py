@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from diloco.comm.base import Transport
 from diloco.comm.local import LocalTransport
+
+if TYPE_CHECKING:
+    from diloco.compress.codec import Codec
 
 
 class Algorithm:
@@ -96,16 +99,47 @@ class Algorithm:
 
 
 class DDP(Algorithm):
-    """Average gradients over all workers every step: the baseline that low-communication methods beat."""
+    """Average gradients over all workers every step: the baseline that low-communication methods beat.
+
+    With a lossy ``codec`` the gradients go through the compressed all-reduce (each worker keeps its
+    own error-feedback residuals, so its state is no longer the same as the others').
+    """
 
     name = "ddp"
 
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 transport: Optional[Transport] = None, grad_clip: float = 0.0, codec: Optional["Codec"] = None) -> None:
+        super().__init__(model, optimizer, transport, grad_clip)
+        self.codec = None if codec is None or codec.is_identity else codec
+        if self.codec is not None and self.codec.error_feedback:
+            self.replicated_state = False
+
     def _exchange_gradients(self) -> None:
-        if self.transport.world_size == 1:
+        if self.transport.world_size == 1 and self.codec is None:
             return
         for p in self.params:
             if p.grad is None:  # every worker must send the same buffers
                 p.grad = torch.zeros_like(p)
-        self.transport.all_reduce_([p.grad for p in self.params], op="mean")
+        grads = [p.grad for p in self.params]
+        if self.codec is None:
+            self.transport.all_reduce_(grads, op="mean")
+        elif all(bool(torch.isfinite(g).all()) for g in grads):
+            self.transport.all_reduce_compressed_(grads, self.codec, 1.0, key="grads")
+        else:  # a worker with non-finite gradients adds nothing; the step is skipped only if nobody sent any
+            for g in grads:
+                g.zero_()
+            if self.transport.all_reduce_compressed_(grads, self.codec, 0.0, key="grads") == 0:
+                grads[0].fill_(float("nan"))
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.codec is not None:
+            state["codec"] = self.codec.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.codec is not None and "codec" in state:
+            self.codec.load_state_dict(state["codec"])
 
 

@@ -11,7 +11,11 @@ The parameters may be split into *fragments*, each with its own outer
 optimizer and its own exchange; plain DiLoCo has one fragment, Streaming
 DiLoCo (``streaming.py``) several on staggered schedules. The global copy and
 the outer momentum can live on the CPU (``offload_outer``) to save
-accelerator memory. A worker whose weight is 0 (it did no step, or its
+accelerator memory. With a lossy ``codec`` (``compress.codec``) the average
+runs through the transport's compressed all-reduce: each worker's
+pseudo-gradient is encoded (with the codec's error feedback), the weights
+travel exactly beside the payloads, and every worker decodes the same bytes.
+A worker whose weight is 0 (it did no step, or its
 pseudo-gradient is not finite) adds nothing to the average and still takes the
 new global parameters, so no NaN is ever averaged into the model.
 """
@@ -25,6 +29,7 @@ import torch
 
 from diloco.algorithm import Algorithm
 from diloco.comm.base import Handle, Transport
+from diloco.compress.codec import Codec
 from diloco.sync import SyncPolicy
 
 
@@ -37,8 +42,9 @@ class DiLoCo(Algorithm):
                  grad_clip: float = 0.0, *, inner_steps: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, offload_outer: bool = False, sync_mode: str = "steps",
                  time_budget_s: Optional[float] = None, tokens_per_step: int = 1,
-                 fragments: Optional[Sequence[Sequence[int]]] = None) -> None:
+                 fragments: Optional[Sequence[Sequence[int]]] = None, codec: Optional[Codec] = None) -> None:
         super().__init__(model, optimizer, transport, grad_clip)
+        self.codec = None if codec is None or codec.is_identity else codec  # None: the exact dense all-reduce
         self.policy = SyncPolicy(sync_mode, inner_steps, time_budget_s)
         self.tokens_per_step = tokens_per_step
         self.outer_device = torch.device("cpu") if offload_outer else self.params[0].device
@@ -79,13 +85,18 @@ class DiLoCo(Algorithm):
     def exchange(self, fragment: Optional[int], weight: float) -> float:
         """Average the pseudo-gradients of one fragment (None: all) and apply the outer step now."""
         indices = list(range(len(self.params))) if fragment is None else self.fragments[fragment]
-        deltas, total, handle = self.start_exchange(indices, weight)
+        deltas, total, handle = self.start_exchange(indices, weight, key=fragment)
         handle.wait()
         self.apply_exchange(indices, deltas, self._total(total), mix_alpha=0.0)
         return self._total(total)
 
-    def start_exchange(self, indices: Sequence[int], weight: float) -> tuple[list[torch.Tensor], torch.Tensor, Handle]:
-        """Pseudo-gradients of ``indices`` times this worker's weight, and the weight, summed over workers."""
+    def start_exchange(self, indices: Sequence[int], weight: float,
+                       key: Optional[int] = None) -> tuple[list[torch.Tensor], torch.Tensor, Handle]:
+        """Start averaging the pseudo-gradients of ``indices``, weighted by ``weight`` over the workers.
+
+        Once the handle's ``wait()`` returns, ``deltas`` hold the weighted mean and ``total`` (a
+        one-element tensor) the total weight. ``key`` names the fragment for the codec's error feedback.
+        """
         with torch.no_grad():
             deltas = [self.global_params[i] - self.params[i].detach().to(self.outer_device, torch.float32)
                       for i in indices]
@@ -95,10 +106,15 @@ class DiLoCo(Algorithm):
                 weight = 0.0
                 for d in deltas:
                     d.zero_()
+        if self.codec is not None:
+            total = torch.zeros(1, dtype=torch.float32)
+            return deltas, total, _Filled(self.transport.all_reduce_compressed_async_(
+                deltas, self.codec, weight, key=f"fragment{key}" if key is not None else "all"), total)
+        with torch.no_grad():
             for d in deltas:
                 d.mul_(weight)
         total = torch.tensor([weight], dtype=torch.float32, device=self.outer_device)
-        return deltas, total, self.transport.all_reduce_async_([*deltas, total], op="sum")
+        return deltas, total, _Mean(self.transport.all_reduce_async_([*deltas, total], op="sum"), deltas, total)
 
     @staticmethod
     def _total(total: torch.Tensor) -> float:
@@ -109,7 +125,7 @@ class DiLoCo(Algorithm):
         with torch.no_grad():
             if total > 0:
                 for i, d in zip(indices, deltas):
-                    self.global_params[i].grad = d.div_(total)
+                    self.global_params[i].grad = d
                 for opt in self._optimizers_of(indices):
                     opt.step()
                 for i in indices:
@@ -150,6 +166,8 @@ class DiLoCo(Algorithm):
         state.update(global_params=[g.detach().clone() for g in self.global_params],
                      outer_optimizers=[o.state_dict() for o in self.outer_optimizers],
                      round=self.round, round_steps=self.round_steps, global_tokens=self.global_tokens)
+        if self.codec is not None:
+            state["codec"] = self.codec.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -161,4 +179,38 @@ class DiLoCo(Algorithm):
             opt.load_state_dict(saved)
         self.round, self.round_steps = state["round"], state["round_steps"]
         self.global_tokens = state["global_tokens"]
+        if self.codec is not None and "codec" in state:
+            self.codec.load_state_dict(state["codec"])
         self.policy.start_round(self.transport.now())
+
+
+class _Mean(Handle):
+    """Dense exchange: once the weighted sums arrive, divide them by the total weight."""
+
+    def __init__(self, inner: Handle, deltas: list[torch.Tensor], total: torch.Tensor) -> None:
+        super().__init__()
+        self.inner, self.deltas, self.total, self.done = inner, deltas, total, False
+
+    def wait(self) -> Any:
+        self.inner.wait()
+        if not self.done:
+            self.done = True
+            t = float(self.total.item())
+            if t > 0:
+                with torch.no_grad():
+                    for d in self.deltas:
+                        d.div_(t)
+        return float(self.total.item())
+
+
+class _Filled(Handle):
+    """Compressed exchange: the deltas already hold the mean; write the total weight into ``total``."""
+
+    def __init__(self, inner: Handle, total: torch.Tensor) -> None:
+        super().__init__()
+        self.inner, self.total = inner, total
+
+    def wait(self) -> Any:
+        value = self.inner.wait()
+        self.total.fill_(value)
+        return value

@@ -81,7 +81,7 @@ class StreamingDiLoCo(DiLoCo):
     def _send(self, p: int, apply_at: int) -> None:
         weight = float(self.fragment_steps[p] * self.tokens_per_step)
         self.fragment_steps[p] = 0
-        deltas, total, handle = self.start_exchange(self.fragments[p], weight)
+        deltas, total, handle = self.start_exchange(self.fragments[p], weight, key=p)
         self.pending.append({"apply_at": apply_at, "fragment": p, "deltas": deltas, "total": total, "handle": handle})
 
     def _apply_due(self, step: int, alpha: Optional[float] = None) -> dict[str, Any]:
@@ -116,7 +116,7 @@ class StreamingDiLoCo(DiLoCo):
         state = super().state_dict()
         for x in self.pending:
             x["handle"].wait()
-        state["pending"] = [{k: v for k, v in x.items() if k != "handle"} for x in self.pending]
+        state["pending"] = [{**{k: v for k, v in x.items() if k != "handle"}, "averaged": True} for x in self.pending]
         state["fragment_steps"] = list(self.fragment_steps)
         return state
 
@@ -124,3 +124,7 @@ class StreamingDiLoCo(DiLoCo):
         super().load_state_dict(state)
         self.fragment_steps = list(state["fragment_steps"])
         self.pending = [{**x, "handle": Handle()} for x in state["pending"]]
+        for x in self.pending:  # checkpoints of earlier versions kept the weighted sums
+            if not x.pop("averaged", False) and float(x["total"].item()) > 0:
+                for d in x["deltas"]:
+                    d.div_(float(x["total"].item()))

@@ -83,6 +83,7 @@ def baseline_config(cfg: Config, run_dir: Path) -> Config:
     base = copy.deepcopy(cfg)
     base.algo.name = "ddp"
     base.sync.mode = "steps"
+    base.compress.codec = "fp32"  # the baseline is plain dense DDP
     base.run.dir = str(run_dir / "baseline-ddp")
     base.run.name = f"{cfg.run.name}-ddp"
     base.log.wandb = False
@@ -108,19 +109,21 @@ def simulate(cfg: Config) -> dict[str, Any]:
 
 def _label(cfg: Config) -> str:
     a, w = cfg.algo, cfg.sim.workers
+    codec = "" if cfg.compress.codec == "fp32" else f" {cfg.compress.codec}"
     if a.name == "ddp":
-        return f"ddp x{w}"
+        return f"ddp x{w}{codec}"
     extra = f", P={a.fragments}" if a.name == "streaming" else ""
-    return f"{a.name} x{w} (H={a.inner_steps}{extra})"
+    return f"{a.name} x{w} (H={a.inner_steps}{extra}){codec}"
 
 
 def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel) -> str:
-    head = f"{'run':<28} {'val loss':>9} {'tokens':>9} {'sent/worker':>12} {'virtual wall':>13} {'compute util':>13}"
+    width = max(28, *(len(label) for label, _ in rows))
+    head = f"{'run':<{width}} {'val loss':>9} {'tokens':>9} {'sent/worker':>12} {'virtual wall':>13} {'compute util':>13}"
     lines = ["", f"simulated network: {network.describe()} per worker", head, "-" * len(head)]
     for label, s in rows:
         per_worker = s.get("bytes_sent_per_worker") or [s["bytes_sent"]]
         util = s.get("compute_utilization")
-        lines.append(f"{label:<28} {s['val_loss']:>9.4f} {s['tokens'] / 1e6:>8.2f}M {human_bytes(max(per_worker)):>12} "
+        lines.append(f"{label:<{width}} {s['val_loss']:>9.4f} {s['tokens'] / 1e6:>8.2f}M {human_bytes(max(per_worker)):>12} "
                      f"{s.get('virtual_wall_s', 0):>12.1f}s {'' if util is None else f'{100 * util:.1f}%':>13}")
     if len(rows) == 2:
         (_, a), (_, b) = rows

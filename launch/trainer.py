@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from diloco import ALGORITHMS
 from diloco.comm import Transport, make_transport
+from diloco.compress import make_codec
 from launch.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from launch.config import Config, dump_config
 from launch.data import Batcher, TokenData, load_data
@@ -83,11 +84,12 @@ def build_algorithm(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimi
     """The configured algorithm around the inner optimizer."""
     a = cfg.algo
     cls = ALGORITHMS[a.name]
+    codec = make_codec(cfg.compress.codec)
     if a.name == "ddp":
-        return cls(model, optimizer, transport, cfg.optim.grad_clip)
+        return cls(model, optimizer, transport, cfg.optim.grad_clip, codec=codec)
     kwargs: dict[str, Any] = dict(inner_steps=a.inner_steps, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
                                   nesterov=a.nesterov, offload_outer=a.offload_outer, sync_mode=cfg.sync.mode,
-                                  time_budget_s=cfg.sync.time_budget_s, tokens_per_step=tokens_per_step)
+                                  time_budget_s=cfg.sync.time_budget_s, tokens_per_step=tokens_per_step, codec=codec)
     if a.name == "streaming":
         kwargs.update(fragments=a.fragments, overlap_steps=a.overlap_steps, mix_alpha=a.mix_alpha)
     return cls(model, optimizer, transport, cfg.optim.grad_clip, **kwargs)
@@ -373,6 +375,12 @@ class Trainer:
                 "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "wall_s": self.wall_s(),
                 **self.transport.metrics()}
 
+    def _codec_summary(self) -> dict[str, Any]:
+        codec = getattr(self.algo, "codec", None)
+        if codec is None or not codec.stats.wire_bytes:
+            return {}
+        return {"codec_chain": codec.chain, "compression_ratio": codec.stats.ratio}
+
     def tokens_seen(self) -> int:
         """Tokens trained by all workers (with time-budgeted rounds: as agreed at the last sync)."""
         if self.time_rounds:
@@ -399,7 +407,7 @@ class Trainer:
             "val_loss": val, "steps": self.step, "tokens": sum(w["tokens"] for w in workers),
             "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "wall_s": self.wall_s(),
             "peak_bytes_per_exchange": stats.peak_bytes, "algorithm": self.cfg.algo.name, "workers": workers,
-            "num_workers": self.world,
+            "num_workers": self.world, "codec": self.cfg.compress.codec, **self._codec_summary(),
             "skipped_steps": self.algo.skipped_steps, "run_dir": str(self.run_dir),
             **self.transport.summary(),
         }

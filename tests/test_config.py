@@ -258,11 +258,12 @@ def test_good_device(device):
     assert cfg.run.device == device
 
 
-def test_unknown_codec_stage():
+def test_bad_codec_chain():
     msg = error_of(overrides=["compress.codec=fp32+topk:0.1"])
     assert msg.startswith("--set compress.codec=fp32+topk:0.1: compress.codec: "), msg
-    assert "unknown codec stage(s) topk" in msg
-    assert "available: fp32" in msg
+    assert "stage 'topk' must come before 'fp32'" in msg
+    msg = error_of(overrides=["compress.codec=int9"])
+    assert "unknown codec stage 'int9'" in msg and "int8" in msg
 
 
 @pytest.mark.parametrize("betas", ["0.9,1.0", "-0.1,0.9", "0.9,1.5"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -24,6 +24,9 @@ class LocalTransport(Transport):
 
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         return [payload]
+
+    def all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
+        return [payloads[0]]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,30 @@ class TorchDistTransport(Transport):
         self.stats.bytes_received += sum(int(s.item()) for s in sizes) - len(payload)
         self.stats.collectives += 1
         return [bytes(b[: int(s.item())].cpu().numpy()) for b, s in zip(bufs, sizes)]
+
+    def all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
+        if len(payloads) != self.world_size:
+            raise ValueError(f"all_to_all_bytes needs {self.world_size} payloads, got {len(payloads)}")
+        send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=self.device)
+        recv_sizes = torch.empty_like(send_sizes)
+        self._run("all_to_all(sizes)", dist.all_to_all_single, recv_sizes, send_sizes)
+        send_n, recv_n = send_sizes.tolist(), recv_sizes.tolist()
+        joined = b"".join(payloads)
+        send = (torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined
+                else torch.zeros(0, dtype=torch.uint8)).to(self.device)
+        recv = torch.empty(sum(recv_n), dtype=torch.uint8, device=self.device)
+        self._run("all_to_all(payload)", dist.all_to_all_single, recv, send,
+                  output_split_sizes=recv_n, input_split_sizes=send_n)
+        me = self.rank
+        self.stats.bytes_sent += sum(send_n) - send_n[me]
+        self.stats.bytes_received += sum(recv_n) - recv_n[me]
+        self.stats.collectives += 1
+        data = recv.cpu().numpy().tobytes()
+        out, pos = [], 0
+        for n in recv_n:
+            out.append(data[pos:pos + n])
+            pos += n
+        return out
 
     def barrier(self) -> None:
         self._run("barrier", dist.barrier)

@@ -109,12 +109,14 @@ class InProcessGroup:
 
 
 class _VirtualHandle(Handle):
-    def __init__(self, transport: "InProcessTransport", done: float) -> None:
+    def __init__(self, transport: "InProcessTransport", done: float, result: Any = None) -> None:
+        super().__init__(result)
         self.transport, self.done = transport, done
 
-    def wait(self) -> None:
+    def wait(self) -> Any:
         g, r = self.transport.group, self.transport.rank
         g.clock[r] = max(g.clock[r], self.done)
+        return self.result
 
 
 class InProcessTransport(Transport):
@@ -144,14 +146,15 @@ class InProcessTransport(Transport):
         flat.copy_(result)
         self._finish(done)
 
-    def all_reduce_async_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> Handle:
+    def _start(self, fn: Callable[[], Any]) -> Handle:
+        """Run the collectives now, but move this worker's clock to their end only when it waits."""
         self._deferred = []
         try:
-            self.all_reduce_(tensors, op)
+            result = fn()
             done = max(self._deferred, default=self.now())
         finally:
             self._deferred = None
-        return _VirtualHandle(self, done)
+        return _VirtualHandle(self, done, result)
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         result, _ = self.group.rendezvous(self.rank, tensor, lambda values: values[src].clone())
@@ -174,6 +177,23 @@ class InProcessTransport(Transport):
         self.stats.collectives += 1
         self._finish(done)
         return result
+
+    def all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
+        net, w, me = self.group.network, self.world_size, self.rank
+        if len(payloads) != w:
+            raise ValueError(f"all_to_all_bytes needs {w} payloads, got {len(payloads)}")
+
+        def seconds(values: list[list[bytes]]) -> float:
+            return max(net.all_to_all_s(sum(len(p) for j, p in enumerate(values[r]) if j != r),
+                                        sum(len(values[i][r]) for i in range(w) if i != r), w) for r in range(w))
+
+        result, done = self.group.rendezvous(me, [bytes(p) for p in payloads], list, seconds)
+        received = [result[i][me] for i in range(w)]
+        self.stats.bytes_sent += sum(len(p) for j, p in enumerate(payloads) if j != me)
+        self.stats.bytes_received += sum(len(p) for i, p in enumerate(received) if i != me)
+        self.stats.collectives += 1
+        self._finish(done)
+        return received
 
     def now(self) -> float:
         return self.group.clock[self.rank]

@@ -55,6 +55,12 @@ class NetworkModel:
             return 0.0
         return (world - 1) * self.latency + (received_bytes / self.bandwidth if self.bandwidth else 0.0)
 
+    def all_to_all_s(self, sent_bytes: int, received_bytes: int, world: int) -> float:
+        if world <= 1:
+            return 0.0
+        busiest = max(sent_bytes, received_bytes)  # a full-duplex link: the busier direction bounds it
+        return (world - 1) * self.latency + (busiest / self.bandwidth if self.bandwidth else 0.0)
+
     def describe(self) -> str:
         bw = "unlimited" if not self.bandwidth else f"{self.bandwidth * 8 / 1e9:g} Gbit/s"
         return f"{bw}, {self.latency * 1e3:g} ms latency"

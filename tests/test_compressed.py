@@ -1,0 +1,250 @@
+"""The compressed all-reduce (in-process and over gloo) and codecs inside DiLoCo, Streaming DiLoCo and DDP."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+from conftest import FAST, TINY, free_port, run_cli
+from diloco.comm.base import TransportError, shard_bounds
+from diloco.compress import make_codec
+from diloco.sim import InProcessGroup, run_workers
+from launch.checkpoint import latest_checkpoint
+from launch.config import load_config
+from launch.simulate import simulate_once
+
+SMALL = ["run.batch_size=4", "run.eval_every=0", "run.checkpoint_every=0", "sim.baseline=none", "sim.step_time=0.01"]
+SIZES = [1, 2, 5000, 3001]  # a one-element tensor has empty shards on most workers
+
+
+def inputs(world: int) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [[torch.randn(n, generator=g) * (r + 1) for n in SIZES] for r in range(world)]
+
+
+def reduce_in_process(chain: str, weights: list[float], rounds: int = 1):
+    xs = inputs(len(weights))
+
+    def body(rank, transport):
+        codec = make_codec(chain)
+        for _ in range(rounds):
+            ts = [t.clone() for t in xs[rank]]
+            total = transport.all_reduce_compressed_(ts, codec, weights[rank], key="k")
+        return ts, total, transport.stats.bytes_sent
+
+    return xs, run_workers(InProcessGroup(len(weights)), body)
+
+
+def weighted_mean(xs, weights):
+    return [sum(w * x[i] for w, x in zip(weights, xs)) / sum(weights) for i in range(len(SIZES))]
+
+
+def rel_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    num = sum(float((x - y).norm() ** 2) for x, y in zip(a, b))
+    return (num / sum(float(y.norm() ** 2) for y in b)) ** 0.5
+
+
+@pytest.mark.parametrize("chain, bound", [("fp32", 1e-6), ("bf16+zstd", 1e-2), ("int8", 2e-2), ("fp4:block=64", 0.3),
+                                          ("topk:0.5+int8", 0.8), ("dct+topk:0.5+fp32+zstd", 0.8)])
+def test_weighted_mean_is_the_same_on_every_worker(chain, bound):
+    weights = [1.0, 2.0, 0.5]
+    xs, results = reduce_in_process(chain, weights)
+    expected = weighted_mean(xs, weights)
+    first = results[0][0]
+    for ts, total, _ in results:
+        assert all(torch.equal(a, b) for a, b in zip(ts, first)), "every worker decodes the same bytes"
+        assert total == pytest.approx(3.5)
+    assert rel_err(first, expected) < bound
+
+
+def test_bytes_on_the_wire_shrink_with_the_codec():
+    weights = [1.0, 1.0, 1.0]
+    dense = reduce_in_process("fp32", weights)[1][0][2]
+    fp32_bytes = 4 * sum(SIZES)
+    # about 2 (W-1)/W of the payload, plus headers
+    assert 2 * 2 / 3 * fp32_bytes <= dense <= 2 * 2 / 3 * fp32_bytes * 1.05
+    int8 = reduce_in_process("int8", weights)[1][0][2]
+    assert int8 < 0.3 * dense
+    sparse = reduce_in_process("topk:0.02+2bit+zstd", weights)[1][0][2]
+    assert sparse < 0.05 * dense
+
+
+def test_error_feedback_sends_what_an_earlier_round_dropped():
+    """Reducing the same inputs again: the dropped mass arrives later, so the running mean approaches the truth."""
+    weights = [1.0, 1.0]
+    xs = inputs(2)
+    expected = weighted_mean(xs, weights)
+
+    def body(rank, transport, chain):
+        codec = make_codec(chain)
+        acc = [torch.zeros_like(t) for t in xs[rank]]
+        errs = []
+        for r in range(1, 31):
+            ts = [t.clone() for t in xs[rank]]
+            transport.all_reduce_compressed_(ts, codec, 1.0, key="k")
+            for a, t in zip(acc, ts):
+                a.add_(t)
+            errs.append(rel_err([a / r for a in acc], expected))
+        return errs
+
+    errs = run_workers(InProcessGroup(2), lambda r, t: body(r, t, "topk:0.05+fp32"))[0]
+    assert errs[0] > 0.7 and errs[-1] < 0.45 * errs[0], errs[::5]
+    without = run_workers(InProcessGroup(2), lambda r, t: body(r, t, "topk:0.05,ef=0+fp32"))[0]
+    assert without[-1] > 0.95 * without[0], without[::5]
+
+
+def test_all_weights_zero_gives_zeros_and_total_zero():
+    _, results = reduce_in_process("int8", [0.0, 0.0])
+    for ts, total, _ in results:
+        assert total == 0.0 and all(not t.any() for t in ts)
+
+
+def test_a_worker_with_another_codec_is_named():
+    def body(rank, transport):
+        codec = make_codec("int8" if rank == 0 else "int4")
+        transport.all_reduce_compressed_([torch.ones(1000)], codec, 1.0)
+
+    with pytest.raises(TransportError, match=r"rank [01]: worker [01] sent a corrupt payload for shard [01]: codec mismatch"):
+        run_workers(InProcessGroup(2), body)
+
+
+def test_bad_weight_is_refused():
+    def body(rank, transport):
+        transport.all_reduce_compressed_([torch.ones(3)], make_codec("int8"), float("nan"))
+
+    with pytest.raises(ValueError, match="weight"):
+        run_workers(InProcessGroup(1), body)
+
+
+def test_shard_bounds_cover_the_buffer_at_aligned_cuts():
+    for n, w, align in [(0, 3, 4), (1, 3, 1), (10, 3, 4), (4096 * 5 + 7, 4, 4096), (100, 1, 64)]:
+        b = shard_bounds(n, w, align)
+        assert len(b) == w and b[0][0] == 0 and b[-1][1] == n
+        assert all(x[1] == y[0] for x, y in zip(b, b[1:]))
+        assert all(a % align == 0 for a, _ in b if a < n)
+
+
+WORKER = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_compressed import inputs
+    from diloco.comm.torch_dist import TorchDistTransport
+    from diloco.compress import make_codec
+    t = TorchDistTransport("gloo", timeout=60)
+    codec = make_codec({chain!r})
+    weights = {weights!r}
+    for _ in range(2):
+        ts = [x.clone() for x in inputs(t.world_size)[t.rank]]
+        total = t.all_reduce_compressed_(ts, codec, weights[t.rank], key="k")
+    torch.save({{"ts": ts, "total": total, "bytes": t.stats.bytes_sent}}, f"{out}/rank{{t.rank}}.pt")
+    t.close()
+""")
+
+
+@pytest.mark.parametrize("chain", ["int8", "topk:0.1+2bit+zstd"])
+def test_gloo_processes_equal_the_simulator(tmp_path, chain):
+    """Three real processes over gloo get byte-for-byte the simulator's result (two rounds: error feedback too)."""
+    weights = [1.0, 3.0, 0.5]
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tests=str(TINY.rsplit("/configs", 1)[0] + "/tests"), chain=chain,
+                                    weights=weights, out=str(tmp_path)))
+    proc = run_cli(["--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                    str(script)], module="torch.distributed.run", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, sim = reduce_in_process(chain, weights, rounds=2)
+    for rank, (ts, total, sent) in enumerate(sim):
+        real = torch.load(tmp_path / f"rank{rank}.pt")
+        assert all(torch.equal(a, b) for a, b in zip(real["ts"], ts))
+        assert real["total"] == total and real["bytes"] == sent
+
+
+# ---- codecs inside the algorithms -----------------------------------------------------------------
+def cfg_of(tmp_path, name, *overrides):
+    cfg, _ = load_config([TINY], [*FAST, *SMALL, f"run.dir={tmp_path / name}", *overrides])
+    return cfg
+
+
+def final_state(summary):
+    return latest_checkpoint(f"{summary['run_dir']}/checkpoints")[1]
+
+
+DILOCO = ["sim.workers=2", "algo.name=diloco", "algo.inner_steps=4", "run.max_steps=12"]
+
+
+def test_diloco_with_topk_sends_far_fewer_bytes_and_still_learns(tmp_path):
+    dense = simulate_once(cfg_of(tmp_path, "dense", *DILOCO))
+    sparse = simulate_once(cfg_of(tmp_path, "sparse", *DILOCO, "compress.codec=topk:0.02+2bit+zstd"))
+    assert sparse["bytes_sent"] < dense["bytes_sent"] / 40
+    assert sparse["compression_ratio"] > 60 and sparse["codec_chain"].startswith("topk:chunk=4096,k=82")
+    assert sparse["val_loss"] < 5.0  # learned something (the untrained model is at ln(256) = 5.5)
+    state = final_state(sparse)
+    w0, w1 = (w["model"] for w in state["workers"])
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "workers end on the same global model"
+    residuals = state["workers"][0]["algo"]["codec"]["residuals"]
+    assert residuals and any(r.abs().sum() > 0 for r in residuals.values())
+
+
+def test_codec_residuals_resume_exactly(tmp_path):
+    extra = [*DILOCO[:-1], "compress.codec=topk:0.05+int8+zstd"]
+    full = simulate_once(cfg_of(tmp_path, "full", *extra, "run.max_steps=16"))
+    simulate_once(cfg_of(tmp_path, "part", *extra, "run.max_steps=8", "run.checkpoint_every=4"))
+    resumed = simulate_once(cfg_of(tmp_path, "part", *extra, "run.max_steps=16", "run.resume=true"))
+    a, b = final_state(full)["model"], final_state(resumed)["model"]
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+    assert resumed["bytes_sent"] == full["bytes_sent"]
+
+
+def test_streaming_overlap_with_a_codec(tmp_path):
+    s = simulate_once(cfg_of(tmp_path, "s", "sim.workers=2", "algo.name=streaming", "algo.fragments=2",
+                             "algo.inner_steps=4", "algo.overlap_steps=1", "algo.mix_alpha=0.5", "run.max_steps=12",
+                             "compress.codec=int8+zstd", "sim.bandwidth=100Mbit"))
+    d = simulate_once(cfg_of(tmp_path, "d", "sim.workers=2", "algo.name=streaming", "algo.fragments=2",
+                             "algo.inner_steps=4", "algo.overlap_steps=1", "algo.mix_alpha=0.5", "run.max_steps=12",
+                             "sim.bandwidth=100Mbit"))
+    assert s["bytes_sent"] < 0.3 * d["bytes_sent"]
+    assert abs(s["val_loss"] - d["val_loss"]) < 0.05
+    assert s["virtual_wall_s"] <= d["virtual_wall_s"]
+
+
+def test_ddp_with_int8_gradients_tracks_dense_ddp(tmp_path):
+    common = ["sim.workers=2", "algo.name=ddp", "run.max_steps=6"]
+    dense = simulate_once(cfg_of(tmp_path, "dense", *common))
+    int8 = simulate_once(cfg_of(tmp_path, "int8", *common, "compress.codec=int8"))
+    a, b = final_state(dense)["model"], final_state(int8)["model"]
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 0.02
+    assert int8["bytes_sent"] < 0.3 * dense["bytes_sent"]
+    topk = simulate_once(cfg_of(tmp_path, "topk", *common, "compress.codec=topk:0.1+fp32"))
+    workers = final_state(topk)["workers"]  # error feedback makes each worker's state its own
+    assert len(workers) == 2 and workers[0]["algo"]["codec"]["residuals"]
+
+
+def test_simulator_equals_real_gloo_processes_with_a_codec(tmp_path):
+    args = ["--config", TINY, "--max-steps", "8", "--seed", "5",
+            *[a for s in [*FAST, *SMALL, "algo.name=diloco", "algo.inner_steps=4",
+                          "compress.codec=topk:0.05+2bit+zstd"] for a in ("--set", s)]]
+    sim = run_cli(["simulate", *args, "--workers", "2", "--run-dir", str(tmp_path / "sim")])
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    real = run_cli(["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                    "-m", "launch.cli", "train", *args, "--run-dir", str(tmp_path / "real")],
+                   module="torch.distributed.run")
+    assert real.returncode == 0, real.stderr[-3000:]
+    a = latest_checkpoint(tmp_path / "sim" / "checkpoints")[1]
+    b = latest_checkpoint(tmp_path / "real" / "checkpoints")[1]
+    assert max(float((a["model"][k] - b["model"][k]).abs().max()) for k in a["model"]) < 1e-5
+    sa = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    sb = json.loads((tmp_path / "real" / "summary.json").read_text())
+    assert sa["bytes_sent"] == sb["bytes_sent"] > 0
+
+
+def test_simulate_table_names_the_codec_and_the_baseline_stays_dense(tmp_path, capsys):
+    from launch.simulate import simulate
+
+    cfg = cfg_of(tmp_path, "run", *DILOCO[:-1], "run.max_steps=4", "sim.baseline=ddp", "compress.codec=int8")
+    simulate(cfg)
+    table = capsys.readouterr().out
+    assert "diloco x2 (H=4) int8" in table and "ddp x2 " in table
+    rows = json.loads((tmp_path / "run" / "comparison.json").read_text())
+    assert [s["codec"] for s in rows.values()] == ["int8", "fp32"]
