@@ -87,9 +87,10 @@ class OptimConfig:
 
 @dataclass
 class AlgoConfig:
-    name: Literal["ddp", "diloco", "streaming"] = _f(
+    name: Literal["ddp", "diloco", "streaming", "demo"] = _f(
         "ddp", "Training algorithm. ddp: average gradients every step (the baseline); diloco: H local steps, "
-               "then an outer step on the averaged pseudo-gradient; streaming: Streaming DiLoCo (fragments, overlap).")
+               "then an outer step on the averaged pseudo-gradient; streaming: Streaming DiLoCo (fragments, overlap); "
+               "demo: DeMo, the optimizer exchanges DCT top-k momentum components every step.")
     inner_steps: int = _f(100, "Inner steps per round (H) for diloco and streaming.", gt=0)
     outer_lr: float = _f(0.7, "Outer optimizer (SGD) learning rate.", gt=0)
     outer_momentum: float = _f(0.9, "Outer optimizer momentum (0: plain SGD).", ge=0, lt=1)
@@ -98,6 +99,14 @@ class AlgoConfig:
     fragments: int = _f(1, "Streaming DiLoCo: fragments P, strided by layer, each synced on its own schedule.", gt=0)
     overlap_steps: int = _f(0, "Streaming DiLoCo: inner steps tau that hide a fragment's communication.", ge=0)
     mix_alpha: float = _f(0.0, "Streaming DiLoCo: local = alpha * local + (1 - alpha) * global after an exchange.", ge=0, le=1)
+    compression_decay: float = _f(0.999, "DeMo: momentum decay of delta.", ge=0, lt=1)
+    compression_topk: int = _f(32, "DeMo: coefficients kept per DCT chunk (clamped to the chunk size).", gt=0)
+    compression_chunk: int = _f(64, "DeMo: DCT chunk side (64: 64x64 blocks for matrices).", gt=0)
+    chunk_rule: Literal["auto", "divisor", "pad"] = _f(
+        "auto", "DeMo: divisor (published: largest divisor <= chunk), pad (zero-pad to chunk multiples), "
+                "auto (the divisor unless it is below half the chunk, then pad).")
+    sign_values: bool = _f(False, "DeMo: send 1 bit (the sign) per kept coefficient instead of fp32.")
+    nonfinite: Literal["skip", "raise"] = _f("skip", "DeMo: on non-finite gradients sit the step out (skip) or stop (raise).")
 
 
 @dataclass
@@ -426,6 +435,9 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
         parse_chain(cfg.compress.codec)
     except CodecSpecError as e:
         fail("compress.codec", str(e))
+    if cfg.algo.name == "demo" and cfg.compress.codec != "fp32":
+        fail("compress.codec", "DeMo sends its own DCT top-k payload (tune algo.compression_topk / "
+                               "algo.sign_values); leave compress.codec at fp32")
     d = cfg.data
     if d.source in ("text", "shards", "hf") and not d.path:
         raise ConfigError(f"{where('data.source')}: data.path: data.source is {d.source!r}, which needs data.path")

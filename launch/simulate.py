@@ -110,8 +110,8 @@ def simulate(cfg: Config) -> dict[str, Any]:
 def _label(cfg: Config) -> str:
     a, w = cfg.algo, cfg.sim.workers
     codec = "" if cfg.compress.codec == "fp32" else f" {cfg.compress.codec}"
-    if a.name == "ddp":
-        return f"ddp x{w}{codec}"
+    if a.name in ("ddp", "demo"):
+        return f"{a.name} x{w}{codec}"
     extra = f", P={a.fragments}" if a.name == "streaming" else ""
     return f"{a.name} x{w} (H={a.inner_steps}{extra}){codec}"
 

@@ -67,12 +67,20 @@ def lr_factor(step: int, warmup: int, progress: float, schedule: str, min_ratio:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-def build_optimizer(model: nn.Module, ocfg, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW (or SGD) with weight decay on matrices only."""
+def build_optimizer(model: nn.Module, ocfg, device: torch.device, acfg=None,
+                    transport: Optional[Transport] = None) -> torch.optim.Optimizer:
+    """AdamW (or SGD) with weight decay on matrices only; DeMo when ``acfg.name`` is demo."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": ocfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
+    if acfg is not None and acfg.name == "demo":
+        from demo_optim import DeMo
+
+        return DeMo(groups, lr=ocfg.lr, compression_decay=acfg.compression_decay,
+                    compression_topk=acfg.compression_topk, compression_chunk=acfg.compression_chunk,
+                    transport=transport, chunk_rule=acfg.chunk_rule, sign_values=acfg.sign_values,
+                    nonfinite=acfg.nonfinite)
     if ocfg.name == "sgd":
         return torch.optim.SGD(groups, lr=ocfg.lr, momentum=ocfg.momentum)
     return torch.optim.AdamW(groups, lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps,
@@ -83,6 +91,10 @@ def build_algorithm(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimi
                     tokens_per_step: int):
     """The configured algorithm around the inner optimizer."""
     a = cfg.algo
+    if a.name == "demo":
+        from demo_optim import DeMoAlgorithm
+
+        return DeMoAlgorithm(model, optimizer, transport, cfg.optim.grad_clip)
     cls = ALGORITHMS[a.name]
     codec = make_codec(cfg.compress.codec)
     if a.name == "ddp":
@@ -136,7 +148,7 @@ class Trainer:
         else:
             self.model_args = getattr(model, "args", None)
         self.model = model.to(self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device, cfg.algo, self.transport)
         self.tokens_per_step = run.batch_size * cfg.data.seq_len  # per worker
         if self.world > 1:  # every worker starts from rank 0's parameters (also the global copy of DiLoCo)
             with torch.no_grad():

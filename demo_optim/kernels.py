@@ -1,0 +1,143 @@
+"""DeMo's hot paths, each a Triton kernel beside a torch reference with the same signature.
+
+* ``encode(delta, plan)``: DCT of every chunk, top-k per chunk by magnitude (ties: lowest
+  index), and ``delta -= IDCT(what was kept)`` in the same pass; returns (indices int32,
+  values fp32), ``plan.k`` per chunk, indices ascending within their chunk.
+* ``decode_sign_(agg, param, lr, plan)``: ``param -= lr * sign(IDCT(agg))``.
+
+The kernel handles one s1 x s2 block per program with two small matmuls each way
+(``tl.dot`` at IEEE fp32 precision) and the same bit-pattern binary search for the k-th
+largest magnitude as ``diloco.compress.kernels.topk``. It runs for CUDA tensors whose block
+sides are powers of two >= 16 (matrices; 64 x 64 by default); vectors and odd blocks use
+the reference. Tests run it with ``TRITON_INTERPRET=1`` on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diloco.compress.dct import dct_basis
+from diloco.compress.kernels import HAVE_TRITON, require_triton, use_triton
+from diloco.compress.kernels.topk import topk_chunks_ref
+from demo_optim.transform import ChunkPlan, from_chunks, to_chunks
+
+
+def kernel_fits(plan: ChunkPlan) -> bool:
+    return all(s >= 16 and s & (s - 1) == 0 for s in (plan.s1, plan.s2)) and plan.s1 * plan.s2 <= 16384
+
+
+# ---- torch reference --------------------------------------------------------------------------
+def encode_ref(delta: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    coeffs = to_chunks(delta.float(), plan)
+    idx, vals = topk_chunks_ref(coeffs.reshape(-1), plan.chunk_size, plan.k)
+    sent = torch.zeros_like(coeffs).scatter_(1, idx.long().view(plan.num_chunks, plan.k), vals.view(plan.num_chunks, plan.k))
+    delta.sub_(from_chunks(sent, plan).to(delta.dtype))
+    return idx, vals
+
+
+def decode_sign_ref(agg: torch.Tensor, param: torch.Tensor, lr: float, plan: ChunkPlan) -> None:
+    update = from_chunks(agg, plan)
+    param.add_(torch.sign(update).to(param.dtype), alpha=-lr)
+
+
+# ---- Triton -----------------------------------------------------------------------------------
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _block(pid, R, C, NBR, NBC, S1: tl.constexpr, S2: tl.constexpr):
+        per = NBR * NBC
+        lead = pid // per
+        rem = pid % per
+        rr = (rem // NBC) * S1 + tl.arange(0, S1)
+        cc = (rem % NBC) * S2 + tl.arange(0, S2)
+        offs = lead.to(tl.int64) * R * C + rr[:, None] * C + cc[None, :]
+        mask = (rr < R)[:, None] & (cc < C)[None, :]
+        return offs, mask
+
+    @triton.jit
+    def _encode_kernel(delta_ptr, d1_ptr, d2_ptr, idx_ptr, val_ptr, R, C, NBR, NBC,
+                       S1: tl.constexpr, S2: tl.constexpr, K: tl.constexpr):
+        pid = tl.program_id(0)
+        offs, mask = _block(pid, R, C, NBR, NBC, S1, S2)
+        b = tl.load(delta_ptr + offs, mask=mask, other=0.0)
+        i1 = tl.arange(0, S1)
+        i2 = tl.arange(0, S2)
+        d1 = tl.load(d1_ptr + i1[:, None] * S1 + i1[None, :])
+        d2 = tl.load(d2_ptr + i2[:, None] * S2 + i2[None, :])
+        x = tl.dot(tl.dot(d1, b, input_precision="ieee"), tl.trans(d2), input_precision="ieee")
+        flat = tl.reshape(x, (S1 * S2,))
+        bits = tl.abs(flat).to(tl.int32, bitcast=True)
+        lo = tl.zeros((), tl.int32)
+        hi = tl.full((), 0x7F800000, tl.int32)
+        for _ in range(31):
+            mid = lo + (hi - lo + 1) // 2
+            ok = tl.sum((bits >= mid).to(tl.int32), axis=0) >= K
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        gt = bits > lo
+        eq = bits == lo
+        need = K - tl.sum(gt.to(tl.int32), axis=0)
+        sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+        pos = pid.to(tl.int64) * K + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(idx_ptr + pos, tl.arange(0, S1 * S2), mask=sel)
+        tl.store(val_ptr + pos, flat, mask=sel)
+        kept = tl.reshape(tl.where(sel, flat, 0.0), (S1, S2))
+        rec = tl.dot(tl.dot(tl.trans(d1), kept, input_precision="ieee"), d2, input_precision="ieee")
+        tl.store(delta_ptr + offs, b - rec, mask=mask)
+
+    @triton.jit
+    def _decode_sign_kernel(agg_ptr, p_ptr, d1_ptr, d2_ptr, lr, R, C, NBR, NBC,
+                            S1: tl.constexpr, S2: tl.constexpr):
+        pid = tl.program_id(0)
+        offs, mask = _block(pid, R, C, NBR, NBC, S1, S2)
+        i1 = tl.arange(0, S1)
+        i2 = tl.arange(0, S2)
+        a = tl.load(agg_ptr + pid.to(tl.int64) * S1 * S2 + i1[:, None] * S2 + i2[None, :])
+        d1 = tl.load(d1_ptr + i1[:, None] * S1 + i1[None, :])
+        d2 = tl.load(d2_ptr + i2[:, None] * S2 + i2[None, :])
+        u = tl.dot(tl.dot(tl.trans(d1), a, input_precision="ieee"), d2, input_precision="ieee")
+        s = tl.where(u > 0, 1.0, tl.where(u < 0, -1.0, 0.0))
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(p_ptr + offs, (p - lr * s).to(p_ptr.dtype.element_ty), mask=mask)
+
+
+def _grid(plan: ChunkPlan) -> tuple[int, int, int]:
+    return plan.num_chunks, plan.rows_padded // plan.s1, plan.cols_padded // plan.s2
+
+
+def encode_triton(delta: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    require_triton(delta)
+    if not kernel_fits(plan) or delta.dtype != torch.float32 or not delta.is_contiguous():
+        raise ValueError("the DeMo kernel needs a contiguous fp32 tensor with power-of-two blocks >= 16")
+    n, nbr, nbc = _grid(plan)
+    idx = torch.empty(n * plan.k, dtype=torch.int32, device=delta.device)
+    vals = torch.empty(n * plan.k, dtype=torch.float32, device=delta.device)
+    d1, d2 = dct_basis(plan.s1, delta.device), dct_basis(plan.s2, delta.device)
+    _encode_kernel[(n,)](delta, d1, d2, idx, vals, plan.rows, plan.cols, nbr, nbc, S1=plan.s1, S2=plan.s2, K=plan.k)
+    return idx, vals
+
+
+def decode_sign_triton(agg: torch.Tensor, param: torch.Tensor, lr: float, plan: ChunkPlan) -> None:
+    require_triton(param)
+    if not kernel_fits(plan) or not param.is_contiguous():
+        raise ValueError("the DeMo kernel needs a contiguous tensor with power-of-two blocks >= 16")
+    n, nbr, nbc = _grid(plan)
+    d1, d2 = dct_basis(plan.s1, param.device), dct_basis(plan.s2, param.device)
+    _decode_sign_kernel[(n,)](agg.float().contiguous(), param, d1, d2, float(lr), plan.rows, plan.cols, nbr, nbc,
+                              S1=plan.s1, S2=plan.s2)
+
+
+def encode(delta: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: the fused kernel on CUDA when the plan fits it, else the reference."""
+    if use_triton(delta) and kernel_fits(plan) and delta.dtype == torch.float32 and delta.is_contiguous():
+        return encode_triton(delta, plan)
+    return encode_ref(delta, plan)
+
+
+def decode_sign_(agg: torch.Tensor, param: torch.Tensor, lr: float, plan: ChunkPlan) -> None:
+    if use_triton(param) and kernel_fits(plan) and param.is_contiguous():
+        decode_sign_triton(agg, param, lr, plan)
+    else:
+        decode_sign_ref(agg, param, lr, plan)
