@@ -26,6 +26,7 @@ class DeMoAlgorithm(Algorithm):
         super().__init__(model, optimizer, transport or optimizer.transport, grad_clip)
 
     def step(self) -> dict[str, Any]:
+        self._sync_inner()
         grads = [p.grad for p in self.params if p.grad is not None]
         norms = [torch.linalg.vector_norm(g.float()) for g in grads]
         grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0

@@ -43,9 +43,19 @@ class Algorithm:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.steps = 0
         self.skipped_steps = 0
+        self.inner: Optional[Transport] = None  # the processes of one worker (a node), averaged every step
+
+    def _sync_inner(self) -> None:
+        """A worker made of several processes (a node of a torchrun mesh): average their gradients first."""
+        if self.inner is not None and self.inner.world_size > 1:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.inner.all_reduce_([p.grad for p in self.params], op="mean")
 
     # ---- the interface ----------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
+        self._sync_inner()
         self._exchange_gradients()
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) if grads else torch.zeros(())

@@ -143,6 +143,10 @@ class TransportConfig:
     )
     dist_backend: Literal["auto", "gloo", "nccl"] = _f("auto", "torch.distributed backend; auto: nccl on CUDA, gloo on CPU.")
     timeout: float = _f(300.0, "Seconds (or a duration like 5m) before a collective is declared stuck.", gt=0, duration=True)
+    mesh: Literal["auto", "flat", "nodes"] = _f(
+        "auto", "torchrun layout. flat: every process is a worker; nodes: every node is one worker whose processes "
+                "average gradients each step (run.batch_size is per process); auto: nodes when torchrun runs several "
+                "nodes with several processes each.")
 
 
 @dataclass

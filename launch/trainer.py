@@ -134,13 +134,18 @@ class Trainer:
             torch.set_num_threads(run.threads)
         self.device = resolve_device(run.device)
         self.transport = transport or make_transport(cfg.transport.backend, cfg.transport.dist_backend,
-                                                     cfg.transport.timeout, self.device)
+                                                     cfg.transport.timeout, self.device, cfg.transport.mesh)
         self.rank, self.world = self.transport.rank, self.transport.world_size
         self.leader = self.transport.is_leader
+        # a worker may be several processes (a node of a torchrun mesh): each takes its share of the worker's batch
+        self.inner: Optional[Transport] = getattr(self.transport, "inner", None)
+        procs = self.inner.world_size if self.inner is not None else 1
+        self.micro_offset = (self.inner.rank if self.inner is not None else 0) * run.grad_accum
         seed_everything(run.seed)
 
         self.data = data or load_data(cfg.data)
-        self.batcher = Batcher(self.data, cfg.data.seq_len, run.batch_size, self.rank, self.world, run.seed, run.grad_accum)
+        self.batcher = Batcher(self.data, cfg.data.seq_len, run.batch_size * procs, self.rank, self.world, run.seed,
+                               run.grad_accum * procs)
         if model is None:
             self.model_args = model_args_from_config(cfg.model, self.data.vocab_size, cfg.data.seq_len)
             torch.manual_seed(run.seed)
@@ -149,11 +154,12 @@ class Trainer:
             self.model_args = getattr(model, "args", None)
         self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, cfg.algo, self.transport)
-        self.tokens_per_step = run.batch_size * cfg.data.seq_len  # per worker
+        self.tokens_per_step = run.batch_size * procs * cfg.data.seq_len  # per worker
         if self.world > 1:  # every worker starts from rank 0's parameters (also the global copy of DiLoCo)
             with torch.no_grad():
                 self.transport.broadcast_tensors_([p.data for p in self.model.parameters()], 0)
         self.algo = build_algorithm(cfg, self.model, self.optimizer, self.transport, self.tokens_per_step)
+        self.algo.inner = self.inner
         # rounds that end on a time budget: workers' step counts differ, so they meet only after syncs
         self.time_rounds = self.algo.round_based and cfg.sync.mode == "time"
         for group in self.optimizer.param_groups:
@@ -173,8 +179,18 @@ class Trainer:
                                cfg.to_dict(), run.name)
 
     # ---- set-up -----------------------------------------------------------------------------
+    @staticmethod
+    def elastic_restart() -> int:
+        """How often torchrun restarted this run's workers (--max-restarts): they continue from the checkpoint."""
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
     def _prepare_run_dir(self) -> Path:
         run = self.cfg.run
+        if self.elastic_restart() and not run.resume:
+            if not run.dir:
+                raise RunError("torchrun restarted the workers, but the run has no fixed folder to continue from: "
+                               "pass --run-dir DIR (needed with --max-restarts)")
+            run.resume = True
         chosen = None
         if self.leader:
             if run.dir:
@@ -209,7 +225,12 @@ class Trainer:
             if self.leader:
                 print(f"[worker {self.rank}] no checkpoint in {self.ckpt_dir}: starting from step 0", flush=True)
             return None
-        state = load_checkpoint(found, map_location="cpu")
+        # every process reads the file; processes on another machine without it get the leader's copy
+        have = self.transport.all_gather_object(Path(found).is_file())
+        if all(have):
+            state = load_checkpoint(found, map_location="cpu")
+        else:
+            state = self.transport.broadcast_object(load_checkpoint(found, map_location="cpu") if self.leader else None)
         self.load_state(state)
         if self.leader:
             truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
@@ -239,7 +260,9 @@ class Trainer:
         }
         if self.algo.replicated_state:
             return {**shared, **self.worker_state()}
-        states = self.transport.all_gather_object(_clone(self.worker_state()))
+        states = self.transport.gather_object(_clone(self.worker_state()))  # on the leader only
+        if states is None:
+            return {}
         with self.algo.evaluation_weights():  # the global model, for sampling and evaluation
             global_model = _clone(self.model.state_dict())
         return {**shared, "model": global_model, "workers": states}
@@ -344,7 +367,7 @@ class Trainer:
                 step_loss = 0.0
                 compute_start = time.perf_counter()
                 for micro in range(run.grad_accum):
-                    loss = self.loss_on(*self.batcher.train_batch(self.step, micro))
+                    loss = self.loss_on(*self.batcher.train_batch(self.step, self.micro_offset + micro))
                     (loss / run.grad_accum).backward()
                     step_loss += float(loss.detach()) / run.grad_accum
                 self.transport.advance_compute(time.perf_counter() - compute_start)

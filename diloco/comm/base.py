@@ -107,8 +107,16 @@ class Transport(ABC):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Control plane (run folder, stop flags, summaries): not counted as algorithm traffic."""
 
+    def gather_object(self, obj: Any, dst: int = 0) -> Optional[list[Any]]:
+        """Every worker's object on worker ``dst`` (None elsewhere): checkpoints gather here, not everywhere."""
+        everyone = self.all_gather_object(obj)
+        return everyone if self.rank == dst else None
+
     def barrier(self) -> None:
         self.broadcast_object(None)
+
+    def _before_exchange(self) -> None:
+        """Called once at the start of every exchange (torch_dist: a monitored barrier on gloo)."""
 
     # ---- time: real here, virtual in the simulator ------------------------------------------
     def now(self) -> float:
@@ -144,6 +152,7 @@ class Transport(ABC):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         if self.world_size == 1 or not tensors:
             return
+        self._before_exchange()
         before = self.stats.bytes_sent
         for bucket in _buckets(tensors, self.bucket_bytes):
             flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
@@ -181,6 +190,7 @@ class Transport(ABC):
             raise ValueError(f"the weight of a compressed all-reduce must be finite and >= 0, got {weight}")
         if not tensors:
             return 0.0
+        self._before_exchange()
         before = self.stats.bytes_sent
         totals = []
         for b, bucket in enumerate(_buckets(tensors, self.bucket_bytes)):

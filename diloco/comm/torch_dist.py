@@ -1,9 +1,22 @@
-"""Transport over torch.distributed process groups (gloo on CPU and between nodes, NCCL on GPUs).
+"""Transports over torch.distributed process groups (gloo on CPU and between nodes, NCCL on GPUs).
 
 Started by ``torchrun``: rank, world size and the rendezvous come from its
-environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ...).
 Every collective runs under the process group's timeout; a collective that
-fails raises :class:`TransportError` naming this rank.
+fails raises :class:`TransportError` naming this rank. On gloo every exchange
+starts with a monitored barrier, so a worker that does not arrive within the
+timeout is named by rank 0 ("Ranks 2 failed to pass monitoredBarrier") instead
+of a silent hang.
+
+Two layouts:
+
+* :class:`TorchDistTransport`: every process is one worker.
+* :class:`NodeMeshTransport`: ``--nnodes M --nproc-per-node G`` as a 2-D mesh. A
+  worker is a node: its G processes train as one DDP worker (gradients averaged
+  inside the node every step, through ``inner``), and the workers' exchange runs
+  across nodes, each local rank moving its 1/G share of the buffer over its
+  cross-node group (the ranks with the same local rank), then sharing the
+  result inside the node.
 """
 
 from __future__ import annotations
@@ -11,20 +24,45 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from diloco.comm.base import Transport, TransportError
+from diloco.comm.base import Transport, TransportError, _buckets, shard_bounds
 
 
 def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
+def torchrun_layout() -> tuple[int, int]:
+    """(nodes, processes per node) from torchrun's environment."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if local < 1 or world % local:
+        return 1, world
+    return world // local, local
+
+
+def _elastic_store(timeout: float) -> dict[str, Any]:
+    """After torchrun restarted the workers, rendezvous under a key prefix of this attempt.
+
+    torchrun's agent keeps one store across restarts; without a prefix a restarted worker can read
+    the previous attempt's addresses (of processes that are gone) and fail to connect.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt in ("", "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    return {"store": dist.PrefixStore(f"/loco/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
+
+
 class TorchDistTransport(Transport):
-    def __init__(self, backend: str = "auto", timeout: float = 300.0, device: Optional[torch.device] = None) -> None:
+    def __init__(self, backend: str = "auto", timeout: float = 300.0, device: Optional[torch.device] = None,
+                 group: Any = None) -> None:
         super().__init__()
         self.device = device or torch.device("cpu")
         if backend == "auto":
@@ -34,50 +72,69 @@ class TorchDistTransport(Transport):
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             try:
-                dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
+                dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout),
+                                        **_elastic_store(timeout))
             except Exception as e:
                 raise TransportError(
                     f"rank {os.environ.get('RANK', '?')}: could not join the process group at "
                     f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')} within {timeout:g}s: {e}"
                 ) from None
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.group = group  # None: the whole world
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.global_rank = dist.get_rank()
+
+    def _src(self, src: int) -> int:
+        """The global rank of group rank ``src`` (collectives take global ranks)."""
+        return src if self.group is None else dist.get_global_rank(self.group, src)
 
     def _run(self, what: str, fn, *args, **kwargs):
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with long texts
-            raise TransportError(f"rank {self.rank}/{self.world_size}: {what} failed (timeout {self.timeout:g}s): {e}") from None
+            raise TransportError(f"rank {self.global_rank} (worker {self.rank}/{self.world_size}): {what} failed "
+                                 f"(timeout {self.timeout:g}s): {e}") from None
         finally:
             self.stats.seconds += time.perf_counter() - start
 
+    def _before_exchange(self) -> None:
+        """gloo: a monitored barrier, so rank 0 names a worker that does not arrive within the timeout."""
+        if self.backend == "gloo" and self.world_size > 1:
+            self._run("waiting for every worker (monitored barrier)", dist.monitored_barrier, group=self.group,
+                      timeout=datetime.timedelta(seconds=self.timeout), wait_all_ranks=True)
+
     def _all_reduce_sum_(self, flat: torch.Tensor) -> None:
-        self._run("all_reduce", dist.all_reduce, flat, op=dist.ReduceOp.SUM)
+        self._run("all_reduce", dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=self.group)
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        self._run("broadcast", dist.broadcast, tensor, src=src)
+        self._run("broadcast", dist.broadcast, tensor, src=self._src(src), group=self.group)
         return tensor
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]
-        self._run("broadcast_object", dist.broadcast_object_list, box, src=src)
+        self._run("broadcast_object", dist.broadcast_object_list, box, src=self._src(src), group=self.group)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        self._run("all_gather_object", dist.all_gather_object, out, obj)
+        self._run("all_gather_object", dist.all_gather_object, out, obj, group=self.group)
+        return out
+
+    def gather_object(self, obj: Any, dst: int = 0) -> Optional[list[Any]]:
+        out: Optional[list[Any]] = [None] * self.world_size if self.rank == dst else None
+        self._run("gather_object", dist.gather_object, obj, out, dst=self._src(dst), group=self.group)
         return out
 
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
         sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
-        self._run("all_gather(sizes)", dist.all_gather, sizes, size)
+        self._run("all_gather(sizes)", dist.all_gather, sizes, size, group=self.group)
         longest = int(max(s.item() for s in sizes))
         buf = torch.zeros(longest, dtype=torch.uint8, device=self.device)
         buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else buf[:0]
         bufs = [torch.empty_like(buf) for _ in range(self.world_size)]
-        self._run("all_gather(payload)", dist.all_gather, bufs, buf)
+        self._run("all_gather(payload)", dist.all_gather, bufs, buf, group=self.group)
         self.stats.bytes_sent += len(payload) * (self.world_size - 1)
         self.stats.bytes_received += sum(int(s.item()) for s in sizes) - len(payload)
         self.stats.collectives += 1
@@ -88,14 +145,14 @@ class TorchDistTransport(Transport):
             raise ValueError(f"all_to_all_bytes needs {self.world_size} payloads, got {len(payloads)}")
         send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=self.device)
         recv_sizes = torch.empty_like(send_sizes)
-        self._run("all_to_all(sizes)", dist.all_to_all_single, recv_sizes, send_sizes)
+        self._run("all_to_all(sizes)", dist.all_to_all_single, recv_sizes, send_sizes, group=self.group)
         send_n, recv_n = send_sizes.tolist(), recv_sizes.tolist()
         joined = b"".join(payloads)
         send = (torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined
                 else torch.zeros(0, dtype=torch.uint8)).to(self.device)
         recv = torch.empty(sum(recv_n), dtype=torch.uint8, device=self.device)
         self._run("all_to_all(payload)", dist.all_to_all_single, recv, send,
-                  output_split_sizes=recv_n, input_split_sizes=send_n)
+                  output_split_sizes=recv_n, input_split_sizes=send_n, group=self.group)
         me = self.rank
         self.stats.bytes_sent += sum(send_n) - send_n[me]
         self.stats.bytes_received += sum(recv_n) - recv_n[me]
@@ -108,9 +165,140 @@ class TorchDistTransport(Transport):
         return out
 
     def barrier(self) -> None:
-        self._run("barrier", dist.barrier)
+        self._run("barrier", dist.barrier, group=self.group)
 
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+
+
+class NodeMeshTransport(TorchDistTransport):
+    """One worker per node of a torchrun mesh (``nodes`` x ``per_node`` processes, ranks node-major).
+
+    ``rank`` / ``world_size`` are the node and the number of nodes; ``inner`` averages gradients
+    inside the node. Control-plane calls (objects, barrier) run over every process with global
+    rank 0 as the source, so the processes of a node always agree. Byte counters hold what this
+    process put on the inter-node links (its 1/G share); intra-node traffic is not counted.
+    """
+
+    def __init__(self, backend: str = "auto", timeout: float = 300.0, device: Optional[torch.device] = None,
+                 per_node: Optional[int] = None) -> None:
+        super().__init__(backend, timeout, device)
+        world = dist.get_world_size()
+        g = per_node or torchrun_layout()[1]
+        if g < 1 or world % g:
+            raise TransportError(f"{world} processes cannot form nodes of {g}")
+        m = world // g
+        self.per_node, self.nodes = g, m
+        self.node, self.local_rank = self.global_rank // g, self.global_rank % g
+        node_groups = [dist.new_group([n * g + i for i in range(g)]) for n in range(m)]  # every rank makes every group
+        cross_groups = [dist.new_group([n * g + i for n in range(m)]) for i in range(g)]
+        self.node_group, self.cross_group = node_groups[self.node], cross_groups[self.local_rank]
+        self.group = self.cross_group  # byte collectives: my share, across nodes
+        self.rank, self.world_size = self.node, m
+        self.inner = _NodeInner(self)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.global_rank == 0
+
+    # ---- dense all-reduce: my 1/G share across nodes, then shared inside the node ---------------
+    def _all_reduce_sum_(self, flat: torch.Tensor) -> None:
+        n = flat.numel()
+        size = -(-n // self.per_node)
+        buf = torch.zeros(size * self.per_node, dtype=flat.dtype, device=flat.device)
+        buf[:n] = flat
+        parts = list(buf.split(size))
+        mine = parts[self.local_rank].clone()
+        self._run("all_reduce (across nodes)", dist.all_reduce, mine, op=dist.ReduceOp.SUM, group=self.cross_group)
+        self._run("all_gather (inside the node)", dist.all_gather, parts, mine, group=self.node_group)
+        flat.copy_(buf[:n])
+
+    def count_all_reduce(self, nbytes: int) -> None:
+        super().count_all_reduce(-(-nbytes // self.per_node))
+
+    def all_reduce_compressed_(self, tensors: Sequence[torch.Tensor], codec, weight: float = 1.0,
+                               key: Hashable = "") -> float:
+        if not (weight >= 0 and weight < float("inf")):
+            raise ValueError(f"the weight of a compressed all-reduce must be finite and >= 0, got {weight}")
+        if not tensors:
+            return 0.0
+        self._before_exchange()
+        before = self.stats.bytes_sent
+        totals = []
+        for b, bucket in enumerate(_buckets(tensors, self.bucket_bytes)):
+            flat = torch.cat([t.detach().reshape(-1).float() for t in bucket])
+            bounds = shard_bounds(flat.numel(), self.per_node, codec.align)
+            lo, hi = bounds[self.local_rank]
+            share = flat[lo:hi].clone()
+            totals.append(self._reduce_bucket(share, codec, float(weight), (key, b, self.local_rank)))
+            sizes = [h - l for l, h in bounds]
+            longest = max(sizes)
+            mine = torch.zeros(longest, dtype=flat.dtype, device=flat.device)
+            mine[:share.numel()] = share
+            parts = [torch.empty_like(mine) for _ in range(self.per_node)]
+            self._run("all_gather (inside the node)", dist.all_gather, parts, mine, group=self.node_group)
+            flat = torch.cat([p[:s] for p, s in zip(parts, sizes)])
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+        self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes_sent - before)
+        return max(totals)
+
+    # ---- control plane over every process, from global rank 0 -----------------------------------
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        self._run("broadcast_object", dist.broadcast_object_list, box, src=src * self.per_node)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size()
+        self._run("all_gather_object", dist.all_gather_object, out, obj)
+        return out[::self.per_node]  # one per node: its local rank 0
+
+    def gather_object(self, obj: Any, dst: int = 0) -> Optional[list[Any]]:
+        out: Optional[list[Any]] = [None] * dist.get_world_size() if self.global_rank == dst * self.per_node else None
+        self._run("gather_object", dist.gather_object, obj, out, dst=dst * self.per_node)
+        return out[::self.per_node] if out is not None else None
+
+    def barrier(self) -> None:
+        self._run("barrier", dist.barrier)
+
+    def _before_exchange(self) -> None:
+        if self.backend == "gloo":
+            self._run("waiting for every process (monitored barrier)", dist.monitored_barrier,
+                      timeout=datetime.timedelta(seconds=self.timeout), wait_all_ranks=True)
+
+    def now(self) -> float:
+        """The node's clock (its local rank 0's), so a node's processes end time-budgeted rounds together."""
+        t = torch.tensor([time.monotonic()], dtype=torch.float64, device=self.device)
+        self._run("broadcast (node clock)", dist.broadcast, t, src=self.node * self.per_node, group=self.node_group)
+        return float(t.item())
+
+    def summary(self) -> dict[str, Any]:
+        return {"mesh": f"{self.nodes} nodes x {self.per_node} processes", "intra_node_bytes": self.inner.stats.bytes_sent}
+
+
+class _NodeInner(Transport):
+    """The processes of one node: averages gradients every step (DDP inside the node)."""
+
+    def __init__(self, mesh: NodeMeshTransport) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.rank, self.world_size = mesh.local_rank, mesh.per_node
+
+    def _all_reduce_sum_(self, flat: torch.Tensor) -> None:
+        self.mesh._run("all_reduce (inside the node)", dist.all_reduce, flat, op=dist.ReduceOp.SUM,
+                       group=self.mesh.node_group)
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self.mesh._run("broadcast (inside the node)", dist.broadcast, tensor,
+                       src=self.mesh.node * self.mesh.per_node + src, group=self.mesh.node_group)
+        return tensor
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        raise NotImplementedError("the node transport only averages gradients")
+
+    all_gather_object = all_gather_bytes = all_to_all_bytes = broadcast_object

@@ -1,0 +1,144 @@
+"""torchrun across processes: 4 workers == the simulator, the 2-D node mesh, elastic restarts, stuck ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, ROOT, TINY, child_env, free_port, run_cli
+from launch.checkpoint import latest_checkpoint, load_checkpoint
+
+SMALL = ["run.batch_size=2", "run.eval_every=0", "sim.baseline=none", "sim.step_time=0.01", "log.every=2"]
+
+
+def sets(*overrides: str) -> list[str]:
+    return [a for s in [*FAST, *SMALL, *overrides] for a in ("--set", s)]
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def torchrun(*args: str) -> list[str]:
+    return ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
+
+
+@pytest.mark.parametrize("algo", [["algo.name=diloco", "algo.inner_steps=3"], ["algo.name=demo"]], ids=["diloco", "demo"])
+def test_four_processes_equal_four_simulated_workers(tmp_path, algo):
+    args = ["--config", TINY, "--max-steps", "6", "--seed", "7", *sets(*algo, "run.checkpoint_every=6")]
+    sim = run_cli(["simulate", *args, "--workers", "4", "--run-dir", str(tmp_path / "sim")])
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    real = run_cli([*torchrun("--nproc-per-node", "4"), "-m", "launch.cli", "train", *args,
+                    "--run-dir", str(tmp_path / "real")], module="torch.distributed.run")
+    assert real.returncode == 0, real.stderr[-3000:]
+    a = latest_checkpoint(tmp_path / "sim" / "checkpoints")[1]
+    b = latest_checkpoint(tmp_path / "real" / "checkpoints")[1]
+    assert max_diff(a["model"], b["model"]) < 1e-5
+    assert len(b["workers"]) == 4
+    sa = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    sb = json.loads((tmp_path / "real" / "summary.json").read_text())
+    assert sa["bytes_sent"] == sb["bytes_sent"] > 0
+
+
+def test_two_nodes_of_two_processes_equal_two_workers_with_double_batch(tmp_path):
+    """--nnodes 2 --nproc-per-node 2: each node is one DiLoCo worker (DDP inside) == 2 simulated workers x batch 4."""
+    common = ["--config", TINY, "--max-steps", "6", "--seed", "11"]
+    algo = ["algo.name=diloco", "algo.inner_steps=3", "run.checkpoint_every=6"]
+    sim = run_cli(["simulate", *common, *sets(*algo, "run.batch_size=4"), "--workers", "2",
+                   "--run-dir", str(tmp_path / "sim")])
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    port = str(free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+         "2", "--master-addr", "127.0.0.1", "--master-port", port, "-m", "launch.cli", "train", *common,
+         *sets(*algo, "run.batch_size=2"), "--run-dir", str(tmp_path / "mesh")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT, start_new_session=True)
+        for node in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    a = latest_checkpoint(tmp_path / "sim" / "checkpoints")[1]
+    b = latest_checkpoint(tmp_path / "mesh" / "checkpoints")[1]
+    assert len(b["workers"]) == 2, "one worker per node"
+    assert max_diff(a["model"], b["model"]) < 1e-5
+    summary = json.loads((tmp_path / "mesh" / "summary.json").read_text())
+    assert summary["mesh"] == "2 nodes x 2 processes" and summary["intra_node_bytes"] > 0
+    assert summary["tokens"] == json.loads((tmp_path / "sim" / "summary.json").read_text())["tokens"]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def test_a_killed_worker_restarts_from_the_last_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+         *torchrun(), "-m", "launch.cli", "train", "--config", TINY, "--max-steps", "24", "--seed", "2",
+         *sets("algo.name=diloco", "algo.inner_steps=4", "run.checkpoint_every=8"), "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not list((run_dir / "checkpoints").glob("step_00000008.pt")):
+            time.sleep(0.05)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)  # one worker dies mid-run
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, (out[-2000:], err[-3000:])
+    assert "restart" in err.lower()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 24
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in lines if "loss" in r]  # training lines (the last step also has a val_loss line)
+    assert steps == sorted(steps) and len(steps) == len(set(steps)), f"the curve continues from the checkpoint: {steps}"
+    for ckpt in (run_dir / "checkpoints").glob("step_*.pt"):
+        load_checkpoint(ckpt)  # none is corrupt
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+STUCK = textwrap.dedent("""
+    import os, sys, time, torch
+    from diloco.comm.base import TransportError
+    from diloco.comm.torch_dist import TorchDistTransport
+    t = TorchDistTransport("gloo", timeout=3)
+    if t.rank == 2:
+        time.sleep(20)  # never answers in time
+        sys.exit(0)
+    try:
+        t.all_reduce_([torch.ones(10)])
+    except TransportError as e:
+        os.write(1, f"ERROR {t.rank} {e}\\n"[:3000].encode())  # one write: lines of two processes do not mix
+        sys.exit(3)
+""")
+
+
+def test_a_stuck_worker_is_named_within_the_timeout(tmp_path):
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    start = time.time()
+    proc = run_cli([*torchrun("--nproc-per-node", "3"), str(script)], module="torch.distributed.run", timeout=120)
+    assert proc.returncode != 0
+    assert time.time() - start < 60
+    mine = [line for line in proc.stdout.splitlines() if line.startswith("ERROR 0 ")]
+    assert mine and "Ranks 2 failed to pass monitoredBarrier" in mine[0], proc.stdout
