@@ -2,6 +2,7 @@
 
     python benchmarks/convergence.py                                  # tiny, 4 workers, 1200 steps, seeds 0,1,2
     python benchmarks/convergence.py --steps 300 --seeds 0 --methods ddp,diloco-h50
+    python benchmarks/convergence.py --steps 600 --seeds 0 --methods ddp,diloco-h50,diloco-h50-int8,diloco-h50-topk2
     python benchmarks/convergence.py --model small --out benchmarks/results/convergence_gpu.md   # on a GPU
 
 Every multi-worker method runs in the simulator with the same workers, per-worker batch, steps and seeds,
@@ -38,7 +39,15 @@ METHODS = {
     "diloco-h100": ["algo.name=diloco", "algo.inner_steps=100"],
     "streaming-h50-p4": ["algo.name=streaming", "algo.inner_steps=50", "algo.fragments=4", "algo.overlap_steps=5",
                          "algo.mix_alpha=0.5"],
+    # DiLoCo H=50 with a lossy codec on the pseudo-gradients (error feedback for top-k)
+    "diloco-h50-int8": ["algo.name=diloco", "algo.inner_steps=50", "compress.codec=int8"],
+    "diloco-h50-fp4": ["algo.name=diloco", "algo.inner_steps=50", "compress.codec=fp4+zstd"],
+    "diloco-h50-topk2": ["algo.name=diloco", "algo.inner_steps=50", "compress.codec=topk:0.02+2bit+zstd"],
+    # DeMo (its lr is set by benchmarks/demo.py --demo-lr through --set-like overrides)
+    "demo-k32": ["algo.name=demo", "algo.compression_topk=32"],
+    "demo-k8": ["algo.name=demo", "algo.compression_topk=8"],
 }
+CODEC_METHODS = ("diloco-h50-int8", "diloco-h50-fp4", "diloco-h50-topk2", "demo-k32", "demo-k8")
 
 
 def measure_step_time(args, data) -> float:
@@ -71,8 +80,9 @@ def run_one(args, method: str, seed: int, data, step_time: float, out_dir: Path)
     from launch.simulate import simulate_once
 
     run_dir = out_dir / f"{method}-seed{seed}"
+    extra = list(getattr(args, "method_set", {}).get(method, []))
     cfg, _ = load_config([], _base(args, seed) + METHODS[method] + [f"sim.step_time={step_time}",
-                                                                      f"run.dir={run_dir}"] + args.set)
+                                                                      f"run.dir={run_dir}"] + args.set + extra)
     start = time.perf_counter()
     summary = simulate_once(cfg, data)
     curve = [(r["tokens"], r.get("bytes_sent", 0), r.get("virtual_s", 0.0), r["val_loss"])
@@ -166,7 +176,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(m for m in METHODS if m not in CODEC_METHODS),
+                   help=f"comma-separated, from: {', '.join(METHODS)} (default: all but the codec runs)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)

@@ -1,0 +1,167 @@
+"""DeMo against AdamW DDP on the same token budget, and the cost of DeMo's encode.
+
+1. Loss and bytes: ``ddp`` (AdamW, gradients all-reduced every step) and DeMo with k=32 and
+   k=8 (``--demo-lr``), all with ``--workers`` simulated workers x ``--batch-size``, the same
+   seeds and steps (the runs go through ``benchmarks/convergence.py``). Reported: median final
+   validation loss, gap to DDP, bytes sent per worker per step and DDP's over DeMo's.
+2. Encode time per step for every parameter of the model: loco's encode (the fused Triton
+   kernel on CUDA, the torch reference elsewhere) against a plain per-parameter
+   einsum + ``torch.topk`` + scatter implementation like the published one. Medians.
+
+    python benchmarks/demo.py --steps 300 --seeds 0,1,2                       # tiny on CPU
+    python benchmarks/demo.py --model small --device cuda --out benchmarks/results/demo_gpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+
+def plain_encode(delta: torch.Tensor, chunk: int, topk: int, dct) -> tuple[torch.Tensor, torch.Tensor]:
+    """The published style: einsum per parameter, torch.topk, gather, scatter, einsum back, subtract."""
+    def div(n: int) -> int:
+        return max(d for d in range(1, min(n, chunk) + 1) if n % d == 0)
+
+    if delta.dim() == 1:
+        s = div(delta.numel())
+        d = dct(s)
+        c = torch.einsum("xi,ji->xj", delta.reshape(-1, s), d)
+        k = min(topk, s)
+        idx = torch.topk(c.abs(), k, dim=-1, sorted=False).indices
+        val = torch.gather(c, -1, idx)
+        sent = torch.zeros_like(c).scatter(-1, idx, val)
+        delta.sub_(torch.einsum("xj,ji->xi", sent, d).reshape(delta.shape))
+        return idx, val
+    r, cdim = delta.shape[-2:]
+    s1, s2 = div(r), div(cdim)
+    d1, d2 = dct(s1), dct(s2)
+    b = delta.reshape(r // s1, s1, cdim // s2, s2)
+    c = torch.einsum("hi,yixj,wj->yxhw", d1, b, d2).reshape(r // s1, cdim // s2, -1)
+    k = min(topk, s1 * s2)
+    idx = torch.topk(c.abs(), k, dim=-1, sorted=False).indices
+    val = torch.gather(c, -1, idx)
+    sent = torch.zeros_like(c).scatter(-1, idx, val).reshape(r // s1, cdim // s2, s1, s2)
+    delta.sub_(torch.einsum("hi,yxhw,wj->yixj", d1, sent, d2).reshape(delta.shape))
+    return idx, val
+
+
+def encode_times(model_size: str, device: torch.device, repeats: int, topk: int = 32) -> dict[str, float]:
+    from demo_optim import kernels
+    from demo_optim.transform import plan_for
+    from diloco.compress.dct import dct_basis
+    from launch.models import SIZES, Transformer
+
+    model = Transformer(replace(SIZES[model_size], vocab_size=256, max_seq_len=128)).to(device)
+    deltas = [torch.randn_like(p, dtype=torch.float32) for p in model.parameters()]
+    plans = [plan_for(d.shape, 64, topk, "divisor") for d in deltas]
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def loco():
+        for d, plan in zip(deltas, plans):
+            kernels.encode(d, plan)
+
+    def plain():
+        for d in deltas:
+            plain_encode(d, 64, topk, lambda n: dct_basis(n, device))
+
+    out = {}
+    for name, fn in (("loco", loco), ("plain", plain)):
+        fn()
+        times = []
+        for _ in range(repeats):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t)
+        out[name] = statistics.median(times)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW lr of the DDP baseline")
+    p.add_argument("--demo-lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--methods", default="ddp,demo-k32,demo-k8")
+    p.add_argument("--device", default=None)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="benchmarks/results/demo_cpu.md")
+    args = p.parse_args()
+
+    from benchmarks import convergence as conv
+    from benchmarks.simulator import device_name
+    from launch.config import load_config
+    from launch.data import load_data
+    from launch.metrics import human_bytes
+    from launch.trainer import resolve_device
+
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.methods = args.methods.split(",")
+    args.evals, args.eval_batches, args.bandwidth, args.latency, args.set = 6, 16, "1Gbit", "80ms", []
+    args.method_set = {m: [f"optim.lr={args.demo_lr}", "optim.weight_decay=0"] for m in args.methods
+                       if m.startswith("demo")}
+    device = resolve_device(args.device or "auto")
+    cfg, _ = load_config([], conv._base(args, 0))
+    data = load_data(cfg.data)
+    step_time = conv.measure_step_time(args, data)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            for m in args.methods:
+                r = conv.run_one(args, m, seed, data, step_time, Path(tmp))
+                results.append(r)
+                print(f"[demo] {m} seed {seed}: val {r['val_loss']:.4f}, sent {r['bytes']:,} B, {r['real_s']:.0f}s",
+                      file=sys.stderr, flush=True)
+    times = encode_times(args.model, device, args.repeats)
+    med = {m: statistics.median(r["val_loss"] for r in results if r["method"] == m) for m in args.methods}
+    per_step = {m: statistics.median(r["bytes"] for r in results if r["method"] == m) / args.steps for m in args.methods}
+    lines = [
+        "# DeMo vs AdamW DDP", "",
+        f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; device: {device_name(args.device or 'auto')}; "
+        f"torch {torch.__version__}, Python {platform.python_version()}",
+        f"- model {args.model}, {args.workers} workers x batch {args.batch_size} x {args.seq_len}, {args.steps} steps, "
+        f"seeds {','.join(map(str, args.seeds))}; DDP: AdamW lr {args.lr}; DeMo: lr {args.demo_lr}, decay 0.999, "
+        f"chunk 64, no weight decay; warmup {args.warmup}, cosine",
+        f"- `python benchmarks/demo.py {' '.join(sys.argv[1:])}`", "",
+        "| method | val loss (median) | seeds | vs DDP | bytes / worker / step | DDP bytes / these |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for m in args.methods:
+        seeds = ", ".join(f"{r['val_loss']:.3f}" for r in results if r["method"] == m)
+        gap = f"{100 * (med[m] / med['ddp'] - 1):+.1f}%" if "ddp" in med else ""
+        fewer = f"{per_step['ddp'] / per_step[m]:.0f}x" if "ddp" in per_step and per_step[m] else ""
+        lines.append(f"| {m} | {med[m]:.4f} | {seeds} | {gap} | {human_bytes(per_step[m])} | {fewer} |")
+    lines += ["", f"Encode (all parameters of `{args.model}`, k=32, median of {args.repeats}): loco "
+              f"{times['loco'] * 1e3:.1f} ms ({'Triton kernel' if device.type == 'cuda' else 'torch reference'}), "
+              f"plain einsum+topk {times['plain'] * 1e3:.1f} ms: {times['plain'] / times['loco']:.2f}x."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
