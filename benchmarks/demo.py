@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import platform
 import statistics
 import sys

@@ -45,6 +45,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from diloco.compress.kernels.topk import select_topk
+
     @triton.jit
     def _block(pid, R, C, NBR, NBC, S1: tl.constexpr, S2: tl.constexpr):
         per = NBR * NBC
@@ -68,19 +70,8 @@ if HAVE_TRITON:
         d2 = tl.load(d2_ptr + i2[:, None] * S2 + i2[None, :])
         x = tl.dot(tl.dot(d1, b, input_precision="ieee"), tl.trans(d2), input_precision="ieee")
         flat = tl.reshape(x, (S1 * S2,))
-        bits = tl.abs(flat).to(tl.int32, bitcast=True)
-        lo = tl.zeros((), tl.int32)
-        hi = tl.full((), 0x7F800000, tl.int32)
-        for _ in range(31):
-            mid = lo + (hi - lo + 1) // 2
-            ok = tl.sum((bits >= mid).to(tl.int32), axis=0) >= K
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid - 1)
-        gt = bits > lo
-        eq = bits == lo
-        need = K - tl.sum(gt.to(tl.int32), axis=0)
-        sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))
-        pos = pid.to(tl.int64) * K + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        sel, rank = select_topk(tl.abs(flat).to(tl.int32, bitcast=True), K)
+        pos = pid.to(tl.int64) * K + rank
         tl.store(idx_ptr + pos, tl.arange(0, S1 * S2), mask=sel)
         tl.store(val_ptr + pos, flat, mask=sel)
         kept = tl.reshape(tl.where(sel, flat, 0.0), (S1, S2))

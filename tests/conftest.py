@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -64,6 +65,24 @@ def kill_when(proc: subprocess.Popen, ready, timeout: float = 180, poll: float =
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def simulate_and_torchrun(tmp_path: Path, args: list[str], workers: int) -> tuple[dict, dict, dict, dict]:
+    """``loco simulate --workers N`` and ``torchrun --nproc-per-node N loco train`` with the same arguments.
+
+    Returns (simulated checkpoint, real checkpoint, simulated summary, real summary): the last of each run.
+    """
+    from launch.checkpoint import latest_checkpoint
+
+    sim = run_cli(["simulate", *args, "--workers", str(workers), "--run-dir", str(tmp_path / "sim")])
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    real = run_cli(["--nproc-per-node", str(workers), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                    "-m", "launch.cli", "train", *args, "--run-dir", str(tmp_path / "real")],
+                   module="torch.distributed.run")
+    assert real.returncode == 0, real.stderr[-3000:]
+    ckpts = [latest_checkpoint(tmp_path / name / "checkpoints")[1] for name in ("sim", "real")]
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("sim", "real")]
+    return ckpts[0], ckpts[1], summaries[0], summaries[1]
 
 
 @pytest.fixture

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 
 import pytest
 import torch
 
-from conftest import FAST, TINY, free_port, run_cli
+from conftest import FAST, TINY, simulate_and_torchrun
 from demo_optim import DeMo
 from demo_optim import kernels as K
 from demo_optim.transform import from_chunks, plan_for, to_chunks
@@ -297,15 +296,6 @@ def test_demo_refuses_a_codec():
 def test_simulator_equals_real_gloo_processes(tmp_path):
     args = ["--config", TINY, "--max-steps", "6", "--seed", "3",
             *[a for s in [*FAST, *SMALL, "algo.name=demo", "run.checkpoint_every=6"] for a in ("--set", s)]]
-    sim = run_cli(["simulate", *args, "--workers", "2", "--run-dir", str(tmp_path / "sim")])
-    assert sim.returncode == 0, sim.stderr[-3000:]
-    real = run_cli(["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                    "-m", "launch.cli", "train", *args, "--run-dir", str(tmp_path / "real")],
-                   module="torch.distributed.run")
-    assert real.returncode == 0, real.stderr[-3000:]
-    a = latest_checkpoint(tmp_path / "sim" / "checkpoints")[1]
-    b = latest_checkpoint(tmp_path / "real" / "checkpoints")[1]
+    a, b, sa, sb = simulate_and_torchrun(tmp_path, args, 2)
     assert max(float((a["model"][k] - b["model"][k]).abs().max()) for k in a["model"]) < 1e-5
-    sa = json.loads((tmp_path / "sim" / "summary.json").read_text())
-    sb = json.loads((tmp_path / "real" / "summary.json").read_text())
     assert sa["bytes_sent"] == sb["bytes_sent"] > 0

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
-from conftest import FAST, TINY, child_env, free_port, run_cli
+from conftest import FAST, TINY, simulate_and_torchrun
 from diloco.streaming import layer_fragments
 from launch.checkpoint import latest_checkpoint
 from launch.config import load_config
@@ -183,19 +182,10 @@ def test_simulator_equals_real_gloo_processes(tmp_path):
     """A simulated 2-worker DiLoCo run and 2 torchrun processes over gloo end with the same parameters."""
     args = ["--config", TINY, "--max-steps", "8", "--seed", "5",
             *[a for s in [*FAST, *SMALL, "algo.name=diloco", "algo.inner_steps=4"] for a in ("--set", s)]]
-    sim = run_cli(["simulate", *args, "--workers", "2", "--run-dir", str(tmp_path / "sim")])
-    assert sim.returncode == 0, sim.stderr[-3000:]
-    real = run_cli(["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                    "-m", "launch.cli", "train", *args, "--run-dir", str(tmp_path / "real")],
-                   module="torch.distributed.run")
-    assert real.returncode == 0, real.stderr[-3000:]
-    a = latest_checkpoint(tmp_path / "sim" / "checkpoints")[1]
-    b = latest_checkpoint(tmp_path / "real" / "checkpoints")[1]
+    a, b, sa, sb = simulate_and_torchrun(tmp_path, args, 2)
     assert max_diff(a["model"], b["model"]) < 1e-5
     for wa, wb in zip(a["workers"], b["workers"]):
         assert max_diff(wa["model"], wb["model"]) < 1e-5
-    sa = json.loads((tmp_path / "sim" / "summary.json").read_text())
-    sb = json.loads((tmp_path / "real" / "summary.json").read_text())
     assert sa["bytes_sent"] == sb["bytes_sent"] > 0
 
 

@@ -29,7 +29,7 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from diloco.comm.base import Transport, TransportError, _buckets, shard_bounds
+from diloco.comm.base import Transport, TransportError, shard_bounds
 
 
 def launched_by_torchrun() -> bool:
@@ -218,34 +218,19 @@ class NodeMeshTransport(TorchDistTransport):
     def count_all_reduce(self, nbytes: int) -> None:
         super().count_all_reduce(-(-nbytes // self.per_node))
 
-    def all_reduce_compressed_(self, tensors: Sequence[torch.Tensor], codec, weight: float = 1.0,
-                               key: Hashable = "") -> float:
-        if not (weight >= 0 and weight < float("inf")):
-            raise ValueError(f"the weight of a compressed all-reduce must be finite and >= 0, got {weight}")
-        if not tensors:
-            return 0.0
-        self._before_exchange()
-        before = self.stats.bytes_sent
-        totals = []
-        for b, bucket in enumerate(_buckets(tensors, self.bucket_bytes)):
-            flat = torch.cat([t.detach().reshape(-1).float() for t in bucket])
-            bounds = shard_bounds(flat.numel(), self.per_node, codec.align)
-            lo, hi = bounds[self.local_rank]
-            share = flat[lo:hi].clone()
-            totals.append(self._reduce_bucket(share, codec, float(weight), (key, b, self.local_rank)))
-            sizes = [h - l for l, h in bounds]
-            longest = max(sizes)
-            mine = torch.zeros(longest, dtype=flat.dtype, device=flat.device)
-            mine[:share.numel()] = share
-            parts = [torch.empty_like(mine) for _ in range(self.per_node)]
-            self._run("all_gather (inside the node)", dist.all_gather, parts, mine, group=self.node_group)
-            flat = torch.cat([p[:s] for p, s in zip(parts, sizes)])
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
-        self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes_sent - before)
-        return max(totals)
+    def _reduce_bucket(self, flat: torch.Tensor, codec, weight: float, key: Hashable) -> float:
+        """My 1/G share of the bucket through the compressed exchange across nodes, then shared in the node."""
+        bounds = shard_bounds(flat.numel(), self.per_node, codec.align)
+        lo, hi = bounds[self.local_rank]
+        share = flat[lo:hi].clone()
+        total = super()._reduce_bucket(share, codec, weight, (key, self.local_rank))
+        sizes = [h - l for l, h in bounds]
+        mine = torch.zeros(max(sizes), dtype=flat.dtype, device=flat.device)
+        mine[:share.numel()] = share
+        parts = [torch.empty_like(mine) for _ in range(self.per_node)]
+        self._run("all_gather (inside the node)", dist.all_gather, parts, mine, group=self.node_group)
+        flat.copy_(torch.cat([p[:s] for p, s in zip(parts, sizes)]))
+        return total
 
     # ---- control plane over every process, from global rank 0 -----------------------------------
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:

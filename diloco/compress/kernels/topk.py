@@ -76,6 +76,23 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def select_topk(bits, k):
+        """Mask of the k largest of ``bits`` (|x| as int32 bit patterns; -1 for padding; ties: lowest index)
+        and each kept entry's position among the kept ones. Binary search for the k-th largest: no sort."""
+        lo = tl.zeros((), tl.int32)
+        hi = tl.full((), 0x7F800000, tl.int32)
+        for _ in range(31):
+            mid = lo + (hi - lo + 1) // 2
+            ok = tl.sum((bits >= mid).to(tl.int32), axis=0) >= k
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        gt = bits > lo
+        eq = bits == lo
+        need = k - tl.sum(gt.to(tl.int32), axis=0)
+        sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+        return sel, tl.cumsum(sel.to(tl.int32), axis=0) - 1
+
+    @triton.jit
     def _topk_kernel(x_ptr, res_ptr, idx_ptr, val_ptr, n, decay, CHUNK: tl.constexpr, K: tl.constexpr,
                      HAS_RES: tl.constexpr, DECAY_ONE: tl.constexpr):
         pid = tl.program_id(0)
@@ -91,19 +108,7 @@ if HAVE_TRITON:
                 acc = r * decay + acc
         bits = tl.where(m, tl.abs(acc).to(tl.int32, bitcast=True), -1)
         length = tl.minimum(n - base, CHUNK).to(tl.int32)
-        keff = tl.minimum(length, K)
-        lo = tl.zeros((), tl.int32)
-        hi = tl.full((), 0x7F800000, tl.int32)
-        for _ in range(31):
-            mid = lo + (hi - lo + 1) // 2
-            ok = tl.sum((bits >= mid).to(tl.int32), axis=0) >= keff
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid - 1)
-        gt = bits > lo
-        eq = bits == lo
-        need = keff - tl.sum(gt.to(tl.int32), axis=0)
-        sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))
-        pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        sel, pos = select_topk(bits, tl.minimum(length, K))
         out = pid.to(tl.int64) * K + pos
         tl.store(idx_ptr + out, offs, mask=sel)
         tl.store(val_ptr + out, acc, mask=sel)
