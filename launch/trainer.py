@@ -224,6 +224,7 @@ class Trainer:
         if found is None:
             if self.leader:
                 print(f"[worker {self.rank}] no checkpoint in {self.ckpt_dir}: starting from step 0", flush=True)
+                truncate_metrics(self.run_dir / "metrics.jsonl", 0)  # an earlier attempt's lines would repeat
             return None
         # every process reads the file; processes on another machine without it get the leader's copy
         have = self.transport.all_gather_object(Path(found).is_file())
