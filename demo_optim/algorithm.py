@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -25,22 +24,16 @@ class DeMoAlgorithm(Algorithm):
             raise TypeError("algo.name=demo needs a demo_optim.DeMo optimizer")
         super().__init__(model, optimizer, transport or optimizer.transport, grad_clip)
 
-    def step(self) -> dict[str, Any]:
-        self._sync_inner()
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norms = [torch.linalg.vector_norm(g.float()) for g in grads]
-        grad_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
-        finite = math.isfinite(grad_norm)
-        if not finite:
-            self.skipped_steps += 1
-            self.optimizer.contribute = False
-        elif self.grad_clip > 0 and grad_norm > self.grad_clip:
-            for g in grads:
-                g.mul_(self.grad_clip / (grad_norm + 1e-6))
-        self.optimizer.grads_checked = True
+    def _update(self) -> None:
+        self.optimizer.grads_checked = True  # the loop just checked the gradient norm
         self.optimizer.step()
-        self.steps += 1
-        return {"grad_norm": grad_norm, "skipped": not finite, "contributors": self.optimizer.last_contributors}
+
+    def _skipped_update(self) -> None:
+        self.optimizer.contribute = False  # send nothing, still apply the others' update
+        self._update()
+
+    def _after_step(self) -> dict[str, Any]:
+        return {"contributors": self.optimizer.last_contributors}
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

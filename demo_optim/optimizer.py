@@ -32,6 +32,7 @@ from diloco.comm.base import Transport
 from diloco.comm.local import LocalTransport
 from diloco.compress import wire
 from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
+from diloco.compress.codec import chunk_indices_ok
 from diloco.compress.wire import CorruptPayload
 from demo_optim import kernels
 from demo_optim.transform import RULES, ChunkPlan, plan_for
@@ -99,11 +100,12 @@ class DeMo(torch.optim.Optimizer):
                 loss = closure()
         entries = self._entries()
         plans = [plan for _, _, plan in entries]
+        chain = self._chain(plans)
         contribute = self.contribute and (self.grads_checked or self._grads_finite(entries))
         self.contribute, self.grads_checked = True, False
-        payload = self._encode(entries, plans) if contribute else wire.pack(b"", torch.float32, (0,), self._chain(plans))
+        payload = self._encode(entries, chain) if contribute else wire.pack(b"", torch.float32, (0,), chain)
         payloads = self.transport.all_gather_bytes(payload)
-        sums, counts = self._aggregate(payloads, plans)
+        sums, counts = self._aggregate(payloads, plans, chain)
         for (p, group, plan), s, c in zip(entries, sums, counts):
             agg = torch.where(c > 0, s / c.clamp(min=1), torch.zeros_like(s))
             kernels.decode_sign_(agg, p, group["lr"], plan)
@@ -119,7 +121,7 @@ class DeMo(torch.optim.Optimizer):
                         "still applies)", self.transport.rank)
         return finite
 
-    def _encode(self, entries, plans: list[ChunkPlan]) -> bytes:
+    def _encode(self, entries, chain: str) -> bytes:
         values, indices = [], []
         for p, group, plan in entries:
             state = self.state[p]
@@ -138,13 +140,13 @@ class DeMo(torch.optim.Optimizer):
         flat = torch.cat(values) if values else torch.zeros(0)
         value_section = _to_bytes(pack_bits((flat > 0).to(torch.int32), 1)) if self.sign_values else _to_bytes(flat)
         body = value_section + b"".join(indices)
-        return wire.pack(body, torch.float32, (flat.numel(),), self._chain(plans))
+        return wire.pack(body, torch.float32, (flat.numel(),), chain)
 
-    def _aggregate(self, payloads: list[bytes], plans: list[ChunkPlan]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _aggregate(self, payloads: list[bytes], plans: list[ChunkPlan],
+                   chain: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         device = self.param_groups[0]["params"][0].device
         sums = [torch.zeros(p.num_chunks, p.chunk_size, device=device) for p in plans]
         counts = [torch.zeros(p.num_chunks, p.chunk_size, device=device) for p in plans]
-        chain = self._chain(plans)
         sent, value_bytes, index_bytes = self._sizes(plans)
         contributors = 0
         for rank, payload in enumerate(payloads):  # rank order: the same sums on every worker
@@ -184,7 +186,7 @@ class DeMo(torch.optim.Optimizer):
         out, v, b = [], 0, value_bytes
         for plan, nb in zip(plans, index_bytes):
             idx = unpack_bits(data[b:b + nb], bits_for(plan.chunk_size), plan.sent).view(plan.num_chunks, plan.k)
-            if bool((idx >= plan.chunk_size).any()) or bool((idx[:, 1:] <= idx[:, :-1]).any()):
+            if not chunk_indices_ok(idx, plan.chunk_size):
                 raise CorruptPayload(f"indices of parameter {tuple(plan.shape)} out of range or not increasing")
             out.append((idx, values[v:v + plan.sent].view(plan.num_chunks, plan.k)))
             v += plan.sent

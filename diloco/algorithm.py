@@ -63,13 +63,13 @@ class Algorithm:
         info: dict[str, Any] = {"grad_norm": grad_norm, "skipped": not math.isfinite(grad_norm)}
         if info["skipped"]:
             self.skipped_steps += 1
-            self.zero_grad()
+            self._skipped_update()
         else:
             if self.grad_clip > 0 and grad_norm > self.grad_clip:
                 scale = self.grad_clip / (grad_norm + 1e-6)
                 for g in grads:
                     g.mul_(scale)
-            self.optimizer.step()
+            self._update()
         # a skipped step still counts: round schedules must stay in step on every worker
         self.steps += 1
         info.update(self._after_step())
@@ -101,6 +101,14 @@ class Algorithm:
         return contextlib.nullcontext()
 
     # ---- hooks for subclasses ---------------------------------------------------------------
+    def _update(self) -> None:
+        """The optimizer step on finite (exchanged, clipped) gradients."""
+        self.optimizer.step()
+
+    def _skipped_update(self) -> None:
+        """Non-finite gradients: no update (DeMo still joins its collective here)."""
+        self.zero_grad()
+
     def _exchange_gradients(self) -> None:
         pass
 

@@ -97,10 +97,11 @@ def test_aggregate_is_the_mean_over_the_workers_that_sent_it():
         p.grad = basis * (2.0 if rank == 0 else 4.0) if rank < 2 else torch.full((4,), float("nan"))
         entries = opt._entries()
         plans = [e[2] for e in entries]
-        payload = opt._encode(entries, plans) if rank < 2 else None
+        chain = opt._chain(plans)
+        payload = opt._encode(entries, chain) if rank < 2 else None
         from diloco.compress import wire
-        payload = payload or wire.pack(b"", torch.float32, (0,), opt._chain(plans))
-        sums, counts = opt._aggregate(transport.all_gather_bytes(payload), plans)
+        payload = payload or wire.pack(b"", torch.float32, (0,), chain)
+        sums, counts = opt._aggregate(transport.all_gather_bytes(payload), plans, chain)
         return (sums[0] / counts[0].clamp(min=1)), counts[0], opt.last_contributors
 
     for agg, counts, contributors in run_workers(InProcessGroup(3), body):

@@ -160,10 +160,7 @@ class Transport(ABC):
             self.count_all_reduce(flat.numel() * flat.element_size())
             if op == "mean":
                 flat.div_(self.world_size)
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            _unflatten_into(bucket, flat)
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes_sent - before)
 
     def all_reduce_async_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> Handle:
@@ -196,10 +193,7 @@ class Transport(ABC):
         for b, bucket in enumerate(_buckets(tensors, self.bucket_bytes)):
             flat = torch.cat([t.detach().reshape(-1).float() for t in bucket])
             totals.append(self._reduce_bucket(flat, codec, float(weight), (key, b)))
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            _unflatten_into(bucket, flat)
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes_sent - before)
         return max(totals)
 
@@ -266,6 +260,14 @@ def shard_bounds(n: int, world: int, align: int = 1) -> list[tuple[int, int]]:
     units = -(-n // align)
     per = -(-units // world) * align
     return [(min(j * per, n), min((j + 1) * per, n)) for j in range(world)]
+
+
+def _unflatten_into(bucket: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy consecutive pieces of ``flat`` back into the tensors it was concatenated from."""
+    offset = 0
+    for t in bucket:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def _buckets(tensors: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:

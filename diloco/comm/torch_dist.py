@@ -24,7 +24,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -204,33 +204,33 @@ class NodeMeshTransport(TorchDistTransport):
         return self.global_rank == 0
 
     # ---- dense all-reduce: my 1/G share across nodes, then shared inside the node ---------------
-    def _all_reduce_sum_(self, flat: torch.Tensor) -> None:
-        n = flat.numel()
-        size = -(-n // self.per_node)
-        buf = torch.zeros(size * self.per_node, dtype=flat.dtype, device=flat.device)
-        buf[:n] = flat
-        parts = list(buf.split(size))
-        mine = parts[self.local_rank].clone()
-        self._run("all_reduce (across nodes)", dist.all_reduce, mine, op=dist.ReduceOp.SUM, group=self.cross_group)
-        self._run("all_gather (inside the node)", dist.all_gather, parts, mine, group=self.node_group)
-        flat.copy_(buf[:n])
-
-    def count_all_reduce(self, nbytes: int) -> None:
-        super().count_all_reduce(-(-nbytes // self.per_node))
-
-    def _reduce_bucket(self, flat: torch.Tensor, codec, weight: float, key: Hashable) -> float:
-        """My 1/G share of the bucket through the compressed exchange across nodes, then shared in the node."""
-        bounds = shard_bounds(flat.numel(), self.per_node, codec.align)
+    def _on_my_share(self, flat: torch.Tensor, align: int, reduce: Callable[[torch.Tensor], Any]) -> Any:
+        """Cut ``flat`` into one share per local rank (at multiples of ``align``), ``reduce`` mine in place
+        (across nodes), then all-gather the shares inside the node back into ``flat``."""
+        bounds = shard_bounds(flat.numel(), self.per_node, align)
         lo, hi = bounds[self.local_rank]
         share = flat[lo:hi].clone()
-        total = super()._reduce_bucket(share, codec, weight, (key, self.local_rank))
+        result = reduce(share)
         sizes = [h - l for l, h in bounds]
         mine = torch.zeros(max(sizes), dtype=flat.dtype, device=flat.device)
         mine[:share.numel()] = share
         parts = [torch.empty_like(mine) for _ in range(self.per_node)]
         self._run("all_gather (inside the node)", dist.all_gather, parts, mine, group=self.node_group)
         flat.copy_(torch.cat([p[:s] for p, s in zip(parts, sizes)]))
-        return total
+        return result
+
+    def _all_reduce_sum_(self, flat: torch.Tensor) -> None:
+        self._on_my_share(flat, 1, lambda share: self._run("all_reduce (across nodes)", dist.all_reduce, share,
+                                                           op=dist.ReduceOp.SUM, group=self.cross_group))
+
+    def count_all_reduce(self, nbytes: int) -> None:
+        super().count_all_reduce(-(-nbytes // self.per_node))
+
+    def _reduce_bucket(self, flat: torch.Tensor, codec, weight: float, key: Hashable) -> float:
+        """My 1/G share of the bucket through the compressed exchange across nodes, then shared in the node."""
+        return self._on_my_share(flat, codec.align,
+                                 lambda share: super(NodeMeshTransport, self)._reduce_bucket(
+                                     share, codec, weight, (key, self.local_rank)))
 
     # ---- control plane over every process, from global rank 0 -----------------------------------
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:

@@ -205,7 +205,6 @@ class Codec:
         self.stats = CodecStats()
         s = self.spec
         self.is_identity = self.chain == "fp32"
-        self.lossless = s.dct_chunk is None and s.topk_chunk is None and s.value == "fp32"
         self.error_feedback = s.topk_chunk is not None and s.ef_decay > 0
         align = 1
         for a in (s.dct_chunk, s.topk_chunk, s.block or None):
@@ -265,8 +264,7 @@ class Codec:
             idx, values = tk.topk_chunks(x, s.topk_chunk, s.topk_k, residual, s.ef_decay)
             index_section = _bytes(pack_bits(idx, bits_for(s.topk_chunk)))
             if residual is not None:
-                chunk_of = torch.arange(count, device=x.device) // s.topk_k
-                flat_idx = idx.long() + chunk_of * s.topk_chunk
+                flat_idx = _flat_positions(idx.long(), s.topk_k, s.topk_chunk)
         else:
             values = x
         if s.value in q.FORMATS:
@@ -402,10 +400,9 @@ class Codec:
         if last:
             rows.append(idx[full * k:].view(1, -1))
         for r, limit in zip(rows, [chunk] * bool(full) + [last] * bool(last)):
-            if r.numel() and (bool((r >= limit).any()) or bool((r[:, 1:] <= r[:, :-1]).any())):
+            if not chunk_indices_ok(r, limit):
                 raise CorruptPayload("top-k indices out of range or not strictly increasing within a chunk")
-        chunk_of = torch.arange(count, device=data.device) // k
-        return idx + chunk_of * chunk
+        return _flat_positions(idx, k, chunk)
 
     # ---- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -415,6 +412,16 @@ class Codec:
         if state.get("chain") != self.chain:
             raise ValueError(f"codec state is for {state.get('chain')!r}, this codec is {self.chain!r}")
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+
+
+def chunk_indices_ok(rows: torch.Tensor, limit: int) -> bool:
+    """Each row (one chunk's received indices) lies in ``[0, limit)`` and is strictly increasing."""
+    return not rows.numel() or not (bool((rows >= limit).any()) or bool((rows[:, 1:] <= rows[:, :-1]).any()))
+
+
+def _flat_positions(idx: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
+    """Positions in the whole vector of indices relative to their chunk (k per chunk, in chunk order)."""
+    return idx + torch.arange(idx.numel(), device=idx.device) // k * chunk
 
 
 def _bytes(t: torch.Tensor) -> bytes:
