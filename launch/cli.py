@@ -25,15 +25,17 @@ EXAMPLES = {
   loco simulate --speeds 1,1,0.5,0.25 --set sync.mode=time --set sync.time_budget_s=5s
   loco simulate --config tiny --set algo.name=streaming --set algo.fragments=4 --baseline none""",
     "join": """examples:
-  loco join --config configs/tiny.yaml
-  loco join --peers /ip4/203.0.113.5/tcp/31337/p2p/Qm...""",
+  loco join --config tiny --port 31337                       # start a run; prints the line others paste
+  loco join --config tiny --peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
+  loco join --config tiny --run-key-file run.key --peers ... --max-steps 2000""",
     "sample": """examples:
   loco sample --checkpoint runs/mine --prompt "def main():"
   loco sample --checkpoint runs/mine/checkpoints/step_00000600.pt --prompt "import " --max-new-tokens 300""",
     "plot": """examples:
   loco plot runs/ddp runs/diloco --out compare.png""",
     "status": """examples:
-  loco status --peers /ip4/203.0.113.5/tcp/31337/p2p/Qm...""",
+  loco status --peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
+  loco status --run fineweb-1b --run-key-file run.key --peers ... --json""",
 }
 
 
@@ -106,8 +108,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("join", help="join (or start) a run of internet peers", formatter_class=fmt,
                        description="Train together with peers over hivemind.", epilog=EXAMPLES["join"])
     _add_training_flags(p)
-    p.add_argument("--peers", nargs="*", default=[], metavar="MULTIADDR",
+    g = p.add_argument_group("swarm")
+    g.add_argument("--peers", nargs="*", default=[], metavar="MULTIADDR",
                    help="multiaddrs of peers already in the run; none starts a new run")
+    _add_swarm_flags(g)
+    g.add_argument("--address-file", metavar="FILE", help="also write this peer's multiaddrs there, one a line")
+    g.add_argument("--host", default="0.0.0.0", help="interface to listen on, e.g. --host 127.0.0.1 (default all)")
+    g.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port), e.g. --port 31337")
+    g.add_argument("--announce", nargs="*", default=[], metavar="MULTIADDR",
+                   help="public addresses to announce (behind NAT or a port forward), e.g. --announce /ip4/203.0.113.5/tcp/31337")
+    g.add_argument("--identity", metavar="FILE",
+                   help="peer identity key, created on first use (default RUN_DIR/identity.key); keep it private")
+    g.add_argument("--no-relay", dest="use_relay", action="store_false",
+                   help="do not use libp2p circuit relays to reach peers behind NAT")
+    g.add_argument("--auto-relay", action="store_true", help="find and use relays automatically when behind NAT")
+    g.add_argument("--upnp", action="store_true", help="ask the router to forward a port (UPnP / NAT-PMP)")
+    g.add_argument("--matchmaking-time", type=float, default=5.0, metavar="SECONDS",
+                   help="how long the first peer at a round waits for the others, e.g. --matchmaking-time 10")
+    g.add_argument("--round-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="how long a round waits for members' updates before going on without them")
+    g.add_argument("--norm-clip", type=float, default=10.0, metavar="X",
+                   help="an update whose norm is above X times the median of the others' is clipped (0: off)")
+    g.add_argument("--clip-action", choices=["clip", "drop"], default="clip",
+                   help="scale such an update down to the bound, or leave it out")
 
     p = sub.add_parser("sample", help="generate text from a checkpoint", formatter_class=fmt,
                        description="Generate text from a trained checkpoint.", epilog=EXAMPLES["sample"])
@@ -130,7 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="peers, throughput and contributions of a run", formatter_class=fmt,
                        description="Show the peers of a run of internet peers.", epilog=EXAMPLES["status"])
     p.add_argument("--peers", nargs="*", default=[], metavar="MULTIADDR", help="a peer of the run")
+    _add_swarm_flags(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return parser
+
+
+def _add_swarm_flags(g) -> None:
+    g.add_argument("--run", default="loco", metavar="NAME", help="the run's name (default loco), e.g. --run fineweb-1b")
+    g.add_argument("--run-key", metavar="KEY", help="shared secret of a closed run ($LOCO_RUN_KEY also works)")
+    g.add_argument("--run-key-file", metavar="FILE", help="read the run key from this file")
 
 
 def _load(args: argparse.Namespace):
@@ -154,6 +185,8 @@ def _load(args: argparse.Namespace):
         args.config = [str(Path(args.run_dir) / "config.yaml")]  # continue with the run's own settings
     elif args.command == "simulate" and not args.config:
         args.config = ["simulate"]  # the demo preset
+    elif args.command == "join":
+        args.config = ["join"] + args.config  # peers run DiLoCo unless the files say otherwise
     cfg, _ = load_config(args.config, args.overrides, extra)
     return cfg
 
@@ -172,10 +205,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_not_yet(args: argparse.Namespace) -> int:
-    _load(args)  # still check the config the user gave
-    raise UserError(f"'loco {args.command}' is not available in this version yet; 'loco train' (torchrun) and "
-                    f"'loco simulate' (N workers on one device) are")
+def cmd_join(args: argparse.Namespace) -> int:
+    from launch.join import JoinOptions, join, read_run_key
+
+    cfg = _load(args)
+    opts = JoinOptions(peers=args.peers, run=args.run, address_file=args.address_file,
+                       run_key=read_run_key(args.run_key, args.run_key_file), host=args.host, port=args.port,
+                       announce=args.announce, identity=args.identity, use_relay=args.use_relay,
+                       auto_relay=args.auto_relay, upnp=args.upnp, matchmaking_time=args.matchmaking_time,
+                       round_timeout=args.round_timeout, norm_clip=args.norm_clip, clip_action=args.clip_action)
+    join(cfg, opts)
+    return 0
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
@@ -232,7 +272,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    raise UserError("'loco status' is not available in this version yet (it lists the peers of a 'loco join' run)")
+    import json
+
+    from launch.join import format_status, read_run_key, status
+
+    info = status(args.peers, args.run, read_run_key(args.run_key, args.run_key_file))
+    print(json.dumps(info, indent=2) if args.json else format_status(info))
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -246,7 +292,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(describe_fields())
         return 0
-    handler = {"train": cmd_train, "simulate": cmd_simulate, "join": cmd_not_yet, "sample": cmd_sample,
+    handler = {"train": cmd_train, "simulate": cmd_simulate, "join": cmd_join, "sample": cmd_sample,
                "plot": cmd_plot, "status": cmd_status}[args.command]
     warnings.simplefilter("default", UserWarning)
     try:

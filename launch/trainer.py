@@ -129,6 +129,7 @@ class Trainer:
                  data: Optional[TokenData] = None, on_step: Optional[Callable[[int, dict], None]] = None) -> None:
         self.cfg = cfg
         self.on_step = on_step
+        self.on_round: Optional[Callable[[dict], None]] = None  # called after every round's sync (loco join)
         run = cfg.run
         if run.threads:
             torch.set_num_threads(run.threads)
@@ -376,6 +377,8 @@ class Trainer:
                 synced = bool(info.get("synced"))
                 self.algo.zero_grad()
                 self.step += 1
+                if synced and self.on_round is not None:
+                    self.on_round(info)
                 if info.get("skipped"):
                     m.info(f"non-finite gradients (norm {info['grad_norm']}): this step's update was skipped; "
                            f"lower optim.lr or set optim.grad_clip", self.step)

@@ -201,29 +201,23 @@ def test_bad_yaml_file_in_process(capsys, tmp_path):
     assert lines[0] == f"loco train: error: {path}: run.grad_accum: 3 does not divide run.batch_size=10"
 
 
-@pytest.mark.parametrize("cmd", ["join"])
-def test_not_available_commands(capsys, cmd):
-    assert main([cmd, "--config", TINY]) == 2
-    err = capsys.readouterr().err
-    lines = error_lines(err)
-    assert len(lines) == 1
-    assert lines[0].startswith(f"loco {cmd}: error: 'loco {cmd}' is not available")
-    assert "loco train" in lines[0] and "loco simulate" in lines[0]
+@pytest.mark.parametrize("argv, expected", [
+    (["join", "--config", TINY, "--set", "algo.name=streaming"], "loco join runs algo.name=diloco"),
+    (["join", "--config", TINY, "--run", "a.b"], "--run: run name 'a.b'"),
+    (["join", "--config", TINY, "--run-key-file", "/nonexistent/key"], "--run-key-file /nonexistent/key: no such file"),
+    (["status"], "loco status needs --peers MULTIADDR"),
+])
+def test_swarm_commands_name_bad_input(capsys, argv, expected):
+    assert main(argv) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith(f"loco {argv[0]}: error: {expected}"), lines
 
 
 @pytest.mark.parametrize("cmd", ["simulate", "join"])
-def test_not_available_commands_still_check_the_config(capsys, cmd):
+def test_commands_check_the_config_first(capsys, cmd):
     assert main([cmd, "--set", "optim.lr=fast"]) == 2
     err = capsys.readouterr().err
     assert "optim.lr" in err and "expected a number" in err
-    assert "not available" not in err
-
-
-def test_status_not_available(capsys):
-    assert main(["status"]) == 2
-    err = capsys.readouterr().err
-    lines = error_lines(err)
-    assert len(lines) == 1 and lines[0].startswith("loco status: error: 'loco status' is not available")
 
 
 def test_plot_without_metrics_names_the_folder(capsys, tmp_path):

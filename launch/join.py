@@ -1,0 +1,297 @@
+"""`loco join` and `loco status`: train with internet peers over hivemind.
+
+A peer is an ordinary training run (its own run folder, checkpoints and
+metrics) whose DiLoCo rounds average with whichever peers reach the same round
+(``diloco.comm.hivemind``). This module adds what a swarm needs around the
+loop:
+
+* the state every peer shares (global parameters, outer optimizer, round),
+  served to peers that ask and downloaded from the swarm when a peer joins or
+  finds after a round that its state differs from the majority's;
+* a data stream per peer, seeded by its peer id, so no two peers train on the
+  same sequence of batches;
+* per round: ``rounds.jsonl`` (group, members, fingerprints, bytes, seconds),
+  ``ledger.json`` (who contributed what, as every member saw it) and a
+  heartbeat in the DHT that ``loco status`` reads;
+* a clean exit on Ctrl-C or SIGTERM: a local checkpoint, the swarm left, no
+  p2pd left behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from launch.config import Config
+from launch.data import Batcher, load_data
+from launch.trainer import RunError, Trainer
+
+DEFAULT_RUN = "loco"
+
+
+@dataclass
+class JoinOptions:
+    peers: Sequence[str] = ()
+    run: str = DEFAULT_RUN
+    address_file: Optional[str] = None
+    run_key: Optional[bytes] = None
+    host: str = "0.0.0.0"
+    port: int = 0
+    announce: Sequence[str] = ()
+    identity: Optional[str] = None
+    use_relay: bool = True
+    auto_relay: bool = False
+    upnp: bool = False
+    matchmaking_time: float = 5.0
+    round_timeout: float = 60.0
+    norm_clip: float = 10.0
+    clip_action: str = "clip"
+    extra: dict = field(default_factory=dict)
+
+
+def read_run_key(key: Optional[str], key_file: Optional[str]) -> Optional[bytes]:
+    """The run key from --run-key, --run-key-file or $LOCO_RUN_KEY (in that order); None: an open run."""
+    if key:
+        return key.encode()
+    if key_file:
+        path = Path(key_file)
+        if not path.is_file():
+            raise RunError(f"--run-key-file {key_file}: no such file")
+        data = path.read_bytes().strip()
+        if not data:
+            raise RunError(f"--run-key-file {key_file}: the file is empty")
+        return data
+    env = os.environ.get("LOCO_RUN_KEY")
+    return env.encode() if env else None
+
+
+def schema_of(cfg: Config) -> str:
+    """What peers must share to average together: model, sequence length, algorithm, round length, codec."""
+    return json.dumps({"model": cfg.to_dict()["model"], "seq_len": cfg.data.seq_len, "algo": cfg.algo.name,
+                       "inner_steps": cfg.algo.inner_steps, "codec": cfg.compress.codec}, sort_keys=True)
+
+
+def host_maddrs(host: str, port: int) -> list[str]:
+    proto = "ip6" if ":" in host else "ip4"
+    return [f"/{proto}/{host}/tcp/{port}"]
+
+
+class Peer:
+    """A Trainer whose rounds run over a :class:`HivemindTransport`."""
+
+    def __init__(self, cfg: Config, opts: JoinOptions) -> None:
+        from diloco.comm.hivemind import HivemindTransport, check_run_name
+
+        if cfg.algo.name != "diloco":
+            raise RunError(f"loco join runs algo.name=diloco (this config has {cfg.algo.name!r}); DeMo and "
+                           f"Streaming DiLoCo over internet peers are not supported by 'loco join' yet")
+        try:
+            check_run_name(opts.run)
+        except ValueError as e:
+            raise RunError(f"--run: {e}") from None
+        self.cfg, self.opts = cfg, opts
+        self.run_dir = Path(cfg.run.dir or f"runs/{opts.run}-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.run.dir = str(self.run_dir)
+        identity = Path(opts.identity) if opts.identity else self.run_dir / "identity.key"
+        identity.parent.mkdir(parents=True, exist_ok=True)
+        self.data = load_data(cfg.data)  # before the DHT forks: a data error needs no swarm
+        self.schema = schema_of(cfg)
+        self.transport = HivemindTransport(
+            opts.run, initial_peers=list(opts.peers), host_maddrs=host_maddrs(opts.host, opts.port),
+            announce_maddrs=list(opts.announce), identity_path=str(identity), run_key=opts.run_key,
+            use_relay=opts.use_relay, use_auto_relay=opts.auto_relay, nat_port_map=opts.upnp,
+            matchmaking_time=opts.matchmaking_time, exchange_timeout=opts.round_timeout, norm_clip=opts.norm_clip,
+            clip_action=opts.clip_action, schema=self.schema)
+        try:
+            self._start()
+        except BaseException:
+            self.transport.close()
+            raise
+
+    def _start(self) -> None:
+        t = self.transport
+        addrs = t.visible_maddrs()
+        if self.opts.address_file:
+            path = Path(self.opts.address_file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(a + "\n" for a in addrs))
+            os.replace(tmp, path)
+        self.trainer = Trainer(self.cfg, transport=t, data=self.data)
+        tr = self.trainer
+        # hivemind draws group ids and tie-breaks from Python's global random, which run.seed just fixed
+        # alike on every peer: give it this machine's entropy back
+        random.seed()
+        # this peer's own data stream: the batch order follows from its peer id
+        seed = int.from_bytes(hashlib.sha256(f"{self.cfg.run.seed}|{t.me}".encode()).digest()[:8], "little")
+        tr.batcher = Batcher(self.data, self.cfg.data.seq_len, self.cfg.run.batch_size, 0, 1, seed, self.cfg.run.grad_accum)
+        tr.on_round = self._on_round
+        if tr.algo.codec is None:  # fp32 through the codec path too: each update travels with its token weight
+            from diloco.compress.codec import make_codec
+
+            tr.algo.codec = make_codec("fp32")
+        t.fingerprint_fn = self.fingerprint
+        m = tr.metrics
+        line = " ".join(a for a in addrs if "/p2p-circuit" not in a)
+        run_flag = f" --run {self.opts.run}" if self.opts.run != "loco" else ""
+        m.info(f"peer {t.me} in run {self.opts.run!r}; to join from another machine: "
+               f"loco join{run_flag} --peers {addrs[0] if addrs else '<this machine>'}", 0)
+        if len(addrs) > 1:
+            m.info(f"all addresses of this peer: {line}", 0)
+        if self.opts.peers:
+            got = t.download_state()
+            if got is None:
+                m.info("no peer serves a state yet: starting from this peer's own initialisation", 0)
+            else:
+                epoch, blob = got
+                self.load_state(blob)
+                m.info(f"downloaded the run's state (round {epoch}, {len(blob) / 1e6:.1f} MB); training from there", 0)
+        self.publish()
+        t.heartbeat(step=tr.step, tokens=0, tokens_per_s=0.0)
+
+    # ---- the shared state -------------------------------------------------------------------
+    def fingerprint(self) -> bytes:
+        from diloco.comm.hivemind import fingerprint
+
+        return fingerprint(self.trainer.algo.global_params)
+
+    def state_blob(self) -> bytes:
+        algo = self.trainer.algo
+        buf = io.BytesIO()
+        torch.save({"schema": self.schema, "epoch": self.transport.epoch, "round": algo.round,
+                    "global_tokens": algo.global_tokens,
+                    "global_params": [g.detach().cpu() for g in algo.global_params],
+                    "outer_optimizers": [o.state_dict() for o in algo.outer_optimizers]}, buf)
+        return buf.getvalue()
+
+    def load_state(self, blob: bytes, source: str = "a peer") -> None:
+        algo = self.trainer.algo
+        try:
+            state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise RunError(f"the state from {source} does not load: {e}") from None
+        if state.get("schema") != self.schema:
+            raise RunError(f"{source} trains another model or algorithm than this config ({state.get('schema')} "
+                           f"vs {self.schema}): join with the run's --config")
+        with torch.no_grad():
+            for g, p, saved in zip(algo.global_params, algo.params, state["global_params"]):
+                if g.shape != saved.shape:
+                    raise RunError(f"the state from {source} has a parameter of shape {tuple(saved.shape)}, "
+                                   f"this model {tuple(g.shape)}")
+                g.copy_(saved)
+                p.copy_(saved.to(p.device, p.dtype))
+        for opt, saved in zip(algo.outer_optimizers, state["outer_optimizers"]):
+            opt.load_state_dict(saved)
+        algo.round, algo.global_tokens = int(state["round"]), float(state["global_tokens"])
+        algo.round_steps = 0
+        algo.policy.start_round(self.transport.now())
+        self.transport.epoch = int(state["epoch"])
+        self.transport.stale = False
+
+    def publish(self) -> None:
+        self.transport.publish_state(self.state_blob())
+
+    # ---- after every round ------------------------------------------------------------------
+    def _on_round(self, info: dict[str, Any]) -> None:
+        t, tr = self.transport, self.trainer
+        m = tr.metrics
+        rec = dict(t.history[-1]) if t.history else {}
+        if t.last is not None and t.last.alone:
+            m.info(f"round {t.last.epoch}: {t.last.notes[0] if t.last.notes else 'alone'}; training on alone",
+                   tr.step)
+        if t.resync_from:
+            got = t.download_state(t.resync_from, min_epoch=t.epoch)
+            if got is not None:
+                self.load_state(got[1], f"peer {t.resync_from[0].to_base58()}")
+                m.info(f"round {t.epoch - 1}: this peer's state differed from the majority's; downloaded theirs",
+                       tr.step)
+                rec["resynced"] = True
+        rec.update(step=tr.step, round=tr.algo.round, fp_after=self.fingerprint().hex(), time=time.time())
+        with open(self.run_dir / "rounds.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        self.publish()
+        elapsed = max(tr.wall_s(), 1e-9)
+        t.heartbeat(step=tr.step, tokens=tr.step * tr.tokens_per_step,
+                    tokens_per_s=round(tr.step * tr.tokens_per_step / elapsed, 1), round=tr.algo.round)
+        self.write_ledger()
+
+    def write_ledger(self) -> None:
+        t = self.transport
+        ledger = {pid: dict(zip(("tokens", "epochs", "accepted", "rejected", "clipped"), rec.as_list()))
+                  for pid, rec in sorted(t.ledger.items())}
+        tmp = self.run_dir / ".ledger.json.tmp"
+        tmp.write_text(json.dumps({"run": self.opts.run, "observer": t.me, "epoch": t.epoch, "peers": ledger},
+                                  indent=2) + "\n")
+        os.replace(tmp, self.run_dir / "ledger.json")
+
+    def fit(self) -> dict[str, Any]:
+        return self.trainer.fit()
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def join(cfg: Config, opts: JoinOptions) -> dict[str, Any]:
+    """Run one peer until its step budget is spent or it is stopped (Ctrl-C / SIGTERM: checkpoint, leave)."""
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    peer = None
+    try:
+        peer = Peer(cfg, opts)
+        return peer.fit()
+    finally:
+        if peer is not None:
+            peer.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def status(peers: Sequence[str], run: str = DEFAULT_RUN, run_key: Optional[bytes] = None,
+           timeout: float = 30.0) -> dict[str, Any]:
+    """The run's peers (from their heartbeats) and the merged contribution ledger, read from the DHT."""
+    from diloco.comm.hivemind import HivemindTransport, merge_ledgers, read_swarm
+
+    if not peers:
+        raise RunError("loco status needs --peers MULTIADDR (any peer of the run)")
+    t = HivemindTransport(run, initial_peers=list(peers), run_key=run_key, client_mode=True, observer=True,
+                          startup_timeout=timeout)
+    try:
+        swarm = read_swarm(t)
+    finally:
+        t.close()
+    merged = merge_ledgers(swarm["ledgers"])
+    return {"run": run, "peers": swarm["peers"], "observers": sorted(swarm["ledgers"]),
+            "ledger": {pid: dict(zip(("tokens", "epochs", "accepted", "rejected", "clipped"), rec.as_list()))
+                       for pid, rec in sorted(merged.items())}}
+
+
+def format_status(info: dict[str, Any]) -> str:
+    lines = [f"run {info['run']!r}: {len(info['peers'])} live peer(s)", ""]
+    lines.append(f"{'peer':<16} {'round':>6} {'step':>7} {'tokens/s':>10} {'last seen':>10}")
+    now = time.time()
+    for pid, v in sorted(info["peers"].items()):
+        seen = f"{now - float(v.get('time', now)):.0f}s ago"
+        lines.append(f"{'…' + pid[-14:]:<16} {v.get('epoch', 0):>6} {v.get('step', 0):>7} "
+                     f"{v.get('tokens_per_s', 0):>10,.0f} {seen:>10}")
+    lines += ["", f"contributions (median over {len(info['observers'])} observer(s)):",
+              f"{'peer':<16} {'tokens':>12} {'rounds':>7} {'accepted':>9} {'rejected':>9} {'clipped':>8}"]
+    for pid, r in sorted(info["ledger"].items(), key=lambda kv: -kv[1]["tokens"]):
+        lines.append(f"{'…' + pid[-14:]:<16} {r['tokens']:>12,.0f} {r['epochs']:>7} {r['accepted']:>9} "
+                     f"{r['rejected']:>9} {r['clipped']:>8}")
+    return "\n".join(lines)
+
+
+__all__ = ["JoinOptions", "Peer", "join", "status", "format_status", "read_run_key", "schema_of"]

@@ -1,0 +1,246 @@
+"""Internet peers on 127.0.0.1: the hivemind transport in one process, then `loco join` peers as processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, ROOT, TINY, child_env
+
+hivemind_transport = pytest.importorskip("diloco.comm.hivemind")
+HivemindTransport = hivemind_transport.HivemindTransport
+KEY = b"test-run-key"
+
+
+def run_together(transports, fn, timeout=120):
+    """fn(i, transport) on every peer at once (as separate machines would); results by index."""
+    out, errors = {}, []
+
+    def work(i, t):
+        try:
+            out[i] = fn(i, t)
+        except Exception as e:  # surfaced below with the peer's index
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=work, args=(i, t)) for i, t in enumerate(transports)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+    assert not any(th.is_alive() for th in threads), "a peer hung"
+    assert not errors, errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    peers = [HivemindTransport("unit", run_key=KEY, matchmaking_time=3, exchange_timeout=20)]
+    addrs = peers[0].visible_maddrs()
+    peers += [HivemindTransport("unit", initial_peers=addrs, run_key=KEY, matchmaking_time=3, exchange_timeout=20)
+              for _ in range(2)]
+    yield peers
+    for p in peers:
+        p.close()
+
+
+def test_a_scaled_up_update_is_clipped_and_every_peer_agrees(swarm):
+    from diloco.compress.codec import make_codec
+
+    def step(i, t):
+        x = torch.full((3000,), float(i + 1))
+        if i == 2:
+            x *= 1000  # a faulty or hostile peer
+        total = t.all_reduce_compressed_([x], make_codec("int8"), weight=1.0 + i, key="clip")
+        return total, x, t.last.members
+
+    out = run_together(swarm, step)
+    assert all(len(out[i][2]) == 3 for i in out)
+    # weights 1, 2, 3; peer 2's norm is clipped to 10 x the median of the others' (1 and 2 -> 1.5): value 15
+    want = (1 * 1 + 2 * 2 + 3 * 15) / 6
+    for i in out:
+        assert out[i][0] == 6.0
+        assert torch.allclose(out[i][1], torch.full((3000,), want), rtol=1e-2)
+        assert torch.equal(out[i][1], out[0][1])
+    bad = swarm[2].me
+    for t in swarm:
+        assert t.history[-1]["clipped"].keys() == {bad}
+        assert t.ledger[bad].clipped >= 1
+
+
+def test_nan_and_corrupt_updates_are_left_out(swarm):
+    from diloco.compress import wire
+    from diloco.compress.codec import make_codec
+
+    codec = make_codec("fp32")
+    honest = {0: 1.0, 1: 3.0}
+
+    def step(i, t):
+        if i == 2:  # a NaN update in a well-formed payload (valid header and checksum), then garbage
+            values = torch.ones(100)
+            values[7] = float("nan")
+            t.exchange(struct.pack("<d", 1.0) + wire.pack(values.numpy().tobytes(), torch.float32, (100,), codec.chain))
+            t.exchange(struct.pack("<d", 1.0) + b"garbage")
+            return None
+        outs = []
+        for _ in range(2):
+            x = torch.full((100,), honest[i])
+            t.all_reduce_compressed_([x], codec, weight=1.0, key="nan")
+            outs.append(x)
+        return outs
+
+    out = run_together(swarm, step)
+    for i in (0, 1):
+        for x in out[i]:
+            assert torch.equal(x, torch.full((100,), 2.0)), x[:4]
+    bad = swarm[2].me
+    assert "invalid payload" in swarm[0].history[-1]["rejected"][bad]
+    assert "invalid payload" in swarm[0].history[-2]["rejected"][bad]
+    assert swarm[0].ledger[bad].rejected >= 2
+
+
+def test_demo_steps_over_the_swarm_keep_peers_equal(swarm):
+    from demo_optim import DeMo
+
+    def step(i, t):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(64, 64))
+        opt = DeMo([p], lr=1e-2, transport=t)
+        for s in range(2):
+            torch.manual_seed(100 * i + s)
+            p.grad = torch.randn(64, 64)
+            opt.step()
+        return p.detach().clone(), opt.last_contributors
+
+    out = run_together(swarm, step)
+    assert out[0][1] == 3
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][0], out[2][0])
+
+
+def test_a_peer_without_the_run_key_is_refused(swarm):
+    from diloco.comm import TransportError
+
+    addrs = swarm[0].visible_maddrs()
+    for key in (None, b"another-key"):
+        with pytest.raises(TransportError, match="run key"):
+            HivemindTransport("unit", initial_peers=addrs, run_key=key, startup_timeout=10)
+
+
+# ---- `loco join` peers as processes -----------------------------------------------------------------------------
+PEER = ["--config", TINY, "--host", "127.0.0.1", "--run-key", KEY.decode(), "--matchmaking-time", "3",
+        "--round-timeout", "20", *[a for kv in FAST + ["data.seq_len=64", "run.batch_size=4", "algo.inner_steps=10",
+                                                        "run.eval_every=20", "run.checkpoint_every=0"]
+                                   for a in ("--set", kv)]]
+
+
+def start_peer(tmp: Path, name: str, *extra: str) -> subprocess.Popen:
+    log = open(tmp / f"{name}.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "launch.cli", "join", *PEER, "--run-dir", str(tmp / name), *extra],
+                            stdout=log, stderr=subprocess.STDOUT, env=child_env(HIVEMIND_LOGLEVEL="WARNING"),
+                            cwd=ROOT, start_new_session=True)
+
+
+def rounds(tmp: Path, name: str) -> list[dict]:
+    path = tmp / name / "rounds.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(cond, what: str, procs: dict, timeout: float = 120) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if cond():
+            return
+        for name, p in procs.items():
+            if p.poll() is not None and name not in ("c",):
+                raise AssertionError(f"peer {name} exited early ({p.returncode}) while waiting for {what}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def group_alive(pgid: int) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pgid=,pid=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.split()[0] == str(pgid)]
+
+
+def test_peers_train_together_survive_a_crash_and_a_late_joiner_starts_from_the_run(tmp_path):
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        procs["a"] = start_peer(tmp_path, "a", "--address-file", str(tmp_path / "a.addr"), "--max-steps", "100000")
+        wait_for(lambda: (tmp_path / "a.addr").is_file(), "a's address file", procs)
+        addrs = (tmp_path / "a.addr").read_text().split()
+        assert addrs and all(a.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in a for a in addrs)
+        join = ["--peers", addrs[0]]
+        procs["b"] = start_peer(tmp_path, "b", *join, "--max-steps", "100000")
+        procs["c"] = start_peer(tmp_path, "c", *join, "--max-steps", "100000")
+        three = lambda: sum(len(r["members"]) == 3 for r in rounds(tmp_path, "b")) >= 3  # noqa: E731
+        wait_for(three, "three rounds of all three peers", procs, timeout=180)
+
+        # a crash: only c's main process dies; its DHT process and p2pd must follow it
+        os.kill(procs["c"].pid, signal.SIGKILL)
+        procs["c"].wait(10)
+        killed_at = max(r["epoch"] for r in rounds(tmp_path, "a"))
+        after = lambda: sum(r["epoch"] > killed_at + 1 and len(r["members"]) == 2  # noqa: E731
+                            for r in rounds(tmp_path, "a")) >= 2
+        wait_for(after, "two rounds of a and b after c died", procs)
+        time.sleep(1.0)
+        assert group_alive(procs["c"].pid) == [], "the killed peer left processes behind"
+
+        # a late joiner downloads the run's state and joins at the current round
+        procs["d"] = start_peer(tmp_path, "d", *join, "--max-steps", "40")
+        assert procs["d"].wait(180) == 0, (tmp_path / "d.log").read_text()[-3000:]
+        d_log = (tmp_path / "d.log").read_text()
+        assert "downloaded the run's state" in d_log
+        d_rounds = rounds(tmp_path, "d")
+        assert d_rounds[0]["epoch"] > killed_at
+        assert any(len(r["members"]) >= 2 for r in d_rounds)
+
+        status = subprocess.run([sys.executable, "-m", "launch.cli", "status", "--peers", addrs[0], "--run-key",
+                                 KEY.decode(), "--json"], capture_output=True, text=True, timeout=120,
+                                env=child_env(HIVEMIND_LOGLEVEL="WARNING"), cwd=ROOT)
+        assert status.returncode == 0, status.stderr
+        info = json.loads(status.stdout)
+        ids = {name: json.loads((tmp_path / name / "ledger.json").read_text())["observer"] for name in "ab"}
+        assert set(ids.values()) <= set(info["peers"])
+        assert all(info["ledger"][pid]["tokens"] > 0 for pid in ids.values())
+
+        # Ctrl-C and SIGTERM: a checkpoint, then the swarm is left cleanly
+        for name, sig in (("b", signal.SIGINT), ("a", signal.SIGTERM)):
+            os.kill(procs[name].pid, sig)
+            t0 = time.time()
+            assert procs[name].wait(30) == 130, (tmp_path / f"{name}.log").read_text()[-3000:]
+            assert time.time() - t0 < 20
+            assert list((tmp_path / name / "checkpoints").glob("*.pt")), f"{name} saved no checkpoint"
+            time.sleep(0.5)
+            assert group_alive(procs[name].pid) == [], f"peer {name} left processes behind"
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+
+    # every member of a group ends the round with the same global parameters
+    by_group: dict[tuple, set] = {}
+    for name in "abcd":
+        for r in rounds(tmp_path, name):
+            if r["group"]:
+                by_group.setdefault((r["epoch"], r["group"]), set()).add(r["fp_after"])
+    assert len(by_group) >= 6
+    assert all(len(fps) == 1 for fps in by_group.values()), by_group
+    # and the model learns
+    vals = [json.loads(line)["val_loss"] for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+            if '"val_loss"' in line]
+    assert vals[-1] < vals[0] - 0.3
+    # the ledger of a survivor credits the crashed peer for its rounds
+    ledger = json.loads((tmp_path / "a" / "ledger.json").read_text())["peers"]
+    assert len(ledger) == 4 and all(v["tokens"] > 0 for v in ledger.values())
