@@ -143,12 +143,13 @@ class Peer:
             tr.algo.codec = make_codec("fp32")
         t.fingerprint_fn = self.fingerprint
         m = tr.metrics
-        line = " ".join(a for a in addrs if "/p2p-circuit" not in a)
-        run_flag = f" --run {self.opts.run}" if self.opts.run != "loco" else ""
+        # the line to paste elsewhere: an announced or public address before loopback and relay ones
+        best = sorted(addrs, key=lambda a: ("/p2p-circuit" in a, "/127.0.0.1/" in a or "/::1/" in a))
+        run_flag = f" --run {self.opts.run}" if self.opts.run != DEFAULT_RUN else ""
         m.info(f"peer {t.me} in run {self.opts.run!r}; to join from another machine: "
-               f"loco join{run_flag} --peers {addrs[0] if addrs else '<this machine>'}", 0)
+               f"loco join{run_flag} --peers {best[0] if best else '<this machine>'}", 0)
         if len(addrs) > 1:
-            m.info(f"all addresses of this peer: {line}", 0)
+            m.info(f"all addresses of this peer: {' '.join(addrs)}", 0)
         if self.opts.peers:
             got = t.download_state()
             if got is None:
@@ -217,7 +218,8 @@ class Peer:
                 m.info(f"round {t.epoch - 1}: this peer's state differed from the majority's; downloaded theirs",
                        tr.step)
                 rec["resynced"] = True
-        rec.update(step=tr.step, round=tr.algo.round, fp_after=self.fingerprint().hex(), time=time.time())
+        rec.update(step=tr.step, round=tr.algo.round, fp_after=hashlib.sha256(self.fingerprint()).hexdigest()[:16],
+                   time=time.time())
         with open(self.run_dir / "rounds.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
         self.publish()

@@ -298,6 +298,16 @@ class HivemindTransport(Transport):
         await self.p2p.add_binary_stream_handler(f"{self.run}.push", self._on_push)
         await self.p2p.add_binary_stream_handler(f"{self.run}.state", self._on_state_request)
         await self._heartbeat()
+        self._beats = asyncio.create_task(self._beat_forever())
+
+    async def _beat_forever(self) -> None:
+        """Keep this peer's registry entry fresh through rounds longer than its time to live."""
+        while True:
+            await asyncio.sleep(self.heartbeat_ttl / 3)
+            try:
+                await self._heartbeat()
+            except Exception as e:
+                log.info("peer %s: heartbeat failed: %s", self.me[-8:], e)
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
@@ -463,15 +473,18 @@ class HivemindTransport(Transport):
                            notes=notes)
 
     def _after_epoch(self, result: EpochResult, fp: bytes) -> None:
-        """Majority fingerprint: a member whose state differs resyncs from the majority after this epoch."""
+        """A member whose state differs from the majority's resyncs from the majority after this epoch.
+
+        States compare by their sketches (:func:`same_state`): peers on different hardware may round the
+        same average differently in the last bit, which is no reason to download the model again.
+        """
         self.stats.collectives += 1
-        # the state to keep: the majority's among members in step (not behind), ties to the smaller fingerprint
+        # the state to keep: the one most members in step (not behind) share; ties to the smaller peer id
         fresh = [p for p in result.members if not result.meta[p].get("stale")] or result.members
-        counts: dict[bytes, int] = {}
-        for p in fresh:
-            counts[result.meta[p].get("fp", b"")] = counts.get(result.meta[p].get("fp", b""), 0) + 1
-        canonical = min(counts, key=lambda f: (-counts[f], f))
-        self.resync_from = [] if fp == canonical else [p for p in fresh if result.meta[p].get("fp") == canonical]
+        sketches = {p: result.meta[p].get("fp", b"") for p in fresh}
+        support = {p: [q for q in fresh if same_state(sketches[p], sketches[q])] for p in fresh}
+        best = min(fresh, key=lambda p: (-len(support[p]), p))
+        self.resync_from = [] if same_state(fp, sketches[best]) else support[best]
         self.last = result
         self.epoch += 1
         for note in result.notes:
@@ -700,11 +713,11 @@ class HivemindTransport(Transport):
         before = self.stats.bytes_sent
         result = self.exchange(payload)
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes_sent - before)
-        vectors, weights, names = [], [], []
+        # pass 1: validate every member's update and measure its norm (one decoded vector alive at a time)
+        rows: list[tuple[str, memoryview, float, float]] = []  # (peer, body, weight, norm)
         rejected: dict[str, str] = {}
         for p in result.members:
-            name = p.to_base58()
-            msg = result.payloads[p]
+            name, msg = p.to_base58(), memoryview(result.payloads[p])
             try:
                 if prefix:
                     if len(msg) < _WEIGHT.size:
@@ -714,36 +727,41 @@ class HivemindTransport(Transport):
                         raise CorruptPayload(f"weight {w}")
                 else:
                     w = 1.0
-                x = codec.decode(memoryview(msg)[len(prefix):], expect_numel=flat.numel()).reshape(-1)
-                if not bool(torch.isfinite(x).all()):
+                body = msg[len(prefix):]
+                x = codec.decode(body, expect_numel=flat.numel())
+                norm = float(torch.linalg.vector_norm(x.float()))
+                del x
+                if not math.isfinite(norm):
                     raise CorruptPayload("non-finite values")
             except (CorruptPayload, ValueError) as e:
                 rejected[name] = f"invalid payload: {e}"
                 continue
-            vectors.append(x.float())
-            weights.append(float(w))
-            names.append(name)
+            rows.append((name, body, float(w), norm))
+        # clip (or drop) an update far above the others' median norm; every member decides alike
+        scale: dict[str, float] = {}
         clipped: dict[str, float] = {}
-        if self.norm_clip > 0 and len(vectors) > 1:
-            norms = [float(torch.linalg.vector_norm(v)) for v in vectors]
-            keep = []
-            for i, n in enumerate(norms):
-                ref = statistics.median(norms[:i] + norms[i + 1:])
-                bound = self.norm_clip * ref
-                if n > bound and math.isfinite(n):
-                    if self.clip_action == "drop" or bound == 0:
-                        rejected[names[i]] = f"norm {n:.4g} > {self.norm_clip:g} x the others' median {ref:.4g}: dropped"
-                        continue
-                    vectors[i] = vectors[i] * (bound / n)
-                    clipped[names[i]] = n / bound
-                keep.append(i)
-            vectors, weights, names = [vectors[i] for i in keep], [weights[i] for i in keep], [names[i] for i in keep]
-        total = sum(weights)
-        out = torch.zeros_like(flat, dtype=torch.float32)
+        if self.norm_clip > 0 and len(rows) > 1:
+            for i, (name, _, _, n) in enumerate(rows):
+                others = [r[3] for j, r in enumerate(rows) if j != i and r[3] > 0]  # zeros: members that sat out
+                if not others:
+                    continue
+                bound = self.norm_clip * statistics.median(others)
+                if n > bound:
+                    if self.clip_action == "drop":
+                        rejected[name] = (f"norm {n:.4g} > {self.norm_clip:g} x the others' median "
+                                          f"{bound / self.norm_clip:.4g}: dropped")
+                    else:
+                        scale[name] = bound / n
+                        clipped[name] = n / bound
+        rows = [r for r in rows if r[0] not in rejected]
+        total = sum(r[2] for r in rows)
+        # pass 2: the weighted mean, accumulated in the canonical (sorted peer id) order
+        out = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
         if total > 0:
-            for v, w in zip(vectors, weights):
-                out.add_(v.to(out.device), alpha=w / total)
+            for name, body, w, _ in rows:
+                codec.decode_accumulate_(body, out, w / total * scale.get(name, 1.0))
         self._last_total = total
+        names, weights = [r[0] for r in rows], [r[2] for r in rows]
         for name, why in rejected.items():
             log.warning("peer %s | epoch %d: left peer %s's update out: %s", self.me[-8:], result.epoch, name[-8:], why)
         for name, factor in clipped.items():
@@ -834,16 +852,26 @@ def _now() -> float:
     return get_dht_time()
 
 
-def fingerprint(tensors: Sequence[torch.Tensor], sample: int = 1 << 16) -> bytes:
-    """A short hash of a list of tensors (up to ``sample`` evenly strided elements of each, plus shapes)."""
-    h = hashlib.sha256()
+def fingerprint(tensors: Sequence[torch.Tensor], per_tensor: int = 8) -> bytes:
+    """A sketch of a list of tensors: ``per_tensor`` evenly spaced values of each, as float32 bytes."""
+    parts = []
     for t in tensors:
         flat = t.detach().reshape(-1)
-        step = max(1, flat.numel() // sample)
-        h.update(str(tuple(t.shape)).encode())
-        h.update(flat[::step].float().cpu().contiguous().numpy().tobytes())
-    return h.digest()[:16]
+        idx = torch.linspace(0, max(flat.numel() - 1, 0), min(per_tensor, flat.numel())).round().long()
+        parts.append(flat[idx.to(flat.device)].float().cpu())
+    return torch.cat(parts).numpy().tobytes() if parts else b""
 
 
-__all__ = ["HivemindTransport", "PeerRecord", "EpochResult", "fingerprint", "mac", "merge_ledgers", "read_swarm",
-           "check_run_name"]
+def same_state(a: bytes, b: bytes, rtol: float = 1e-4) -> bool:
+    """Whether two sketches describe the same state up to float rounding (relative ``rtol``)."""
+    if len(a) != len(b) or len(a) % 4:
+        return False
+    if a == b:
+        return True
+    x = torch.frombuffer(bytearray(a), dtype=torch.float32)
+    y = torch.frombuffer(bytearray(b), dtype=torch.float32)
+    return bool(((x - y).abs() <= rtol * torch.maximum(x.abs(), y.abs()) + 1e-12).all())
+
+
+__all__ = ["HivemindTransport", "PeerRecord", "EpochResult", "fingerprint", "same_state", "mac", "merge_ledgers",
+           "read_swarm", "check_run_name"]
