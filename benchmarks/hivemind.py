@@ -38,6 +38,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# run as a script, this file's folder comes first on sys.path, where it would shadow the hivemind package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 sys.path.insert(0, str(ROOT))
 
 CACHE = ROOT / "benchmarks/results/.cache/pseudo_grad_150m.pt"
@@ -53,6 +55,13 @@ def load_vector(args, rank: int):
         base = torch.load(CACHE, mmap=True, weights_only=True).reshape(-1)
     z = torch.randn(base.numel(), generator=torch.Generator().manual_seed(1000 + rank))
     return base.float() * z.mul_(0.5).add_(1.0)
+
+
+def peak_rss() -> int:
+    """Peak resident memory of this process (bytes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def emit(**row) -> None:
@@ -79,7 +88,7 @@ def role_gloo(args) -> None:
             else:
                 t.all_reduce_compressed_([y], codec, 1.0, key="bench")
             emit(transport="gloo", chain=chain, round=r, rank=t.rank, s=time.perf_counter() - start,
-                 bytes=t.stats.bytes_sent - before, numel=x.numel())
+                 bytes=t.stats.bytes_sent - before, numel=x.numel(), peak_rss=peak_rss())
             del y
     t.close()
 
@@ -101,18 +110,18 @@ def role_hivemind(args) -> None:
             time.sleep(0.1)
         t = HivemindTransport("bench", initial_peers=addr.read_text().split(), matchmaking_time=60,
                               exchange_timeout=1800, norm_clip=0)
-    x = load_vector(args, rank)
     (folder / f"ready{rank}").touch()
     while len(list(folder.glob("ready*"))) < args.peers:
         time.sleep(0.1)
     for chain in args.chains:
         codec = make_codec(chain)
         for r in range(1 + args.repeats):
-            y = x.clone()
+            y = load_vector(args, rank)  # afresh each round (not timed): one copy of the vector per peer
             before, start = t.stats.bytes_sent, time.perf_counter()
             t.all_reduce_compressed_([y], codec, 1.0, key="bench")
             emit(transport="hivemind", chain=chain, round=r, rank=rank, s=time.perf_counter() - start,
-                 bytes=t.stats.bytes_sent - before, numel=x.numel(), members=len(t.last.members))
+                 bytes=t.stats.bytes_sent - before, numel=y.numel(), members=len(t.last.members),
+                 peak_rss=peak_rss())
             del y
     t.close()
 
@@ -160,8 +169,9 @@ def table(args, rows: list[dict], wall: float) -> str:
         f"times (1 + 0.5 z_r); one warm-up round, median of {args.repeats} timed rounds; a round is the slowest peer's",
         f"- command: `python benchmarks/hivemind.py {' '.join(sys.argv[1:])}`; {wall:.0f} s wall",
         "",
-        "| chain | transport | s / round (median) | warm-up s | bytes sent / peer / round | vs fp32 (same transport) |",
-        "|---|---|---:|---:|---:|---:|",
+        "| chain | transport | s / round (median) | warm-up s | bytes sent / peer / round | vs fp32 (same transport) "
+        "| peak RSS / peer (so far) |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     fp32 = {}
     for chain in args.chains:
@@ -178,8 +188,9 @@ def table(args, rows: list[dict], wall: float) -> str:
                 fp32[transport] = sent
             ratio = f"{fp32[transport] / sent:.1f}x less" if transport in fp32 and sent and chain != "fp32" else "1x"
             warm = max(x["s"] for x in per_round[0])
+            rss = max((x.get("peak_rss") or 0 for x in rs), default=0)
             lines.append(f"| `{chain}` | {transport} | {statistics.median(times):.2f} | {warm:.2f} | "
-                         f"{sent / 1e6:.2f} MB | {ratio} |")
+                         f"{sent / 1e6:.2f} MB | {ratio} | {f'{rss / 1e9:.2f} GB' if rss else '-'} |")
     lines += ["", "gloo sends about 2 (W-1)/W of a payload per peer (reduce-scatter + all-gather); hivemind sends "
               "each peer's payload to the W-1 others (W-1 payloads), which a round with changing members can "
               "complete without every shard owner. Top-k's payload is small enough that encode and decode "

@@ -244,3 +244,34 @@ def test_peers_train_together_survive_a_crash_and_a_late_joiner_starts_from_the_
     # the ledger of a survivor credits the crashed peer for its rounds
     ledger = json.loads((tmp_path / "a" / "ledger.json").read_text())["peers"]
     assert len(ledger) == 4 and all(v["tokens"] > 0 for v in ledger.values())
+
+
+def test_state_sketches_tolerate_rounding_but_not_a_different_round():
+    from diloco.comm.hivemind import fingerprint, same_state
+
+    torch.manual_seed(0)
+    params = [torch.randn(64, 64), torch.randn(64), torch.randn(3)]
+    a = fingerprint(params)
+    assert len(a) == 4 * (8 + 8 + 3)
+    rounded = [p * (1 + 1e-7) for p in params]  # another machine's last-bit rounding
+    assert same_state(a, fingerprint(rounded)) and a != fingerprint(rounded)
+    moved = [p - 1e-3 * torch.randn_like(p) for p in params]  # one more outer step
+    assert not same_state(a, fingerprint(moved))
+    assert not same_state(a, fingerprint(params[:2]))
+
+
+def test_the_ledger_merges_observers_by_median():
+    from diloco.comm.hivemind import merge_ledgers
+    from launch.join import format_status
+
+    honest = {"p1": [100.0, 2, 2, 0, 0], "p2": [50.0, 2, 1, 1, 1]}
+    liar = {"p1": [1e9, 99, 99, 0, 0], "p2": [0.0, 0, 0, 9, 0]}
+    merged = merge_ledgers({"o1": honest, "o2": honest, "o3": liar, "o4": {"p1": "junk"}})
+    assert merged["p1"].tokens == 100.0 and merged["p1"].epochs == 2
+    assert merged["p2"].rejected == 1 and merged["p2"].clipped == 1
+    info = {"run": "r", "peers": {"p1": {"epoch": 3, "step": 30, "tokens_per_s": 1234.0, "time": time.time()}},
+            "observers": ["o1", "o2", "o3"],
+            "ledger": {k: dict(zip(("tokens", "epochs", "accepted", "rejected", "clipped"), v.as_list()))
+                       for k, v in merged.items()}}
+    text = format_status(info)
+    assert "1 live peer" in text and "1,234" in text and "median over 3 observer(s)" in text

@@ -701,7 +701,11 @@ class HivemindTransport(Transport):
             return 0.0
         if len(_buckets(tensors, 1 << 62)) > 1:
             raise ValueError("tensors of one compressed all-reduce must share dtype and device")
-        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+        one = tensors[0]
+        if len(tensors) == 1 and one.dtype == torch.float32 and one.is_contiguous():
+            flat = one.detach().reshape(-1)  # no copy: it is read (encoded) before the result is written back
+        else:
+            flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
         out = self._robust_mean(flat, codec, _WEIGHT.pack(weight), weight, key)
         _unflatten_into(list(tensors), out.to(tensors[0].device))
         return self._last_total
