@@ -34,6 +34,7 @@ import torch
 
 from launch.config import Config
 from launch.data import Batcher, load_data
+from launch.metrics import human_bytes
 from launch.trainer import RunError, Trainer
 
 DEFAULT_RUN = "loco"
@@ -209,8 +210,13 @@ class Peer:
         m = tr.metrics
         rec = dict(t.history[-1]) if t.history else {}
         if t.last is not None and t.last.alone:
-            m.info(f"round {t.last.epoch}: {t.last.notes[0] if t.last.notes else 'alone'}; training on alone",
+            m.info(f"round {t.last.epoch}: {t.last.notes[-1] if t.last.notes else 'alone'}; training on alone",
                    tr.step)
+        elif t.last is not None:
+            sent = rec.get("bytes_sent", 0) - (t.history[-2]["bytes_sent"] if len(t.history) > 1 else 0)
+            m.info(f"round {t.last.epoch}: group {t.last.group} of {len(t.last.members)} peers, sent "
+                   f"{human_bytes(sent)} in {t.last.seconds:.1f}s (matchmaking {t.last.matchmaking_s:.1f}s)"
+                   + "".join(f"; {n}" for n in t.last.notes), tr.step)
         if t.resync_from:
             got = t.download_state(t.resync_from, min_epoch=t.epoch)
             if got is not None:

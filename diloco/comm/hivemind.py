@@ -372,10 +372,13 @@ class HivemindTransport(Transport):
         fp = self.fingerprint_fn() if self.fingerprint_fn is not None else b""
         try:
             result = self._call(self._epoch(payload, fp, meta), self.matchmaking_time * 4 + self.exchange_timeout * 3 + 60)
-        except TransportError:
-            raise
-        except Exception as e:
-            raise TransportError(f"peer {self.me[-8:]}: epoch {self.epoch} failed: {type(e).__name__}: {e}") from None
+        except Exception as e:  # a failed exchange is a round done alone, never the end of training
+            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            log.warning("peer %s | epoch %d: the exchange failed (%s); this round is done alone", self.me[-8:],
+                        self.epoch, why)
+            result = EpochResult(self.epoch, "", [self.peer_id], {self.peer_id: payload},
+                                 {self.peer_id: {"fp": fp, "stale": self.stale}}, alone=True,
+                                 notes=[f"the exchange failed ({why})"])
         self._after_epoch(result, fp)
         return result
 
@@ -666,7 +669,8 @@ class HivemindTransport(Transport):
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         """Every member's payload (this peer's included) in canonical order; ``rank`` is this peer's index."""
         result = self.exchange(payload)
-        self.rank = result.members.index(self.peer_id)
+        # a member whose own payload did not reach everyone is left out of the agreed set (its update too)
+        self.rank = result.members.index(self.peer_id) if self.peer_id in result.members else 0
         self.world_size = len(result.members)
         try:
             return [result.payloads[p] for p in result.members]
