@@ -256,7 +256,8 @@ def _raise_interrupt(signum, frame):
 
 def join(cfg: Config, opts: JoinOptions) -> dict[str, Any]:
     """Run one peer until its step budget is spent or it is stopped (Ctrl-C / SIGTERM: checkpoint, leave)."""
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # both signals stop the peer the same way, even where the shell that started it ignores SIGINT
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     peer = None
     try:
         peer = Peer(cfg, opts)
@@ -264,7 +265,8 @@ def join(cfg: Config, opts: JoinOptions) -> dict[str, Any]:
     finally:
         if peer is not None:
             peer.close()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def status(peers: Sequence[str], run: str = DEFAULT_RUN, run_key: Optional[bytes] = None,
