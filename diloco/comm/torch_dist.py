@@ -169,6 +169,11 @@ class TorchDistTransport(Transport):
 
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
+            if self.backend == "gloo":
+                try:  # nobody tears the group down while another rank still has traffic in flight
+                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
+                except Exception:
+                    pass  # a rank gone or stuck: destroy what is left here all the same
             dist.destroy_process_group()
             self._owns_group = False
 
