@@ -237,17 +237,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL if the parent dies (Linux), so no worker outlives a killed run."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
 def launch(cfg: dict, procs: int, timeout: float, tmp: Path) -> dict:
+    from diloco.comm.base import die_with_parent
+
     port = free_port()
     cfg_path = tmp / "config.json"
     cfg_path.write_text(json.dumps(cfg))
@@ -261,7 +253,7 @@ def launch(cfg: dict, procs: int, timeout: float, tmp: Path) -> dict:
             out = None if log is None else open(log, "w")
             cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", str(cfg_path)]
             p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                 preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
             if out is not None:
                 out.close()
             children.append((p, log))

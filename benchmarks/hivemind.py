@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # run as a script, this file's folder comes first on sys.path, where it would shadow the hivemind package
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.comm import free_port, peak_rss  # noqa: E402
 
 CACHE = ROOT / "benchmarks/results/.cache/pseudo_grad_150m.pt"
 CHAINS = ["fp32", "int8", "topk:0.02+2bit+zstd"]
@@ -55,13 +56,6 @@ def load_vector(args, rank: int):
         base = torch.load(CACHE, mmap=True, weights_only=True).reshape(-1)
     z = torch.randn(base.numel(), generator=torch.Generator().manual_seed(1000 + rank))
     return base.float() * z.mul_(0.5).add_(1.0)
-
-
-def peak_rss() -> int:
-    """Peak resident memory of this process (bytes)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def emit(**row) -> None:
@@ -124,12 +118,6 @@ def role_hivemind(args) -> None:
                  peak_rss=peak_rss())
             del y
     t.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(args, role: str, folder: str) -> list[dict]:

@@ -236,8 +236,7 @@ class Peer:
 
     def write_ledger(self) -> None:
         t = self.transport
-        ledger = {pid: dict(zip(("tokens", "epochs", "accepted", "rejected", "clipped"), rec.as_list()))
-                  for pid, rec in sorted(t.ledger.items())}
+        ledger = {pid: rec.as_dict() for pid, rec in sorted(t.ledger.items())}
         tmp = self.run_dir / ".ledger.json.tmp"
         tmp.write_text(json.dumps({"run": self.opts.run, "observer": t.me, "epoch": t.epoch, "peers": ledger},
                                   indent=2) + "\n")
@@ -284,8 +283,7 @@ def status(peers: Sequence[str], run: str = DEFAULT_RUN, run_key: Optional[bytes
         t.close()
     merged = merge_ledgers(swarm["ledgers"])
     return {"run": run, "peers": swarm["peers"], "observers": sorted(swarm["ledgers"]),
-            "ledger": {pid: dict(zip(("tokens", "epochs", "accepted", "rejected", "clipped"), rec.as_list()))
-                       for pid, rec in sorted(merged.items())}}
+            "ledger": {pid: rec.as_dict() for pid, rec in sorted(merged.items())}}
 
 
 def format_status(info: dict[str, Any]) -> str:

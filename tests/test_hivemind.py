@@ -269,7 +269,6 @@ def test_the_ledger_merges_observers_by_median():
     assert merged["p2"].rejected == 1 and merged["p2"].clipped == 1
     info = {"run": "r", "peers": {"p1": {"epoch": 3, "step": 30, "tokens_per_s": 1234.0, "time": time.time()}},
             "observers": ["o1", "o2", "o3"],
-            "ledger": {k: dict(zip(("tokens", "epochs", "accepted", "rejected", "clipped"), v.as_list()))
-                       for k, v in merged.items()}}
+            "ledger": {k: v.as_dict() for k, v in merged.items()}}
     text = format_status(info)
     assert "1 live peer" in text and "1,234" in text and "median over 3 observer(s)" in text

@@ -244,6 +244,18 @@ class Transport(ABC):
             self.broadcast_(t, src)
 
 
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies, so no child (a worker, a DHT process and its
+    p2pd) outlives a killed run. Call it in the child (``preexec_fn``, or first thing in a forked process)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: a clean exit still shuts everything down
+        pass
+
+
 def _read_weight(msg: bytes) -> float:
     from diloco.compress.wire import CorruptPayload
 

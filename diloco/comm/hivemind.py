@@ -34,24 +34,22 @@ data every member saw alike, and publishes it in the DHT for ``loco status``.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import hashlib
 import hmac
 import logging
 import math
 import re
 import secrets
-import signal
 import statistics
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import torch
 
-from diloco.comm.base import Transport, TransportError, _buckets, _unflatten_into
+from diloco.comm.base import Transport, TransportError, _buckets, _unflatten_into, die_with_parent
 
 log = logging.getLogger("loco.hivemind")
 
@@ -74,15 +72,6 @@ def check_run_name(name: str) -> str:
     if not RUN_NAME.match(name or ""):
         raise ValueError(f"run name {name!r}: use 1-64 letters, digits, '-' or '_' (it becomes a DHT key prefix)")
     return name
-
-
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent dies, so a killed peer leaves no DHT (and no p2pd) behind."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # not Linux: a clean exit still shuts everything down
-        pass
 
 
 def _make_authorizer(secret: bytes):
@@ -159,7 +148,7 @@ def _dht_class():
 
     class PeerDHT(DHT):
         def run(self) -> None:
-            _die_with_parent()
+            die_with_parent()
             super().run()
 
     return PeerDHT
@@ -176,7 +165,10 @@ class PeerRecord:
     clipped: int = 0
 
     def as_list(self) -> list:
-        return [self.tokens, self.epochs, self.accepted, self.rejected, self.clipped]
+        return [getattr(self, f.name) for f in fields(self)]
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
 
     @classmethod
     def from_list(cls, v: Sequence) -> "PeerRecord":
@@ -347,11 +339,15 @@ class HivemindTransport(Transport):
         await self.dht.store(f"{self.run}.peers", subkey=self.me, value=value,
                              expiration_time=_now() + self.heartbeat_ttl, return_future=True)
 
-    async def _registry(self) -> dict[str, dict]:
-        res = await self.dht.get(f"{self.run}.peers", latest=True, return_future=True)
+    async def _subkeys(self, key: str) -> dict[str, dict]:
+        """A DHT dictionary record as {subkey: value}, keeping only dict values (a leaving peer stores None)."""
+        res = await self.dht.get(key, latest=True, return_future=True)
         if res is None or not isinstance(res.value, dict):
             return {}
         return {k: v.value for k, v in res.value.items() if isinstance(getattr(v, "value", None), dict)}
+
+    async def _registry(self) -> dict[str, dict]:
+        return await self._subkeys(f"{self.run}.peers")
 
     def peers(self) -> dict[str, dict]:
         """The run's live peers from the DHT registry: peer id -> {epoch, time, throughput, ...}."""
@@ -367,11 +363,11 @@ class HivemindTransport(Transport):
                              expiration_time=_now() + 7 * 86400, return_future=True)
 
     # ---- one epoch --------------------------------------------------------------------------
-    def exchange(self, payload: bytes, **meta: Any) -> EpochResult:
+    def exchange(self, payload: bytes) -> EpochResult:
         """Run one epoch: form a group, send ``payload`` to every member, agree on who delivered."""
         fp = self.fingerprint_fn() if self.fingerprint_fn is not None else b""
         try:
-            result = self._call(self._epoch(payload, fp, meta), self.matchmaking_time * 4 + self.exchange_timeout * 3 + 60)
+            result = self._call(self._epoch(payload, fp), self.matchmaking_time * 4 + self.exchange_timeout * 3 + 60)
         except Exception as e:  # a failed exchange is a round done alone, never the end of training
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             log.warning("peer %s | epoch %d: the exchange failed (%s); this round is done alone", self.me[-8:],
@@ -382,7 +378,7 @@ class HivemindTransport(Transport):
         self._after_epoch(result, fp)
         return result
 
-    async def _epoch(self, payload: bytes, fp: bytes, extra: dict) -> EpochResult:
+    async def _epoch(self, payload: bytes, fp: bytes) -> EpochResult:
         from hivemind.averaging.control import StepControl
         from hivemind.utils import MPFuture
         from hivemind.utils.serializer import MSGPackSerializer
@@ -399,7 +395,7 @@ class HivemindTransport(Transport):
             self.epoch, self.stale = ahead, True
         e = self.epoch
         mine = {"e": e, "fp": fp, "stale": self.stale, "n": len(payload), "sha": hashlib.sha256(payload).digest(),
-                "tok": mac(self.key, b"join", self.peer_id.to_bytes(), str(e).encode()), **extra}
+                "tok": mac(self.key, b"join", self.peer_id.to_bytes(), str(e).encode())}
         await self._heartbeat()
         expected = sum(1 for pid, v in live.items()
                        if pid == self.me or v.get("epoch", -1) >= e - 1)
@@ -494,21 +490,15 @@ class HivemindTransport(Transport):
             log.info("peer %s | epoch %d: %s", self.me[-8:], result.epoch, note)
 
     async def _push(self, peer, gid: bytes, kind: str, data: bytes) -> bool:
-        from hivemind.utils.serializer import MSGPackSerializer
-
-        header = MSGPackSerializer.dumps({"g": gid, "k": kind, "e": self.epoch, "n": len(data), "m": mac(
+        header = {"g": gid, "k": kind, "e": self.epoch, "n": len(data), "m": mac(
             self.key, gid, kind.encode(), str(self.epoch).encode(), self.peer_id.to_bytes(), peer.to_bytes(),
-            hashlib.sha256(data).digest())})
+            hashlib.sha256(data).digest())}
         for attempt in range(2):
             writer = None
             try:
                 _, reader, writer = await asyncio.wait_for(
                     self.p2p.call_binary_stream_handler(peer, f"{self.run}.push"), 10)
-                writer.write(len(header).to_bytes(8, "big") + header + len(data).to_bytes(8, "big"))
-                view = memoryview(data)
-                for off in range(0, len(view), 1 << 20):
-                    writer.write(view[off:off + (1 << 20)])
-                    await writer.drain()
+                await _write_framed(writer, header, data)
                 return await asyncio.wait_for(reader.readexactly(1), self.exchange_timeout) == OK
             except Exception as e:
                 connected = {info.peer_id for info in await self.p2p.list_peers()}
@@ -610,13 +600,8 @@ class HivemindTransport(Transport):
             if self._snapshot is None or self._snapshot[0] < want:
                 raise TimeoutError(f"no state of epoch >= {want} here")
             epoch, blob, sha = self._snapshot
-            head = MSGPackSerializer.dumps({"e": epoch, "n": len(blob), "sha": sha, "m": mac(
-                self.key, b"state-reply", self.peer_id.to_bytes(), sender.to_bytes(), str(epoch).encode(), sha)})
-            writer.write(len(head).to_bytes(8, "big") + head + len(blob).to_bytes(8, "big"))
-            view = memoryview(blob)
-            for off in range(0, len(view), 1 << 20):
-                writer.write(view[off:off + (1 << 20)])
-                await writer.drain()
+            await _write_framed(writer, {"e": epoch, "n": len(blob), "sha": sha, "m": mac(
+                self.key, b"state-reply", self.peer_id.to_bytes(), sender.to_bytes(), str(epoch).encode(), sha)}, blob)
             await asyncio.wait_for(reader.read(1), 60)
         except Exception as e:
             log.info("peer %s: state request from %s failed: %s: %s", self.me[-8:], sender.to_base58()[-8:],
@@ -628,12 +613,10 @@ class HivemindTransport(Transport):
         from hivemind.utils.serializer import MSGPackSerializer
 
         body = MSGPackSerializer.dumps({"min_epoch": min_epoch})
-        head = MSGPackSerializer.dumps({"n": len(body), "m": mac(self.key, b"state", self.peer_id.to_bytes(),
-                                                                   peer.to_bytes(), body)})
+        head = {"n": len(body), "m": mac(self.key, b"state", self.peer_id.to_bytes(), peer.to_bytes(), body)}
         _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(peer, f"{self.run}.state"), 10)
         try:
-            writer.write(len(head).to_bytes(8, "big") + head + len(body).to_bytes(8, "big") + body)
-            await writer.drain()
+            await _write_framed(writer, head, body)
             header, blob = await self._read_framed(reader, self.max_payload_bytes, 120)
             sha = hashlib.sha256(blob).digest()
             if sha != header["sha"] or not hmac.compare_digest(header["m"], mac(
@@ -691,7 +674,7 @@ class HivemindTransport(Transport):
             return
         flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
         codec = make_codec("fp32")
-        out = self._robust_mean(flat, codec, b"", weight=1.0, key=None)
+        out = self._robust_mean(flat, codec, b"", key=None)
         if op == "sum":
             out.mul_(self._last_total)
         _unflatten_into(list(tensors), out.to(tensors[0].device))
@@ -710,11 +693,11 @@ class HivemindTransport(Transport):
             flat = one.detach().reshape(-1)  # no copy: it is read (encoded) before the result is written back
         else:
             flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-        out = self._robust_mean(flat, codec, _WEIGHT.pack(weight), weight, key)
+        out = self._robust_mean(flat, codec, _WEIGHT.pack(weight), key)
         _unflatten_into(list(tensors), out.to(tensors[0].device))
         return self._last_total
 
-    def _robust_mean(self, flat: torch.Tensor, codec, prefix: bytes, weight: float, key: Any) -> torch.Tensor:
+    def _robust_mean(self, flat: torch.Tensor, codec, prefix: bytes, key: Any) -> torch.Tensor:
         from diloco.compress.wire import CorruptPayload
 
         payload = prefix + codec.encode(flat, key=key)
@@ -825,12 +808,7 @@ class HivemindTransport(Transport):
 def read_swarm(transport: HivemindTransport) -> dict[str, Any]:
     """The run's registry and every peer's published ledger, as seen from the DHT."""
     async def go():
-        peers = await transport._registry()
-        res = await transport.dht.get(f"{transport.run}.ledger", latest=True, return_future=True)
-        ledgers = {}
-        if res is not None and isinstance(res.value, dict):
-            ledgers = {k: v.value for k, v in res.value.items() if isinstance(getattr(v, "value", None), dict)}
-        return peers, ledgers
+        return await transport._registry(), await transport._subkeys(f"{transport.run}.ledger")
 
     peers, ledgers = transport._call(go(), 60)
     return {"peers": peers, "ledgers": ledgers}
@@ -847,11 +825,22 @@ def merge_ledgers(ledgers: dict[str, dict]) -> dict[str, PeerRecord]:
                 continue
     out = {}
     for pid, rows in seen.items():
-        out[pid] = PeerRecord(statistics.median(r.tokens for r in rows), int(statistics.median(r.epochs for r in rows)),
-                              int(statistics.median(r.accepted for r in rows)),
-                              int(statistics.median(r.rejected for r in rows)),
-                              int(statistics.median(r.clipped for r in rows)))
+        tokens, *counts = (statistics.median(getattr(r, f.name) for r in rows) for f in fields(PeerRecord))
+        out[pid] = PeerRecord(tokens, *map(int, counts))
     return out
+
+
+async def _write_framed(writer, header: dict, data: bytes) -> None:
+    """``u64 len | msgpack header | u64 len | data``, the data in 1 MiB slices (what ``_read_framed`` reads)."""
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    head = MSGPackSerializer.dumps(header)
+    writer.write(len(head).to_bytes(8, "big") + head + len(data).to_bytes(8, "big"))
+    view = memoryview(data)
+    for off in range(0, len(view), 1 << 20):
+        writer.write(view[off:off + (1 << 20)])
+        await writer.drain()
+    await writer.drain()
 
 
 def _now() -> float:
