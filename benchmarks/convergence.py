@@ -5,6 +5,11 @@
     python benchmarks/convergence.py --steps 600 --seeds 0 --methods ddp,diloco-h50,diloco-h50-int8,diloco-h50-topk2
     python benchmarks/convergence.py --model small --out benchmarks/results/convergence_gpu.md   # on a GPU
 
+On a machine with few cores, seeds can run side by side (``OMP_NUM_THREADS=1``, one invocation per seed,
+each with its own ``--out``) and be put together afterwards; runs of different settings are refused::
+
+    python benchmarks/convergence.py --seeds 0 --report-only --out a.md --merge b.json --merge c.json
+
 Every multi-worker method runs in the simulator with the same workers, per-worker batch, steps and seeds,
 so all see the same tokens (``single`` is one of those workers alone: the same steps on 1/M of the tokens,
 as in the DiLoCo paper's baseline). Reported per method: the median final validation loss over seeds, its
@@ -69,6 +74,7 @@ def _base(args, seed: int) -> list[str]:
             f"run.eval_batches={args.eval_batches}", "run.checkpoint_every=0", "log.plot=false", "log.progress=off",
             f"log.every={max(1, args.steps // args.evals)}", f"sim.workers={args.workers}", "sim.baseline=none",
             f"optim.lr={args.lr}", f"optim.warmup_steps={args.warmup}", "optim.weight_decay=0.05",
+            f"algo.outer_lr={args.outer_lr}", f"algo.outer_momentum={args.outer_momentum}",
             f"sim.bandwidth={args.bandwidth}", f"sim.latency={args.latency}"] + \
         ([f"run.device={args.device}"] if args.device else [])
 
@@ -111,7 +117,8 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
         f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; device: {device}; torch {torch.__version__}, "
         f"Python {platform.python_version()}",
         f"- model {args.model}, {args.workers} workers x batch {args.batch_size} x {args.seq_len} tokens, {args.steps} inner "
-        f"steps per worker, seeds {','.join(map(str, args.seeds))}; inner AdamW lr {args.lr}, warmup {args.warmup}, cosine",
+        f"steps per worker, seeds {','.join(map(str, args.seeds))}; inner AdamW lr {args.lr}, warmup {args.warmup}, cosine; "
+        f"outer SGD lr {args.outer_lr}, Nesterov momentum {args.outer_momentum}",
         f"- network model: {args.bandwidth}, {args.latency} per worker; virtual compute {step_time * 1e3:.1f} ms/step",
         f"- command: python benchmarks/convergence.py {' '.join(sys.argv[1:])}",
         "",
@@ -181,6 +188,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--outer-lr", type=float, default=1.0, help="outer SGD lr of DiLoCo and Streaming DiLoCo")
+    p.add_argument("--outer-momentum", type=float, default=0.5, help="outer Nesterov momentum")
     p.add_argument("--evals", type=int, default=12, help="validation points per run")
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--bandwidth", default="1Gbit")
@@ -192,6 +201,8 @@ def main() -> None:
     p.add_argument("--keep-runs", help="keep run folders here (default: a temporary folder)")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild the table and plot from the .json that an earlier (maybe interrupted) run saved")
+    p.add_argument("--merge", action="append", default=[], metavar="JSON",
+                   help="add the runs another invocation saved (same settings; e.g. seeds run in parallel)")
     args = p.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.methods = [m for m in args.methods.split(",") if m]
@@ -199,23 +210,24 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
 
-    import torch
-
     from launch.config import load_config
     from launch.data import load_data
     from benchmarks.simulator import device_name
 
     device = device_name(args.device or "auto")
     saved = Path(args.out).with_suffix(".json")
+    merged = [_load_runs(Path(f), args) for f in args.merge]
     if args.report_only:
-        state = json.loads(saved.read_text())
-        results, step_time = state["results"], state["step_time"]
+        state = _load_runs(saved, args)
+        results, step_time = _combine([state] + merged)
         args.seeds = sorted({r["seed"] for r in results})
+        if merged:
+            _save(saved, args, step_time, results)
         _write(args, results, step_time, device)
         return
     cfg, _ = load_config([], _base(args, 0))
     data = load_data(cfg.data)
-    step_time = args.step_time or measure_step_time(args, data)
+    step_time = args.step_time or (merged[0]["step_time"] if merged else measure_step_time(args, data))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(args.keep_runs or tmp)
@@ -225,8 +237,56 @@ def main() -> None:
                 results.append(r)
                 print(f"[convergence] {m} seed {seed}: val {r['val_loss']:.4f}, sent {r['bytes']:,} B, "
                       f"{r['real_s']:.0f}s", file=sys.stderr, flush=True)
-                saved.write_text(json.dumps({"step_time": step_time, "results": results}) + "\n")  # survives Ctrl-C
+                _save(saved, args, step_time, results)  # survives Ctrl-C
+    if merged:
+        results, step_time = _combine([{"step_time": step_time, "results": results}] + merged)
+        args.seeds = sorted({r["seed"] for r in results})
+        _save(saved, args, step_time, results)
     _write(args, results, step_time, device)
+
+
+SETTINGS = ("model", "workers", "steps", "batch_size", "seq_len", "lr", "warmup", "eval_batches", "bandwidth", "latency")
+OUTER_SETTINGS = ("outer_lr", "outer_momentum")
+
+
+def _settings(args) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in SETTINGS + OUTER_SETTINGS}
+
+
+def _save(path: Path, args, step_time: float, results: list[dict]) -> None:
+    path.write_text(json.dumps({"step_time": step_time, "settings": _settings(args), "results": results}) + "\n")
+
+
+def _load_runs(path: Path, args) -> dict[str, Any]:
+    """A saved .json, checked against this invocation's settings (runs of other settings do not mix)."""
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such file (a .json that benchmarks/convergence.py saved)")
+    state = json.loads(path.read_text())
+    mine = _settings(args)
+    theirs = state.get("settings", {})
+    for key, value in theirs.items():
+        if key in mine and value != mine[key]:
+            outer_only = key in OUTER_SETTINGS
+            if outer_only and all(r["method"] in ("ddp", "single") for r in state["results"]):
+                continue  # the outer optimizer does not exist in DDP or single-worker runs
+            raise SystemExit(f"{path}: its runs used {key}={value}, this invocation {key}={mine[key]}; "
+                             f"pass --{key.replace('_', '-')} {value} or leave the file out")
+    return state
+
+
+def _combine(states: list[dict[str, Any]]) -> tuple[list[dict], float]:
+    """All runs of several saved states; a (method, seed) run twice keeps the first one given."""
+    step_times = {round(s["step_time"], 6) for s in states}
+    if len(step_times) > 1:
+        raise SystemExit(f"the runs were timed with different virtual step times {sorted(step_times)}; "
+                         f"rerun them with the same --step-time")
+    seen, results = set(), []
+    for s in states:
+        for r in s["results"]:
+            if (r["method"], r["seed"]) not in seen:
+                seen.add((r["method"], r["seed"]))
+                results.append(r)
+    return results, states[0]["step_time"]
 
 
 def _write(args, results: list[dict], step_time: float, device: str) -> None:
