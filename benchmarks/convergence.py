@@ -74,8 +74,9 @@ def _base(args, seed: int) -> list[str]:
             f"run.eval_batches={args.eval_batches}", "run.checkpoint_every=0", "log.plot=false", "log.progress=off",
             f"log.every={max(1, args.steps // args.evals)}", f"sim.workers={args.workers}", "sim.baseline=none",
             f"optim.lr={args.lr}", f"optim.warmup_steps={args.warmup}", "optim.weight_decay=0.05",
-            f"algo.outer_lr={args.outer_lr}", f"algo.outer_momentum={args.outer_momentum}",
             f"sim.bandwidth={args.bandwidth}", f"sim.latency={args.latency}"] + \
+        ([f"algo.outer_lr={args.outer_lr}", f"algo.outer_momentum={args.outer_momentum}"]
+         if hasattr(args, "outer_lr") else []) + \
         ([f"run.device={args.device}"] if args.device else [])
 
 

@@ -121,7 +121,6 @@ def main() -> None:
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.methods = args.methods.split(",")
     args.evals, args.eval_batches, args.bandwidth, args.latency, args.set = 6, 16, "1Gbit", "80ms", []
-    args.outer_lr, args.outer_momentum = 1.0, 0.5  # DiLoCo's outer optimizer: unused by DDP and DeMo
     args.method_set = {m: [f"optim.lr={args.demo_lr}", "optim.weight_decay=0"] for m in args.methods
                        if m.startswith("demo")}
     device = resolve_device(args.device or "auto")
