@@ -9,7 +9,9 @@ Every round (Douillard et al. 2023, arXiv 2311.08105)::
 
 The parameters may be split into *fragments*, each with its own outer
 optimizer and its own exchange; plain DiLoCo has one fragment, Streaming
-DiLoCo (``streaming.py``) several on staggered schedules. The global copy and
+DiLoCo (``streaming.py``) several on staggered schedules. A fragment holds
+whole parameters or row ranges of one (views of the global copy and of the
+model), so fragments can be even when one matrix is large. The global copy and
 the outer momentum can live on the CPU (``offload_outer``) to save
 accelerator memory. With a lossy ``codec`` (``compress.codec``) the average
 runs through the transport's compressed all-reduce: each worker's
@@ -42,7 +44,7 @@ class DiLoCo(Algorithm):
                  grad_clip: float = 0.0, *, inner_steps: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, offload_outer: bool = False, sync_mode: str = "steps",
                  time_budget_s: Optional[float] = None, tokens_per_step: int = 1,
-                 fragments: Optional[Sequence[Sequence[int]]] = None, codec: Optional[Codec] = None) -> None:
+                 fragments: Optional[Sequence[Sequence[Any]]] = None, codec: Optional[Codec] = None) -> None:
         super().__init__(model, optimizer, transport, grad_clip)
         self.codec = None if codec is None or codec.is_identity else codec  # None: the exact dense all-reduce
         self.policy = SyncPolicy(sync_mode, inner_steps, time_budget_s)
@@ -50,13 +52,14 @@ class DiLoCo(Algorithm):
         self.outer_device = torch.device("cpu") if offload_outer else self.params[0].device
         with torch.no_grad():
             self.global_params = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
-        self.fragments = [list(f) for f in fragments] if fragments is not None else [list(range(len(self.params)))]
-        covered = sorted(i for f in self.fragments for i in f)
-        if covered != list(range(len(self.params))):
-            raise ValueError("fragments must cover every parameter exactly once")
+        whole = [list(range(len(self.params)))]
+        self.pieces, self.fragments = _pieces(fragments if fragments is not None else whole, self.params)
+        # one view of the global copy per piece: what the outer optimizers step and the exchanges send
+        self.global_views = [g if rows is None else g[rows[0]:rows[1]]
+                             for g, rows in ((self.global_params[i], rows) for i, rows in self.pieces)]
         nesterov = nesterov and outer_momentum > 0
         self.outer_optimizers = [
-            torch.optim.SGD([self.global_params[i] for i in frag], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+            torch.optim.SGD([self.global_views[k] for k in frag], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
             for frag in self.fragments
         ]
         self.round = 0
@@ -84,7 +87,7 @@ class DiLoCo(Algorithm):
 
     def exchange(self, fragment: Optional[int], weight: float) -> float:
         """Average the pseudo-gradients of one fragment (None: all) and apply the outer step now."""
-        indices = list(range(len(self.params))) if fragment is None else self.fragments[fragment]
+        indices = list(range(len(self.pieces))) if fragment is None else self.fragments[fragment]
         deltas, total, handle = self.start_exchange(indices, weight, key=fragment)
         handle.wait()
         self.apply_exchange(indices, deltas, self._total(total), mix_alpha=0.0)
@@ -92,14 +95,13 @@ class DiLoCo(Algorithm):
 
     def start_exchange(self, indices: Sequence[int], weight: float,
                        key: Optional[int] = None) -> tuple[list[torch.Tensor], torch.Tensor, Handle]:
-        """Start averaging the pseudo-gradients of ``indices``, weighted by ``weight`` over the workers.
+        """Start averaging the pseudo-gradients of the pieces ``indices``, weighted by ``weight`` over the workers.
 
         Once the handle's ``wait()`` returns, ``deltas`` hold the weighted mean and ``total`` (a
         one-element tensor) the total weight. ``key`` names the fragment for the codec's error feedback.
         """
         with torch.no_grad():
-            deltas = [self.global_params[i] - self.params[i].detach().to(self.outer_device, torch.float32)
-                      for i in indices]
+            deltas = [self.global_views[k] - self._local(k).to(self.outer_device, torch.float32) for k in indices]
             if not all(bool(torch.isfinite(d).all()) for d in deltas):
                 # a diverged worker is left out of this average (weight 0) and re-syncs to the new global model
                 self.rejected_updates += 1
@@ -124,18 +126,25 @@ class DiLoCo(Algorithm):
         """Outer step on the global copy; local := alpha * local + (1 - alpha) * global."""
         with torch.no_grad():
             if total > 0:
-                for i, d in zip(indices, deltas):
-                    self.global_params[i].grad = d
+                for k, d in zip(indices, deltas):
+                    self.global_views[k].grad = d
                 for opt in self._optimizers_of(indices):
                     opt.step()
-                for i in indices:
-                    self.global_params[i].grad = None
-            for i in indices:
-                target = self.global_params[i].to(self.params[i].device, self.params[i].dtype)
+                for k in indices:
+                    self.global_views[k].grad = None
+            for k in indices:
+                local = self._local(k)
+                target = self.global_views[k].to(local.device, local.dtype)
                 if mix_alpha > 0:
-                    self.params[i].mul_(mix_alpha).add_(target, alpha=1 - mix_alpha)
+                    local.mul_(mix_alpha).add_(target, alpha=1 - mix_alpha)
                 else:
-                    self.params[i].copy_(target)
+                    local.copy_(target)
+
+    def _local(self, k: int) -> torch.Tensor:
+        """This worker's parameters of piece ``k`` (a view: writing it writes the model)."""
+        i, rows = self.pieces[k]
+        p = self.params[i].detach()
+        return p if rows is None else p[rows[0]:rows[1]]
 
     def _optimizers_of(self, indices: Sequence[int]) -> list[torch.optim.Optimizer]:
         wanted = set(indices)
@@ -182,6 +191,42 @@ class DiLoCo(Algorithm):
         if self.codec is not None and "codec" in state:
             self.codec.load_state_dict(state["codec"])
         self.policy.start_round(self.transport.now())
+
+
+def _pieces(fragments: Sequence[Sequence[Any]], params: Sequence[torch.Tensor]
+            ) -> tuple[list[tuple[int, Optional[tuple[int, int]]]], list[list[int]]]:
+    """Pieces (parameter index, rows or None for all of it) and each fragment's piece indices.
+
+    A fragment lists parameter indices, or ``(index, start, stop)`` for rows ``start:stop`` of a
+    parameter's first dimension; together the fragments must cover every element exactly once.
+    """
+    pieces: list[tuple[int, Optional[tuple[int, int]]]] = []
+    frags: list[list[int]] = []
+    covered: list[list[tuple[int, int]]] = [[] for _ in params]
+    for frag in fragments:
+        frags.append([])
+        for item in frag:
+            i, rows = (item, None) if isinstance(item, int) else (item[0], (int(item[1]), int(item[2])))
+            if not 0 <= i < len(params):
+                raise ValueError(f"fragment piece names parameter {i}; the model has {len(params)}")
+            n = params[i].shape[0] if params[i].dim() > 0 else 1
+            start, stop = rows if rows is not None else (0, n)
+            if rows is not None and (params[i].dim() == 0 or not 0 <= start < stop <= n):
+                raise ValueError(f"fragment piece rows {start}:{stop} do not fit parameter {i} of shape "
+                                 f"{tuple(params[i].shape)}")
+            covered[i].append((start, stop))
+            frags[-1].append(len(pieces))
+            pieces.append((i, None if rows is None or (start, stop) == (0, n) else rows))
+    for i, spans in enumerate(covered):
+        n = params[i].shape[0] if params[i].dim() > 0 else 1
+        edge = 0
+        for start, stop in sorted(spans):
+            if start != edge:
+                break
+            edge = stop
+        if edge != n or sum(b - a for a, b in spans) != n:
+            raise ValueError("fragments must cover every parameter exactly once")
+    return pieces, frags
 
 
 class _Mean(Handle):

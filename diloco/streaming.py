@@ -1,8 +1,9 @@
 """Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512).
 
 The model is cut into P fragments, strided by layer (layer j goes to fragment
-j mod P; parameters outside the layers join the lightest fragment). Fragment p
-is exchanged every H inner steps, offset by p*H/P steps, so at most one
+j mod P; the embedding and head are cut by rows to even out the fragments'
+sizes, see ``layer_fragments``). Fragment p is exchanged every H inner
+steps, offset by p*H/P steps, so at most one
 fragment's bytes are on the wire at a time: the peak bytes per exchange drop
 by about P. The exchange of a fragment sent at step t is applied at step
 t + tau (``overlap_steps``), so communication hides behind tau inner steps;
@@ -22,8 +23,14 @@ from diloco.comm.base import Handle, Transport
 from diloco.outer import DiLoCo
 
 
-def layer_fragments(model: torch.nn.Module, num_fragments: int) -> list[list[int]]:
-    """Indices (into the trainable parameters, in ``model.parameters()`` order) of each fragment."""
+def layer_fragments(model: torch.nn.Module, num_fragments: int) -> list[list[Any]]:
+    """Each fragment's parameters: indices into the trainable parameters (``model.parameters()`` order), or
+    ``(index, start, stop)`` for rows of one.
+
+    Layer j goes to fragment j mod P. The parameters outside the layers (embedding, output head, final
+    norm; largest first) then even the fragments out: a matrix's rows are cut among the fragments below
+    an even share, in proportion to what each lacks, and what is too small to cut joins the lightest.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     index = {id(p): i for i, p in enumerate(params)}
     layers: list[list[int]] = []
@@ -38,12 +45,29 @@ def layer_fragments(model: torch.nn.Module, num_fragments: int) -> list[list[int
         fragments[j % num_fragments].extend(layer)
     in_layers = {i for layer in layers for i in layer}
     size = [sum(params[i].numel() for i in f) for f in fragments]
-    for i, p in enumerate(params):  # embeddings, final norm, output head
-        if i not in in_layers:
+    target = sum(p.numel() for p in params) / num_fragments
+    pieces: list[list[Any]] = [list(f) for f in fragments]
+    rest = sorted((i for i in range(len(params)) if i not in in_layers), key=lambda i: -params[i].numel())
+    for i in rest:  # embeddings, output head, final norm: largest first
+        p = params[i]
+        rows = p.shape[0] if p.dim() > 1 else 1
+        row = p.numel() // rows
+        # cut the rows among the fragments below the even share, in proportion to what each lacks
+        short = {f: target - size[f] for f in range(num_fragments) if target - size[f] >= row}
+        if rows == 1 or len(short) < 2:
             lightest = min(range(num_fragments), key=lambda f: size[f])
-            fragments[lightest].append(i)
+            pieces[lightest].append(i)
             size[lightest] += p.numel()
-    return [sorted(f) for f in fragments]
+            continue
+        need = sum(short.values())
+        start = 0
+        for n, f in enumerate(sorted(short)):
+            take = rows - start if n == len(short) - 1 else min(rows - start, round(rows * short[f] / need))
+            if take > 0:
+                pieces[f].append((i, start, start + take) if take < rows else i)
+                size[f] += take * row
+                start += take
+    return [sorted(f, key=lambda x: (x, 0, 0) if isinstance(x, int) else tuple(x)) for f in pieces]
 
 
 class StreamingDiLoCo(DiLoCo):
