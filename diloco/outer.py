@@ -172,15 +172,27 @@ class DiLoCo(Algorithm):
     # ---- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state.update(global_params=[g.detach().clone() for g in self.global_params],
+        state.update(fragments=self._layout(), global_params=[g.detach().clone() for g in self.global_params],
                      outer_optimizers=[o.state_dict() for o in self.outer_optimizers],
                      round=self.round, round_steps=self.round_steps, global_tokens=self.global_tokens)
         if self.codec is not None:
             state["codec"] = self.codec.state_dict()
         return state
 
+    def _layout(self) -> list[list[list[int]]]:
+        """Each fragment's pieces as [parameter, start, stop] (start = stop = -1: the whole parameter)."""
+        return [[[i, *(rows if rows is not None else (-1, -1))] for i, rows in (self.pieces[k] for k in frag)]
+                for frag in self.fragments]
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+        super().load_state_dict(state)  # checks the algorithm's name first
+        layout = state.get("fragments")
+        sizes = [len(o["param_groups"][0]["params"]) for o in state["outer_optimizers"]]
+        if (layout is not None and layout != self._layout()) or \
+                sizes != [len(o.param_groups[0]["params"]) for o in self.outer_optimizers]:
+            raise ValueError(f"its outer state is cut into {len(sizes)} fragment(s) of {sizes} pieces, this run's into "
+                             f"{len(self.fragments)} of {[len(f) for f in self.fragments]}: resume with the same "
+                             f"algo.fragments and model")
         with torch.no_grad():
             for g, saved in zip(self.global_params, state["global_params"]):
                 g.copy_(saved)

@@ -233,7 +233,10 @@ class Trainer:
             state = load_checkpoint(found, map_location="cpu")
         else:
             state = self.transport.broadcast_object(load_checkpoint(found, map_location="cpu") if self.leader else None)
-        self.load_state(state)
+        try:
+            self.load_state(state)
+        except (ValueError, RuntimeError) as e:  # another algorithm, model shape or fragment layout
+            raise RunError(f"{found}: cannot resume this run from it: {e}") from None
         if self.leader:
             truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
         return Path(found)

@@ -231,6 +231,20 @@ def test_simulated_run_resumes_exactly(tmp_path):
     assert max_diff(final_model(full), final_model(resumed)) < 1e-6
 
 
+def test_resume_with_other_fragments_fails_clearly(tmp_path):
+    """A Streaming run resumed with another P, or as plain DiLoCo, stops with the checkpoint and the key named."""
+    from launch.trainer import RunError
+
+    extra = ["sim.workers=2", "algo.inner_steps=4", "run.max_steps=4", "run.checkpoint_every=4"]
+    simulate_once(cfg_of(tmp_path, "s", *extra, "algo.name=streaming", "algo.fragments=2"))
+    more = [*extra[:2], "run.max_steps=8", "run.resume=true"]
+    with pytest.raises(RunError, match=r"step_00000004\.pt: cannot resume .* same algo\.fragments"):
+        simulate_once(cfg_of(tmp_path, "s", *more, "algo.name=streaming", "algo.fragments=4"))
+    with pytest.raises(RunError, match="holds algorithm 'streaming', this run uses 'diloco'"):
+        simulate_once(cfg_of(tmp_path, "s", *more, "algo.name=diloco"))
+    assert simulate_once(cfg_of(tmp_path, "s", *more, "algo.name=streaming", "algo.fragments=2"))["steps"] == 8
+
+
 def test_simulator_equals_real_gloo_processes(tmp_path):
     """A simulated 2-worker DiLoCo run and 2 torchrun processes over gloo end with the same parameters."""
     args = ["--config", TINY, "--max-steps", "8", "--seed", "5",
