@@ -104,7 +104,9 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW lr of the DDP baseline")
     p.add_argument("--demo-lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=50, help="warmup steps of the DDP baseline (and of DeMo by default)")
+    p.add_argument("--demo-warmup", type=int, help="warmup steps of the DeMo runs (default: --warmup)")
+    p.add_argument("--demo-decay", type=float, default=0.999, help="DeMo's compression_decay")
     p.add_argument("--methods", default="ddp,demo-k32,demo-k8")
     p.add_argument("--device", default=None)
     p.add_argument("--repeats", type=int, default=5)
@@ -121,8 +123,9 @@ def main() -> None:
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.methods = args.methods.split(",")
     args.evals, args.eval_batches, args.bandwidth, args.latency, args.set = 6, 16, "1Gbit", "80ms", []
-    args.method_set = {m: [f"optim.lr={args.demo_lr}", "optim.weight_decay=0"] for m in args.methods
-                       if m.startswith("demo")}
+    demo_warmup = args.warmup if args.demo_warmup is None else args.demo_warmup
+    args.method_set = {m: [f"optim.lr={args.demo_lr}", "optim.weight_decay=0", f"optim.warmup_steps={demo_warmup}",
+                           f"algo.compression_decay={args.demo_decay}"] for m in args.methods if m.startswith("demo")}
     device = resolve_device(args.device or "auto")
     cfg, _ = load_config([], conv._base(args, 0))
     data = load_data(cfg.data)
@@ -143,8 +146,8 @@ def main() -> None:
         f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; device: {device_name(args.device or 'auto')}; "
         f"torch {torch.__version__}, Python {platform.python_version()}",
         f"- model {args.model}, {args.workers} workers x batch {args.batch_size} x {args.seq_len}, {args.steps} steps, "
-        f"seeds {','.join(map(str, args.seeds))}; DDP: AdamW lr {args.lr}; DeMo: lr {args.demo_lr}, decay 0.999, "
-        f"chunk 64, no weight decay; warmup {args.warmup}, cosine",
+        f"seeds {','.join(map(str, args.seeds))}; DDP: AdamW lr {args.lr}, warmup {args.warmup}; DeMo: lr "
+        f"{args.demo_lr}, decay {args.demo_decay}, chunk 64, no weight decay, warmup {demo_warmup}; cosine to 10%",
         f"- `python benchmarks/demo.py {' '.join(sys.argv[1:])}`", "",
         "| method | val loss (median) | seeds | vs DDP | bytes / worker / step | DDP bytes / these |",
         "| --- | --- | --- | --- | --- | --- |",
