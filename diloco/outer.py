@@ -188,7 +188,8 @@ class DiLoCo(Algorithm):
         super().load_state_dict(state)  # checks the algorithm's name first
         layout = state.get("fragments")
         sizes = [len(o["param_groups"][0]["params"]) for o in state["outer_optimizers"]]
-        if (layout is not None and layout != self._layout()) or \
+        cut = any(rows is not None for _, rows in self.pieces)  # a checkpoint without a layout had no cut pieces
+        if (layout is None and cut) or (layout is not None and layout != self._layout()) or \
                 sizes != [len(o.param_groups[0]["params"]) for o in self.outer_optimizers]:
             raise ValueError(f"its outer state is cut into {len(sizes)} fragment(s) of {sizes} pieces, this run's into "
                              f"{len(self.fragments)} of {[len(f) for f in self.fragments]}: resume with the same "

@@ -8,7 +8,7 @@ import torch
 
 from conftest import FAST, TINY, simulate_and_torchrun
 from diloco.outer import DiLoCo
-from diloco.streaming import layer_fragments
+from diloco.streaming import StreamingDiLoCo, layer_fragments
 from launch.checkpoint import latest_checkpoint
 from launch.config import load_config
 from launch.models import SIZES, Transformer
@@ -243,6 +243,13 @@ def test_resume_with_other_fragments_fails_clearly(tmp_path):
     with pytest.raises(RunError, match="holds algorithm 'streaming', this run uses 'diloco'"):
         simulate_once(cfg_of(tmp_path, "s", *more, "algo.name=diloco"))
     assert simulate_once(cfg_of(tmp_path, "s", *more, "algo.name=streaming", "algo.fragments=2"))["steps"] == 8
+    # a checkpoint written before fragments recorded their layout held whole parameters only
+    model = Transformer(SIZES["tiny"])
+    algo = StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), fragments=4, inner_steps=8)
+    state = algo.state_dict()
+    del state["fragments"]
+    with pytest.raises(ValueError, match="same algo.fragments"):
+        algo.load_state_dict(state)
 
 
 def test_simulator_equals_real_gloo_processes(tmp_path):
