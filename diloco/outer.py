@@ -55,8 +55,7 @@ class DiLoCo(Algorithm):
         whole = [list(range(len(self.params)))]
         self.pieces, self.fragments = _pieces(fragments if fragments is not None else whole, self.params)
         # one view of the global copy per piece: what the outer optimizers step and the exchanges send
-        self.global_views = [g if rows is None else g[rows[0]:rows[1]]
-                             for g, rows in ((self.global_params[i], rows) for i, rows in self.pieces)]
+        self.global_views = [_rows_of(self.global_params[i], rows) for i, rows in self.pieces]
         nesterov = nesterov and outer_momentum > 0
         self.outer_optimizers = [
             torch.optim.SGD([self.global_views[k] for k in frag], lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
@@ -143,8 +142,7 @@ class DiLoCo(Algorithm):
     def _local(self, k: int) -> torch.Tensor:
         """This worker's parameters of piece ``k`` (a view: writing it writes the model)."""
         i, rows = self.pieces[k]
-        p = self.params[i].detach()
-        return p if rows is None else p[rows[0]:rows[1]]
+        return _rows_of(self.params[i].detach(), rows)
 
     def _optimizers_of(self, indices: Sequence[int]) -> list[torch.optim.Optimizer]:
         wanted = set(indices)
@@ -206,6 +204,15 @@ class DiLoCo(Algorithm):
         self.policy.start_round(self.transport.now())
 
 
+def _rows_of(t: torch.Tensor, rows: Optional[tuple[int, int]]) -> torch.Tensor:
+    """A view of rows ``start:stop`` of ``t`` (all of it for None)."""
+    return t if rows is None else t[rows[0]:rows[1]]
+
+
+def _num_rows(t: torch.Tensor) -> int:
+    return t.shape[0] if t.dim() > 0 else 1
+
+
 def _pieces(fragments: Sequence[Sequence[Any]], params: Sequence[torch.Tensor]
             ) -> tuple[list[tuple[int, Optional[tuple[int, int]]]], list[list[int]]]:
     """Pieces (parameter index, rows or None for all of it) and each fragment's piece indices.
@@ -222,7 +229,7 @@ def _pieces(fragments: Sequence[Sequence[Any]], params: Sequence[torch.Tensor]
             i, rows = (item, None) if isinstance(item, int) else (item[0], (int(item[1]), int(item[2])))
             if not 0 <= i < len(params):
                 raise ValueError(f"fragment piece names parameter {i}; the model has {len(params)}")
-            n = params[i].shape[0] if params[i].dim() > 0 else 1
+            n = _num_rows(params[i])
             start, stop = rows if rows is not None else (0, n)
             if rows is not None and (params[i].dim() == 0 or not 0 <= start < stop <= n):
                 raise ValueError(f"fragment piece rows {start}:{stop} do not fit parameter {i} of shape "
@@ -230,14 +237,9 @@ def _pieces(fragments: Sequence[Sequence[Any]], params: Sequence[torch.Tensor]
             covered[i].append((start, stop))
             frags[-1].append(len(pieces))
             pieces.append((i, None if rows is None or (start, stop) == (0, n) else rows))
-    for i, spans in enumerate(covered):
-        n = params[i].shape[0] if params[i].dim() > 0 else 1
-        edge = 0
-        for start, stop in sorted(spans):
-            if start != edge:
-                break
-            edge = stop
-        if edge != n or sum(b - a for a, b in spans) != n:
+    for p, spans in zip(params, covered):  # sorted spans must tile 0:n, each starting where the last stopped
+        spans.sort()
+        if not spans or [a for a, _ in spans] != [0] + [b for _, b in spans[:-1]] or spans[-1][1] != _num_rows(p):
             raise ValueError("fragments must cover every parameter exactly once")
     return pieces, frags
 

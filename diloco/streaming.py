@@ -40,13 +40,12 @@ def layer_fragments(model: torch.nn.Module, num_fragments: int) -> list[list[Any
     layers = [l for l in layers if l]
     if num_fragments > len(layers):
         raise ValueError(f"algo.fragments={num_fragments} is more than the model's {len(layers)} layers")
-    fragments: list[list[int]] = [[] for _ in range(num_fragments)]
+    fragments: list[list[Any]] = [[] for _ in range(num_fragments)]
     for j, layer in enumerate(layers):
         fragments[j % num_fragments].extend(layer)
     in_layers = {i for layer in layers for i in layer}
     size = [sum(params[i].numel() for i in f) for f in fragments]
     target = sum(p.numel() for p in params) / num_fragments
-    pieces: list[list[Any]] = [list(f) for f in fragments]
     rest = sorted((i for i in range(len(params)) if i not in in_layers), key=lambda i: -params[i].numel())
     for i in rest:  # embeddings, output head, final norm: largest first
         p = params[i]
@@ -56,7 +55,7 @@ def layer_fragments(model: torch.nn.Module, num_fragments: int) -> list[list[Any
         short = {f: target - size[f] for f in range(num_fragments) if target - size[f] >= row}
         if rows == 1 or len(short) < 2:
             lightest = min(range(num_fragments), key=lambda f: size[f])
-            pieces[lightest].append(i)
+            fragments[lightest].append(i)
             size[lightest] += p.numel()
             continue
         need = sum(short.values())
@@ -64,10 +63,10 @@ def layer_fragments(model: torch.nn.Module, num_fragments: int) -> list[list[Any
         for n, f in enumerate(sorted(short)):
             take = rows - start if n == len(short) - 1 else min(rows - start, round(rows * short[f] / need))
             if take > 0:
-                pieces[f].append((i, start, start + take) if take < rows else i)
+                fragments[f].append((i, start, start + take) if take < rows else i)
                 size[f] += take * row
                 start += take
-    return [sorted(f, key=lambda x: (x, 0, 0) if isinstance(x, int) else tuple(x)) for f in pieces]
+    return [sorted(f, key=lambda x: (x, 0, 0) if isinstance(x, int) else tuple(x)) for f in fragments]
 
 
 class StreamingDiLoCo(DiLoCo):
