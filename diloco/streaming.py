@@ -7,20 +7,28 @@ steps, offset by p*H/P steps, so at most one
 fragment's bytes are on the wire at a time: the peak bytes per exchange drop
 by about P. The exchange of a fragment sent at step t is applied at step
 t + tau (``overlap_steps``), so communication hides behind tau inner steps;
-then the fragment's local parameters are merged with the new global ones,
-``local = alpha * local + (1 - alpha) * global`` (``mix_alpha``).
+then the fragment's local parameters are merged with the new global ones:
+``local = alpha * local + (1 - alpha) * global`` (``mix_alpha``, ``overlap_merge="mix"``, as published),
+or ``local = global + (local - local_at_send)`` (``overlap_merge="keep"``: the new global model plus
+the tau steps this worker made while the exchange was on the wire; those steps go out with the
+fragment's next exchange). When training ends, exchanges still in flight are applied the ``keep``
+way and every fragment's unsent steps are exchanged, so every worker ends on the global model.
 
 With P=1, tau=0, alpha=0 this is exactly DiLoCo (a test proves it).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
 
 from diloco.comm.base import Handle, Transport
 from diloco.outer import DiLoCo
+
+
+MERGES = ("mix", "keep")
 
 
 def layer_fragments(model: torch.nn.Module, num_fragments: int) -> list[list[Any]]:
@@ -74,7 +82,7 @@ class StreamingDiLoCo(DiLoCo):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Optional[Transport] = None,
                  grad_clip: float = 0.0, *, fragments: int = 1, overlap_steps: int = 0, mix_alpha: float = 0.0,
-                 **kwargs: Any) -> None:
+                 overlap_merge: str = "mix", **kwargs: Any) -> None:
         if kwargs.get("sync_mode", "steps") != "steps":
             raise ValueError("Streaming DiLoCo runs with sync.mode=steps (its fragments follow a step schedule)")
         inner_steps = kwargs.get("inner_steps", 100)
@@ -82,8 +90,10 @@ class StreamingDiLoCo(DiLoCo):
             raise ValueError(f"algo.overlap_steps={overlap_steps} must be smaller than algo.inner_steps={inner_steps}")
         if not 0.0 <= mix_alpha <= 1.0:
             raise ValueError(f"algo.mix_alpha must be in [0, 1], got {mix_alpha}")
+        if overlap_merge not in MERGES:
+            raise ValueError(f"algo.overlap_merge must be one of {', '.join(MERGES)}, got {overlap_merge!r}")
         super().__init__(model, optimizer, transport, grad_clip, fragments=layer_fragments(model, fragments), **kwargs)
-        self.overlap_steps, self.mix_alpha = overlap_steps, mix_alpha
+        self.overlap_steps, self.mix_alpha, self.overlap_merge = overlap_steps, mix_alpha, overlap_merge
         num = len(self.fragments)
         self.offsets = [p * self.policy.inner_steps // num for p in range(num)]
         self.fragment_steps = [0] * num  # inner steps since each fragment was last sent
@@ -104,18 +114,27 @@ class StreamingDiLoCo(DiLoCo):
     def _send(self, p: int, apply_at: int) -> None:
         weight = float(self.fragment_steps[p] * self.tokens_per_step)
         self.fragment_steps[p] = 0
+        # an exchange applied later keeps a copy of what was sent: the steps made meanwhile are local - sent
+        sent = [self._local(k).detach().clone() for k in self.fragments[p]] if apply_at > self.steps else None
         deltas, total, handle = self.start_exchange(self.fragments[p], weight, key=p)
-        self.pending.append({"apply_at": apply_at, "fragment": p, "deltas": deltas, "total": total, "handle": handle})
+        self.pending.append({"apply_at": apply_at, "fragment": p, "deltas": deltas, "total": total, "handle": handle,
+                             "sent": sent})
 
-    def _apply_due(self, step: int, alpha: Optional[float] = None) -> dict[str, Any]:
+    def _apply_due(self, step: float, alpha: Optional[float] = None) -> dict[str, Any]:
         info: dict[str, Any] = {}
         due = [x for x in self.pending if x["apply_at"] <= step]
         self.pending = [x for x in self.pending if x["apply_at"] > step]
         for x in due:
             x["handle"].wait()
             total = self._total(x["total"])
-            self.apply_exchange(self.fragments[x["fragment"]], x["deltas"], total,
-                                self.mix_alpha if alpha is None else alpha)
+            indices = self.fragments[x["fragment"]]
+            # "keep" merge, and any exchange applied before its step (training ended): global + steps since the send
+            keep = x.get("sent") is not None and (self.overlap_merge == "keep" or x["apply_at"] > self.steps)
+            progress = [self._local(k) - s for k, s in zip(indices, x["sent"])] if keep else []
+            self.apply_exchange(indices, x["deltas"], total, 0.0 if keep else self.mix_alpha if alpha is None else alpha)
+            with torch.no_grad():
+                for k, d in zip(indices, progress):
+                    self._local(k).add_(d)
             if x["fragment"] == 0:  # every step is counted once, through fragment 0's exchanges
                 self.round += 1
                 self.round_steps = 0
@@ -124,15 +143,15 @@ class StreamingDiLoCo(DiLoCo):
         return info
 
     def sync(self) -> dict[str, Any]:
-        """Send every fragment with unsent steps and apply everything now (used at the end of training)."""
+        """End of training: apply the exchanges still in flight, then exchange every fragment's unsent steps."""
+        info = self._apply_due(math.inf)
         for p, n in enumerate(self.fragment_steps):
             if n > 0:
                 self._send(p, apply_at=self.steps)
-        return self._apply_due(self.steps, alpha=0.0)
+        return self._apply_due(self.steps, alpha=0.0) or info
 
     def finalize(self) -> None:
-        self._apply_due(self.steps)
-        if any(self.fragment_steps):
+        if self.pending or any(self.fragment_steps):
             self.sync()
 
     def state_dict(self) -> dict[str, Any]:

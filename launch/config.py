@@ -99,6 +99,9 @@ class AlgoConfig:
     fragments: int = _f(1, "Streaming DiLoCo: fragments P, strided by layer, each synced on its own schedule.", gt=0)
     overlap_steps: int = _f(0, "Streaming DiLoCo: inner steps tau that hide a fragment's communication.", ge=0)
     mix_alpha: float = _f(0.0, "Streaming DiLoCo: local = alpha * local + (1 - alpha) * global after an exchange.", ge=0, le=1)
+    overlap_merge: Literal["mix", "keep"] = _f(
+        "mix", "Streaming DiLoCo with overlap_steps > 0: mix (merge with mix_alpha, as published) or keep "
+               "(new global + the local steps made while the exchange was in flight; mix_alpha unused).")
     compression_decay: float = _f(0.999, "DeMo: momentum decay of delta.", ge=0, lt=1)
     compression_topk: int = _f(32, "DeMo: coefficients kept per DCT chunk (clamped to the chunk size).", gt=0)
     compression_chunk: int = _f(64, "DeMo: DCT chunk side (64: 64x64 blocks for matrices).", gt=0)

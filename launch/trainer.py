@@ -103,7 +103,8 @@ def build_algorithm(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimi
                                   nesterov=a.nesterov, offload_outer=a.offload_outer, sync_mode=cfg.sync.mode,
                                   time_budget_s=cfg.sync.time_budget_s, tokens_per_step=tokens_per_step, codec=codec)
     if a.name == "streaming":
-        kwargs.update(fragments=a.fragments, overlap_steps=a.overlap_steps, mix_alpha=a.mix_alpha)
+        kwargs.update(fragments=a.fragments, overlap_steps=a.overlap_steps, mix_alpha=a.mix_alpha,
+                      overlap_merge=a.overlap_merge)
     return cls(model, optimizer, transport, cfg.optim.grad_clip, **kwargs)
 
 

@@ -64,6 +64,29 @@ def test_identity_streaming_p1_equals_diloco(tmp_path):
     assert st["bytes_sent"] == dil["bytes_sent"]
 
 
+def test_streaming_keep_merge_with_one_worker_equals_plain_training(tmp_path):
+    """M=1, outer SGD lr 1 without momentum: the new global is what was sent, and the keep merge adds back the
+    steps made while the exchange was in flight, so training is plain AdamW (the published mix is not)."""
+    plain = train(cfg_of(tmp_path, "plain", "run.max_steps=10"))
+    common = ["run.max_steps=10", "sim.workers=1", "algo.name=streaming", "algo.inner_steps=4", "algo.fragments=2",
+              "algo.overlap_steps=2", "algo.outer_lr=1", "algo.outer_momentum=0"]
+    keep = simulate_once(cfg_of(tmp_path, "keep", *common, "algo.overlap_merge=keep"))
+    mix = simulate_once(cfg_of(tmp_path, "mix", *common, "algo.mix_alpha=0.5"))
+    assert max_diff(final_model(plain), final_model(keep)) < 1e-5
+    assert max_diff(final_model(plain), final_model(mix)) > 1e-4
+
+
+def test_streaming_ends_with_every_worker_on_the_global_model(tmp_path):
+    """Training that ends while a fragment's exchange is in flight (sent at the last step) still applies it."""
+    cfg = cfg_of(tmp_path, "s", "run.max_steps=8", "sim.workers=2", "algo.name=streaming", "algo.inner_steps=4",
+                 "algo.fragments=2", "algo.overlap_steps=1", "algo.mix_alpha=0.5", "run.checkpoint_every=8")
+    summary = simulate_once(cfg)
+    _, state = latest_checkpoint(f"{summary['run_dir']}/checkpoints")
+    w0, w1 = (s["model"] for s in state["workers"])
+    assert max_diff(w0, w1) == 0.0 and max_diff(w0, state["model"]) == 0.0
+    assert all(not s["algo"]["pending"] for s in state["workers"])
+
+
 def test_diloco_moves_the_model_and_workers_agree_after_sync(tmp_path):
     cfg = cfg_of(tmp_path, "d", "run.max_steps=8", "sim.workers=2", "algo.name=diloco", "algo.inner_steps=4",
                  "run.checkpoint_every=8")
