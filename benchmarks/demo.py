@@ -107,6 +107,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=50, help="warmup steps of the DDP baseline (and of DeMo by default)")
     p.add_argument("--demo-warmup", type=int, help="warmup steps of the DeMo runs (default: --warmup)")
     p.add_argument("--demo-decay", type=float, default=0.999, help="DeMo's compression_decay")
+    p.add_argument("--demo-min-lr", type=float, default=0.1,
+                   help="DeMo's final lr as a fraction of its peak (the DDP baseline decays to 0.1)")
     p.add_argument("--methods", default="ddp,demo-k32,demo-k8")
     p.add_argument("--device", default=None)
     p.add_argument("--repeats", type=int, default=5)
@@ -125,7 +127,8 @@ def main() -> None:
     args.evals, args.eval_batches, args.bandwidth, args.latency, args.set = 6, 16, "1Gbit", "80ms", []
     demo_warmup = args.warmup if args.demo_warmup is None else args.demo_warmup
     args.method_set = {m: [f"optim.lr={args.demo_lr}", "optim.weight_decay=0", f"optim.warmup_steps={demo_warmup}",
-                           f"algo.compression_decay={args.demo_decay}"] for m in args.methods if m.startswith("demo")}
+                           f"algo.compression_decay={args.demo_decay}", f"optim.min_lr_ratio={args.demo_min_lr}"]
+                       for m in args.methods if m.startswith("demo")}
     device = resolve_device(args.device or "auto")
     cfg, _ = load_config([], conv._base(args, 0))
     data = load_data(cfg.data)
@@ -147,7 +150,8 @@ def main() -> None:
         f"torch {torch.__version__}, Python {platform.python_version()}",
         f"- model {args.model}, {args.workers} workers x batch {args.batch_size} x {args.seq_len}, {args.steps} steps, "
         f"seeds {','.join(map(str, args.seeds))}; DDP: AdamW lr {args.lr}, warmup {args.warmup}; DeMo: lr "
-        f"{args.demo_lr}, decay {args.demo_decay}, chunk 64, no weight decay, warmup {demo_warmup}; cosine to 10%",
+        f"{args.demo_lr}, decay {args.demo_decay}, chunk 64, no weight decay, warmup {demo_warmup}; cosine to 10% "
+        f"of the peak (DeMo: to {100 * args.demo_min_lr:g}%)",
         f"- `python benchmarks/demo.py {' '.join(sys.argv[1:])}`", "",
         "| method | val loss (median) | seeds | vs DDP | bytes / worker / step | DDP bytes / these |",
         "| --- | --- | --- | --- | --- | --- |",
