@@ -41,8 +41,10 @@ METHODS = {
     "diloco-h10": ["algo.name=diloco", "algo.inner_steps=10"],
     "diloco-h50": ["algo.name=diloco", "algo.inner_steps=50"],
     "diloco-h100": ["algo.name=diloco", "algo.inner_steps=100"],
-    "streaming-h50-p4": ["algo.name=streaming", "algo.inner_steps=50", "algo.fragments=4", "algo.overlap_steps=5",
-                         "algo.mix_alpha=0.5"],
+    "streaming-h50-p4": ["algo.name=streaming", "algo.inner_steps=50", "algo.fragments=4"],
+    # the same with each exchange hidden behind 5 inner steps, merged with alpha 0.5 as published
+    "streaming-h50-p4-tau5": ["algo.name=streaming", "algo.inner_steps=50", "algo.fragments=4",
+                              "algo.overlap_steps=5", "algo.mix_alpha=0.5"],
     # DiLoCo H=50 with a lossy codec on the pseudo-gradients (error feedback for top-k)
     "diloco-h50-int8": ["algo.name=diloco", "algo.inner_steps=50", "compress.codec=int8"],
     "diloco-h50-fp4": ["algo.name=diloco", "algo.inner_steps=50", "compress.codec=fp4+zstd"],
