@@ -211,7 +211,7 @@ def worker(cfg: dict) -> None:
         if lead:
             say(f"{chain:24s} {fmt_s(row['round_s']):>9s} s/round  {fmt_b(row['bytes_sent']):>10s} sent/worker  "
                 f"err {errs[0]:.2e} -> {errs[-1]:.2e}, of the mean of {rounds} rounds {row['err_avg']:.2e}")
-        del codec
+        codec = None  # drop its error-feedback state before the next chain
 
     demo = []
     for k, size in cfg["demo_bytes"].items():
@@ -340,9 +340,9 @@ def render(res: dict, args, started: str, wall: float, load: tuple[float, float]
                      f"| {fmt_b(d['bytes_sent'])} | {fmt_s(d['step_s'])} |")
     lines += ["", "DDP's row is the fp32 row above: the same collective on the same vector, once per step instead of "
               "once per round. DeMo's payload is `DeMo(...).bytes_per_step()` for the `150m` model's parameter shapes "
-              f"(independent of the vector above); its time is the all-gather alone (no DCT, top-k or decode). An "
-              f"all-gather sends the payload to each of the W-1 others, so DeMo's bytes per worker grow with W, "
-              f"while an all-reduce stays below 2x the buffer.", ""]
+              "(independent of the vector above); its time is the all-gather alone (no DCT, top-k or decode). An "
+              "all-gather sends the payload to each of the W-1 others, so DeMo's bytes per worker grow with W, "
+              "while an all-reduce stays below 2x the buffer.", ""]
 
     hs = sorted({args.inner_steps, 500})
     lines += ["## Bytes per token trained, per worker", "",

@@ -156,8 +156,8 @@ def main() -> None:
         f"- model {args.model}, batch {args.batch_size} x {args.seq_len}, N={args.workers} workers, H={args.inner_steps}",
         f"- command: python benchmarks/simulator.py {' '.join(sys.argv[1:])}",
         "",
-        f"| measure | value |",
-        f"| --- | --- |",
+        "| measure | value |",
+        "| --- | --- |",
         f"| simulated N workers x H steps (median) | {statistics.median(t['sim_s']):.2f} s |",
         f"| one worker, N*H steps (median) | {statistics.median(t['single_s']):.2f} s |",
         f"| ratio (median of {len(t['ratios'])} side-by-side pairs; target <= 1.15) | {t['ratio_median']:.3f} "

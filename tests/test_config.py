@@ -577,7 +577,7 @@ def test_every_preset_loads_and_differs_from_defaults(preset):
 
 
 def test_extends_layers_a_parent_file_and_refuses_cycles(tmp_path):
-    parent = write(tmp_path, "parent.yaml", "optim:\n  lr: 0.002\nrun:\n  seed: 4\n")
+    write(tmp_path, "parent.yaml", "optim:\n  lr: 0.002\nrun:\n  seed: 4\n")
     child = write(tmp_path, "child.yaml", "extends: parent.yaml\nrun:\n  seed: 9\n")
     cfg, builder = load_config([child])
     assert cfg.optim.lr == 0.002 and cfg.run.seed == 9

@@ -181,8 +181,8 @@ def test_streaming_lowers_peak_bytes_per_exchange(tmp_path):
 
     InProcessGroup.rendezvous = spy
     try:
-        plain = simulate_once(cfg_of(tmp_path, "d", "run.max_steps=8", "sim.workers=2", "algo.name=diloco",
-                                     "algo.inner_steps=8"))
+        simulate_once(cfg_of(tmp_path, "d", "run.max_steps=8", "sim.workers=2", "algo.name=diloco",
+                             "algo.inner_steps=8"))
         peak_plain = max(sizes.pop(2))
         stream = simulate_once(cfg_of(tmp_path, "s", "run.max_steps=8", "sim.workers=2", "algo.name=streaming",
                                       "algo.inner_steps=8", "algo.fragments=4", "algo.overlap_steps=2",

@@ -10,7 +10,7 @@ import torch
 
 from conftest import FAST, TINY, run_cli
 from diloco.comm import TransportError
-from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers, sample_speeds
+from diloco.sim import InProcessGroup, parse_bandwidth, resolve_speeds, run_workers, sample_speeds
 from launch.config import load_config
 from launch.simulate import simulate_once
 

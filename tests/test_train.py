@@ -9,7 +9,7 @@ import time
 import pytest
 import yaml
 
-from conftest import FAST, TINY, child_env, run_cli
+from conftest import FAST, TINY, run_cli
 from launch.config import config_from_dict
 from launch.trainer import train
 
