@@ -136,9 +136,11 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
         fewer = f"{ddp_bytes / b:.0f}x" if ddp_bytes and b else ""
         peak = human_bytes(statistics.median(r["peak"] for r in rs))
         wall = statistics.median(r["virtual_s"] for r in rs)
-        reach = [time_to(r["curve"], ddp) for r in rs] if ddp is not None else []
-        reached = [t for t in reach if t is not None]
-        to_ddp = f"{statistics.median(reached):.1f} s" if reached and len(reached) == len(rs) else "not reached"
+        # median over seeds, a seed that never got there counting as infinitely late
+        reach = sorted(t if t is not None else float("inf") for t in (time_to(r["curve"], ddp) for r in rs)) \
+            if ddp is not None else []
+        mid = statistics.median_high(reach) if reach else float("inf")
+        to_ddp = f"{mid:.1f} s" if mid < float("inf") else "not reached"
         lines.append(f"| {m} | {med[m]:.4f} | {seeds} | {gap} | {human_bytes(b)} | {fewer} | {peak} | {wall:.1f} s | "
                      f"{to_ddp} |")
     return "\n".join(lines) + "\n"
