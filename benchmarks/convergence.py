@@ -137,9 +137,8 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
         peak = human_bytes(statistics.median(r["peak"] for r in rs))
         wall = statistics.median(r["virtual_s"] for r in rs)
         # median over seeds, a seed that never got there counting as infinitely late
-        reach = sorted(t if t is not None else float("inf") for t in (time_to(r["curve"], ddp) for r in rs)) \
-            if ddp is not None else []
-        mid = statistics.median_high(reach) if reach else float("inf")
+        reach = [time_to(r["curve"], ddp) for r in rs] if ddp is not None else []
+        mid = statistics.median_high([float("inf") if t is None else t for t in reach]) if reach else float("inf")
         to_ddp = f"{mid:.1f} s" if mid < float("inf") else "not reached"
         lines.append(f"| {m} | {med[m]:.4f} | {seeds} | {gap} | {human_bytes(b)} | {fewer} | {peak} | {wall:.1f} s | "
                      f"{to_ddp} |")
