@@ -155,9 +155,9 @@ class StreamingDiLoCo(DiLoCo):
             self.sync()
 
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        for x in self.pending:
+        for x in self.pending:  # first: an exchange in flight still updates the codec's residuals
             x["handle"].wait()
+        state = super().state_dict()
         state["pending"] = [{**{k: v for k, v in x.items() if k != "handle"}, "averaged": True} for x in self.pending]
         state["fragment_steps"] = list(self.fragment_steps)
         return state

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import FAST, ROOT, TINY, child_env, free_port, run_cli, simulate_and_torchrun
 from launch.checkpoint import latest_checkpoint, load_checkpoint
@@ -31,7 +32,9 @@ def torchrun(*args: str) -> list[str]:
     return ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
 
 
-@pytest.mark.parametrize("algo", [["algo.name=diloco", "algo.inner_steps=3"], ["algo.name=demo"]], ids=["diloco", "demo"])
+@pytest.mark.parametrize("algo", [["algo.name=diloco", "algo.inner_steps=3"], ["algo.name=demo"],
+                                  ["algo.name=streaming", "algo.inner_steps=4", "algo.fragments=2", "algo.overlap_steps=1"]],
+                         ids=["diloco", "demo", "streaming-overlapped"])
 def test_four_processes_equal_four_simulated_workers(tmp_path, algo):
     args = ["--config", TINY, "--max-steps", "6", "--seed", "7", *sets(*algo, "run.checkpoint_every=6")]
     a, b, sa, sb = simulate_and_torchrun(tmp_path, args, 4)
@@ -112,6 +115,44 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(tmp_path):
     for ckpt in (run_dir / "checkpoints").glob("step_*.pt"):
         load_checkpoint(ckpt)  # none is corrupt
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+OVERLAP = textwrap.dedent("""
+    import time, torch
+    from pathlib import Path
+    from diloco.comm.torch_dist import TorchDistTransport
+    out = Path({out!r})
+    t = TorchDistTransport("gloo", timeout=60)
+    t.all_reduce_async_([torch.zeros(3)]).wait()  # the first overlapped exchange makes its process groups on every rank
+    x = torch.full((1000,), float(t.rank + 1))
+    if t.rank == 0:
+        handle = t.all_reduce_async_([x], op="sum")  # rank 1 has not started its part yet
+        (out / "started").write_text("")
+        said = t.broadcast_object("from the training thread")  # control plane while the exchange is in flight
+    else:
+        deadline = time.time() + 30
+        while not (out / "started").exists() and time.time() < deadline:
+            time.sleep(0.02)
+        print("rank 0 returned from all_reduce_async_" if (out / "started").exists() else "rank 0 blocked")
+        said = t.broadcast_object(None)
+        handle = t.all_reduce_async_([x], op="sum")
+    handle.wait()
+    torch.save({{"x": x, "said": said}}, out / f"rank{{t.rank}}.pt")
+    t.close()
+""")
+
+
+def test_an_overlapped_exchange_runs_beside_the_training_thread(tmp_path):
+    """gloo: all_reduce_async_ returns before the peers take part, and control-plane calls go on meanwhile."""
+    script = tmp_path / "overlap.py"
+    script.write_text(OVERLAP.format(out=str(tmp_path)))
+    proc = run_cli([*torchrun("--nproc-per-node", "2"), str(script)], module="torch.distributed.run", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 returned from all_reduce_async_" in proc.stdout, proc.stdout
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(got["x"], torch.full((1000,), 3.0))
+        assert got["said"] == "from the training thread"
 
 
 STUCK = textwrap.dedent("""

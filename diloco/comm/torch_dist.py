@@ -17,19 +17,29 @@ Two layouts:
   across nodes, each local rank moving its 1/G share of the buffer over its
   cross-node group (the ranks with the same local rank), then sharing the
   result inside the node.
+
+Overlapped exchanges (``all_reduce_async_``, Streaming DiLoCo's tau steps) on
+gloo run in one background thread over a second set of process groups, made
+by every rank at the first such exchange: the collectives the training loop
+issues meanwhile (control plane, gradients inside a node) keep their own
+groups, so the two streams never interleave on one group. ``wait()`` returns
+the result or raises the thread's :class:`TransportError`. On NCCL an exchange
+started "async" still completes before returning.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import os
+import threading
 import time
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from diloco.comm.base import Transport, TransportError, shard_bounds
+from diloco.comm.base import Handle, Transport, TransportError, shard_bounds
 
 
 def launched_by_torchrun() -> bool:
@@ -43,6 +53,17 @@ def torchrun_layout() -> tuple[int, int]:
     if local < 1 or world % local:
         return 1, world
     return world // local, local
+
+
+class _Future(Handle):
+    """An exchange running in the background thread."""
+
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        super().__init__()
+        self.future = future
+
+    def wait(self) -> Any:
+        return self.future.result()
 
 
 def _elastic_store(timeout: float) -> dict[str, Any]:
@@ -83,6 +104,37 @@ class TorchDistTransport(Transport):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.global_rank = dist.get_rank()
+        self._lanes = threading.local()  # .groups in the background thread: its own process groups
+        self._background: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+    # ---- lanes: the training thread's process groups, or the background thread's -----------------
+    def _g(self, name: str = "group") -> Any:
+        """The process group ``name`` (group, world, node_group, cross_group) of the calling thread."""
+        side = getattr(self._lanes, "groups", None)
+        if side is not None:
+            return side[name]
+        return None if name == "world" else getattr(self, name)
+
+    def _side_groups(self) -> dict[str, Any]:
+        """A copy of every group this transport uses; every rank runs this at the same exchange."""
+        world = dist.new_group()
+        return {"group": world if self.group is None else dist.new_group(dist.get_process_group_ranks(self.group)),
+                "world": world}
+
+    def _start(self, fn: Callable[[], Any]) -> Handle:
+        if self.backend != "gloo" or self.world_size == 1:
+            return super()._start(fn)
+        if self._background is None:
+            groups = self._side_groups()
+            self._background = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="loco-exchange", initializer=lambda: setattr(self._lanes, "groups", groups))
+        return _Future(self._background.submit(fn))
+
+    def _drain(self) -> None:
+        """Let the exchange in flight finish (its errors surface at its ``wait()``), then stop the thread."""
+        if self._background is not None:
+            self._background.shutdown(wait=True)
+            self._background = None
 
     def _src(self, src: int) -> int:
         """The global rank of group rank ``src`` (collectives take global ranks)."""
@@ -101,40 +153,40 @@ class TorchDistTransport(Transport):
     def _before_exchange(self) -> None:
         """gloo: a monitored barrier, so rank 0 names a worker that does not arrive within the timeout."""
         if self.backend == "gloo" and self.world_size > 1:
-            self._run("waiting for every worker (monitored barrier)", dist.monitored_barrier, group=self.group,
+            self._run("waiting for every worker (monitored barrier)", dist.monitored_barrier, group=self._g(),
                       timeout=datetime.timedelta(seconds=self.timeout), wait_all_ranks=True)
 
     def _all_reduce_sum_(self, flat: torch.Tensor) -> None:
-        self._run("all_reduce", dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=self.group)
+        self._run("all_reduce", dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=self._g())
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        self._run("broadcast", dist.broadcast, tensor, src=self._src(src), group=self.group)
+        self._run("broadcast", dist.broadcast, tensor, src=self._src(src), group=self._g())
         return tensor
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]
-        self._run("broadcast_object", dist.broadcast_object_list, box, src=self._src(src), group=self.group)
+        self._run("broadcast_object", dist.broadcast_object_list, box, src=self._src(src), group=self._g())
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
-        self._run("all_gather_object", dist.all_gather_object, out, obj, group=self.group)
+        self._run("all_gather_object", dist.all_gather_object, out, obj, group=self._g())
         return out
 
     def gather_object(self, obj: Any, dst: int = 0) -> Optional[list[Any]]:
         out: Optional[list[Any]] = [None] * self.world_size if self.rank == dst else None
-        self._run("gather_object", dist.gather_object, obj, out, dst=self._src(dst), group=self.group)
+        self._run("gather_object", dist.gather_object, obj, out, dst=self._src(dst), group=self._g())
         return out
 
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
         sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
-        self._run("all_gather(sizes)", dist.all_gather, sizes, size, group=self.group)
+        self._run("all_gather(sizes)", dist.all_gather, sizes, size, group=self._g())
         longest = int(max(s.item() for s in sizes))
         buf = torch.zeros(longest, dtype=torch.uint8, device=self.device)
         buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else buf[:0]
         bufs = [torch.empty_like(buf) for _ in range(self.world_size)]
-        self._run("all_gather(payload)", dist.all_gather, bufs, buf, group=self.group)
+        self._run("all_gather(payload)", dist.all_gather, bufs, buf, group=self._g())
         self.stats.bytes_sent += len(payload) * (self.world_size - 1)
         self.stats.bytes_received += sum(int(s.item()) for s in sizes) - len(payload)
         self.stats.collectives += 1
@@ -145,14 +197,14 @@ class TorchDistTransport(Transport):
             raise ValueError(f"all_to_all_bytes needs {self.world_size} payloads, got {len(payloads)}")
         send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=self.device)
         recv_sizes = torch.empty_like(send_sizes)
-        self._run("all_to_all(sizes)", dist.all_to_all_single, recv_sizes, send_sizes, group=self.group)
+        self._run("all_to_all(sizes)", dist.all_to_all_single, recv_sizes, send_sizes, group=self._g())
         send_n, recv_n = send_sizes.tolist(), recv_sizes.tolist()
         joined = b"".join(payloads)
         send = (torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined
                 else torch.zeros(0, dtype=torch.uint8)).to(self.device)
         recv = torch.empty(sum(recv_n), dtype=torch.uint8, device=self.device)
         self._run("all_to_all(payload)", dist.all_to_all_single, recv, send,
-                  output_split_sizes=recv_n, input_split_sizes=send_n, group=self.group)
+                  output_split_sizes=recv_n, input_split_sizes=send_n, group=self._g())
         me = self.rank
         self.stats.bytes_sent += sum(send_n) - send_n[me]
         self.stats.bytes_received += sum(recv_n) - recv_n[me]
@@ -165,9 +217,10 @@ class TorchDistTransport(Transport):
         return out
 
     def barrier(self) -> None:
-        self._run("barrier", dist.barrier, group=self.group)
+        self._run("barrier", dist.barrier, group=self._g())
 
     def close(self) -> None:
+        self._drain()
         if self._owns_group and dist.is_initialized():
             if self.backend == "gloo":
                 try:  # nobody tears the group down while another rank still has traffic in flight
@@ -197,12 +250,21 @@ class NodeMeshTransport(TorchDistTransport):
         m = world // g
         self.per_node, self.nodes = g, m
         self.node, self.local_rank = self.global_rank // g, self.global_rank % g
-        node_groups = [dist.new_group([n * g + i for i in range(g)]) for n in range(m)]  # every rank makes every group
-        cross_groups = [dist.new_group([n * g + i for n in range(m)]) for i in range(g)]
-        self.node_group, self.cross_group = node_groups[self.node], cross_groups[self.local_rank]
+        self.node_group, self.cross_group = self._mesh_groups()
         self.group = self.cross_group  # byte collectives: my share, across nodes
         self.rank, self.world_size = self.node, m
         self.inner = _NodeInner(self)
+
+    def _mesh_groups(self) -> tuple[Any, Any]:
+        """My node's group and my cross-node group (every rank makes every group, in the same order)."""
+        g, m = self.per_node, self.nodes
+        node_groups = [dist.new_group([n * g + i for i in range(g)]) for n in range(m)]
+        cross_groups = [dist.new_group([n * g + i for n in range(m)]) for i in range(g)]
+        return node_groups[self.node], cross_groups[self.local_rank]
+
+    def _side_groups(self) -> dict[str, Any]:
+        node_group, cross_group = self._mesh_groups()
+        return {"world": dist.new_group(), "node_group": node_group, "cross_group": cross_group, "group": cross_group}
 
     @property
     def is_leader(self) -> bool:
@@ -220,13 +282,13 @@ class NodeMeshTransport(TorchDistTransport):
         mine = torch.zeros(max(sizes), dtype=flat.dtype, device=flat.device)
         mine[:share.numel()] = share
         parts = [torch.empty_like(mine) for _ in range(self.per_node)]
-        self._run("all_gather (inside the node)", dist.all_gather, parts, mine, group=self.node_group)
+        self._run("all_gather (inside the node)", dist.all_gather, parts, mine, group=self._g("node_group"))
         flat.copy_(torch.cat([p[:s] for p, s in zip(parts, sizes)]))
         return result
 
     def _all_reduce_sum_(self, flat: torch.Tensor) -> None:
         self._on_my_share(flat, 1, lambda share: self._run("all_reduce (across nodes)", dist.all_reduce, share,
-                                                           op=dist.ReduceOp.SUM, group=self.cross_group))
+                                                           op=dist.ReduceOp.SUM, group=self._g("cross_group")))
 
     def count_all_reduce(self, nbytes: int) -> None:
         super().count_all_reduce(-(-nbytes // self.per_node))
@@ -240,31 +302,31 @@ class NodeMeshTransport(TorchDistTransport):
     # ---- control plane over every process, from global rank 0 -----------------------------------
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]
-        self._run("broadcast_object", dist.broadcast_object_list, box, src=src * self.per_node)
+        self._run("broadcast_object", dist.broadcast_object_list, box, src=src * self.per_node, group=self._g("world"))
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * dist.get_world_size()
-        self._run("all_gather_object", dist.all_gather_object, out, obj)
+        self._run("all_gather_object", dist.all_gather_object, out, obj, group=self._g("world"))
         return out[::self.per_node]  # one per node: its local rank 0
 
     def gather_object(self, obj: Any, dst: int = 0) -> Optional[list[Any]]:
         out: Optional[list[Any]] = [None] * dist.get_world_size() if self.global_rank == dst * self.per_node else None
-        self._run("gather_object", dist.gather_object, obj, out, dst=dst * self.per_node)
+        self._run("gather_object", dist.gather_object, obj, out, dst=dst * self.per_node, group=self._g("world"))
         return out[::self.per_node] if out is not None else None
 
     def barrier(self) -> None:
-        self._run("barrier", dist.barrier)
+        self._run("barrier", dist.barrier, group=self._g("world"))
 
     def _before_exchange(self) -> None:
         if self.backend == "gloo":
-            self._run("waiting for every process (monitored barrier)", dist.monitored_barrier,
+            self._run("waiting for every process (monitored barrier)", dist.monitored_barrier, group=self._g("world"),
                       timeout=datetime.timedelta(seconds=self.timeout), wait_all_ranks=True)
 
     def now(self) -> float:
         """The node's clock (its local rank 0's), so a node's processes end time-budgeted rounds together."""
         t = torch.tensor([time.monotonic()], dtype=torch.float64, device=self.device)
-        self._run("broadcast (node clock)", dist.broadcast, t, src=self.node * self.per_node, group=self.node_group)
+        self._run("broadcast (node clock)", dist.broadcast, t, src=self.node * self.per_node, group=self._g("node_group"))
         return float(t.item())
 
     def summary(self) -> dict[str, Any]:
