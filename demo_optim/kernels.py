@@ -7,7 +7,7 @@
 
 The kernel handles one s1 x s2 block per program with two small matmuls each way
 (``tl.dot`` at IEEE fp32 precision) and the same bit-pattern binary search for the k-th
-largest magnitude as ``diloco.compress.kernels.topk``. It runs for CUDA tensors whose block
+largest magnitude as ``diloco.compress.kernels`` (``select_topk``). It runs for CUDA tensors whose block
 sides are powers of two >= 16 (matrices; 64 x 64 by default); vectors and odd blocks use
 the reference. Tests run it with ``TRITON_INTERPRET=1`` on CPU tensors.
 """
@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from diloco.compress.dct import dct_basis
-from diloco.compress.kernels import HAVE_TRITON, require_triton, use_triton
-from diloco.compress.kernels.topk import topk_chunks_ref
-from demo_optim.transform import ChunkPlan, from_chunks, to_chunks
+from diloco.compress import ChunkPlan, dct_basis, from_chunks, to_chunks
+from diloco.compress.kernels import HAVE_TRITON, require_triton, topk_chunks_ref, use_triton
 
 
 def kernel_fits(plan: ChunkPlan) -> bool:
@@ -45,7 +43,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from diloco.compress.kernels.topk import select_topk
+    from diloco.compress.kernels import select_topk
 
     @triton.jit
     def _block(pid, R, C, NBR, NBC, S1: tl.constexpr, S2: tl.constexpr):

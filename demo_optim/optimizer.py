@@ -30,12 +30,9 @@ import torch
 
 from diloco.comm.base import Transport
 from diloco.comm.local import LocalTransport
-from diloco.compress import wire
-from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
-from diloco.compress.codec import chunk_indices_ok
-from diloco.compress.wire import CorruptPayload
+from diloco.compress import (RULES, ChunkPlan, CorruptPayload, bits_for, chunk_indices_ok, pack_bits, packed_size,
+                             plan_for, tensor_bytes, unpack_bits, wire)
 from demo_optim import kernels
-from demo_optim.transform import RULES, ChunkPlan, plan_for
 
 log = logging.getLogger("demo_optim")
 
@@ -136,9 +133,9 @@ class DeMo(torch.optim.Optimizer):
                 delta.add_(p.grad.float(), alpha=lr)
             idx, vals = kernels.encode(delta, plan)
             values.append(vals)
-            indices.append(_to_bytes(pack_bits(idx, bits_for(plan.chunk_size))))
+            indices.append(tensor_bytes(pack_bits(idx, bits_for(plan.chunk_size))))
         flat = torch.cat(values) if values else torch.zeros(0)
-        value_section = _to_bytes(pack_bits((flat > 0).to(torch.int32), 1)) if self.sign_values else _to_bytes(flat)
+        value_section = tensor_bytes(pack_bits((flat > 0).to(torch.int32), 1) if self.sign_values else flat)
         body = value_section + b"".join(indices)
         return wire.pack(body, torch.float32, (flat.numel(),), chain)
 
@@ -198,7 +195,3 @@ class DeMo(torch.optim.Optimizer):
         plans = [plan for _, _, plan in self._entries()]
         sent, value_bytes, index_bytes = self._sizes(plans)
         return len(wire.pack(bytes(value_bytes + sum(index_bytes)), torch.float32, (sent,), self._chain(plans)))
-
-
-def _to_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b""

@@ -1,11 +1,26 @@
-"""Compression of what crosses the network: codec chains, the wire format, kernels.
+"""Compression of what crosses the network: codec chains, the wire format, kernels, DCT chunking.
 
 ``make_codec("topk:0.02+2bit+zstd")`` returns a :class:`Codec` with
 ``encode(tensor) -> bytes`` and ``decode(bytes) -> tensor``; a malformed payload
 raises :class:`CorruptPayload` and nothing else. See ``codec.py`` for the stages.
+
+The pieces other packages (DeMo in ``demo_optim``) build on are exported here too:
+the wire header (``wire``, ``tensor_bytes``), bit packing (``bits.py``), the per-chunk
+index check, the top-k reference, the DCT basis and the 2-D chunk plan (``chunks.py``).
 """
 
-from diloco.compress.codec import STAGE_NAMES, Codec, CodecSpecError, make_codec, parse_chain
-from diloco.compress.wire import CorruptPayload
+from diloco.compress import wire
+from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
+from diloco.compress.chunks import (RULES, ChunkPlan, block_side, from_chunks, largest_divisor_at_most, plan_for,
+                                    to_chunks)
+from diloco.compress.codec import STAGE_NAMES, Codec, CodecSpecError, chunk_indices_ok, make_codec, parse_chain
+from diloco.compress.dct import dct_basis
+from diloco.compress.kernels import topk_chunks_ref
+from diloco.compress.wire import CorruptPayload, tensor_bytes
 
-__all__ = ["Codec", "CodecSpecError", "CorruptPayload", "STAGE_NAMES", "make_codec", "parse_chain"]
+__all__ = [
+    "Codec", "CodecSpecError", "CorruptPayload", "STAGE_NAMES", "make_codec", "parse_chain",
+    "wire", "tensor_bytes", "bits_for", "pack_bits", "packed_size", "unpack_bits", "chunk_indices_ok",
+    "topk_chunks_ref", "dct_basis",
+    "RULES", "ChunkPlan", "block_side", "largest_divisor_at_most", "plan_for", "to_chunks", "from_chunks",
+]

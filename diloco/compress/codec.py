@@ -40,7 +40,7 @@ from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
 from diloco.compress.dct import dct_chunks, idct_chunks, padded_length
 from diloco.compress.kernels import quant as q
 from diloco.compress.kernels import topk as tk
-from diloco.compress.wire import CorruptPayload
+from diloco.compress.wire import CorruptPayload, tensor_bytes
 
 VALUE_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4", "fp4", "2bit")
 STAGE_ORDER = ("dct", "topk", "value", "zstd")
@@ -145,8 +145,7 @@ def _apply_stage(spec: ChainSpec, name: str, opts: dict[str, str]) -> None:
     elif name == "topk":
         o = take(("density", "k", "chunk", "ef"))
         chunk = _number(name, "chunk", o.get("chunk", "4096"), int)
-        if chunk < 2 or chunk > 65536 or chunk & (chunk - 1):
-            raise CodecSpecError(f"codec stage 'topk': chunk must be a power of two in [2, 65536], got {chunk}")
+        _check_topk(chunk)
         if "density" in o and "k" in o:
             raise CodecSpecError("codec stage 'topk': give density or k, not both")
         if "density" in o:
@@ -159,8 +158,7 @@ def _apply_stage(spec: ChainSpec, name: str, opts: dict[str, str]) -> None:
                 raise CodecSpecError(f"codec stage 'topk': density must be in (0, 1], got {o['density']}")
         else:
             k = _number(name, "k", o.get("k", str(max(1, round(0.02 * chunk)))), int)
-        if not 1 <= k <= chunk:
-            raise CodecSpecError(f"codec stage 'topk': k must be in [1, chunk={chunk}], got {k}")
+        _check_topk(chunk, k)
         ef = _number(name, "ef", o.get("ef", "1"), float)
         if not 0.0 <= ef <= 1.0:
             raise CodecSpecError(f"codec stage 'topk': ef (error-feedback decay) must be in [0, 1], got {ef}")
@@ -181,6 +179,13 @@ def _apply_stage(spec: ChainSpec, name: str, opts: dict[str, str]) -> None:
         spec.zstd_level = _number(name, "level", o.get("level", "3"), int)
         if not -7 <= spec.zstd_level <= 22:
             raise CodecSpecError(f"codec stage 'zstd': level must be in [-7, 22], got {spec.zstd_level}")
+
+
+def _check_topk(chunk: int, k: Optional[int] = None) -> None:
+    try:
+        tk.check_chunk(chunk, k)
+    except ValueError as e:
+        raise CodecSpecError(f"codec stage 'topk': {e}") from None
 
 
 @dataclass
@@ -262,7 +267,7 @@ class Codec:
             if self.error_feedback:
                 residual = self._residual(key, dense, x.device)
             idx, values = tk.topk_chunks(x, s.topk_chunk, s.topk_k, residual, s.ef_decay)
-            index_section = _bytes(pack_bits(idx, bits_for(s.topk_chunk)))
+            index_section = tensor_bytes(pack_bits(idx, bits_for(s.topk_chunk)))
             if residual is not None:
                 flat_idx = _flat_positions(idx.long(), s.topk_k, s.topk_chunk)
         else:
@@ -271,7 +276,7 @@ class Codec:
             packed, scales = q.quantize(values, s.block, s.value)
             if scales.numel() and float(scales.max()) > MAX_SCALE:
                 raise ValueError(f"values too large to encode with {s.value} (a block scale above {MAX_SCALE:g})")
-            sections += [_bytes(scales), _bytes(packed)]
+            sections += [tensor_bytes(scales), tensor_bytes(packed)]
             if flat_idx is not None:  # what quantization lost also waits in the residual
                 sent = q.dequantize(packed, scales, count, s.block, s.value)
                 residual.index_add_(0, flat_idx, values - sent)
@@ -279,7 +284,7 @@ class Codec:
             if s.value in _FLOAT_MAX:
                 values = values.clamp(-_FLOAT_MAX[s.value], _FLOAT_MAX[s.value])
             cast = values.to(_FLOAT_DTYPES[s.value])
-            sections.append(_bytes(cast))
+            sections.append(tensor_bytes(cast))
             if flat_idx is not None and s.value != "fp32":
                 residual.index_add_(0, flat_idx, values - cast.float())
         payload = b"".join(sections) + index_section
@@ -422,10 +427,6 @@ def chunk_indices_ok(rows: torch.Tensor, limit: int) -> bool:
 def _flat_positions(idx: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
     """Positions in the whole vector of indices relative to their chunk (k per chunk, in chunk order)."""
     return idx + torch.arange(idx.numel(), device=idx.device) // k * chunk
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def make_codec(chain: str = "fp32", max_numel: int = 1 << 31) -> Codec:

@@ -3,7 +3,8 @@
 ``dct_basis(n)`` is the n x n matrix D with ``D[k, j] = sqrt(2/n) c_k cos(pi (2j+1) k / 2n)``
 (``c_0 = 1/sqrt 2``, else 1), so D is orthogonal: the inverse is its transpose.
 A vector cut into chunks of length s becomes ``chunk @ D.T`` per chunk; a matrix
-cut into s1 x s2 blocks becomes ``D1 @ B @ D2.T`` per block (DeMo's 2-D form).
+cut into s1 x s2 blocks becomes ``D1 @ B @ D2.T`` per block (DeMo's 2-D form; DeMo's
+chunk plan over parameter shapes is in :mod:`diloco.compress.chunks`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from functools import lru_cache
 
 import torch
+from einops import rearrange
 
 
 @lru_cache(maxsize=64)
@@ -62,17 +64,17 @@ def dct_blocks(x: torch.Tensor, s1: int, s2: int) -> torch.Tensor:
 
     Returns shape ``(..., rows/s1, cols/s2, s1, s2)``; the dims must be multiples of the block.
     """
-    *lead, rows, cols = x.shape
+    rows, cols = x.shape[-2:]
     if rows % s1 or cols % s2:
         raise ValueError(f"shape {tuple(x.shape)} is not a multiple of the {s1}x{s2} block")
-    b = x.reshape(*lead, rows // s1, s1, cols // s2, s2).transpose(-3, -2)
+    b = rearrange(x, "... (nr s1) (nc s2) -> ... nr nc s1 s2", s1=s1, s2=s2)
     d1, d2 = dct_basis(s1, x.device, x.dtype), dct_basis(s2, x.device, x.dtype)
     return d1 @ b @ d2.T
 
 
 def idct_blocks(coeffs: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`dct_blocks`: back to ``(..., rows, cols)``."""
-    *lead, nr, nc, s1, s2 = coeffs.shape
+    s1, s2 = coeffs.shape[-2:]
     d1, d2 = dct_basis(s1, coeffs.device, coeffs.dtype), dct_basis(s2, coeffs.device, coeffs.dtype)
     b = d1.T @ coeffs @ d2
-    return b.transpose(-3, -2).reshape(*lead, nr * s1, nc * s2)
+    return rearrange(b, "... nr nc s1 s2 -> ... (nr s1) (nc s2)")

@@ -15,7 +15,8 @@ Layout (little-endian)::
 
 ``parse_header`` checks all of it before anything the size of the tensor is
 allocated, and raises :class:`CorruptPayload` (the one error a bad payload
-raises) with what was wrong.
+raises) with what was wrong. ``tensor_bytes`` turns a payload section (a tensor)
+into the bytes that go after the header.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class Header:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of ``t`` (contiguous, on the CPU, in its own dtype); ``b""`` for an empty tensor."""
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def pack(payload: bytes, dtype: torch.dtype, shape: tuple[int, ...], chain: str) -> bytes:

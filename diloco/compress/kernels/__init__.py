@@ -5,6 +5,9 @@ tensors and the torch reference elsewhere. ``LOCO_KERNELS=torch`` forces the
 reference everywhere (to compare or debug). Tests run the Triton versions on CPU
 tensors with ``TRITON_INTERPRET=1``, which must be set before this package is
 imported.
+
+Exported for kernels elsewhere (DeMo's): ``topk_chunks_ref`` and, with Triton, the
+``@triton.jit`` helper ``select_topk``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ def require_triton(t: torch.Tensor) -> None:
 
 
 from diloco.compress.kernels.quant import FORMATS, dequantize, quantize  # noqa: E402
-from diloco.compress.kernels.topk import topk_chunks  # noqa: E402
+from diloco.compress.kernels.topk import topk_chunks, topk_chunks_ref  # noqa: E402
 
-__all__ = ["FORMATS", "quantize", "dequantize", "topk_chunks", "use_triton", "HAVE_TRITON"]
+__all__ = ["FORMATS", "quantize", "dequantize", "topk_chunks", "topk_chunks_ref", "use_triton", "require_triton",
+           "HAVE_TRITON"]
+
+if HAVE_TRITON:  # the @triton.jit top-k selection, for other kernels (DeMo's) to call
+    from diloco.compress.kernels.topk import select_topk  # noqa: E402
+    __all__.append("select_topk")

@@ -23,11 +23,12 @@ from diloco.compress.kernels import HAVE_TRITON, require_triton, use_triton
 from diloco.compress.bits import bits_for
 
 
-def check_chunk(chunk: int, k: int) -> None:
+def check_chunk(chunk: int, k: Optional[int] = None) -> None:
+    """The bounds the kernel supports: ``chunk`` a power of two in [2, 65536] and (when given) 1 <= k <= chunk."""
     if chunk < 2 or chunk > 65536 or chunk & (chunk - 1):
-        raise ValueError(f"topk chunk must be a power of two in [2, 65536], got {chunk}")
-    if not 1 <= k <= chunk:
-        raise ValueError(f"topk k must be in [1, chunk={chunk}], got {k}")
+        raise ValueError(f"chunk must be a power of two in [2, 65536], got {chunk}")
+    if k is not None and not 1 <= k <= chunk:
+        raise ValueError(f"k must be in [1, chunk={chunk}], got {k}")
 
 
 def selected_count(n: int, chunk: int, k: int) -> int:
