@@ -12,7 +12,7 @@ pseudo-gradient:
   multiplies it elementwise by ``1 + spread * z_r`` (``z_r`` Gaussian, seeded by r), so the workers
   differ but keep the vector's heavy-tailed magnitudes, and the exact mean is not any one input.
 * **DiLoCo rounds**, one row per codec chain: ``fp32`` through the dense ``all_reduce_`` (the
-  ring all-reduce), every other chain through ``all_reduce_compressed_(..., weight=1.0,
+  ring all-reduce), every other chain through ``collective.all_reduce_compressed_(..., weight=1.0,
   key="bench")``: one codec per worker kept across the rounds, so top-k's error feedback carries
   its residual from round to round as in training. Each round restarts from the same inputs.
   One warm-up round, then ``--repeats`` timed ones; a round's time is the slowest worker's
@@ -116,6 +116,7 @@ def worker(cfg: dict) -> None:
 
     from diloco.comm.torch_dist import TorchDistTransport
     from diloco.compress import make_codec
+    from diloco.compress.collective import all_reduce_compressed_
 
     torch.set_num_threads(cfg["threads"])
     tr = TorchDistTransport(backend="gloo", timeout=cfg["collective_timeout"])
@@ -193,7 +194,7 @@ def worker(cfg: dict) -> None:
             if codec is None:
                 tr.all_reduce_(pieces, op="mean")
             else:
-                tr.all_reduce_compressed_(pieces, codec, 1.0, key=KEY)
+                all_reduce_compressed_(tr, pieces, codec, 1.0, key=KEY)
 
         def check(r: int) -> float:
             if r == 0:

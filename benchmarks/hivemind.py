@@ -67,6 +67,7 @@ def role_gloo(args) -> None:
 
     from diloco.comm.torch_dist import TorchDistTransport
     from diloco.compress import make_codec
+    from diloco.compress.collective import all_reduce_compressed_
 
     torch.set_num_threads(1)
     t = TorchDistTransport(backend="gloo", timeout=1800)
@@ -80,7 +81,7 @@ def role_gloo(args) -> None:
             if chain == "fp32":
                 t.all_reduce_([y], op="mean")
             else:
-                t.all_reduce_compressed_([y], codec, 1.0, key="bench")
+                all_reduce_compressed_(t, [y], codec, 1.0, key="bench")
             emit(transport="gloo", chain=chain, round=r, rank=t.rank, s=time.perf_counter() - start,
                  bytes=t.stats.bytes_sent - before, numel=x.numel(), peak_rss=peak_rss())
             del y
@@ -92,6 +93,7 @@ def role_hivemind(args) -> None:
 
     from diloco.comm.hivemind import HivemindTransport
     from diloco.compress import make_codec
+    from diloco.compress.collective import all_reduce_compressed_
 
     torch.set_num_threads(1)
     rank, folder = args.rank, Path(args.dir)
@@ -112,7 +114,7 @@ def role_hivemind(args) -> None:
         for r in range(1 + args.repeats):
             y = load_vector(args, rank)  # afresh each round (not timed): one copy of the vector per peer
             before, start = t.stats.bytes_sent, time.perf_counter()
-            t.all_reduce_compressed_([y], codec, 1.0, key="bench")
+            all_reduce_compressed_(t, [y], codec, 1.0, key="bench")
             emit(transport="hivemind", chain=chain, round=r, rank=rank, s=time.perf_counter() - start,
                  bytes=t.stats.bytes_sent - before, numel=y.numel(), members=len(t.last.members),
                  peak_rss=peak_rss())

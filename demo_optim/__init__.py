@@ -7,6 +7,6 @@ switching is a change of import. ``transport=None`` runs it as a single worker; 
 """
 
 from demo_optim.optimizer import DeMo
-from demo_optim.algorithm import DeMoAlgorithm
+from demo_optim.algorithm import DeMoAlgorithm  # registers algo.name=demo
 
 __all__ = ["DeMo", "DeMoAlgorithm"]

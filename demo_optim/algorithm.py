@@ -6,11 +6,12 @@ from typing import Any, Optional
 
 import torch
 
-from diloco.algorithm import Algorithm
+from diloco.algorithm import Algorithm, ConfigConflict, register
 from diloco.comm.base import Transport
 from demo_optim.optimizer import DeMo
 
 
+@register
 class DeMoAlgorithm(Algorithm):
     """``algo.name=demo``. Every worker calls ``DeMo.step()`` every step (it holds the collective), even
     with non-finite gradients: such a worker sends nothing and still applies the others' update."""
@@ -19,10 +20,26 @@ class DeMoAlgorithm(Algorithm):
     replicated_state = False  # the parameters agree; each worker's momentum (delta) is its own
 
     def __init__(self, model: torch.nn.Module, optimizer: DeMo, transport: Optional[Transport] = None,
-                 grad_clip: float = 0.0) -> None:
+                 grad_clip: float = 0.0, *, inner: Optional[Transport] = None) -> None:
         if not isinstance(optimizer, DeMo):
             raise TypeError("algo.name=demo needs a demo_optim.DeMo optimizer")
-        super().__init__(model, optimizer, transport or optimizer.transport, grad_clip)
+        super().__init__(model, optimizer, transport or optimizer.transport, grad_clip, inner=inner)
+
+    @classmethod
+    def make_optimizer(cls, cfg: Any, groups: list[dict[str, Any]], device: torch.device,
+                       transport: Optional[Transport]) -> DeMo:
+        """DeMo is the optimizer: it runs the exchange inside its step."""
+        a = cfg.algo
+        return DeMo(groups, lr=cfg.optim.lr, compression_decay=a.compression_decay,
+                    compression_topk=a.compression_topk, compression_chunk=a.compression_chunk,
+                    transport=transport, chunk_rule=a.chunk_rule, sign_values=a.sign_values, nonfinite=a.nonfinite)
+
+    @classmethod
+    def check_config(cls, cfg: Any, n_layers: int) -> None:
+        super().check_config(cfg, n_layers)
+        if cfg.compress.codec != "fp32":
+            raise ConfigConflict("compress.codec", "DeMo sends its own DCT top-k payload (tune algo.compression_topk "
+                                                   "/ algo.sign_values); leave compress.codec at fp32")
 
     def _update(self) -> None:
         self.optimizer.grads_checked = True  # the loop just checked the gradient norm

@@ -1,10 +1,13 @@
-"""loco's algorithm library: loop-agnostic algorithms over a transport."""
+"""loco's algorithm library: loop-agnostic algorithms over a transport.
 
-from diloco.algorithm import DDP, Algorithm
+``ALGORITHMS`` is the one registry of ``algo.name`` -> class: ddp, diloco and streaming register here;
+DeMo registers itself when ``demo_optim`` is imported (it builds on this package, not the reverse).
+"""
+
+from diloco.algorithm import ALGORITHMS, DDP, Algorithm, ConfigConflict, algorithm_class, register
 from diloco.outer import DiLoCo
 from diloco.streaming import StreamingDiLoCo
 from diloco.sync import SyncPolicy
 
-ALGORITHMS: dict[str, type[Algorithm]] = {"ddp": DDP, "diloco": DiLoCo, "streaming": StreamingDiLoCo}
-
-__all__ = ["ALGORITHMS", "DDP", "Algorithm", "DiLoCo", "StreamingDiLoCo", "SyncPolicy"]
+__all__ = ["ALGORITHMS", "DDP", "Algorithm", "ConfigConflict", "DiLoCo", "StreamingDiLoCo", "SyncPolicy",
+           "algorithm_class", "register"]

@@ -12,6 +12,20 @@ since the check follows the exchange), clipping of the global norm, the inner
 optimizer step, and the algorithm's own after-step work (a DiLoCo round), which
 runs for skipped steps too so that round schedules stay aligned. Clipping after
 the exchange makes DDP equal to one worker with the combined batch.
+
+Everything the application needs from an algorithm is declared here, on the
+base class, and nowhere else: the loop, ``loco simulate`` and ``loco join``
+use only this interface and never ask which algorithm runs.
+
+* ``from_config(cfg, model, optimizer, transport, tokens_per_step=, inner=)``
+  builds it from the application's config (one registry, :data:`ALGORITHMS`,
+  filled by :func:`register`; DeMo registers itself from ``demo_optim``);
+  ``make_optimizer`` names an inner optimizer of its own (DeMo) and
+  ``check_config`` states the algorithm's own constraints across keys;
+* ``to(device)`` moves everything it holds (model, inner and outer state);
+* ``round`` and ``tokens_agreed``: rounds done and tokens every worker agreed on;
+* ``global_parameters()``, ``shared_state()`` / ``load_shared_state()``: what
+  every worker shares, for a peer that joins or falls out of step.
 """
 
 from __future__ import annotations
@@ -24,18 +38,53 @@ import torch
 
 from diloco.comm.base import Transport
 from diloco.comm.local import LocalTransport
+from diloco.compress import collective
 
 if TYPE_CHECKING:
     from diloco.compress.codec import Codec
+
+ALGORITHMS: dict[str, type["Algorithm"]] = {}
+
+
+def register(cls: type["Algorithm"]) -> type["Algorithm"]:
+    """Class decorator: make ``cls`` available as ``algo.name: <cls.name>``."""
+    ALGORITHMS[cls.name] = cls
+    return cls
+
+
+def algorithm_class(name: str) -> type["Algorithm"]:
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {name!r}; known: {', '.join(sorted(ALGORITHMS))}") from None
+
+
+class ConfigConflict(ValueError):
+    """Settings an algorithm cannot run with; ``key`` names the config key to change."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key, self.message = key, message
+
+
+def _move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in opt.state.values():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.device != device and k != "step":
+                state[k] = v.to(device)
 
 
 class Algorithm:
     name = "base"
     round_based = False  # True: workers meet only at round ends (stop and checkpoint there)
     replicated_state = True  # True: every worker holds the same state (rank 0 alone checkpoints)
+    codec: Optional["Codec"] = None  # what its exchanges go through (None: exact dense all-reduce)
+    round = 0  # exchanges every worker took part in (round-based algorithms)
+    global_tokens = 0.0  # tokens trained by all workers, as agreed through the exchanges
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 transport: Optional[Transport] = None, grad_clip: float = 0.0) -> None:
+                 transport: Optional[Transport] = None, grad_clip: float = 0.0, *,
+                 inner: Optional[Transport] = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.transport = transport or LocalTransport()
@@ -43,7 +92,59 @@ class Algorithm:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.steps = 0
         self.skipped_steps = 0
-        self.inner: Optional[Transport] = None  # the processes of one worker (a node), averaged every step
+        self.inner = inner  # the processes of one worker (a node), averaged every step
+
+    # ---- built from config ------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,
+                    *, tokens_per_step: int = 1, inner: Optional[Transport] = None) -> "Algorithm":
+        """Built from the application's config (``cfg.algo``, ``cfg.optim``, ``cfg.sync``, ``cfg.compress``)."""
+        return cls(model, optimizer, transport, cfg.optim.grad_clip, inner=inner)
+
+    @classmethod
+    def make_optimizer(cls, cfg: Any, groups: list[dict[str, Any]], device: torch.device,
+                       transport: Optional[Transport]) -> Optional[torch.optim.Optimizer]:
+        """The inner optimizer this algorithm must run with, or None for the configured one (``optim.name``)."""
+        return None
+
+    @classmethod
+    def check_config(cls, cfg: Any, n_layers: int) -> None:
+        """Raise :class:`ConfigConflict` for settings this algorithm cannot run with (types and ranges are the
+        config's own checks)."""
+        if cfg.sync.mode == "time" and not cls.round_based:
+            raise ConfigConflict("sync.mode", "time-budgeted rounds need a round-based algorithm (algo.name=diloco)")
+
+    @staticmethod
+    def _codec(cfg: Any) -> "Codec":
+        from diloco.compress import make_codec
+
+        return make_codec(cfg.compress.codec)
+
+    # ---- what the application reads and moves ----------------------------------------------
+    @property
+    def tokens_agreed(self) -> float:
+        """Tokens trained by all workers, as agreed at the last exchange (time-budgeted rounds stop on it)."""
+        return self.global_tokens
+
+    def to(self, device: torch.device) -> "Algorithm":
+        """Move the model and every state this algorithm keeps to ``device`` (the simulator parks idle workers)."""
+        self.model.to(device)
+        _move_optimizer_state(self.optimizer, device)
+        return self
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        """The parameters every worker shares (the model; DiLoCo: the global copy)."""
+        return self.params
+
+    def shared_state(self) -> dict[str, Any]:
+        """What every worker holds alike, for a peer that joins the run (see :meth:`load_shared_state`)."""
+        return {"params": [p.detach().clone() for p in self.params], "round": self.round,
+                "global_tokens": self.global_tokens}
+
+    def load_shared_state(self, state: dict[str, Any]) -> None:
+        """Take another worker's :meth:`shared_state`; a shape that does not fit raises ValueError."""
+        _copy_checked(self.params, state["params"])
+        self.round, self.global_tokens = int(state["round"]), float(state["global_tokens"])
 
     def _sync_inner(self) -> None:
         """A worker made of several processes (a node of a torchrun mesh): average their gradients first."""
@@ -116,6 +217,7 @@ class Algorithm:
         return {}
 
 
+@register
 class DDP(Algorithm):
     """Average gradients over all workers every step: the baseline that low-communication methods beat.
 
@@ -126,11 +228,17 @@ class DDP(Algorithm):
     name = "ddp"
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 transport: Optional[Transport] = None, grad_clip: float = 0.0, codec: Optional["Codec"] = None) -> None:
-        super().__init__(model, optimizer, transport, grad_clip)
+                 transport: Optional[Transport] = None, grad_clip: float = 0.0, codec: Optional["Codec"] = None, *,
+                 inner: Optional[Transport] = None) -> None:
+        super().__init__(model, optimizer, transport, grad_clip, inner=inner)
         self.codec = None if codec is None or codec.is_identity else codec
         if self.codec is not None and self.codec.error_feedback:
             self.replicated_state = False
+
+    @classmethod
+    def from_config(cls, cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,
+                    *, tokens_per_step: int = 1, inner: Optional[Transport] = None) -> "DDP":
+        return cls(model, optimizer, transport, cfg.optim.grad_clip, codec=cls._codec(cfg), inner=inner)
 
     def _exchange_gradients(self) -> None:
         if self.transport.world_size == 1 and self.codec is None:
@@ -142,11 +250,11 @@ class DDP(Algorithm):
         if self.codec is None:
             self.transport.all_reduce_(grads, op="mean")
         elif all(bool(torch.isfinite(g).all()) for g in grads):
-            self.transport.all_reduce_compressed_(grads, self.codec, 1.0, key="grads")
+            collective.all_reduce_compressed_(self.transport, grads, self.codec, 1.0, key="grads")
         else:  # a worker with non-finite gradients adds nothing; the step is skipped only if nobody sent any
             for g in grads:
                 g.zero_()
-            if self.transport.all_reduce_compressed_(grads, self.codec, 0.0, key="grads") == 0:
+            if collective.all_reduce_compressed_(self.transport, grads, self.codec, 0.0, key="grads") == 0:
                 grads[0].fill_(float("nan"))
 
     def state_dict(self) -> dict[str, Any]:
@@ -161,3 +269,15 @@ class DDP(Algorithm):
             self.codec.load_state_dict(state["codec"])
 
 
+
+
+def _copy_checked(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Copy ``src`` into ``dst`` (same count and shapes, else ValueError naming the first mismatch)."""
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} parameters, this model has {len(dst)}")
+    for d, s in zip(dst, src):
+        if d.shape != s.shape:
+            raise ValueError(f"a parameter of shape {tuple(s.shape)}, this model's is {tuple(d.shape)}")
+    with torch.no_grad():
+        for d, s in zip(dst, src):
+            d.copy_(s.to(d.device, d.dtype))

@@ -29,12 +29,14 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from diloco.algorithm import Algorithm
+from diloco.algorithm import Algorithm, _copy_checked, _move_optimizer_state, register
 from diloco.comm.base import Handle, Transport
-from diloco.compress.codec import Codec
+from diloco.compress import collective
+from diloco.compress.codec import Codec, make_codec
 from diloco.sync import SyncPolicy
 
 
+@register
 class DiLoCo(Algorithm):
     name = "diloco"
     round_based = True
@@ -44,11 +46,16 @@ class DiLoCo(Algorithm):
                  grad_clip: float = 0.0, *, inner_steps: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, offload_outer: bool = False, sync_mode: str = "steps",
                  time_budget_s: Optional[float] = None, tokens_per_step: int = 1,
-                 fragments: Optional[Sequence[Sequence[Any]]] = None, codec: Optional[Codec] = None) -> None:
-        super().__init__(model, optimizer, transport, grad_clip)
-        self.codec = None if codec is None or codec.is_identity else codec  # None: the exact dense all-reduce
+                 fragments: Optional[Sequence[Sequence[Any]]] = None, codec: Optional[Codec] = None,
+                 inner: Optional[Transport] = None) -> None:
+        super().__init__(model, optimizer, transport, grad_clip, inner=inner)
+        if self.transport.fixed_ranks:  # None: the exact dense all-reduce
+            self.codec = None if codec is None or codec.is_identity else codec
+        else:  # peers without fixed ranks average through the codec path: each update travels with its weight
+            self.codec = codec or make_codec("fp32")
         self.policy = SyncPolicy(sync_mode, inner_steps, time_budget_s)
         self.tokens_per_step = tokens_per_step
+        self.offload_outer = offload_outer
         self.outer_device = torch.device("cpu") if offload_outer else self.params[0].device
         with torch.no_grad():
             self.global_params = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
@@ -66,6 +73,19 @@ class DiLoCo(Algorithm):
         self.round_steps = 0  # inner steps since this worker's last full sync
         self.global_tokens = 0.0  # tokens trained by all workers, as agreed through the averages
         self.policy.start_round(self.transport.now())
+
+    @classmethod
+    def from_config(cls, cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,
+                    *, tokens_per_step: int = 1, inner: Optional[Transport] = None) -> "DiLoCo":
+        return cls(model, optimizer, transport, cfg.optim.grad_clip, tokens_per_step=tokens_per_step,
+                   codec=cls._codec(cfg), inner=inner, **cls._settings(cfg))
+
+    @staticmethod
+    def _settings(cfg: Any) -> dict[str, Any]:
+        a = cfg.algo
+        return dict(inner_steps=a.inner_steps, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
+                    nesterov=a.nesterov, offload_outer=a.offload_outer, sync_mode=cfg.sync.mode,
+                    time_budget_s=cfg.sync.time_budget_s)
 
     # ---- the round --------------------------------------------------------------------------
     def _after_step(self) -> dict[str, Any]:
@@ -109,8 +129,8 @@ class DiLoCo(Algorithm):
                     d.zero_()
         if self.codec is not None:
             total = torch.zeros(1, dtype=torch.float32)
-            return deltas, total, _Filled(self.transport.all_reduce_compressed_async_(
-                deltas, self.codec, weight, key=f"fragment{key}" if key is not None else "all"), total)
+            return deltas, total, _Filled(collective.all_reduce_compressed_async_(
+                self.transport, deltas, self.codec, weight, key=f"fragment{key}" if key is not None else "all"), total)
         with torch.no_grad():
             for d in deltas:
                 d.mul_(weight)
@@ -168,11 +188,44 @@ class DiLoCo(Algorithm):
                     p.copy_(s)
 
     # ---- state ------------------------------------------------------------------------------
+    def to(self, device: torch.device) -> "DiLoCo":
+        """The model and inner state; the global copy and outer state too unless ``offload_outer`` keeps them
+        on the CPU. Row pieces stay views of the moved global copy (the outer optimizers hold them)."""
+        super().to(device)
+        if not self.offload_outer:
+            with torch.no_grad():
+                for g in self.global_params:
+                    g.data = g.data.to(device)
+                for view, (i, rows) in zip(self.global_views, self.pieces):
+                    if rows is not None:
+                        view.data = _rows_of(self.global_params[i].data, rows)
+            for opt in self.outer_optimizers:
+                _move_optimizer_state(opt, device)
+            self.outer_device = torch.device(device)
+        return self
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        return self.global_params
+
+    def shared_state(self) -> dict[str, Any]:
+        return {"global_params": [g.detach().clone() for g in self.global_params],
+                "outer_optimizers": [o.state_dict() for o in self.outer_optimizers],
+                "round": self.round, "global_tokens": self.global_tokens}
+
+    def load_shared_state(self, state: dict[str, Any]) -> None:
+        """The global model, outer state, round and tokens of another worker; this worker starts a new round
+        from that global model."""
+        _copy_checked(self.global_params, state["global_params"])
+        _copy_checked(self.params, state["global_params"])
+        for opt, saved in zip(self.outer_optimizers, state["outer_optimizers"]):
+            opt.load_state_dict(saved)
+        self.round, self.global_tokens = int(state["round"]), float(state["global_tokens"])
+        self.round_steps = 0
+        self.policy.start_round(self.transport.now())
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state.update(fragments=self._layout(), global_params=[g.detach().clone() for g in self.global_params],
-                     outer_optimizers=[o.state_dict() for o in self.outer_optimizers],
-                     round=self.round, round_steps=self.round_steps, global_tokens=self.global_tokens)
+        state.update(fragments=self._layout(), round_steps=self.round_steps, **self.shared_state())
         if self.codec is not None:
             state["codec"] = self.codec.state_dict()
         return state

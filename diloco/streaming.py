@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from diloco.algorithm import ConfigConflict, register
 from diloco.comm.base import Handle, Transport
 from diloco.outer import DiLoCo
 
@@ -77,27 +78,52 @@ def layer_fragments(model: torch.nn.Module, num_fragments: int) -> list[list[Any
     return [sorted(f, key=lambda x: (x, 0, 0) if isinstance(x, int) else tuple(x)) for f in fragments]
 
 
+@register
 class StreamingDiLoCo(DiLoCo):
     name = "streaming"
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Optional[Transport] = None,
                  grad_clip: float = 0.0, *, fragments: int = 1, overlap_steps: int = 0, mix_alpha: float = 0.0,
                  overlap_merge: str = "mix", **kwargs: Any) -> None:
-        if kwargs.get("sync_mode", "steps") != "steps":
-            raise ValueError("Streaming DiLoCo runs with sync.mode=steps (its fragments follow a step schedule)")
-        inner_steps = kwargs.get("inner_steps", 100)
-        if overlap_steps >= inner_steps:
-            raise ValueError(f"algo.overlap_steps={overlap_steps} must be smaller than algo.inner_steps={inner_steps}")
-        if not 0.0 <= mix_alpha <= 1.0:
-            raise ValueError(f"algo.mix_alpha must be in [0, 1], got {mix_alpha}")
-        if overlap_merge not in MERGES:
-            raise ValueError(f"algo.overlap_merge must be one of {', '.join(MERGES)}, got {overlap_merge!r}")
+        self.check(fragments, overlap_steps, mix_alpha, overlap_merge, kwargs.get("inner_steps", 100),
+                   kwargs.get("sync_mode", "steps"))
         super().__init__(model, optimizer, transport, grad_clip, fragments=layer_fragments(model, fragments), **kwargs)
         self.overlap_steps, self.mix_alpha, self.overlap_merge = overlap_steps, mix_alpha, overlap_merge
         num = len(self.fragments)
         self.offsets = [p * self.policy.inner_steps // num for p in range(num)]
         self.fragment_steps = [0] * num  # inner steps since each fragment was last sent
         self.pending: list[dict[str, Any]] = []  # exchanges started, not yet applied
+
+    @staticmethod
+    def check(fragments: int, overlap_steps: int, mix_alpha: float, overlap_merge: str, inner_steps: int,
+              sync_mode: str, n_layers: Optional[int] = None) -> None:
+        """Streaming DiLoCo's constraints, stated once (the config check and the constructor both run it)."""
+        if n_layers is not None and fragments > n_layers:
+            raise ConfigConflict("algo.fragments", f"{fragments} fragments but the model has {n_layers} layers; "
+                                                   f"use at most {n_layers}")
+        if overlap_steps >= inner_steps:
+            raise ConfigConflict("algo.overlap_steps", f"{overlap_steps} must be smaller than "
+                                                       f"algo.inner_steps={inner_steps}")
+        if sync_mode != "steps":
+            raise ConfigConflict("sync.mode", "streaming follows a step schedule: use sync.mode=steps")
+        if not 0.0 <= mix_alpha <= 1.0:
+            raise ConfigConflict("algo.mix_alpha", f"must be in [0, 1], got {mix_alpha}")
+        if overlap_merge not in MERGES:
+            raise ConfigConflict("algo.overlap_merge", f"must be one of {', '.join(MERGES)}, got {overlap_merge!r}")
+
+    @classmethod
+    def check_config(cls, cfg: Any, n_layers: int) -> None:
+        super().check_config(cfg, n_layers)
+        a = cfg.algo
+        cls.check(a.fragments, a.overlap_steps, a.mix_alpha, a.overlap_merge, a.inner_steps, cfg.sync.mode, n_layers)
+
+    @classmethod
+    def from_config(cls, cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,
+                    *, tokens_per_step: int = 1, inner: Optional[Transport] = None) -> "StreamingDiLoCo":
+        a = cfg.algo
+        return cls(model, optimizer, transport, cfg.optim.grad_clip, tokens_per_step=tokens_per_step,
+                   codec=cls._codec(cfg), inner=inner, fragments=a.fragments, overlap_steps=a.overlap_steps,
+                   mix_alpha=a.mix_alpha, overlap_merge=a.overlap_merge, **cls._settings(cfg))
 
     def _due(self, step: int) -> list[int]:
         H = self.policy.inner_steps

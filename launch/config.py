@@ -442,9 +442,6 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
         parse_chain(cfg.compress.codec)
     except CodecSpecError as e:
         fail("compress.codec", str(e))
-    if cfg.algo.name == "demo" and cfg.compress.codec != "fp32":
-        fail("compress.codec", "DeMo sends its own DCT top-k payload (tune algo.compression_topk / "
-                               "algo.sign_values); leave compress.codec at fp32")
     d = cfg.data
     if d.source in ("text", "shards", "hf") and not d.path:
         raise ConfigError(f"{where('data.source')}: data.path: data.source is {d.source!r}, which needs data.path")
@@ -461,21 +458,16 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
     except ValueError as e:
         named = re.findall(r"model\.\w+", str(e))  # blame the first key in the message the user set
         fail(next((k for k in named if where(k) != "default"), named[0] if named else "model.size"), str(e))
-    a = cfg.algo
-    if a.name == "streaming":
-        if a.fragments > args.n_layers:
-            fail("algo.fragments", f"{a.fragments} fragments but the model has {args.n_layers} layers; "
-                                   f"use at most {args.n_layers}")
-        if a.overlap_steps >= a.inner_steps:
-            fail("algo.overlap_steps", f"{a.overlap_steps} must be smaller than algo.inner_steps={a.inner_steps}")
-        if cfg.sync.mode != "steps":
-            fail("sync.mode", "streaming follows a step schedule: use sync.mode=steps")
-    if cfg.sync.mode == "time":
-        if a.name == "ddp":
-            fail("sync.mode", "time-budgeted rounds need a round-based algorithm (algo.name=diloco)")
-        if not cfg.sync.time_budget_s:
-            raise ConfigError(f"{where('sync.mode')}: sync.time_budget_s: sync.mode=time needs a round length, "
-                              f"e.g. sync.time_budget_s=30s")
+    from diloco import ConfigConflict
+    from launch.algorithms import algorithm_class
+
+    try:  # each algorithm states its own constraints across keys
+        algorithm_class(cfg.algo.name).check_config(cfg, args.n_layers)
+    except ConfigConflict as e:
+        fail(e.key, e.message)
+    if cfg.sync.mode == "time" and not cfg.sync.time_budget_s:
+        raise ConfigError(f"{where('sync.mode')}: sync.time_budget_s: sync.mode=time needs a round length, "
+                          f"e.g. sync.time_budget_s=30s")
     from diloco.sim import parse_bandwidth, resolve_speeds
 
     sim = cfg.sim

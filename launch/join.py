@@ -2,7 +2,7 @@
 
 A peer is an ordinary training run (its own run folder, checkpoints and
 metrics) whose DiLoCo rounds average with whichever peers reach the same round
-(``diloco.comm.hivemind``). This module adds what a swarm needs around the
+(the ``hivemind`` transport of ``diloco.comm``). This module adds what a swarm needs around the
 loop:
 
 * the state every peer shares (global parameters, outer optimizer, round),
@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from diloco.comm import check_run_name, fingerprint, make_transport, merge_ledgers, read_swarm
 from launch.config import Config
 from launch.data import Batcher, load_data
 from launch.metrics import human_bytes
@@ -91,8 +92,6 @@ class Peer:
     """A Trainer whose rounds run over a :class:`HivemindTransport`."""
 
     def __init__(self, cfg: Config, opts: JoinOptions) -> None:
-        from diloco.comm.hivemind import HivemindTransport, check_run_name
-
         if cfg.algo.name != "diloco":
             raise RunError(f"loco join runs algo.name=diloco (this config has {cfg.algo.name!r}); DeMo and "
                            f"Streaming DiLoCo over internet peers are not supported by 'loco join' yet")
@@ -108,8 +107,8 @@ class Peer:
         identity.parent.mkdir(parents=True, exist_ok=True)
         self.data = load_data(cfg.data)  # before the DHT forks: a data error needs no swarm
         self.schema = schema_of(cfg)
-        self.transport = HivemindTransport(
-            opts.run, initial_peers=list(opts.peers), host_maddrs=host_maddrs(opts.host, opts.port),
+        self.transport = make_transport(
+            "hivemind", run=opts.run, initial_peers=list(opts.peers), host_maddrs=host_maddrs(opts.host, opts.port),
             announce_maddrs=list(opts.announce), identity_path=str(identity), run_key=opts.run_key,
             use_relay=opts.use_relay, use_auto_relay=opts.auto_relay, nat_port_map=opts.upnp,
             matchmaking_time=opts.matchmaking_time, exchange_timeout=opts.round_timeout, norm_clip=opts.norm_clip,
@@ -138,10 +137,6 @@ class Peer:
         seed = int.from_bytes(hashlib.sha256(f"{self.cfg.run.seed}|{t.me}".encode()).digest()[:8], "little")
         tr.batcher = Batcher(self.data, self.cfg.data.seq_len, self.cfg.run.batch_size, 0, 1, seed, self.cfg.run.grad_accum)
         tr.on_round = self._on_round
-        if tr.algo.codec is None:  # fp32 through the codec path too: each update travels with its token weight
-            from diloco.compress.codec import make_codec
-
-            tr.algo.codec = make_codec("fp32")
         t.fingerprint_fn = self.fingerprint
         m = tr.metrics
         # the line to paste elsewhere: an announced or public address before loopback and relay ones
@@ -164,21 +159,14 @@ class Peer:
 
     # ---- the shared state -------------------------------------------------------------------
     def fingerprint(self) -> bytes:
-        from diloco.comm.hivemind import fingerprint
-
-        return fingerprint(self.trainer.algo.global_params)
+        return fingerprint(self.trainer.algo.global_parameters())
 
     def state_blob(self) -> bytes:
-        algo = self.trainer.algo
         buf = io.BytesIO()
-        torch.save({"schema": self.schema, "epoch": self.transport.epoch, "round": algo.round,
-                    "global_tokens": algo.global_tokens,
-                    "global_params": [g.detach().cpu() for g in algo.global_params],
-                    "outer_optimizers": [o.state_dict() for o in algo.outer_optimizers]}, buf)
+        torch.save({"schema": self.schema, "epoch": self.transport.epoch, **self.trainer.algo.shared_state()}, buf)
         return buf.getvalue()
 
     def load_state(self, blob: bytes, source: str = "a peer") -> None:
-        algo = self.trainer.algo
         try:
             state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         except Exception as e:
@@ -186,18 +174,10 @@ class Peer:
         if state.get("schema") != self.schema:
             raise RunError(f"{source} trains another model or algorithm than this config ({state.get('schema')} "
                            f"vs {self.schema}): join with the run's --config")
-        with torch.no_grad():
-            for g, p, saved in zip(algo.global_params, algo.params, state["global_params"]):
-                if g.shape != saved.shape:
-                    raise RunError(f"the state from {source} has a parameter of shape {tuple(saved.shape)}, "
-                                   f"this model {tuple(g.shape)}")
-                g.copy_(saved)
-                p.copy_(saved.to(p.device, p.dtype))
-        for opt, saved in zip(algo.outer_optimizers, state["outer_optimizers"]):
-            opt.load_state_dict(saved)
-        algo.round, algo.global_tokens = int(state["round"]), float(state["global_tokens"])
-        algo.round_steps = 0
-        algo.policy.start_round(self.transport.now())
+        try:
+            self.trainer.algo.load_shared_state(state)
+        except (ValueError, KeyError) as e:
+            raise RunError(f"the state from {source} does not fit this model: {e}") from None
         self.transport.epoch = int(state["epoch"])
         self.transport.stale = False
 
@@ -271,12 +251,10 @@ def join(cfg: Config, opts: JoinOptions) -> dict[str, Any]:
 def status(peers: Sequence[str], run: str = DEFAULT_RUN, run_key: Optional[bytes] = None,
            timeout: float = 30.0) -> dict[str, Any]:
     """The run's peers (from their heartbeats) and the merged contribution ledger, read from the DHT."""
-    from diloco.comm.hivemind import HivemindTransport, merge_ledgers, read_swarm
-
     if not peers:
         raise RunError("loco status needs --peers MULTIADDR (any peer of the run)")
-    t = HivemindTransport(run, initial_peers=list(peers), run_key=run_key, client_mode=True, observer=True,
-                          startup_timeout=timeout)
+    t = make_transport("hivemind", run=run, initial_peers=list(peers), run_key=run_key, client_mode=True,
+                       observer=True, startup_timeout=timeout)
     try:
         swarm = read_swarm(t)
     finally:

@@ -31,24 +31,9 @@ def network_of(cfg: Config) -> NetworkModel:
     return NetworkModel(parse_bandwidth(sim.bandwidth) if sim.bandwidth else None, sim.latency)
 
 
-def _move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> None:
-    for state in opt.state.values():
-        for k, v in state.items():
-            if isinstance(v, torch.Tensor) and v.device != device and k != "step":
-                state[k] = v.to(device)
-
-
 def move_worker_state(trainer: Trainer, device: torch.device) -> None:
-    """Move a worker's model, optimizer state and (unless already offloaded) outer state to ``device``."""
-    trainer.model.to(device)
-    _move_optimizer_state(trainer.optimizer, device)
-    algo = trainer.algo
-    if getattr(algo, "global_params", None) is not None and not trainer.cfg.algo.offload_outer:
-        for g in algo.global_params:
-            g.data = g.data.to(device)
-        for opt in algo.outer_optimizers:
-            _move_optimizer_state(opt, device)
-        algo.outer_device = device
+    """Move a worker's model and every state its algorithm keeps to ``device`` (``algo.offload_outer`` stays put)."""
+    trainer.algo.to(device)
 
 
 def simulate_once(cfg: Config, data: Optional[TokenData] = None) -> dict[str, Any]:

@@ -32,9 +32,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from diloco import ALGORITHMS
+from diloco import Algorithm
 from diloco.comm import Transport, make_transport
-from diloco.compress import make_codec
+from launch.algorithms import algorithm_class
 from launch.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from launch.config import Config, dump_config
 from launch.data import Batcher, TokenData, load_data
@@ -68,19 +68,22 @@ def lr_factor(step: int, warmup: int, progress: float, schedule: str, min_ratio:
 
 
 def build_optimizer(model: nn.Module, ocfg, device: torch.device, acfg=None,
-                    transport: Optional[Transport] = None) -> torch.optim.Optimizer:
-    """AdamW (or SGD) with weight decay on matrices only; DeMo when ``acfg.name`` is demo."""
+                    transport: Optional[Transport] = None, cfg: Optional[Config] = None) -> torch.optim.Optimizer:
+    """AdamW (or SGD) with weight decay on matrices only, unless the algorithm brings its own (DeMo).
+
+    ``cfg`` (the whole config) lets the algorithm of ``cfg.algo.name`` choose; ``acfg`` alone is read the
+    same way, for callers that pass the algorithm's section only.
+    """
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": ocfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    if acfg is not None and acfg.name == "demo":
-        from demo_optim import DeMo
-
-        return DeMo(groups, lr=ocfg.lr, compression_decay=acfg.compression_decay,
-                    compression_topk=acfg.compression_topk, compression_chunk=acfg.compression_chunk,
-                    transport=transport, chunk_rule=acfg.chunk_rule, sign_values=acfg.sign_values,
-                    nonfinite=acfg.nonfinite)
+    if cfg is None and acfg is not None:
+        cfg = Config(optim=ocfg, algo=acfg)
+    if cfg is not None:
+        own = algorithm_class(cfg.algo.name).make_optimizer(cfg, groups, device, transport)
+        if own is not None:
+            return own
     if ocfg.name == "sgd":
         return torch.optim.SGD(groups, lr=ocfg.lr, momentum=ocfg.momentum)
     return torch.optim.AdamW(groups, lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps,
@@ -88,24 +91,10 @@ def build_optimizer(model: nn.Module, ocfg, device: torch.device, acfg=None,
 
 
 def build_algorithm(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,
-                    tokens_per_step: int):
-    """The configured algorithm around the inner optimizer."""
-    a = cfg.algo
-    if a.name == "demo":
-        from demo_optim import DeMoAlgorithm
-
-        return DeMoAlgorithm(model, optimizer, transport, cfg.optim.grad_clip)
-    cls = ALGORITHMS[a.name]
-    codec = make_codec(cfg.compress.codec)
-    if a.name == "ddp":
-        return cls(model, optimizer, transport, cfg.optim.grad_clip, codec=codec)
-    kwargs: dict[str, Any] = dict(inner_steps=a.inner_steps, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
-                                  nesterov=a.nesterov, offload_outer=a.offload_outer, sync_mode=cfg.sync.mode,
-                                  time_budget_s=cfg.sync.time_budget_s, tokens_per_step=tokens_per_step, codec=codec)
-    if a.name == "streaming":
-        kwargs.update(fragments=a.fragments, overlap_steps=a.overlap_steps, mix_alpha=a.mix_alpha,
-                      overlap_merge=a.overlap_merge)
-    return cls(model, optimizer, transport, cfg.optim.grad_clip, **kwargs)
+                    tokens_per_step: int, inner: Optional[Transport] = None) -> Algorithm:
+    """The configured algorithm around the inner optimizer (through the registry: the loop never asks which)."""
+    return algorithm_class(cfg.algo.name).from_config(cfg, model, optimizer, transport,
+                                                      tokens_per_step=tokens_per_step, inner=inner)
 
 
 def _clone(obj: Any) -> Any:
@@ -155,13 +144,12 @@ class Trainer:
         else:
             self.model_args = getattr(model, "args", None)
         self.model = model.to(self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device, cfg.algo, self.transport)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device, transport=self.transport, cfg=cfg)
         self.tokens_per_step = run.batch_size * procs * cfg.data.seq_len  # per worker
         if self.world > 1:  # every worker starts from rank 0's parameters (also the global copy of DiLoCo)
             with torch.no_grad():
                 self.transport.broadcast_tensors_([p.data for p in self.model.parameters()], 0)
-        self.algo = build_algorithm(cfg, self.model, self.optimizer, self.transport, self.tokens_per_step)
-        self.algo.inner = self.inner
+        self.algo = build_algorithm(cfg, self.model, self.optimizer, self.transport, self.tokens_per_step, self.inner)
         # rounds that end on a time budget: workers' step counts differ, so they meet only after syncs
         self.time_rounds = self.algo.round_based and cfg.sync.mode == "time"
         for group in self.optimizer.param_groups:
@@ -336,7 +324,7 @@ class Trainer:
         run = self.cfg.run
         if self.time_rounds:
             stop = synced and bool(run.max_steps) and \
-                self.algo.global_tokens >= run.max_steps * self.tokens_per_step * self.world
+                self.algo.tokens_agreed >= run.max_steps * self.tokens_per_step * self.world
         else:
             stop = bool(run.max_steps and self.step >= run.max_steps)
         if run.max_time is not None and not stop:
@@ -419,7 +407,7 @@ class Trainer:
                 **self.transport.metrics()}
 
     def _codec_summary(self) -> dict[str, Any]:
-        codec = getattr(self.algo, "codec", None)
+        codec = self.algo.codec
         if codec is None or not codec.stats.wire_bytes:
             return {}
         return {"codec_chain": codec.chain, "compression_ratio": codec.stats.ratio}
@@ -427,7 +415,7 @@ class Trainer:
     def tokens_seen(self) -> int:
         """Tokens trained by all workers (with time-budgeted rounds: as agreed at the last sync)."""
         if self.time_rounds:
-            return int(self.algo.global_tokens)
+            return int(self.algo.tokens_agreed)
         return self.step * self.tokens_per_step * self.world
 
     def _finish(self) -> dict[str, Any]:

@@ -1,17 +1,23 @@
-"""Transports: local (one worker), torch_dist (torchrun); hivemind and the simulator's in-process one follow."""
+"""Transports: local (one worker), torch_dist (torchrun, flat or one worker per node), hivemind (internet peers)
+and sim (the simulator's in-process workers); :func:`make_transport` builds any of them."""
+
+from typing import Any
 
 from diloco.comm.base import CommStats, Handle, Transport, TransportError
 from diloco.comm.local import LocalTransport
 
-__all__ = ["CommStats", "Handle", "LocalTransport", "Transport", "TransportError", "make_transport"]
+__all__ = ["CommStats", "Handle", "LocalTransport", "Transport", "TransportError", "check_run_name", "fingerprint",
+           "make_transport", "merge_ledgers", "read_swarm"]
 
 
 def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: float = 300.0, device=None,
-                   mesh: str = "auto") -> Transport:
+                   mesh: str = "auto", **options: Any) -> Transport:
     """``auto`` picks torch_dist under torchrun (WORLD_SIZE > 1) and local otherwise.
 
     ``mesh``: ``flat`` makes every process a worker; ``nodes`` makes every node one worker (its processes
     average gradients every step); ``auto`` is ``nodes`` when torchrun runs several nodes of several processes.
+    ``hivemind``: a swarm peer, ``HivemindTransport(**options)`` (``run=``, ``initial_peers=``, ...).
+    ``sim``: worker ``rank`` of an in-process group, ``make_transport("sim", group=group, rank=r)``.
     """
     from diloco.comm.torch_dist import launched_by_torchrun, torchrun_layout
 
@@ -26,4 +32,27 @@ def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: f
         if mesh == "nodes" or (mesh == "auto" and nodes > 1 and per_node > 1):
             return NodeMeshTransport(dist_backend, timeout, device, per_node)
         return TorchDistTransport(dist_backend, timeout, device)
+    if backend == "hivemind":
+        from diloco.comm.hivemind import HivemindTransport
+
+        return HivemindTransport(**options)
+    if backend == "sim":
+        if "group" not in options or "rank" not in options:
+            raise TypeError("make_transport('sim', group=<InProcessGroup>, rank=<int>): group and rank are required")
+        return options["group"].endpoints[options["rank"]]
     raise ValueError(f"transport.backend: unknown backend {backend!r}")
+
+
+_SWARM_HELPERS = ("check_run_name", "fingerprint", "merge_ledgers", "read_swarm")
+
+
+def __getattr__(name: str) -> Any:
+    """The swarm helpers the application needs (``from diloco.comm import read_swarm``), loaded on first use.
+
+    They live in :mod:`diloco.comm.hivemind`; importing that module does not import the hivemind library.
+    """
+    if name in _SWARM_HELPERS:
+        from diloco.comm import hivemind
+
+        return getattr(hivemind, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,41 +4,27 @@ Algorithm code talks only to this interface; ``torch.distributed`` and
 ``hivemind`` are imported by the concrete transports in this package alone.
 That is what lets the simulator run the very same algorithm objects.
 
+A transport moves tensors (dense all-reduce, broadcast) and bytes
+(``all_gather_bytes``, ``all_to_all_bytes``); it knows bytes, not codecs. The
+compressed all-reduce that every codec runs through is written once over the
+byte collectives, in ``diloco.compress.collective``.
+
 Byte counting lives here, in one place: every collective adds what this
-worker would put on and take off the wire. For a dense all-reduce that is the
-ring algorithm's ``2 (W - 1) / W`` times the buffer, each way; for byte
-collectives it is the exact payload lengths.
-
-The compressed all-reduce is written here once, on ``all_to_all_bytes`` and
-``all_gather_bytes``, so every codec runs on every transport:
-
-1. cut the flat buffer into one shard per worker (at multiples of the codec's
-   chunk/block size), encode shard j and send it to worker j (all-to-all);
-2. worker j decodes every worker's copy of its shard and accumulates the
-   weighted sum (``w_i x_i``, the weight travels exactly beside the payload),
-   divides by the total weight, re-encodes the mean;
-3. all-gather the encoded means; everyone decodes every shard.
-
-Each worker sends about ``2 (W - 1) / W`` of the compressed size. Both encodes
-keep their own error-feedback residual (the sender's per destination shard, the
-shard owner's for the mean), so what one round drops is sent in a later one,
-and every worker ends with the same bytes, hence the same result.
+worker would put on and take off the wire (``_count``). For a dense all-reduce
+that is the ring algorithm's ``2 (W - 1) / W`` times the buffer, each way; for
+byte collectives it is the exact payload lengths (a transport that knows
+better, like hivemind's partial deliveries, says so through ``_moved``).
 """
 
 from __future__ import annotations
 
-import struct
+import contextlib
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequence
 
 import torch
-
-if TYPE_CHECKING:
-    from diloco.compress.codec import Codec
-
-_WEIGHT = struct.Struct("<d")
 
 
 class TransportError(RuntimeError):
@@ -74,6 +60,11 @@ class Transport(ABC):
     rank: int = 0
     world_size: int = 1
     bucket_bytes: int = 32 << 20
+    #: False for peers without fixed ranks (hivemind): compressed exchanges gather every member's payload and
+    #: take a validated, norm-clipped mean (``norm_clip`` x the others' median norm; 0 turns clipping off)
+    fixed_ranks: bool = True
+    norm_clip: float = 0.0
+    clip_action: str = "clip"
 
     def __init__(self) -> None:
         self.stats = CommStats()
@@ -96,12 +87,12 @@ class Transport(ABC):
         """Rank ``src``'s picklable object on every worker (control plane, not counted)."""
 
     @abstractmethod
-    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
-        """Every worker's payload, indexed by rank."""
+    def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every worker's payload, indexed by rank (counted by :meth:`all_gather_bytes`)."""
 
     @abstractmethod
-    def all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
-        """Send ``payloads[j]`` to worker j; returns what each worker sent this one, indexed by rank."""
+    def _all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
+        """What each worker sent this one, indexed by rank (counted by :meth:`all_to_all_bytes`)."""
 
     @abstractmethod
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -115,8 +106,32 @@ class Transport(ABC):
     def barrier(self) -> None:
         self.broadcast_object(None)
 
-    def _before_exchange(self) -> None:
+    def before_exchange(self) -> None:
         """Called once at the start of every exchange (torch_dist: a monitored barrier on gloo)."""
+
+    def _start(self, fn: Callable[[], Any]) -> Handle:
+        """Run a collective that the caller will ``wait()`` for later (see :meth:`start`).
+
+        This base version completes before returning. The simulator overlaps the communication time
+        with the compute that follows, as Streaming DiLoCo's overlap needs; torch_dist on gloo runs
+        it in a background thread.
+        """
+        return Handle(fn())
+
+    def on_my_share(self, flat: torch.Tensor, align: int, key: Hashable,
+                    reduce: Callable[[torch.Tensor, Hashable], Any]) -> Any:
+        """Run ``reduce(part, key)`` on the part of ``flat`` this process exchanges with the other workers,
+        in place, and return its result. A worker of one process exchanges all of it; a node of a torchrun
+        mesh cuts it into one share per process (at multiples of ``align``) and shares the results inside."""
+        return reduce(flat, key)
+
+    def member_names(self) -> list[str]:
+        """Who sent the payloads of the latest ``all_gather_bytes``, in its order (peers: their ids)."""
+        return [str(r) for r in range(self.world_size)]
+
+    def record_contributions(self, accepted: dict[str, float], rejected: dict[str, str],
+                             clipped: dict[str, float]) -> None:
+        """What a robust mean made of each member's update (hivemind keeps a ledger of it)."""
 
     # ---- time: real here, virtual in the simulator ------------------------------------------
     def now(self) -> float:
@@ -137,14 +152,48 @@ class Transport(ABC):
     def close(self) -> None:
         pass
 
-    # ---- written once on top ----------------------------------------------------------------
+    # ---- byte counting: here and nowhere else -----------------------------------------------
+    def _count(self, sent: int, received: int, collectives: int = 1) -> None:
+        self.stats.bytes_sent += sent
+        self.stats.bytes_received += received
+        self.stats.collectives += collectives
+
     def count_all_reduce(self, nbytes: int) -> None:
         w = self.world_size
-        if w > 1:
-            wire = 2 * (w - 1) * nbytes // w
-            self.stats.bytes_sent += wire
-            self.stats.bytes_received += wire
-        self.stats.collectives += 1
+        wire = 2 * (w - 1) * nbytes // w if w > 1 else 0
+        self._count(wire, wire)
+
+    def _moved(self, kind: str, sent: Sequence[bytes], received: Sequence[bytes]) -> tuple[int, int]:
+        """(bytes put on, bytes taken off the wire) by a byte collective: every payload but this worker's own."""
+        me = self.rank
+        if kind == "all_gather":
+            mine = len(sent[0])
+            return mine * (len(received) - 1), sum(len(p) for p in received) - mine
+        return (sum(len(p) for j, p in enumerate(sent) if j != me),
+                sum(len(p) for i, p in enumerate(received) if i != me))
+
+    @contextlib.contextmanager
+    def exchange_scope(self) -> Iterator[None]:
+        """One exchange: starts with :meth:`before_exchange` and records its bytes as a peak candidate."""
+        self.before_exchange()
+        before = self.stats.bytes_sent
+        yield
+        self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes_sent - before)
+
+    # ---- written once on top ----------------------------------------------------------------
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every worker's payload, indexed by rank."""
+        out = self._all_gather_bytes(payload)
+        self._count(*self._moved("all_gather", [payload], out))
+        return out
+
+    def all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
+        """Send ``payloads[j]`` to worker j; returns what each worker sent this one, indexed by rank."""
+        if len(payloads) != self.world_size:
+            raise ValueError(f"all_to_all_bytes needs {self.world_size} payloads, got {len(payloads)}")
+        out = self._all_to_all_bytes(payloads)
+        self._count(*self._moved("all_to_all", payloads, out))
+        return out
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
         """Sum or average a list of tensors over the workers, in place, in flat buckets."""
@@ -152,96 +201,43 @@ class Transport(ABC):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         if self.world_size == 1 or not tensors:
             return
-        self._before_exchange()
-        before = self.stats.bytes_sent
-        for bucket in _buckets(tensors, self.bucket_bytes):
-            flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
-            self._all_reduce_sum_(flat)
-            self.count_all_reduce(flat.numel() * flat.element_size())
-            if op == "mean":
-                flat.div_(self.world_size)
-            _unflatten_into(bucket, flat)
-        self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes_sent - before)
+        with self.exchange_scope():
+            for bucket in buckets(tensors, self.bucket_bytes):
+                flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
+                self._all_reduce_sum_(flat)
+                self.count_all_reduce(flat.numel() * flat.element_size())
+                if op == "mean":
+                    flat.div_(self.world_size)
+                unflatten_into(bucket, flat)
+
+    def start(self, fn: Callable[[], Any]) -> Handle:
+        """Start the collectives ``fn`` runs; the handle's ``wait()`` returns ``fn``'s result once it may be used."""
+        return self._start(fn)
 
     def all_reduce_async_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> Handle:
         """Start ``all_reduce_``; the tensors hold the result once the handle's ``wait()`` returns."""
-        return self._start(lambda: self.all_reduce_(tensors, op))
-
-    def _start(self, fn: Callable[[], Any]) -> Handle:
-        """Run a collective that the caller will ``wait()`` for later.
-
-        This base version completes before returning. The simulator overlaps the communication time
-        with the compute that follows, as Streaming DiLoCo's overlap needs.
-        """
-        return Handle(fn())
-
-    def all_reduce_compressed_(self, tensors: Sequence[torch.Tensor], codec: "Codec", weight: float = 1.0,
-                               key: Hashable = "") -> float:
-        """Weighted mean over the workers through ``codec``, in place: ``x <- sum_i w_i x_i / sum_i w_i``.
-
-        Returns the total weight (0: every worker sent weight 0, the tensors are then zero). ``key``
-        names this list of tensors for the codec's error feedback (use one key per list that is
-        reduced repeatedly). With one worker the codec still runs, so compression acts alike at any scale.
-        """
-        if not (weight >= 0 and weight < float("inf")):
-            raise ValueError(f"the weight of a compressed all-reduce must be finite and >= 0, got {weight}")
-        if not tensors:
-            return 0.0
-        self._before_exchange()
-        before = self.stats.bytes_sent
-        totals = []
-        for b, bucket in enumerate(_buckets(tensors, self.bucket_bytes)):
-            flat = torch.cat([t.detach().reshape(-1).float() for t in bucket])
-            totals.append(self._reduce_bucket(flat, codec, float(weight), (key, b)))
-            _unflatten_into(bucket, flat)
-        self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes_sent - before)
-        return max(totals)
-
-    def all_reduce_compressed_async_(self, tensors: Sequence[torch.Tensor], codec: "Codec", weight: float = 1.0,
-                                     key: Hashable = "") -> Handle:
-        """Start ``all_reduce_compressed_``; ``wait()`` returns the total weight."""
-        return self._start(lambda: self.all_reduce_compressed_(tensors, codec, weight, key))
-
-    def _reduce_bucket(self, flat: torch.Tensor, codec: "Codec", weight: float, key: Hashable) -> float:
-        from diloco.compress.wire import CorruptPayload
-
-        w = self.world_size
-        bounds = shard_bounds(flat.numel(), w, codec.align)
-        sends = [_WEIGHT.pack(weight) + codec.encode(flat[a:b], key=(key, "shard", j)) for j, (a, b) in enumerate(bounds)]
-        received = self.all_to_all_bytes(sends)
-        a, b = bounds[self.rank]
-        acc = torch.zeros(b - a, dtype=torch.float32, device=flat.device)
-        total = 0.0
-        for src, msg in enumerate(received):
-            try:
-                wi = _read_weight(msg)
-                codec.decode_accumulate_(memoryview(msg)[_WEIGHT.size:], acc, wi)
-            except CorruptPayload as e:
-                raise TransportError(f"rank {self.rank}: worker {src} sent a corrupt payload for shard "
-                                     f"{self.rank}: {e}") from None
-            total += wi
-        if total > 0:
-            acc.div_(total)
-        else:
-            acc.zero_()
-        gathered = self.all_gather_bytes(_WEIGHT.pack(total) + codec.encode(acc, key=(key, "mean")))
-        totals = []
-        for src, msg in enumerate(gathered):
-            a, b = bounds[src]
-            out = flat[a:b]
-            out.zero_()
-            try:
-                totals.append(_read_weight(msg))
-                codec.decode_accumulate_(memoryview(msg)[_WEIGHT.size:], out, 1.0)
-            except CorruptPayload as e:
-                raise TransportError(f"rank {self.rank}: worker {src} sent a corrupt mean of shard {src}: {e}") from None
-        return max(totals)
+        return self.start(lambda: self.all_reduce_(tensors, op))
 
     def broadcast_tensors_(self, tensors: Iterable[torch.Tensor], src: int = 0) -> None:
         if self.world_size == 1:
             return
         for t in tensors:
             self.broadcast_(t, src)
+
+    # ---- aliases kept for callers of earlier versions: the code is diloco.compress.collective ----
+    def all_reduce_compressed_(self, tensors: Sequence[torch.Tensor], codec: Any, weight: float = 1.0,
+                               key: Hashable = "") -> float:
+        """``diloco.compress.collective.all_reduce_compressed_(self, ...)``."""
+        from diloco.compress import collective
+
+        return collective.all_reduce_compressed_(self, tensors, codec, weight, key)
+
+    def all_reduce_compressed_async_(self, tensors: Sequence[torch.Tensor], codec: Any, weight: float = 1.0,
+                                     key: Hashable = "") -> Handle:
+        """``diloco.compress.collective.all_reduce_compressed_async_(self, ...)``."""
+        from diloco.compress import collective
+
+        return collective.all_reduce_compressed_async_(self, tensors, codec, weight, key)
 
 
 def die_with_parent() -> None:
@@ -256,17 +252,6 @@ def die_with_parent() -> None:
         pass
 
 
-def _read_weight(msg: bytes) -> float:
-    from diloco.compress.wire import CorruptPayload
-
-    if len(msg) < _WEIGHT.size:
-        raise CorruptPayload(f"message of {len(msg)} bytes has no weight")
-    (w,) = _WEIGHT.unpack_from(msg, 0)
-    if not (w >= 0 and w < float("inf")):
-        raise CorruptPayload(f"weight {w} is not finite and >= 0")
-    return w
-
-
 def shard_bounds(n: int, world: int, align: int = 1) -> list[tuple[int, int]]:
     """``world`` contiguous shards covering ``range(n)``, cut at multiples of ``align`` (the last ones may be empty)."""
     units = -(-n // align)
@@ -274,7 +259,7 @@ def shard_bounds(n: int, world: int, align: int = 1) -> list[tuple[int, int]]:
     return [(min(j * per, n), min((j + 1) * per, n)) for j in range(world)]
 
 
-def _unflatten_into(bucket: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+def unflatten_into(bucket: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     """Copy consecutive pieces of ``flat`` back into the tensors it was concatenated from."""
     offset = 0
     for t in bucket:
@@ -282,7 +267,7 @@ def _unflatten_into(bucket: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
         offset += t.numel()
 
 
-def _buckets(tensors: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+def buckets(tensors: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
     """Group tensors of one dtype and device into buckets of at most ``limit`` bytes (or one tensor)."""
     out: list[list[torch.Tensor]] = []
     size = 0

@@ -22,10 +22,10 @@ class LocalTransport(Transport):
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj
 
-    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+    def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
         return [payload]
 
-    def all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
+    def _all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
         return [payloads[0]]
 
     def all_gather_object(self, obj: Any) -> list[Any]:

@@ -150,7 +150,7 @@ class TorchDistTransport(Transport):
         finally:
             self.stats.seconds += time.perf_counter() - start
 
-    def _before_exchange(self) -> None:
+    def before_exchange(self) -> None:
         """gloo: a monitored barrier, so rank 0 names a worker that does not arrive within the timeout."""
         if self.backend == "gloo" and self.world_size > 1:
             self._run("waiting for every worker (monitored barrier)", dist.monitored_barrier, group=self._g(),
@@ -178,23 +178,18 @@ class TorchDistTransport(Transport):
         self._run("gather_object", dist.gather_object, obj, out, dst=self._src(dst), group=self._g())
         return out
 
-    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+    def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
         size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
         sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
         self._run("all_gather(sizes)", dist.all_gather, sizes, size, group=self._g())
-        longest = int(max(s.item() for s in sizes))
-        buf = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        lengths = [int(n) for n in torch.cat(sizes).tolist()]
+        buf = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
         buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else buf[:0]
         bufs = [torch.empty_like(buf) for _ in range(self.world_size)]
         self._run("all_gather(payload)", dist.all_gather, bufs, buf, group=self._g())
-        self.stats.bytes_sent += len(payload) * (self.world_size - 1)
-        self.stats.bytes_received += sum(int(s.item()) for s in sizes) - len(payload)
-        self.stats.collectives += 1
-        return [bytes(b[: int(s.item())].cpu().numpy()) for b, s in zip(bufs, sizes)]
+        return [bytes(b[:n].cpu().numpy()) for b, n in zip(bufs, lengths)]
 
-    def all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
-        if len(payloads) != self.world_size:
-            raise ValueError(f"all_to_all_bytes needs {self.world_size} payloads, got {len(payloads)}")
+    def _all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
         send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=self.device)
         recv_sizes = torch.empty_like(send_sizes)
         self._run("all_to_all(sizes)", dist.all_to_all_single, recv_sizes, send_sizes, group=self._g())
@@ -205,10 +200,6 @@ class TorchDistTransport(Transport):
         recv = torch.empty(sum(recv_n), dtype=torch.uint8, device=self.device)
         self._run("all_to_all(payload)", dist.all_to_all_single, recv, send,
                   output_split_sizes=recv_n, input_split_sizes=send_n, group=self._g())
-        me = self.rank
-        self.stats.bytes_sent += sum(send_n) - send_n[me]
-        self.stats.bytes_received += sum(recv_n) - recv_n[me]
-        self.stats.collectives += 1
         data = recv.cpu().numpy().tobytes()
         out, pos = [], 0
         for n in recv_n:
@@ -293,11 +284,10 @@ class NodeMeshTransport(TorchDistTransport):
     def count_all_reduce(self, nbytes: int) -> None:
         super().count_all_reduce(-(-nbytes // self.per_node))
 
-    def _reduce_bucket(self, flat: torch.Tensor, codec, weight: float, key: Hashable) -> float:
-        """My 1/G share of the bucket through the compressed exchange across nodes, then shared in the node."""
-        return self._on_my_share(flat, codec.align,
-                                 lambda share: super(NodeMeshTransport, self)._reduce_bucket(
-                                     share, codec, weight, (key, self.local_rank)))
+    def on_my_share(self, flat: torch.Tensor, align: int, key: Hashable,
+                    reduce: Callable[[torch.Tensor, Hashable], Any]) -> Any:
+        """My 1/G share of the buffer through the exchange across nodes, then shared inside the node."""
+        return self._on_my_share(flat, align, lambda share: reduce(share, (key, self.local_rank)))
 
     # ---- control plane over every process, from global rank 0 -----------------------------------
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -318,7 +308,7 @@ class NodeMeshTransport(TorchDistTransport):
     def barrier(self) -> None:
         self._run("barrier", dist.barrier, group=self._g("world"))
 
-    def _before_exchange(self) -> None:
+    def before_exchange(self) -> None:
         if self.backend == "gloo":
             self._run("waiting for every process (monitored barrier)", dist.monitored_barrier, group=self._g("world"),
                       timeout=datetime.timedelta(seconds=self.timeout), wait_all_ranks=True)
@@ -353,4 +343,4 @@ class _NodeInner(Transport):
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         raise NotImplementedError("the node transport only averages gradients")
 
-    all_gather_object = all_gather_bytes = all_to_all_bytes = broadcast_object
+    all_gather_object = _all_gather_bytes = _all_to_all_bytes = broadcast_object

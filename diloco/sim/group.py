@@ -167,21 +167,16 @@ class InProcessTransport(Transport):
     def all_gather_object(self, obj: Any) -> list[Any]:
         return self.group.rendezvous(self.rank, obj, list)[0]
 
-    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+    def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
         net, w = self.group.network, self.world_size
         result, done = self.group.rendezvous(
             self.rank, bytes(payload), list,
             lambda values: max(net.all_gather_s(sum(len(v) for v in values) - len(v), w) for v in values))
-        self.stats.bytes_sent += len(payload) * (w - 1)
-        self.stats.bytes_received += sum(len(v) for v in result) - len(payload)
-        self.stats.collectives += 1
         self._finish(done)
         return result
 
-    def all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
+    def _all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
         net, w, me = self.group.network, self.world_size, self.rank
-        if len(payloads) != w:
-            raise ValueError(f"all_to_all_bytes needs {w} payloads, got {len(payloads)}")
 
         def seconds(values: list[list[bytes]]) -> float:
             return max(net.all_to_all_s(sum(len(p) for j, p in enumerate(values[r]) if j != r),
@@ -189,9 +184,6 @@ class InProcessTransport(Transport):
 
         result, done = self.group.rendezvous(me, [bytes(p) for p in payloads], list, seconds)
         received = [result[i][me] for i in range(w)]
-        self.stats.bytes_sent += sum(len(p) for j, p in enumerate(payloads) if j != me)
-        self.stats.bytes_received += sum(len(p) for i, p in enumerate(received) if i != me)
-        self.stats.collectives += 1
         self._finish(done)
         return received
 

@@ -1,0 +1,257 @@
+"""One epoch of a swarm: matchmaking, every member's payload pushed to every other, a commit on who delivered."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from diloco.comm.hivemind.auth import mac
+from diloco.comm.hivemind.framing import FAIL, OK, _now, _read_framed, _write_framed, log
+from diloco.comm.hivemind.state import same_state
+
+
+def _servicer_class():
+    from hivemind.p2p import P2PContext, ServicerBase
+    from hivemind.proto import averaging_pb2
+
+    class RoundServicer(ServicerBase):
+        """Exposes hivemind's ``Matchmaking.rpc_join_group`` under the run's namespace."""
+
+        mm = None
+
+        async def rpc_join_group(self, request, context):
+            async for msg in self.mm.rpc_join_group(request, context):
+                yield msg
+
+    # hivemind reads the message types from the annotations (real objects: this module defers annotations)
+    RoundServicer.rpc_join_group.__annotations__ = {
+        "request": averaging_pb2.JoinRequest, "context": P2PContext,
+        "return": AsyncIterator[averaging_pb2.MessageFromLeader]}
+    return RoundServicer
+
+
+@dataclass
+class EpochResult:
+    """What one exchange agreed on: members in canonical order with their payloads and metadata."""
+
+    epoch: int
+    group: str
+    members: list  # PeerIDs that delivered and committed, sorted
+    payloads: dict  # PeerID -> bytes
+    meta: dict  # PeerID -> gathered metadata
+    alone: bool = False
+    seconds: float = 0.0
+    matchmaking_s: float = 0.0
+    notes: list = field(default_factory=list)
+    sent_bytes: int = 0  # payload bytes this peer delivered to other members
+    received_bytes: int = 0  # payload bytes it took from the members it kept
+
+
+class EpochMixin:
+    """The exchange of :class:`~diloco.comm.hivemind.HivemindTransport`: one call of :meth:`exchange` per epoch."""
+
+    def exchange(self, payload: bytes) -> EpochResult:
+        """Run one epoch: form a group, send ``payload`` to every member, agree on who delivered."""
+        fp = self.fingerprint_fn() if self.fingerprint_fn is not None else b""
+        try:
+            result = self._call(self._epoch(payload, fp), self.matchmaking_time * 4 + self.exchange_timeout * 3 + 60)
+        except Exception as e:  # a failed exchange is a round done alone, never the end of training
+            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            log.warning("peer %s | epoch %d: the exchange failed (%s); this round is done alone", self.me[-8:],
+                        self.epoch, why)
+            result = EpochResult(self.epoch, "", [self.peer_id], {self.peer_id: payload},
+                                 {self.peer_id: {"fp": fp, "stale": self.stale}}, alone=True,
+                                 notes=[f"the exchange failed ({why})"])
+        self._after_epoch(result, fp)
+        return result
+
+    async def _epoch(self, payload: bytes, fp: bytes) -> EpochResult:
+        from hivemind.averaging.control import StepControl
+        from hivemind.utils import MPFuture
+        from hivemind.utils.serializer import MSGPackSerializer
+
+        start = time.perf_counter()
+        notes = []
+        live = await self._registry()
+        live = {pid: v for pid, v in live.items() if pid == self.me or not self._suspected(pid, v)}
+        ahead = max((int(v.get("epoch", -1)) for pid, v in live.items() if pid != self.me), default=-1)
+        if ahead > self.epoch:
+            # the others finished this epoch already: join theirs with this (older) update, then take their state
+            notes.append(f"this peer is behind (epoch {self.epoch}, peers at {ahead}): it joins epoch {ahead} and "
+                         f"then downloads the majority's state")
+            self.epoch, self.stale = ahead, True
+        e = self.epoch
+        mine = {"e": e, "fp": fp, "stale": self.stale, "n": len(payload), "sha": hashlib.sha256(payload).digest(),
+                "tok": mac(self.key, b"join", self.peer_id.to_bytes(), str(e).encode())}
+        await self._heartbeat()
+        expected = sum(1 for pid, v in live.items()
+                       if pid == self.me or v.get("epoch", -1) >= e - 1)
+        group = None
+        if expected > 1:
+            self.mm.group_key_manager.prefix = f"{self.run}_e{e}"  # one DHT key per epoch: epochs never mix
+            self.mm.target_group_size = expected  # assemble at once when every live peer has come
+            step = StepControl(scheduled_time=_now() + self.matchmaking_time,
+                               deadline=_now() + self.matchmaking_time + 2, allow_retries=False, weight=1.0,
+                               data_for_gather=MSGPackSerializer.dumps(mine))
+            step.attach(MPFuture(), MPFuture())
+            step.allow_allreduce()
+            try:
+                group = await self.mm.look_for_group(step)
+            finally:
+                if not step.done():
+                    step.set_result(None)
+        mm_s = time.perf_counter() - start
+        if group is None:
+            return EpochResult(e, "", [self.peer_id], {self.peer_id: payload}, {self.peer_id: mine}, alone=True,
+                               seconds=time.perf_counter() - start, matchmaking_s=mm_s,
+                               notes=notes + [f"no other peer reached epoch {e} within {self.matchmaking_time:g}s"
+                                              if expected > 1 else "no other live peer in the run"])
+        members, meta = [], {}
+        for pid, blob in zip(group.peer_ids, group.gathered):
+            try:
+                m = MSGPackSerializer.loads(blob)
+                good = m["e"] == e and hmac.compare_digest(
+                    m["tok"], mac(self.key, b"join", pid.to_bytes(), str(e).encode()))
+            except Exception:
+                good = False
+            if good:
+                members.append(pid)
+                meta[pid] = m
+            else:
+                notes.append(f"peer {pid.to_base58()[-8:]} has no valid run-key token: left out")
+        members.sort()
+        gid = group.group_id
+        others = [p for p in members if p != self.peer_id]
+        deadline = time.perf_counter() + self.exchange_timeout
+        sent = await asyncio.gather(*[self._push(p, gid, "ag", payload) for p in others])
+        unreachable = {p for p, ok in zip(others, sent) if not ok}
+        got = await self._collect(gid, "ag", {p for p in others if p not in unreachable}, deadline, e)
+        received = {self.peer_id: payload}
+        for p, data in got.items():
+            if hashlib.sha256(data).digest() == meta[p]["sha"]:
+                received[p] = data
+            else:
+                notes.append(f"peer {p.to_base58()[-8:]}: payload does not match its announced hash: left out")
+        # commit: tell every member whom we hold a payload from; keep those every answering member holds
+        body = MSGPackSerializer.dumps(sorted(p.to_bytes() for p in received))
+        await asyncio.gather(*[self._push(p, gid, "ack", body) for p in others])
+        acks = await self._collect(gid, "ack", set(others), time.perf_counter() + min(10.0, self.exchange_timeout), e)
+        final = set(received) & ({self.peer_id} | set(acks))
+        for p, blob in acks.items():
+            try:
+                final &= {type(self.peer_id)(b) for b in MSGPackSerializer.loads(blob)}
+            except Exception:
+                final.discard(p)
+        for p in others:
+            if p in final:
+                self.suspects.pop(p.to_base58(), None)
+            else:
+                self.suspects[p.to_base58()] = _now()
+                notes.append(f"peer {p.to_base58()[-8:]} did not complete epoch {e}: left out")
+        for k in [k for k in self._inbox if k[0] == gid or time.time() - self._inbox_time[k] > 600]:
+            self._inbox.pop(k, None)
+            self._inbox_time.pop(k, None)
+        ordered = sorted(final)
+        return EpochResult(e, gid.hex()[:12], ordered, {p: received[p] for p in ordered}, {p: meta[p] for p in ordered},
+                           alone=len(ordered) == 1, seconds=time.perf_counter() - start, matchmaking_s=mm_s,
+                           notes=notes, sent_bytes=len(payload) * sum(1 for ok in sent if ok),
+                           received_bytes=sum(len(d) for p, d in received.items() if p != self.peer_id))
+
+    def _after_epoch(self, result: EpochResult, fp: bytes) -> None:
+        """A member whose state differs from the majority's resyncs from the majority after this epoch.
+
+        States compare by their sketches (:func:`same_state`): peers on different hardware may round the
+        same average differently in the last bit, which is no reason to download the model again.
+        """
+        # the state to keep: the one most members in step (not behind) share; ties to the smaller peer id
+        fresh = [p for p in result.members if not result.meta[p].get("stale")] or result.members
+        sketches = {p: result.meta[p].get("fp", b"") for p in fresh}
+        support = {p: [q for q in fresh if same_state(sketches[p], sketches[q])] for p in fresh}
+        best = min(fresh, key=lambda p: (-len(support[p]), p))
+        self.resync_from = [] if same_state(fp, sketches[best]) else support[best]
+        self.last = result
+        self.epoch += 1
+        for note in result.notes:
+            log.info("peer %s | epoch %d: %s", self.me[-8:], result.epoch, note)
+
+    async def _push(self, peer, gid: bytes, kind: str, data: bytes) -> bool:
+        header = {"g": gid, "k": kind, "e": self.epoch, "n": len(data), "m": mac(
+            self.key, gid, kind.encode(), str(self.epoch).encode(), self.peer_id.to_bytes(), peer.to_bytes(),
+            hashlib.sha256(data).digest())}
+        for attempt in range(2):
+            writer = None
+            try:
+                _, reader, writer = await asyncio.wait_for(
+                    self.p2p.call_binary_stream_handler(peer, f"{self.run}.push"), 10)
+                await _write_framed(writer, header, data)
+                return await asyncio.wait_for(reader.readexactly(1), self.exchange_timeout) == OK
+            except Exception as e:
+                connected = {info.peer_id for info in await self.p2p.list_peers()}
+                if attempt == 1 or peer not in connected:
+                    log.info("peer %s: sending %s to %s failed: %s: %s", self.me[-8:], kind, peer.to_base58()[-8:],
+                             type(e).__name__, e)
+                    return False
+            finally:
+                if writer is not None:
+                    writer.close()
+        return False
+
+    async def _on_push(self, info, reader, writer) -> None:
+        sender = info.peer_id
+        try:
+            header, data = await _read_framed(reader, self.max_payload_bytes, self.exchange_timeout)
+            want = mac(self.key, header["g"], header["k"].encode(), str(header["e"]).encode(), sender.to_bytes(),
+                       self.peer_id.to_bytes(), hashlib.sha256(data).digest())
+            if not hmac.compare_digest(header["m"], want):
+                raise PermissionError("bad MAC (no or another run key)")
+            k = (header["g"], header["k"], int(header["e"]))
+            self._inbox.setdefault(k, {})[sender] = data
+            self._inbox_time.setdefault(k, time.time())
+            self._arrived.set()
+            writer.write(OK)
+            await writer.drain()
+            await asyncio.wait_for(reader.read(1), 10)  # the sender closes first (p2pd may drop our ack otherwise)
+        except Exception as e:
+            log.info("peer %s: refused a push from %s: %s: %s", self.me[-8:], sender.to_base58()[-8:],
+                     type(e).__name__, e)
+            try:
+                writer.write(FAIL)
+                await writer.drain()
+            except Exception:
+                pass
+        finally:
+            writer.close()
+
+    def _suspected(self, pid: str, entry: dict) -> bool:
+        return pid in self.suspects and float(entry.get("time", 0)) <= self.suspects[pid]
+
+    async def _collect(self, gid: bytes, kind: str, senders: set, deadline: float, epoch: int) -> dict:
+        """Wait for ``kind`` messages of this group from ``senders``; not for peers that died or moved on."""
+        last_check = last_registry = 0.0
+        while True:
+            self._arrived.clear()
+            box = self._inbox.get((gid, kind, epoch), {})
+            missing = {p for p in senders if p not in box}
+            if not missing or time.perf_counter() >= deadline:
+                return {p: box[p] for p in senders if p in box}
+            if time.perf_counter() - last_check > 0.5:  # a peer libp2p lost is not waited for
+                last_check = time.perf_counter()
+                connected = {i.peer_id for i in await self.p2p.list_peers()}
+                if missing - connected:
+                    senders = senders - (missing - connected)
+                    continue
+            if time.perf_counter() - last_registry > 1.0:  # nor one whose matchmaking gave up on this epoch
+                last_registry = time.perf_counter()
+                reg = await self._registry()
+                moved = {p for p in missing if int(reg.get(p.to_base58(), {}).get("epoch", -1)) > epoch}
+                if moved:
+                    senders = senders - moved
+                    continue
+            try:
+                await asyncio.wait_for(self._arrived.wait(), min(0.25, max(0.0, deadline - time.perf_counter())))
+            except asyncio.TimeoutError:
+                pass

@@ -1,0 +1,242 @@
+"""The swarm peer: the DHT, its registry of live peers and the collectives, over the epoch, state and ledger mixins."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from diloco.comm.base import Transport, TransportError, die_with_parent
+from diloco.comm.hivemind.auth import _make_authorizer, check_run_name
+from diloco.comm.hivemind.epoch import EpochMixin, EpochResult, _servicer_class
+from diloco.comm.hivemind.framing import _now, log
+from diloco.comm.hivemind.ledger import LedgerMixin, PeerRecord
+from diloco.comm.hivemind.state import StateMixin
+
+
+def _dht_class():
+    from hivemind.dht import DHT
+
+    class PeerDHT(DHT):
+        def run(self) -> None:
+            die_with_parent()
+            super().run()
+
+    return PeerDHT
+
+
+class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
+    """One peer of a swarm named ``run``. See the package docstring (:mod:`diloco.comm.hivemind`).
+
+    ``initial_peers``: multiaddrs of peers already in the run (none: this peer starts it).
+    ``matchmaking_time``: how long the first peer of an epoch waits for the others.
+    ``exchange_timeout``: how long to wait for members' payloads once the group is formed.
+    ``norm_clip`` / ``clip_action``: contributions above ``norm_clip`` x the median norm of the other
+    members are scaled down to that bound (``clip``) or left out (``drop``); 0 turns this off.
+    """
+
+    rank = 0
+    world_size = 1
+    fixed_ranks = False
+
+    def __init__(self, run: str = "loco", *, initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = (),
+                 announce_maddrs: Sequence[str] = (), identity_path: Optional[str] = None,
+                 run_key: Optional[bytes] = None, use_relay: bool = True, use_auto_relay: bool = False,
+                 nat_port_map: bool = False, client_mode: bool = False, matchmaking_time: float = 5.0,
+                 exchange_timeout: float = 60.0, heartbeat_ttl: float = 60.0, norm_clip: float = 10.0,
+                 clip_action: str = "clip", schema: str = "", max_payload_bytes: int = 4 << 30,
+                 startup_timeout: float = 30.0, observer: bool = False) -> None:
+        super().__init__()
+        self.run = check_run_name(run)
+        if clip_action not in ("clip", "drop"):
+            raise ValueError(f"clip_action must be 'clip' or 'drop', got {clip_action!r}")
+        if not norm_clip >= 0:
+            raise ValueError(f"norm_clip must be >= 0, got {norm_clip}")
+        self.key = run_key or b""
+        self.matchmaking_time, self.exchange_timeout = float(matchmaking_time), float(exchange_timeout)
+        self.heartbeat_ttl, self.norm_clip, self.clip_action = heartbeat_ttl, float(norm_clip), clip_action
+        self.max_payload_bytes, self.client_mode = max_payload_bytes, client_mode
+        self.schema = hashlib.sha256(f"loco-swarm-v1|{run}|{schema}".encode()).digest()
+        self.epoch = 0  # exchanges this peer's state has been through (downloaded state carries it)
+        self.stale = False  # True from jumping ahead to the others' epoch until this peer downloads their state
+        self.fingerprint_fn: Optional[Callable[[], bytes]] = None
+        self.resync_from: list = []  # peers holding the majority state, set when this peer's state differs
+        self.ledger: dict[str, PeerRecord] = {}
+        self.history: list[dict] = []  # one record per epoch (also written by the driver)
+        self.last: Optional[EpochResult] = None
+        self.status: dict[str, Any] = {}  # extra fields of this peer's registry entry (throughput, step...)
+        self.suspects: dict[str, float] = {}  # peer -> when it last failed us; forgiven once it heartbeats again
+        self._inbox: dict = {}
+        self._inbox_time: dict = {}
+        self._snapshot: Optional[tuple[int, bytes, bytes]] = None  # (epoch, blob, sha256)
+        self._closed = False
+        self.observer = observer  # only reads the DHT (loco status): no heartbeat, no handlers
+
+        kwargs: dict[str, Any] = dict(
+            initial_peers=list(initial_peers), start=True, host_maddrs=list(host_maddrs) or ["/ip4/127.0.0.1/tcp/0"],
+            identity_path=identity_path, use_relay=use_relay, use_auto_relay=use_auto_relay,
+            nat_port_map=nat_port_map, client_mode=client_mode, startup_timeout=startup_timeout,
+            ensure_bootstrap_success=True, await_ready=True)
+        if announce_maddrs:
+            kwargs["announce_maddrs"] = list(announce_maddrs)
+        if self.key:
+            kwargs["authorizer"] = _make_authorizer(self.key)
+        try:
+            self.dht = _dht_class()(**kwargs)
+        except Exception as e:
+            hint = (" (the run's peers refuse a peer without the run key or with another one: check --run-key)"
+                    if "bootstrap" in str(e) else "")
+            raise TransportError(f"could not start or join the swarm {run!r}: {e}{hint}") from None
+        self.peer_id = self.dht.peer_id  # a blocking round trip: read it before our loop starts
+        self.me = self.peer_id.to_base58()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="loco-hivemind", daemon=True)
+        self._thread.start()
+        try:
+            self._call(self._setup(), 60)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    def _call(self, coro, timeout: Optional[float] = None) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except BaseException:
+            fut.cancel()
+            raise
+
+    async def _setup(self) -> None:
+        from hivemind.averaging.matchmaking import Matchmaking
+
+        self._arrived = asyncio.Event()
+        self.p2p = await self.dht.replicate_p2p()
+        if self.observer:
+            return
+        servicer_cls = _servicer_class()
+        self.mm = Matchmaking(self.p2p, self.schema, self.dht, servicer_type=servicer_cls, prefix=self.run,
+                              target_group_size=None, min_group_size=2,
+                              min_matchmaking_time=self.matchmaking_time,
+                              request_timeout=max(0.5, min(3.0, self.matchmaking_time / 3)),
+                              client_mode=self.client_mode)
+        servicer = servicer_cls()
+        servicer.mm = self.mm
+        await servicer.add_p2p_handlers(self.p2p, namespace=self.run)
+        await self.p2p.add_binary_stream_handler(f"{self.run}.push", self._on_push)
+        await self.p2p.add_binary_stream_handler(f"{self.run}.state", self._on_state_request)
+        await self._heartbeat()
+        self._beats = asyncio.create_task(self._beat_forever())
+
+    async def _beat_forever(self) -> None:
+        """Keep this peer's registry entry fresh through rounds longer than its time to live."""
+        while True:
+            await asyncio.sleep(self.heartbeat_ttl / 3)
+            try:
+                await self._heartbeat()
+            except Exception as e:
+                log.info("peer %s: heartbeat failed: %s", self.me[-8:], e)
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def close(self) -> None:
+        """Leave the swarm: stop serving, shut the P2P replica, then the DHT process (and its p2pd)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._thread.is_alive():
+                try:
+                    self._call(self._shutdown(), 10)
+                except Exception as e:
+                    log.warning("hivemind: leaving the swarm uncleanly: %s", e)
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(5)
+        finally:
+            self.dht.shutdown()
+
+    async def _shutdown(self) -> None:
+        if not self.observer:
+            try:  # leave the registry now rather than when the entry expires
+                await self.dht.store(f"{self.run}.peers", subkey=self.me, value=None,
+                                     expiration_time=_now() + 1, return_future=True)
+            except Exception:
+                pass
+        await self.p2p.shutdown()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- DHT records ------------------------------------------------------------------------
+    async def _heartbeat(self) -> None:
+        value = {"epoch": self.epoch, "time": _now(), **self.status}
+        await self.dht.store(f"{self.run}.peers", subkey=self.me, value=value,
+                             expiration_time=_now() + self.heartbeat_ttl, return_future=True)
+
+    async def _subkeys(self, key: str) -> dict[str, dict]:
+        """A DHT dictionary record as {subkey: value}, keeping only dict values (a leaving peer stores None)."""
+        res = await self.dht.get(key, latest=True, return_future=True)
+        if res is None or not isinstance(res.value, dict):
+            return {}
+        return {k: v.value for k, v in res.value.items() if isinstance(getattr(v, "value", None), dict)}
+
+    async def _registry(self) -> dict[str, dict]:
+        return await self._subkeys(f"{self.run}.peers")
+
+    def peers(self) -> dict[str, dict]:
+        """The run's live peers from the DHT registry: peer id -> {epoch, time, throughput, ...}."""
+        return self._call(self._registry(), 30)
+
+    def heartbeat(self, **status: Any) -> None:
+        self.status.update(status)
+        self._call(self._heartbeat(), 30)
+
+    # ---- collectives ------------------------------------------------------------------------
+    def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every member's payload (this peer's included) in canonical order (:meth:`member_names`)."""
+        result = self.exchange(payload)
+        # a member whose own payload did not reach everyone is left out of the agreed set (its update too)
+        return [result.payloads[p] for p in result.members]
+
+    def _moved(self, kind: str, sent: Sequence[bytes], received: Sequence[bytes]) -> tuple[int, int]:
+        """What this peer's pushes really delivered, and what it took from the members it kept."""
+        return (self.last.sent_bytes, self.last.received_bytes) if self.last is not None else (0, 0)
+
+    def member_names(self) -> list[str]:
+        return [p.to_base58() for p in self.last.members] if self.last is not None else [self.me]
+
+    def _all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
+        raise TransportError("the hivemind transport has no fixed ranks: it averages with all_reduce_* and "
+                             "all_gather_bytes")
+
+    def all_reduce_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
+        """Sum or average over the members of this epoch (raw fp32 payloads, validated and norm-clipped)."""
+        from diloco.compress.collective import robust_all_reduce_
+
+        robust_all_reduce_(self, tensors, op)
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return tensor
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def _all_reduce_sum_(self, flat: torch.Tensor) -> None:
+        raise TransportError("the hivemind transport averages with all_reduce_ (no fixed ranks)")
+
+    def metrics(self) -> dict[str, Any]:
+        if self.last is None:
+            return {}
+        return {"epoch": self.epoch, "group_size": len(self.last.members)}
+
+    def summary(self) -> dict[str, Any]:
+        return {"peer_id": self.me, "epochs": self.epoch,
+                "ledger": {pid: rec.as_list() for pid, rec in self.ledger.items()}}

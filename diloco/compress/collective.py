@@ -1,0 +1,237 @@
+"""The compressed collective: a weighted mean of tensors through a codec, over any transport.
+
+``all_reduce_compressed_(transport, tensors, codec, weight, key)`` sets every
+worker's tensors to ``sum_i w_i x_i / sum_i w_i`` and returns the total weight.
+It is written once, here, on the transports' byte collectives
+(``all_to_all_bytes``, ``all_gather_bytes``), so every codec runs on every
+transport and the transports know bytes, not codecs. Each message is the
+weight (``<d``, 8 bytes) followed by the codec's self-describing payload.
+
+Two aggregators share one decode/accumulate core (:func:`split_weight`, then
+``codec.decode_accumulate_``):
+
+* **sharded** (transports with fixed ranks: torch.distributed, the simulator),
+  a reduce-scatter by shards:
+
+  1. cut the flat buffer into one shard per worker (at multiples of the codec's
+     chunk/block size), encode shard j and send it to worker j (all-to-all);
+  2. worker j decodes every worker's copy of its shard, accumulates the
+     weighted sum, divides by the total weight and re-encodes the mean;
+  3. all-gather the encoded means; everyone decodes every shard.
+
+  Each worker sends about ``2 (W - 1) / W`` of the compressed size. Both
+  encodes keep their own error-feedback residual (the sender's per destination
+  shard, the shard owner's for the mean), so what one round drops is sent in a
+  later one, and every worker ends with the same bytes, hence the same result.
+  A transport whose worker is several processes (a node of a torchrun mesh)
+  runs this on each process's share of the buffer (``transport.on_my_share``).
+
+* **robust** (peers without fixed ranks: hivemind), for members that need not
+  trust each other: every member's payload reaches every member
+  (``all_gather_bytes``, canonical order); each member decodes all of them,
+  leaves out what fails validation (wire format, weight, finiteness), clips
+  (or drops, ``transport.clip_action``) a contribution whose norm is more than
+  ``transport.norm_clip`` times the median of the *other* members' norms, and
+  takes the weighted mean in the canonical order. Every member decides alike,
+  so every member ends with the same result; the transport is told who was
+  accepted, left out and clipped (``transport.record_contributions``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import struct
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Hashable, Sequence
+
+import torch
+
+from diloco.comm.base import Handle, Transport, TransportError, buckets, shard_bounds, unflatten_into
+from diloco.compress.wire import CorruptPayload
+
+if TYPE_CHECKING:
+    from diloco.compress.codec import Codec
+
+WEIGHT = struct.Struct("<d")
+
+
+def pack_weight(weight: float) -> bytes:
+    return WEIGHT.pack(weight)
+
+
+def split_weight(msg: bytes | memoryview) -> tuple[float, memoryview]:
+    """(weight, codec payload) of one message; a missing or invalid weight raises :class:`CorruptPayload`."""
+    if len(msg) < WEIGHT.size:
+        raise CorruptPayload(f"message of {len(msg)} bytes has no weight")
+    (w,) = WEIGHT.unpack_from(msg, 0)
+    if not (w >= 0 and w < float("inf")):
+        raise CorruptPayload(f"weight {w} is not finite and >= 0")
+    return w, memoryview(msg)[WEIGHT.size:]
+
+
+def _check_weight(weight: float) -> None:
+    if not (weight >= 0 and weight < float("inf")):
+        raise ValueError(f"the weight of a compressed all-reduce must be finite and >= 0, got {weight}")
+
+
+# ---- the entry points -----------------------------------------------------------------------------
+def all_reduce_compressed_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "Codec",
+                           weight: float = 1.0, key: Hashable = "") -> float:
+    """Weighted mean over the workers through ``codec``, in place: ``x <- sum_i w_i x_i / sum_i w_i``.
+
+    Returns the total weight (0: every worker sent weight 0, the tensors are then zero). ``key``
+    names this list of tensors for the codec's error feedback (use one key per list that is
+    reduced repeatedly). With one worker the codec still runs, so compression acts alike at any scale.
+    """
+    _check_weight(weight)
+    if not tensors:
+        return 0.0
+    if not transport.fixed_ranks:
+        return _robust_all_reduce_(transport, tensors, codec, weight, key)
+    with transport.exchange_scope():
+        totals = []
+        for b, bucket in enumerate(buckets(tensors, transport.bucket_bytes)):
+            flat = torch.cat([t.detach().reshape(-1).float() for t in bucket])
+            totals.append(transport.on_my_share(
+                flat, codec.align, (key, b),
+                lambda share, k: _sharded_mean_(transport, share, codec, float(weight), k)))
+            unflatten_into(bucket, flat)
+    return max(totals)
+
+
+def all_reduce_compressed_async_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "Codec",
+                                 weight: float = 1.0, key: Hashable = "") -> Handle:
+    """Start :func:`all_reduce_compressed_`; the handle's ``wait()`` returns the total weight."""
+    return transport.start(lambda: all_reduce_compressed_(transport, tensors, codec, weight, key))
+
+
+def robust_all_reduce_(transport: Transport, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
+    """The dense all-reduce of a transport without fixed ranks: raw fp32 payloads, validated and clipped."""
+    from diloco.compress.codec import make_codec
+
+    if op not in ("sum", "mean"):
+        raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+    if not tensors:
+        return
+    flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
+    result = robust_mean(transport, flat, make_codec("fp32"), None, key=None)
+    if op == "sum":
+        result.mean.mul_(result.total)
+    unflatten_into(list(tensors), result.mean.to(tensors[0].device))
+
+
+# ---- sharded: reduce-scatter by shards ------------------------------------------------------------
+def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float, key: Hashable) -> float:
+    """``flat`` (this worker's, fp32) becomes the weighted mean over the workers; returns the total weight."""
+    w, me = transport.world_size, transport.rank
+    bounds = shard_bounds(flat.numel(), w, codec.align)
+    sends = [pack_weight(weight) + codec.encode(flat[a:b], key=(key, "shard", j)) for j, (a, b) in enumerate(bounds)]
+    received = transport.all_to_all_bytes(sends)
+    a, b = bounds[me]
+    acc = torch.zeros(b - a, dtype=torch.float32, device=flat.device)
+    total = 0.0
+    for src, msg in enumerate(received):
+        try:
+            wi, body = split_weight(msg)
+            codec.decode_accumulate_(body, acc, wi)
+        except CorruptPayload as e:
+            raise TransportError(f"rank {me}: worker {src} sent a corrupt payload for shard {me}: {e}") from None
+        total += wi
+    if total > 0:
+        acc.div_(total)
+    else:
+        acc.zero_()
+    gathered = transport.all_gather_bytes(pack_weight(total) + codec.encode(acc, key=(key, "mean")))
+    totals = []
+    for src, msg in enumerate(gathered):
+        a, b = bounds[src]
+        out = flat[a:b]
+        out.zero_()
+        try:
+            wi, body = split_weight(msg)
+            totals.append(wi)
+            codec.decode_accumulate_(body, out, 1.0)
+        except CorruptPayload as e:
+            raise TransportError(f"rank {me}: worker {src} sent a corrupt mean of shard {src}: {e}") from None
+    return max(totals)
+
+
+# ---- robust: every member's payload, validated, clipped, averaged -----------------------------------
+@dataclass
+class RobustResult:
+    mean: torch.Tensor
+    total: float
+    accepted: dict = field(default_factory=dict)  # member -> weight
+    rejected: dict = field(default_factory=dict)  # member -> why
+    clipped: dict = field(default_factory=dict)  # member -> its norm over the bound
+
+
+def _robust_all_reduce_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "Codec", weight: float,
+                        key: Hashable) -> float:
+    if len(buckets(tensors, 1 << 62)) > 1:
+        raise ValueError("tensors of one compressed all-reduce must share dtype and device")
+    one = tensors[0]
+    if len(tensors) == 1 and one.dtype == torch.float32 and one.is_contiguous():
+        flat = one.detach().reshape(-1)  # no copy: it is read (encoded) before the result is written back
+    else:
+        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    result = robust_mean(transport, flat, codec, weight, key)
+    unflatten_into(list(tensors), result.mean.to(tensors[0].device))
+    return result.total
+
+
+def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float | None,
+                key: Hashable) -> RobustResult:
+    """Exchange ``flat`` with every member and average what passes validation and the norm bound.
+
+    ``weight`` None sends no weight (every member counts 1).
+    """
+    with transport.exchange_scope():
+        prefix = b"" if weight is None else pack_weight(weight)
+        payloads = transport.all_gather_bytes(prefix + codec.encode(flat, key=key))
+    names = transport.member_names()
+    result = RobustResult(torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device), 0.0)
+    # pass 1: validate every member's update and measure its norm (one decoded vector alive at a time)
+    rows: list[tuple[str, memoryview, float, float]] = []  # (member, body, weight, norm)
+    for name, msg in zip(names, payloads):
+        try:
+            w, body = split_weight(msg) if weight is not None else (1.0, memoryview(msg))
+            x = codec.decode(body, expect_numel=flat.numel())
+            norm = float(torch.linalg.vector_norm(x.float()))
+            del x
+            if not math.isfinite(norm):
+                raise CorruptPayload("non-finite values")
+        except (CorruptPayload, ValueError) as e:
+            result.rejected[name] = f"invalid payload: {e}"
+            continue
+        rows.append((name, body, float(w), norm))
+    # clip (or drop) an update far above the others' median norm; every member decides alike
+    scale: dict[str, float] = {}
+    bound_factor, action = transport.norm_clip, transport.clip_action
+    if bound_factor > 0 and len(rows) > 1:
+        for i, (name, _, _, n) in enumerate(rows):
+            others = [r[3] for j, r in enumerate(rows) if j != i and r[3] > 0]  # zeros: members that sat out
+            if not others:
+                continue
+            bound = bound_factor * statistics.median(others)
+            if n > bound:
+                if action == "drop":
+                    result.rejected[name] = (f"norm {n:.4g} > {bound_factor:g} x the others' median "
+                                             f"{bound / bound_factor:.4g}: dropped")
+                else:
+                    scale[name] = bound / n
+                    result.clipped[name] = n / bound
+    rows = [r for r in rows if r[0] not in result.rejected]
+    result.total = sum(r[2] for r in rows)
+    # pass 2: the weighted mean, accumulated in the canonical member order
+    if result.total > 0:
+        for name, body, w, _ in rows:
+            codec.decode_accumulate_(body, result.mean, w / result.total * scale.get(name, 1.0))
+    result.accepted = {r[0]: r[2] for r in rows}
+    transport.record_contributions(result.accepted, result.rejected, result.clipped)
+    return result
+
+
+__all__ = ["RobustResult", "WEIGHT", "all_reduce_compressed_", "all_reduce_compressed_async_", "pack_weight",
+           "robust_all_reduce_", "robust_mean", "split_weight"]

@@ -1,0 +1,206 @@
+"""One owner per concept: the algorithm registry and interface, and the layering the code promises."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, TINY
+from diloco import ConfigConflict, DiLoCo, StreamingDiLoCo
+from diloco.comm import LocalTransport
+from launch.algorithms import ALGORITHMS, algorithm_class
+from launch.config import ConfigError, load_config
+from launch.models import Transformer, model_args_from_config
+from launch.trainer import build_algorithm, build_optimizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(*overrides):
+    cfg, _ = load_config([TINY], [*FAST, *overrides])
+    return cfg
+
+
+def _built(*overrides, transport=None):
+    cfg = _cfg(*overrides)
+    torch.manual_seed(0)
+    model = Transformer(model_args_from_config(cfg.model, 256, cfg.data.seq_len))
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"), transport=transport, cfg=cfg)
+    return cfg, model, build_algorithm(cfg, model, opt, transport or LocalTransport(), tokens_per_step=64)
+
+
+def test_one_registry_holds_every_algorithm():
+    assert set(ALGORITHMS) >= {"ddp", "diloco", "streaming", "demo"}
+    with pytest.raises(ValueError, match="known: .*demo.*diloco"):
+        algorithm_class("adam")
+
+
+@pytest.mark.parametrize("name", ["ddp", "diloco", "streaming", "demo"])
+def test_from_config_builds_each_algorithm_with_its_settings(name):
+    over = [f"algo.name={name}", "algo.inner_steps=7", "algo.outer_lr=0.3"]
+    if name == "streaming":
+        over += ["algo.fragments=2", "algo.overlap_steps=2"]
+    if name == "ddp":
+        over += ["compress.codec=int8"]
+    _, _, algo = _built(*over)
+    assert type(algo) is ALGORITHMS[name] and algo.name == name
+    assert algo.round == 0 and algo.tokens_agreed == 0.0
+    if name in ("diloco", "streaming"):
+        assert algo.policy.inner_steps == 7 and algo.outer_optimizers[0].param_groups[0]["lr"] == 0.3
+        assert algo.tokens_per_step == 64
+    if name == "streaming":
+        assert len(algo.fragments) == 2 and algo.overlap_steps == 2
+    if name == "ddp":
+        assert algo.codec is not None and algo.codec.chain.startswith("int8")
+    if name == "demo":
+        from demo_optim import DeMo
+
+        assert isinstance(algo.optimizer, DeMo)
+
+
+def test_each_algorithm_states_its_own_constraints():
+    with pytest.raises(ConfigConflict) as e:
+        StreamingDiLoCo.check(2, 5, 0.0, "mix", 5, "steps")
+    assert e.value.key == "algo.overlap_steps"
+    # the same rule reaches the user through the config, naming the key
+    with pytest.raises(ConfigError, match="algo.overlap_steps: 5 must be smaller than algo.inner_steps=5"):
+        _cfg("algo.name=streaming", "algo.inner_steps=5", "algo.overlap_steps=5")
+    with pytest.raises(ConfigError, match="compress.codec: DeMo sends its own"):
+        _cfg("algo.name=demo", "compress.codec=int8")
+    with pytest.raises(ConfigError, match="sync.mode: time-budgeted rounds need a round-based algorithm"):
+        _cfg("algo.name=ddp", "sync.mode=time", "sync.time_budget_s=5s")
+
+
+def test_shared_state_moves_the_global_model_and_outer_state_to_another_worker():
+    _, model_a, a = _built("algo.name=diloco")
+    _, model_b, b = _built("algo.name=diloco")
+    with torch.no_grad():
+        for g in b.global_params:
+            g.add_(1.0)
+        for opt in b.outer_optimizers:  # momentum worth carrying
+            for p in opt.param_groups[0]["params"]:
+                opt.state[p]["momentum_buffer"] = torch.full_like(p, 0.5)
+    b.round, b.global_tokens = 3, 1234.0
+    a.load_shared_state(b.shared_state())
+    assert a.round == 3 and a.tokens_agreed == 1234.0 and a.round_steps == 0
+    for ga, gb, p in zip(a.global_params, b.global_params, a.params):
+        assert torch.equal(ga, gb) and torch.equal(p, gb)
+    assert all(torch.equal(s["momentum_buffer"], torch.full_like(s["momentum_buffer"], 0.5))
+               for s in a.outer_optimizers[0].state.values())
+    bad = b.shared_state()
+    bad["global_params"][0] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"shape \(3, 3\)"):
+        a.load_shared_state(bad)
+
+
+def test_to_moves_every_state_the_algorithm_keeps():
+    """On a GPU machine this moves to CUDA; on CPU it checks the same invariants in place."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _, model, algo = _built("algo.name=streaming", "algo.fragments=4")
+    assert any(rows is not None for _, rows in algo.pieces)  # row pieces: views of the global copy
+    model(torch.randint(0, 256, (2, 16))).float().mean().backward()
+    algo.step()
+    algo.sync()  # inner and outer momentum exist
+    algo.to(device)
+    assert all(p.device.type == device.type for p in model.parameters())
+    assert all(v.device.type == device.type for s in algo.optimizer.state.values() for k, v in s.items() if k != "step")
+    assert all(g.device.type == device.type for g in algo.global_params)
+    assert all(v.device.type == device.type for o in algo.outer_optimizers for s in o.state.values() for v in s.values())
+    assert algo.outer_device.type == device.type
+    for view, (i, rows) in zip(algo.global_views, algo.pieces):  # the outer optimizers still step the global copy
+        assert view.untyped_storage().data_ptr() == algo.global_params[i].untyped_storage().data_ptr()
+    before = [g.detach().clone() for g in algo.global_params]
+    x = torch.randint(0, 256, (2, 16), device=device)
+    model(x).float().mean().backward()
+    algo.step()
+    algo.sync()
+    assert all(not torch.equal(b, g) for b, g in zip(before, algo.global_params))
+
+    _, _, kept = _built("algo.name=diloco", "algo.offload_outer=true")
+    kept.to(device)
+    assert all(g.device == torch.device("cpu") for g in kept.global_params)
+
+
+def test_peers_without_fixed_ranks_average_through_the_codec_path():
+    class NoRanks(LocalTransport):
+        fixed_ranks = False
+
+    _, _, algo = _built("algo.name=diloco", transport=NoRanks())
+    assert algo.codec is not None and algo.codec.is_identity  # each update travels with its weight
+    _, _, dense = _built("algo.name=diloco")
+    assert dense.codec is None  # fixed ranks: the exact dense all-reduce
+
+
+# ---- layering: imports point down only ---------------------------------------------------------
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def test_layers_import_downwards_only():
+    for path in _modules("diloco") + _modules("demo_optim"):
+        assert not any(m.split(".")[0] == "launch" for m in _imports(path)), f"{path} imports launch/"
+    for path in _modules("diloco"):
+        assert not any(m.split(".")[0] == "demo_optim" for m in _imports(path)), f"{path} imports demo_optim"
+    backends = ("torch.distributed", "hivemind")
+    for path in _modules("diloco") + _modules("demo_optim") + _modules("launch"):
+        if "comm" in path.relative_to(ROOT).parts:
+            continue
+        bad = [m for m in _imports(path) if m.startswith(backends)]
+        assert not bad, f"{path} imports {bad}: only diloco/comm/ talks to a backend"
+
+
+def test_the_transport_knows_bytes_not_codecs():
+    tree = ast.parse((ROOT / "diloco/comm/base.py").read_text())
+    # the two compatibility aliases at the end of the class import the collective lazily; nothing else
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("diloco.compress"):
+            assert node.module == "diloco.compress" and [a.name for a in node.names] == ["collective"]
+        if isinstance(node, ast.Import):
+            assert not any(a.name.startswith("diloco.compress") for a in node.names)
+    text = (ROOT / "diloco/comm/base.py").read_text()
+    assert "encode(" not in text and "decode" not in text
+
+
+def test_launch_never_imports_a_backend_module():
+    for path in _modules("launch"):
+        bad = [m for m in _imports(path) if m.startswith(("diloco.comm.hivemind", "diloco.comm.torch_dist"))]
+        assert not bad, f"{path} imports {bad}: build transports with diloco.comm.make_transport"
+
+
+def _from_modules(path: Path) -> set[str]:
+    return {n.module for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+
+
+def test_demo_uses_only_what_compress_exports():
+    for path in _modules("demo_optim"):
+        deep = [m for m in _from_modules(path) if m.startswith("diloco.compress.") and m != "diloco.compress.kernels"]
+        assert not deep, f"{path} reaches into {deep} instead of what diloco.compress exports"
+
+
+def test_the_loop_never_asks_which_algorithm_runs():
+    inside = {"global_params", "outer_optimizers", "policy", "global_tokens", "round_steps", "pieces", "global_views"}
+    classes = {"DDP", "DiLoCo", "StreamingDiLoCo", "DeMo", "DeMoAlgorithm"}
+    for name in ("trainer.py", "simulate.py", "join.py"):
+        tree = ast.parse((ROOT / "launch" / name).read_text())
+        attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)}
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        assert not (attrs & inside), f"launch/{name} reaches into an algorithm: {attrs & inside}"
+        assert not (names & classes), f"launch/{name} names an algorithm class: {names & classes}"
+    trainer = ast.parse((ROOT / "launch/trainer.py").read_text())
+    named = {n.value for n in ast.walk(trainer) if isinstance(n, ast.Constant) and n.value in ALGORITHMS}
+    assert not named, f"the loop dispatches on algorithm names: {named}"
