@@ -1,13 +1,14 @@
 """loco's algorithm library: loop-agnostic algorithms over a transport.
 
-``ALGORITHMS`` is the one registry of ``algo.name`` -> class: ddp, diloco and streaming register here;
+``ALGORITHMS`` is the one registry of ``algo.name`` -> class: ddp, diloco, streaming and sparseloco register here;
 DeMo registers itself when ``demo_optim`` is imported (it builds on this package, not the reverse).
 """
 
 from diloco.algorithm import ALGORITHMS, DDP, Algorithm, ConfigConflict, algorithm_class, register
 from diloco.outer import DiLoCo
+from diloco.sparseloco import SparseLoCo
 from diloco.streaming import StreamingDiLoCo
 from diloco.sync import SyncPolicy
 
-__all__ = ["ALGORITHMS", "DDP", "Algorithm", "ConfigConflict", "DiLoCo", "StreamingDiLoCo", "SyncPolicy",
+__all__ = ["ALGORITHMS", "DDP", "Algorithm", "ConfigConflict", "DiLoCo", "SparseLoCo", "StreamingDiLoCo", "SyncPolicy",
            "algorithm_class", "register"]

@@ -41,6 +41,7 @@ class DiLoCo(Algorithm):
     name = "diloco"
     round_based = True
     replicated_state = False
+    gather = False  # True: every worker decodes every worker's payload (exact mean; SparseLoCo)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Optional[Transport] = None,
                  grad_clip: float = 0.0, *, inner_steps: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,
@@ -130,7 +131,8 @@ class DiLoCo(Algorithm):
         if self.codec is not None:
             total = torch.zeros(1, dtype=torch.float32)
             return deltas, total, _Filled(collective.all_reduce_compressed_async_(
-                self.transport, deltas, self.codec, weight, key=f"fragment{key}" if key is not None else "all"), total)
+                self.transport, deltas, self.codec, weight, key=f"fragment{key}" if key is not None else "all",
+                gather=self.gather), total)
         with torch.no_grad():
             for d in deltas:
                 d.mul_(weight)

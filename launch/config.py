@@ -87,13 +87,14 @@ class OptimConfig:
 
 @dataclass
 class AlgoConfig:
-    name: Literal["ddp", "diloco", "streaming", "demo"] = _f(
+    name: Literal["ddp", "diloco", "streaming", "demo", "sparseloco"] = _f(
         "ddp", "Training algorithm. ddp: average gradients every step (the baseline); diloco: H local steps, "
                "then an outer step on the averaged pseudo-gradient; streaming: Streaming DiLoCo (fragments, overlap); "
-               "demo: DeMo, the optimizer exchanges DCT top-k momentum components every step.")
+               "demo: DeMo, the optimizer exchanges DCT top-k momentum components every step; sparseloco: "
+               "DiLoCo rounds exchanging the top-k of an error-feedback buffer at 2 bits a value (no outer momentum).")
     inner_steps: int = _f(100, "Inner steps per round (H) for diloco and streaming.", gt=0)
-    outer_lr: float = _f(0.7, "Outer optimizer (SGD) learning rate.", gt=0)
-    outer_momentum: float = _f(0.9, "Outer optimizer momentum (0: plain SGD).", ge=0, lt=1)
+    outer_lr: float = _f(0.7, "Outer optimizer (SGD) learning rate (SparseLoCo: alpha, 1.0 in its preset).", gt=0)
+    outer_momentum: float = _f(0.9, "Outer optimizer momentum (0: plain SGD; sparseloco has none: its error feedback is the momentum).", ge=0, lt=1)
     nesterov: bool = _f(True, "Nesterov momentum in the outer optimizer.")
     offload_outer: bool = _f(False, "Keep the global parameters and outer momentum on the CPU.")
     fragments: int = _f(1, "Streaming DiLoCo: fragments P, strided by layer, each synced on its own schedule.", gt=0)
@@ -110,6 +111,11 @@ class AlgoConfig:
                 "auto (the divisor unless it is below half the chunk, then pad).")
     sign_values: bool = _f(False, "DeMo: send 1 bit (the sign) per kept coefficient instead of fp32.")
     nonfinite: Literal["skip", "raise"] = _f("skip", "DeMo: on non-finite gradients sit the step out (skip) or stop (raise).")
+    topk_density: float = _f(0.02, "SparseLoCo: fraction of each chunk sent per round (k = density x chunk).", gt=0, le=1)
+    chunk: int = _f(4096, "SparseLoCo: values per top-k chunk of the flat pseudo-gradient (a power of two).", gt=1)
+    ef_decay: float = _f(0.95, "SparseLoCo: error-feedback decay beta (e = beta * e + delta).", ge=0, le=1)
+    value_format: Literal["2bit", "int4", "fp4", "int8", "bf16", "fp16", "fp32"] = _f(
+        "2bit", "SparseLoCo: how each sent value is coded (2bit: four levels per block of 128).")
 
 
 @dataclass

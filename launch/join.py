@@ -79,8 +79,12 @@ def read_run_key(key: Optional[str], key_file: Optional[str]) -> Optional[bytes]
 
 def schema_of(cfg: Config) -> str:
     """What peers must share to average together: model, sequence length, algorithm, round length, codec."""
-    return json.dumps({"model": cfg.to_dict()["model"], "seq_len": cfg.data.seq_len, "algo": cfg.algo.name,
-                       "inner_steps": cfg.algo.inner_steps, "codec": cfg.compress.codec}, sort_keys=True)
+    schema = {"model": cfg.to_dict()["model"], "seq_len": cfg.data.seq_len, "algo": cfg.algo.name,
+              "inner_steps": cfg.algo.inner_steps, "codec": cfg.compress.codec}
+    if cfg.algo.name == "sparseloco":
+        a = cfg.algo
+        schema.update(topk_density=a.topk_density, chunk=a.chunk, ef_decay=a.ef_decay, value_format=a.value_format)
+    return json.dumps(schema, sort_keys=True)
 
 
 def host_maddrs(host: str, port: int) -> list[str]:
@@ -92,9 +96,9 @@ class Peer:
     """A Trainer whose rounds run over a :class:`HivemindTransport`."""
 
     def __init__(self, cfg: Config, opts: JoinOptions) -> None:
-        if cfg.algo.name != "diloco":
-            raise RunError(f"loco join runs algo.name=diloco (this config has {cfg.algo.name!r}); DeMo and "
-                           f"Streaming DiLoCo over internet peers are not supported by 'loco join' yet")
+        if cfg.algo.name not in ("diloco", "sparseloco"):
+            raise RunError(f"loco join runs algo.name=diloco or sparseloco (this config has {cfg.algo.name!r}); DeMo "
+                           f"and Streaming DiLoCo over internet peers are not supported by 'loco join' yet")
         try:
             check_run_name(opts.run)
         except ValueError as e:

@@ -124,6 +124,30 @@ def test_demo_steps_over_the_swarm_keep_peers_equal(swarm):
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][0], out[2][0])
 
 
+def test_sparseloco_rounds_over_the_swarm_keep_peers_equal(swarm):
+    """SparseLoCo's sparse 2-bit payloads go through the peers' robust mean: every member ends on one model."""
+    from diloco import SparseLoCo
+
+    def step(i, t):
+        model = torch.nn.Linear(64, 32)
+        with torch.no_grad():  # one initialisation on every peer (threads: no global generator)
+            g = torch.Generator().manual_seed(0)
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        algo = SparseLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), t, inner_steps=2, chunk=256,
+                          topk_density=0.05)
+        for s in range(4):
+            g = torch.Generator().manual_seed(100 * i + s)
+            model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+            algo.step()
+            algo.zero_grad()
+        return torch.cat([p.reshape(-1) for p in algo.global_params]), algo.round, len(t.last.members)
+
+    out = run_together(swarm, step)
+    assert all(out[i][1] == 2 and out[i][2] == 3 for i in out)
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][0], out[2][0])
+
+
 def test_a_peer_without_the_run_key_is_refused(swarm):
     from diloco.comm import TransportError
 

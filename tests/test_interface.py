@@ -33,12 +33,12 @@ def _built(*overrides, transport=None):
 
 
 def test_one_registry_holds_every_algorithm():
-    assert set(ALGORITHMS) >= {"ddp", "diloco", "streaming", "demo"}
+    assert set(ALGORITHMS) >= {"ddp", "diloco", "streaming", "demo", "sparseloco"}
     with pytest.raises(ValueError, match="known: .*demo.*diloco"):
         algorithm_class("adam")
 
 
-@pytest.mark.parametrize("name", ["ddp", "diloco", "streaming", "demo"])
+@pytest.mark.parametrize("name", ["ddp", "diloco", "streaming", "demo", "sparseloco"])
 def test_from_config_builds_each_algorithm_with_its_settings(name):
     over = [f"algo.name={name}", "algo.inner_steps=7", "algo.outer_lr=0.3"]
     if name == "streaming":
@@ -48,7 +48,10 @@ def test_from_config_builds_each_algorithm_with_its_settings(name):
     _, _, algo = _built(*over)
     assert type(algo) is ALGORITHMS[name] and algo.name == name
     assert algo.round == 0 and algo.tokens_agreed == 0.0
-    if name in ("diloco", "streaming"):
+    if name == "sparseloco":
+        assert algo.gather and algo.codec.chain.startswith("topk:chunk=4096,k=82,ef=0.95+2bit")
+        assert algo.outer_optimizers[0].param_groups[0]["momentum"] == 0
+    if name in ("diloco", "streaming", "sparseloco"):
         assert algo.policy.inner_steps == 7 and algo.outer_optimizers[0].param_groups[0]["lr"] == 0.3
         assert algo.tokens_per_step == 64
     if name == "streaming":

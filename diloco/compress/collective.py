@@ -26,6 +26,13 @@ Two aggregators share one decode/accumulate core (:func:`split_weight`, then
   A transport whose worker is several processes (a node of a torchrun mesh)
   runs this on each process's share of the buffer (``transport.on_my_share``).
 
+* **gathered** (``gather=True``, fixed ranks; SparseLoCo): every worker's
+  payload reaches every worker (``all_gather_bytes``) and each decodes and sums
+  all of them in rank order. The mean is exact (nothing is re-encoded), and a
+  sparse payload stays sparse on the wire: the sum of W top-k payloads is
+  never densified and sent again. Each worker sends ``W - 1`` times its
+  payload.
+
 * **robust** (peers without fixed ranks: hivemind), for members that need not
   trust each other: every member's payload reaches every member
   (``all_gather_bytes``, canonical order); each member decodes all of them,
@@ -77,33 +84,35 @@ def _check_weight(weight: float) -> None:
 
 # ---- the entry points -----------------------------------------------------------------------------
 def all_reduce_compressed_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "Codec",
-                           weight: float = 1.0, key: Hashable = "") -> float:
+                           weight: float = 1.0, key: Hashable = "", gather: bool = False) -> float:
     """Weighted mean over the workers through ``codec``, in place: ``x <- sum_i w_i x_i / sum_i w_i``.
 
     Returns the total weight (0: every worker sent weight 0, the tensors are then zero). ``key``
     names this list of tensors for the codec's error feedback (use one key per list that is
     reduced repeatedly). With one worker the codec still runs, so compression acts alike at any scale.
+    ``gather``: every worker decodes every worker's payload (exact, sparse on the wire) instead of the
+    reduce-scatter by shards.
     """
     _check_weight(weight)
     if not tensors:
         return 0.0
     if not transport.fixed_ranks:
         return _robust_all_reduce_(transport, tensors, codec, weight, key)
+    mean_ = _gathered_mean_ if gather else _sharded_mean_
     with transport.exchange_scope():
         totals = []
         for b, bucket in enumerate(buckets(tensors, transport.bucket_bytes)):
             flat = torch.cat([t.detach().reshape(-1).float() for t in bucket])
             totals.append(transport.on_my_share(
-                flat, codec.align, (key, b),
-                lambda share, k: _sharded_mean_(transport, share, codec, float(weight), k)))
+                flat, codec.align, (key, b), lambda share, k: mean_(transport, share, codec, float(weight), k)))
             unflatten_into(bucket, flat)
     return max(totals)
 
 
 def all_reduce_compressed_async_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "Codec",
-                                 weight: float = 1.0, key: Hashable = "") -> Handle:
+                                 weight: float = 1.0, key: Hashable = "", gather: bool = False) -> Handle:
     """Start :func:`all_reduce_compressed_`; the handle's ``wait()`` returns the total weight."""
-    return transport.start(lambda: all_reduce_compressed_(transport, tensors, codec, weight, key))
+    return transport.start(lambda: all_reduce_compressed_(transport, tensors, codec, weight, key, gather))
 
 
 def robust_all_reduce_(transport: Transport, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
@@ -155,6 +164,30 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
         except CorruptPayload as e:
             raise TransportError(f"rank {me}: worker {src} sent a corrupt mean of shard {src}: {e}") from None
     return max(totals)
+
+
+# ---- gathered: every worker's payload, decoded by every worker -------------------------------------
+def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float, key: Hashable) -> float:
+    """``flat`` becomes ``sum_i w_i decode(payload_i) / sum_i w_i``, summed in rank order on every worker."""
+    me = transport.rank
+    gathered = transport.all_gather_bytes(pack_weight(weight) + codec.encode(flat, key=key))
+    flat.zero_()
+    total = 0.0
+    bodies = []
+    for src, msg in enumerate(gathered):
+        try:
+            wi, body = split_weight(msg)
+        except CorruptPayload as e:
+            raise TransportError(f"rank {me}: worker {src} sent a corrupt payload: {e}") from None
+        bodies.append((src, wi, body))
+        total += wi
+    if total > 0:
+        for src, wi, body in bodies:
+            try:
+                codec.decode_accumulate_(body, flat, wi / total)
+            except CorruptPayload as e:
+                raise TransportError(f"rank {me}: worker {src} sent a corrupt payload: {e}") from None
+    return total
 
 
 # ---- robust: every member's payload, validated, clipped, averaged -----------------------------------
