@@ -38,7 +38,7 @@ import torch
 
 from diloco.comm.base import Transport
 from diloco.comm.local import LocalTransport
-from diloco.compress import collective
+from diloco.compress import collective, make_codec
 
 if TYPE_CHECKING:
     from diloco.compress.codec import Codec
@@ -116,8 +116,6 @@ class Algorithm:
 
     @staticmethod
     def _codec(cfg: Any) -> "Codec":
-        from diloco.compress import make_codec
-
         return make_codec(cfg.compress.codec)
 
     # ---- what the application reads and moves ----------------------------------------------
@@ -267,8 +265,6 @@ class DDP(Algorithm):
         super().load_state_dict(state)
         if self.codec is not None and "codec" in state:
             self.codec.load_state_dict(state["codec"])
-
-
 
 
 def _copy_checked(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

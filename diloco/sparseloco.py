@@ -34,10 +34,8 @@ import torch
 
 from diloco.algorithm import ConfigConflict, register
 from diloco.comm.base import Transport
-from diloco.compress.codec import CodecSpecError, make_codec
+from diloco.compress.codec import VALUE_FORMATS, Codec, CodecSpecError, make_codec
 from diloco.outer import DiLoCo
-
-VALUE_FORMATS = ("2bit", "int4", "fp4", "int8", "bf16", "fp16", "fp32")
 
 
 def sparse_chain(density: float, chunk: int, ef_decay: float, value_format: str) -> str:
@@ -54,16 +52,16 @@ class SparseLoCo(DiLoCo):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Optional[Transport] = None,
                  grad_clip: float = 0.0, *, topk_density: float = 0.02, chunk: int = 4096, ef_decay: float = 0.95,
                  outer_lr: float = 1.0, value_format: str = "2bit", **kwargs: Any) -> None:
-        self.check(topk_density, chunk, ef_decay, value_format)
-        codec = make_codec(sparse_chain(topk_density, chunk, ef_decay, value_format))
+        codec = self.check(topk_density, chunk, ef_decay, value_format)
         kwargs.pop("codec", None)
         kwargs.update(outer_momentum=0.0, nesterov=False)  # e_r is the momentum: theta -= alpha * mean
         super().__init__(model, optimizer, transport, grad_clip, outer_lr=outer_lr, codec=codec, **kwargs)
         self.topk_density, self.chunk, self.ef_decay, self.value_format = topk_density, chunk, ef_decay, value_format
 
     @staticmethod
-    def check(topk_density: float, chunk: int, ef_decay: float, value_format: str) -> None:
-        """SparseLoCo's constraints, stated once (the config check and the constructor both run it)."""
+    def check(topk_density: float, chunk: int, ef_decay: float, value_format: str) -> Codec:
+        """SparseLoCo's constraints, stated once (the config check and the constructor both run it); returns
+        the codec of these settings."""
         if not 0.0 < topk_density <= 1.0:
             raise ConfigConflict("algo.topk_density", f"must be in (0, 1], got {topk_density}")
         if value_format not in VALUE_FORMATS:
@@ -71,7 +69,7 @@ class SparseLoCo(DiLoCo):
         if not 0.0 <= ef_decay <= 1.0:
             raise ConfigConflict("algo.ef_decay", f"must be in [0, 1], got {ef_decay}")
         try:
-            make_codec(sparse_chain(topk_density, chunk, ef_decay, value_format))
+            return make_codec(sparse_chain(topk_density, chunk, ef_decay, value_format))
         except CodecSpecError as e:
             raise ConfigConflict("algo.chunk", str(e).replace("codec stage 'topk': ", "")) from None
 

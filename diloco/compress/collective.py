@@ -7,7 +7,7 @@ It is written once, here, on the transports' byte collectives
 transport and the transports know bytes, not codecs. Each message is the
 weight (``<d``, 8 bytes) followed by the codec's self-describing payload.
 
-Two aggregators share one decode/accumulate core (:func:`split_weight`, then
+Three aggregators share one decode/accumulate core (:func:`split_weight`, then
 ``codec.decode_accumulate_``):
 
 * **sharded** (transports with fixed ranks: torch.distributed, the simulator),
@@ -67,19 +67,43 @@ def pack_weight(weight: float) -> bytes:
     return WEIGHT.pack(weight)
 
 
+def _valid_weight(w: float) -> bool:
+    return w >= 0 and w < float("inf")
+
+
 def split_weight(msg: bytes | memoryview) -> tuple[float, memoryview]:
     """(weight, codec payload) of one message; a missing or invalid weight raises :class:`CorruptPayload`."""
     if len(msg) < WEIGHT.size:
         raise CorruptPayload(f"message of {len(msg)} bytes has no weight")
     (w,) = WEIGHT.unpack_from(msg, 0)
-    if not (w >= 0 and w < float("inf")):
+    if not _valid_weight(w):
         raise CorruptPayload(f"weight {w} is not finite and >= 0")
     return w, memoryview(msg)[WEIGHT.size:]
 
 
 def _check_weight(weight: float) -> None:
-    if not (weight >= 0 and weight < float("inf")):
+    if not _valid_weight(weight):
         raise ValueError(f"the weight of a compressed all-reduce must be finite and >= 0, got {weight}")
+
+
+def _split_all(received: Sequence[bytes], me: int, what: str) -> list[tuple[float, memoryview]]:
+    """Every worker's (weight, payload), in rank order; a bad one is a TransportError naming its sender."""
+    out = []
+    for src, msg in enumerate(received):
+        try:
+            out.append(split_weight(msg))
+        except CorruptPayload as e:
+            raise TransportError(f"rank {me}: worker {src} sent a corrupt {what.format(src=src)}: {e}") from None
+    return out
+
+
+def _decode_into(codec: "Codec", body: memoryview, out: torch.Tensor, scale: float, me: int, src: int,
+                 what: str) -> None:
+    """``out += scale * decode(body)``; a bad payload is a TransportError naming its sender."""
+    try:
+        codec.decode_accumulate_(body, out, scale)
+    except CorruptPayload as e:
+        raise TransportError(f"rank {me}: worker {src} sent a corrupt {what.format(src=src)}: {e}") from None
 
 
 # ---- the entry points -----------------------------------------------------------------------------
@@ -136,57 +160,36 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
     w, me = transport.world_size, transport.rank
     bounds = shard_bounds(flat.numel(), w, codec.align)
     sends = [pack_weight(weight) + codec.encode(flat[a:b], key=(key, "shard", j)) for j, (a, b) in enumerate(bounds)]
-    received = transport.all_to_all_bytes(sends)
+    received = _split_all(transport.all_to_all_bytes(sends), me, f"payload for shard {me}")
     a, b = bounds[me]
     acc = torch.zeros(b - a, dtype=torch.float32, device=flat.device)
-    total = 0.0
-    for src, msg in enumerate(received):
-        try:
-            wi, body = split_weight(msg)
-            codec.decode_accumulate_(body, acc, wi)
-        except CorruptPayload as e:
-            raise TransportError(f"rank {me}: worker {src} sent a corrupt payload for shard {me}: {e}") from None
-        total += wi
+    for src, (wi, body) in enumerate(received):
+        _decode_into(codec, body, acc, wi, me, src, f"payload for shard {me}")
+    total = sum(wi for wi, _ in received)
     if total > 0:
         acc.div_(total)
     else:
         acc.zero_()
-    gathered = transport.all_gather_bytes(pack_weight(total) + codec.encode(acc, key=(key, "mean")))
-    totals = []
-    for src, msg in enumerate(gathered):
+    means = _split_all(transport.all_gather_bytes(pack_weight(total) + codec.encode(acc, key=(key, "mean"))), me,
+                       "mean of shard {src}")
+    for src, (_, body) in enumerate(means):
         a, b = bounds[src]
         out = flat[a:b]
         out.zero_()
-        try:
-            wi, body = split_weight(msg)
-            totals.append(wi)
-            codec.decode_accumulate_(body, out, 1.0)
-        except CorruptPayload as e:
-            raise TransportError(f"rank {me}: worker {src} sent a corrupt mean of shard {src}: {e}") from None
-    return max(totals)
+        _decode_into(codec, body, out, 1.0, me, src, "mean of shard {src}")
+    return max(wi for wi, _ in means)
 
 
 # ---- gathered: every worker's payload, decoded by every worker -------------------------------------
 def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float, key: Hashable) -> float:
     """``flat`` becomes ``sum_i w_i decode(payload_i) / sum_i w_i``, summed in rank order on every worker."""
     me = transport.rank
-    gathered = transport.all_gather_bytes(pack_weight(weight) + codec.encode(flat, key=key))
+    received = _split_all(transport.all_gather_bytes(pack_weight(weight) + codec.encode(flat, key=key)), me, "payload")
     flat.zero_()
-    total = 0.0
-    bodies = []
-    for src, msg in enumerate(gathered):
-        try:
-            wi, body = split_weight(msg)
-        except CorruptPayload as e:
-            raise TransportError(f"rank {me}: worker {src} sent a corrupt payload: {e}") from None
-        bodies.append((src, wi, body))
-        total += wi
+    total = sum(wi for wi, _ in received)
     if total > 0:
-        for src, wi, body in bodies:
-            try:
-                codec.decode_accumulate_(body, flat, wi / total)
-            except CorruptPayload as e:
-                raise TransportError(f"rank {me}: worker {src} sent a corrupt payload: {e}") from None
+        for src, (wi, body) in enumerate(received):
+            _decode_into(codec, body, flat, wi / total, me, src, "payload")
     return total
 
 
