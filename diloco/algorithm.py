@@ -67,11 +67,32 @@ class ConfigConflict(ValueError):
         self.key, self.message = key, message
 
 
+def move_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, without waiting where the copy engine can work alone: GPU to CPU lands in pinned
+    host memory asynchronously (call :func:`settle` before the host reads it), and pinned CPU to GPU is
+    asynchronous too (the GPU's stream orders it before any use)."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if device.type == "cpu" and t.is_cuda:
+        out = torch.empty_like(t, device="cpu", pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
+    return t.to(device, non_blocking=t.device.type == "cpu" and t.is_pinned())
+
+
+def settle(device: torch.device) -> None:
+    """Wait for the copies :func:`move_tensor` started to the host from ``device`` (nothing to do on a CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def _move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> None:
     for state in opt.state.values():
         for k, v in state.items():
             if isinstance(v, torch.Tensor) and v.device != device and k != "step":
-                state[k] = v.to(device)
+                state[k] = move_tensor(v, device)
 
 
 class Algorithm:
@@ -125,10 +146,18 @@ class Algorithm:
         return self.global_tokens
 
     def to(self, device: torch.device) -> "Algorithm":
-        """Move the model and every state this algorithm keeps to ``device`` (the simulator parks idle workers)."""
-        self.model.to(device)
-        _move_optimizer_state(self.optimizer, device)
+        """Move the model and every state this algorithm keeps to ``device`` (the simulator parks idle workers
+        in pinned host memory and brings them back with asynchronous copies)."""
+        source = next((p.device for p in self.params), torch.device("cpu"))
+        self._move(device)
+        if torch.device(device).type == "cpu":
+            settle(source)  # parked state is whole before anyone on the host reads it (a checkpoint)
         return self
+
+    def _move(self, device: torch.device) -> None:
+        """What :meth:`to` moves; subclasses add their own state."""
+        self.model._apply(lambda t: move_tensor(t, device))
+        _move_optimizer_state(self.optimizer, device)
 
     def global_parameters(self) -> list[torch.Tensor]:
         """The parameters every worker shares (the model; DiLoCo: the global copy)."""

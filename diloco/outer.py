@@ -29,7 +29,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from diloco.algorithm import Algorithm, _copy_checked, _move_optimizer_state, register
+from diloco.algorithm import Algorithm, _copy_checked, _move_optimizer_state, move_tensor, register
 from diloco.comm.base import Handle, Transport
 from diloco.compress import collective
 from diloco.compress.codec import Codec, make_codec
@@ -190,21 +190,20 @@ class DiLoCo(Algorithm):
                     p.copy_(s)
 
     # ---- state ------------------------------------------------------------------------------
-    def to(self, device: torch.device) -> "DiLoCo":
+    def _move(self, device: torch.device) -> None:
         """The model and inner state; the global copy and outer state too unless ``offload_outer`` keeps them
         on the CPU. Row pieces stay views of the moved global copy (the outer optimizers hold them)."""
-        super().to(device)
+        super()._move(device)
         if not self.offload_outer:
             with torch.no_grad():
                 for g in self.global_params:
-                    g.data = g.data.to(device)
+                    g.data = move_tensor(g.data, device)
                 for view, (i, rows) in zip(self.global_views, self.pieces):
                     if rows is not None:
                         view.data = _rows_of(self.global_params[i].data, rows)
             for opt in self.outer_optimizers:
                 _move_optimizer_state(opt, device)
             self.outer_device = torch.device(device)
-        return self
 
     def global_parameters(self) -> list[torch.Tensor]:
         return self.global_params

@@ -52,10 +52,12 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["stdlib", "text", "shards", "hf"] = _f(
+    source: Literal["stdlib", "text", "shards", "hf", "python"] = _f(
         "stdlib",
-        "stdlib: the Python standard library's source on this interpreter (no download); "
-        "text: a text file or folder; shards: pre-tokenized uint16/uint32 files; hf: a Hugging Face dataset.",
+        "stdlib: the Python standard library's source on this interpreter (no download, ~30 MB); "
+        "text: a text file or folder; shards: pre-tokenized uint16/uint32 files; hf: a Hugging Face dataset; "
+        "python: the standard library plus the .py files of every installed package (site-packages; "
+        "no download, ~200 MB with torch, for GPU runs).",
     )
     path: Optional[str] = _f(None, "File or folder for text/shards; dataset name or saved folder for hf.")
     val_path: Optional[str] = _f(None, "Optional separate validation file or folder (text, shards).")
@@ -185,6 +187,8 @@ class RunConfig:
     eval_batches: int = _f(10, "Validation batches per evaluation.", gt=0)
     checkpoint_every: int = _f(500, "Checkpoint every this many steps (0: only at the end).", ge=0)
     keep_checkpoints: int = _f(3, "Keep the newest K checkpoints.", gt=0)
+    checkpoint_final: bool = _f(True, "Write a checkpoint when the run ends (false for throwaway runs such as "
+                                      "benchmark sweeps: a simulated run's final checkpoint holds every worker).")
     resume: bool = _f(False, "Continue from the newest valid checkpoint in the run folder.")
 
 

@@ -47,12 +47,49 @@ class RunError(RuntimeError):
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device this process trains on.
+
+    ``auto`` is CUDA where there is one, else the CPU. Under torchrun each process of a node takes its own GPU,
+    ``cuda:LOCAL_RANK``, and is made that process's current device (NCCL needs one GPU per rank); a node that
+    starts more processes than it has GPUs stops here, before any work, naming both counts and the ways out.
+    """
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RunError(f"run.device={name!r} but CUDA is not available on this machine; use run.device=cpu")
+    if device.type == "cuda":
+        device = _torchrun_gpu(device, name)
+        torch.cuda.set_device(device)
     return device
+
+
+def _torchrun_gpu(device: torch.device, name: str) -> torch.device:
+    """``cuda:LOCAL_RANK`` for a torchrun process (``device`` outside torchrun); RunError if GPUs are too few."""
+    if "LOCAL_RANK" not in os.environ:
+        if device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            raise RunError(f"run.device={name!r} but this machine has {torch.cuda.device_count()} GPU(s)")
+        return device
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    gpus = torch.cuda.device_count()
+    check_gpu_share(local_world, gpus)
+    if device.index is not None and local_world > 1:
+        raise RunError(f"run.device={name!r} names one GPU for all {local_world} processes of this node; "
+                       "use run.device=cuda (or auto): each process then takes cuda:LOCAL_RANK")
+    return torch.device("cuda", local_rank if device.index is None else device.index)
+
+
+def check_gpu_share(processes: int, gpus: int) -> None:
+    """Stop a node that starts more training processes than it has GPUs (NCCL cannot put two ranks on one)."""
+    if processes > gpus:
+        raise RunError(
+            f"this node starts {processes} processes but has {gpus} GPU(s), and each process needs its own GPU; "
+            f"start at most {gpus} (torchrun --nproc-per-node {max(gpus, 1)}), simulate {processes} workers on one "
+            f"GPU with 'loco simulate --workers {processes}', or train on the CPU with "
+            "--set run.device=cpu --set transport.dist_backend=gloo")
 
 
 def lr_factor(step: int, warmup: int, progress: float, schedule: str, min_ratio: float) -> float:
@@ -98,9 +135,10 @@ def build_algorithm(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimi
 
 
 def _clone(obj: Any) -> Any:
-    """A deep copy of the tensors in a state (another worker keeps training while rank 0 writes it)."""
+    """A copy of the tensors in a state, in host memory (another worker keeps training while rank 0 writes it;
+    a simulator's workers would otherwise all hold a second copy of their state on the GPU at once)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: _clone(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -140,7 +178,8 @@ class Trainer:
         if model is None:
             self.model_args = model_args_from_config(cfg.model, self.data.vocab_size, cfg.data.seq_len)
             torch.manual_seed(run.seed)
-            model = Transformer(self.model_args)
+            with torch.device(self.device):  # initialised where it trains: a 1B model takes seconds on a CPU
+                model = Transformer(self.model_args)
         else:
             self.model_args = getattr(model, "args", None)
         self.model = model.to(self.device)
@@ -429,7 +468,8 @@ class Trainer:
             m.log({"step": self.step, "tokens": self.tokens_seen(), "val_loss": val,
                    "lr": self.optimizer.param_groups[0]["lr"], "bytes_sent": stats.bytes_sent,
                    "bytes_received": stats.bytes_received, "wall_s": self.wall_s(), **self.transport.metrics()})
-        self.save()
+        if self.cfg.run.checkpoint_final:
+            self.save()
         stats = self.transport.stats
         mine = {"worker": self.rank, "tokens": self.step * self.tokens_per_step, "bytes_sent": stats.bytes_sent,
                 "bytes_received": stats.bytes_received, "val_loss": val, "steps": self.step}

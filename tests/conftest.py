@@ -15,14 +15,40 @@ import pytest
 import torch
 
 # CI has no GPU: the Triton kernels then run in the interpreter on CPU tensors (must be set before diloco is imported)
-if not torch.cuda.is_available():
+CUDA = torch.cuda.is_available()
+if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Checks that need a GPU carry the mark ``gpu`` (``pytest -m gpu`` runs them alone); without CUDA they are skipped
+# with this reason, the only skip the CPU suite has.
+NO_GPU = "needs a CUDA GPU (this machine has none; the CPU suite covers the same code in the interpreter)"
+
+# Where the Triton kernels are checked against their references: under the interpreter on CPU tensors where
+# TRITON_INTERPRET=1 (CI), and compiled on CUDA tensors where there is a GPU.
+KERNEL_DEVICES = [
+    pytest.param("cpu", id="interpreter",
+                 marks=pytest.mark.skipif(not INTERPRET, reason="TRITON_INTERPRET is off: the kernels compile for "
+                                                                "the GPU, and the cuda case checks them there")),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if CUDA:
+        return
+    skip = pytest.mark.skip(reason=NO_GPU)
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
 # fast settings for runs inside tests: a slice of the corpus, no plot, plain logs
-FAST = ["data.max_docs=120", "log.plot=false", "log.progress=plain", "run.eval_batches=2", "run.threads=1"]
+# the CPU, named: runs compared with gloo processes or across a resume must not follow whatever GPU is present
+FAST = ["data.max_docs=120", "log.plot=false", "log.progress=plain", "run.eval_batches=2", "run.threads=1",
+        "run.device=cpu"]
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""Data sources (stdlib, text, shards, hf) and the deterministic per-worker Batcher."""
+"""Data sources (stdlib, python, text, shards, hf) and the deterministic per-worker Batcher."""
 
 from __future__ import annotations
 
@@ -6,13 +6,16 @@ import mmap
 from collections import Counter
 from pathlib import Path
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
-from launch.config import DataConfig
-from launch.data import (BYTE_VOCAB, EOS, LLMC_MAGIC, Batcher, DataError, TokenData, load_data,
-                         stdlib_files)
+from launch.config import ConfigError, DataConfig, load_config
+from launch.data import (BYTE_VOCAB, EOS, LLMC_MAGIC, Batcher, DataError, TokenData, _is_val, _split_documents,
+                         load_data, load_python, python_files, python_roots, stdlib_files)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -81,6 +84,168 @@ def test_stdlib_splits_by_whole_files():
     # no file content in both splits (identical files could legitimately repeat; the stdlib has few)
     both = set(train_docs) & set(val_docs)
     assert sum(len(d) for d in both) < 0.01 * data.val_tokens
+
+
+# ---- python (standard library + site-packages) --------------------------------------------------
+
+def _expected_doc(path: str) -> bytes | None:
+    """What the python source makes of one file: None when skipped (not UTF-8), else its bytes without NUL."""
+    data = Path(path).read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return data.replace(b"\x00", b"")
+
+
+def _parts(name: str) -> tuple[str, ...]:
+    return tuple(name.split("/")[1:])
+
+
+def test_python_files_lists_stdlib_then_site_packages_in_a_stable_order():
+    files = python_files()
+    names = [f.name for f in files]
+    assert python_files() == files  # the same listing twice
+    std = [n for n in names if n.startswith("stdlib/")]
+    site = [n for n in names if n.startswith("site/")]
+    assert len(std) + len(site) == len(names) and std and site
+    assert names == std + site  # the standard library first, then the site-packages
+    assert std == sorted(std, key=_parts) and site == sorted(site, key=_parts)
+    # the stdlib part is what the stdlib source reads, each real file once (Debian links one _sysconfigdata
+    # module to another); installed packages add to it
+    root, stdlib = stdlib_files()
+    first: dict[str, str] = {}
+    for name in sorted(("stdlib/" + f.relative_to(root).as_posix() for f in stdlib), key=_parts):
+        first.setdefault(os.path.realpath(root / name[len("stdlib/"):]), name)
+    assert set(first.values()) == set(std)
+    assert {"stdlib/os.py", "site/numpy/__init__.py", "site/torch/__init__.py"} <= set(names)
+    assert len(site) > len(std)
+    assert not any("__pycache__" in n or n.rsplit("/", 1)[-1].startswith("__editable__") for n in names)
+    assert all(n.endswith(".py") for n in names)
+    real = [os.path.realpath(f.path) for f in files]
+    assert len(set(real)) == len(real)  # no file read twice
+    stdlib_root, sites = python_roots()
+    assert sites and stdlib_root not in sites and len(set(sites)) == len(sites)
+    assert all(f.size == os.stat(f.path).st_size for f in files[:50] + files[-50:])
+
+
+def _tree(tmp_path: Path) -> tuple[Path, list[Path]]:
+    """A small standard library and two site folders with every case the listing handles."""
+    std, site, site2 = tmp_path / "std", tmp_path / "site", tmp_path / "site2"
+    _write(std / "abc.py", "import os\n")
+    _write(std / "pkg" / "__init__.py", "")  # empty: listed, then left out of the corpus
+    _write(std / "pkg" / "mod.py", "x = 1\n")
+    _write(std / "pkg" / "__pycache__" / "mod.cpython-311.py", "cached = True\n")
+    _write(std / "site-packages" / "installed.py", "not stdlib\n")
+    _write(std / "notes.txt", "not python\n")
+    # relative links, so a copy of the tree links within the copy
+    (std / "pkg_link").symlink_to("pkg", target_is_directory=True)  # symlinked folders are not entered
+    (std / "pkg" / "loop").symlink_to("..", target_is_directory=True)  # a folder symlink loop
+    _write(site / "a.py", "print('a')\n")
+    _write(site / "a-b" / "c.py", "c = 'with a NUL\x00 inside'\n")
+    _write(site / "z" / "b.py", "b = 2\n")
+    _write(site / "latin1.py", "s = 'caf\xe9'\n".encode("latin-1"))  # not UTF-8
+    _write(site / "__editable___demo_0_1_finder.py", "MAPPING = {'demo': '/abs/path'}\n")
+    _write(site / "inner" / "nested.py", "nested = 1\n")  # its own root too: listed once
+    _write(site / "__pycache__" / "a.cpython-311.py", "cached\n")
+    (site / "alias.py").symlink_to("a.py")  # a second name for a.py: read once
+    (site / "broken.py").symlink_to("missing.py")
+    (site / "loop1.py").symlink_to("loop2.py")  # a file symlink loop
+    (site / "loop2.py").symlink_to("loop1.py")
+    _write(site2 / "a.py", "print('another a')\n")  # the same relative path in a second site folder
+    _write(std / "vendored" / "v.py", "v = 5\n")  # a site folder inside the stdlib tree: read as site only
+    return std, [site, site / "inner", site2, site, std / "vendored"]  # site twice: deduplicated
+
+
+def test_python_files_rules_on_a_temporary_tree(tmp_path):
+    std, sites = _tree(tmp_path)
+    files = python_files(std, sites)
+    assert [f.name for f in files] == [
+        "stdlib/abc.py", "stdlib/pkg/__init__.py", "stdlib/pkg/mod.py",
+        "site/a-b/c.py", "site/a.py", "site/a.py", "site/latin1.py", "site/nested.py", "site/v.py", "site/z/b.py",
+    ]
+    by_name = [(f.name, Path(f.path)) for f in files]
+    assert by_name[4] == ("site/a.py", (tmp_path / "site" / "a.py").resolve())  # first folder first
+    assert by_name[5] == ("site/a.py", (tmp_path / "site2" / "a.py").resolve())
+    # a listing of only a site folder names nothing stdlib/
+    assert [f.name for f in python_files(None, [tmp_path / "site2"])] == ["site/a.py"]
+    # the same tree somewhere else gives the same names and the same tokens: no absolute path matters
+    shutil.copytree(tmp_path, tmp_path.parent / (tmp_path.name + "_moved"), symlinks=True)
+    moved = tmp_path.parent / (tmp_path.name + "_moved")
+    msites = [moved / s.relative_to(tmp_path) for s in sites]
+    assert [f.name for f in python_files(moved / "std", msites)] == [f.name for f in files]
+    a, b = load_python(0.3, None, std, sites), load_python(0.3, None, moved / "std", msites)
+    assert np.array_equal(a.train[0], b.train[0]) and np.array_equal(a.val[0], b.val[0])
+
+
+def test_python_source_documents_and_skips_on_a_temporary_tree(tmp_path):
+    std, sites = _tree(tmp_path)
+    files = python_files(std, sites)
+    data = load_python(0.02, None, std, sites)
+    expected = [(f.name, _expected_doc(f.path)) for f in files]
+    assert ("site/latin1.py", None) in expected and ("stdlib/pkg/__init__.py", b"") in expected
+    kept = [(n, d) for n, d in expected if d]
+    assert Counter(_docs(data.train) + _docs(data.val)) == Counter(d for _, d in kept)
+    assert b"c = 'with a NUL inside'\n" in _docs(data.train) + _docs(data.val)  # NUL removed, file kept
+    assert data.train_tokens + data.val_tokens == sum(len(d) + 1 for _, d in kept)
+    assert "+ 4 site-packages folder(s) (8 files: 2 stdlib, 6 site-packages" in data.description
+    assert f"{data.train_tokens + data.val_tokens:,} tokens" in data.description
+    assert "1 unreadable or non-UTF-8 files skipped" in data.description
+    assert data.vocab_size == BYTE_VOCAB and data.tokenizer == "bytes"
+
+
+@pytest.mark.parametrize("n_files,fraction", [(1, 0.3), (3, 1e-9), (3, 0.9999), (8, 0.3), (8, 0.5)])
+def test_python_source_split_matches_split_documents(tmp_path, n_files, fraction):
+    """Streaming into one array per split gives what _split_documents gives, its fallbacks included."""
+    for i in range(n_files):
+        _write(tmp_path / "lib" / f"m{i}.py", f"value_{i} = {i * 7}\n" * (i + 2))
+    files = python_files(tmp_path / "lib", [])
+    docs = [(f.name, np.frombuffer(_expected_doc(f.path), dtype=np.uint8)) for f in files]
+    want_train, want_val = _split_documents(docs, fraction)
+    got = load_python(fraction, None, tmp_path / "lib", [])
+    assert len(got.train) == len(got.val) == 1
+    assert np.array_equal(got.train[0], want_train[0]) and np.array_equal(got.val[0], want_val[0])
+    assert got.train[0].dtype == got.val[0].dtype == np.uint8 and got.train_tokens > 0 and got.val_tokens > 0
+
+
+def test_python_source_is_deterministic_and_splits_by_whole_files():
+    files = python_files()
+    n_std = sum(f.name.startswith("stdlib/") for f in files)
+    cfg = DataConfig(source="python", max_docs=n_std + 60, seq_len=64)  # the whole stdlib + 60 site files
+    a, b = load_data(cfg), load_data(cfg)
+    for x, y in zip(a.train + a.val, b.train + b.val, strict=True):
+        assert x.dtype == np.uint8 and np.array_equal(x, y)
+    docs = [(f.name, d) for f in files[: n_std + 60] if (d := _expected_doc(f.path))]
+    site_docs = [d for n, d in docs if n.startswith("site/")]
+    assert len(site_docs) >= 30  # installed packages contribute documents
+    # every file lands whole on the side its name picks, in corpus order: none is on both sides
+    assert _docs(a.train) == [d for n, d in docs if not _is_val(n, cfg.val_fraction)]
+    assert _docs(a.val) == [d for n, d in docs if _is_val(n, cfg.val_fraction)]
+    assert 0 < a.val_tokens < 0.1 * a.train_tokens
+    assert f"{a.train_tokens + a.val_tokens:,} tokens" in a.description
+    assert f"{len(docs) - len(site_docs):,} stdlib, {len(site_docs):,} site-packages" in a.description
+
+
+def test_python_source_max_docs_takes_a_prefix_of_the_files():
+    small = load_data(DataConfig(source="python", max_docs=80, seq_len=64))
+    big = load_data(DataConfig(source="python", max_docs=200, seq_len=64))
+    s_docs, b_docs = _docs(small.train) + _docs(small.val), _docs(big.train) + _docs(big.val)
+    assert len(s_docs) <= 80 < len(b_docs) <= 200
+    assert not Counter(s_docs) - Counter(b_docs)  # the first 80 files are among the first 200
+    want = [d for f in python_files()[:80] if (d := _expected_doc(f.path))]
+    assert Counter(s_docs) == Counter(want)
+    assert small.train_tokens + small.val_tokens < big.train_tokens + big.val_tokens
+
+
+def test_python_source_in_config_and_presets():
+    cfg, _ = load_config(overrides=["data.source=python"])
+    assert cfg.data.source == "python" and cfg.data.path is None  # needs no path
+    with pytest.raises(ConfigError, match="allowed: stdlib, text, shards, hf, python"):
+        load_config(overrides=["data.source=pyhton"])
+    assert load_config()[0].data.source == "stdlib"
+    assert load_config(["tiny"])[0].data.source == "stdlib"
+    for preset in ("small", "150m", "1b"):
+        assert load_config([preset])[0].data.source == "python", preset
 
 
 # ---- text -------------------------------------------------------------------------------------

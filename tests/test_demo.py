@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import FAST, TINY, simulate_and_torchrun
+from conftest import FAST, KERNEL_DEVICES, TINY, simulate_and_torchrun
 from demo_optim import DeMo
 from demo_optim import kernels as K
 from demo_optim.transform import from_chunks, plan_for, to_chunks
@@ -245,9 +245,10 @@ def test_a_payload_that_fails_validation_is_left_out_and_logged(caplog):
     assert "left worker 2's payload out of the mean: settings or model differ" in caplog.text
 
 
-# ---- kernels (Triton interpreter on CPU) ---------------------------------------------------------
+# ---- kernels (the Triton interpreter on CPU, compiled on a GPU) ----------------------------------------
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("shape", [(64, 64), (128, 192), (2, 64, 128), (100, 48), (40, 70)], ids=str)
-def test_kernels_match_the_reference(shape):
+def test_kernels_match_the_reference(shape, device):
     plan = plan_for(shape, 64, 32, "pad" if shape[-1] != 70 else "auto")
     if not K.kernel_fits(plan):
         plan = plan_for(shape, 32, 16, "pad")
@@ -256,15 +257,17 @@ def test_kernels_match_the_reference(shape):
     d1 = torch.randn(shape, generator=g)
     d2 = d1.clone()
     i1, v1 = K.encode_ref(d1, plan)
-    i2, v2 = K.encode_triton(d2, plan)
+    d2 = d2.to(device)
+    i2, v2 = (t.cpu() for t in K.encode_triton(d2, plan))
+    d2 = d2.cpu()
     assert torch.equal(i1, i2)
     assert torch.allclose(v1, v2, atol=1e-5) and torch.allclose(d1, d2, atol=1e-5)
     agg = torch.randn(plan.num_chunks, plan.chunk_size, generator=g)
     p1 = torch.randn(shape, generator=g)
-    p2 = p1.clone()
+    p2 = p1.clone().to(device)
     K.decode_sign_ref(agg, p1, 0.01, plan)
-    K.decode_sign_triton(agg, p2, 0.01, plan)
-    assert torch.equal(p1, p2)
+    K.decode_sign_triton(agg.to(device), p2, 0.01, plan)
+    assert torch.equal(p1, p2.cpu())
 
 
 # ---- in the loop -------------------------------------------------------------------------------

@@ -34,14 +34,24 @@ def max_diff(a, b) -> float:
 
 
 def test_identity_h1_plain_outer_sgd_equals_ddp(tmp_path):
-    """(a) H=1, outer SGD lr 1 without momentum, M workers == DDP with M workers (inner SGD: averaging is linear)."""
-    common = ["optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0", "optim.warmup_steps=0", "run.max_steps=6",
+    """(a) H=1, outer SGD lr 1 without momentum, M workers == DDP with M workers (inner SGD: averaging is linear).
+
+    Equal up to fp32 rounding only: DDP steps by lr * mean(g), DiLoCo by mean(theta - (theta - lr * g_i)), and
+    each path rounds a few times per step at |theta| <= ~1 (one ulp is 1.2e-7). Six steps at inner lr 0.1 (a
+    lr of 0.5 amplifies those roundings 50-fold, which made the check depend on the machine) stay within
+    ~4e-6; the bound 2e-5 leaves a margin of 4, while an outer step 5% off lands far beyond it (30 to 400 times
+    on the machines tried: the corpus is this interpreter's standard library, so the data differ).
+    """
+    common = ["optim.name=sgd", "optim.lr=0.1", "optim.grad_clip=0", "optim.warmup_steps=0", "run.max_steps=6",
               "sim.workers=3"]
     ddp = simulate_once(cfg_of(tmp_path, "ddp", *common, "algo.name=ddp"))
     dil = simulate_once(cfg_of(tmp_path, "diloco", *common, "algo.name=diloco", "algo.inner_steps=1",
                                "algo.outer_lr=1", "algo.outer_momentum=0"))
+    off = simulate_once(cfg_of(tmp_path, "off", *common, "algo.name=diloco", "algo.inner_steps=1",
+                               "algo.outer_lr=0.95", "algo.outer_momentum=0"))
     diff = max_diff(final_model(ddp), final_model(dil))
-    assert diff < 1e-5, diff
+    assert diff < 2e-5, diff
+    assert max_diff(final_model(ddp), final_model(off)) > 10 * 2e-5  # the check sees a 5% error
     # the same dense exchange every step, plus the 4-byte weight riding in the same bucket
     assert 0 < dil["bytes_sent"] - ddp["bytes_sent"] <= 6 * 8
 

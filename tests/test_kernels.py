@@ -1,10 +1,12 @@
-"""Triton kernels against their torch references (in the interpreter on CPU, see conftest); reference properties."""
+"""Triton kernels against their torch references (in the interpreter on CPU, compiled on a GPU: conftest's
+KERNEL_DEVICES); reference properties. References always run on the CPU, from the same inputs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from conftest import KERNEL_DEVICES
 from diloco.compress.kernels import quant as q
 from diloco.compress.kernels import topk as tk
 
@@ -40,11 +42,12 @@ def _quant_inputs(block: int) -> dict[str, torch.Tensor]:
 
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("block", [4, 64, 256])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_quantize_kernel_matches_reference(fmt, block):
+def test_quantize_kernel_matches_reference(fmt, block, device):
     for name, x in _quant_inputs(block).items():
-        packed, scales = q.quantize_triton(x, block, fmt)
+        packed, scales = (t.cpu() for t in q.quantize_triton(x.to(device), block, fmt))
         ref_packed, ref_scales = q.quantize_ref(x, block, fmt)
         assert packed.dtype == torch.uint8 and packed.numel() == q.packed_bytes(x.numel(), fmt), name
         assert scales.numel() == q.num_blocks(x.numel(), block), name
@@ -52,9 +55,10 @@ def test_quantize_kernel_matches_reference(fmt, block):
         assert torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32)), name  # bit for bit
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("block", [4, 64, 256])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_dequantize_kernel_matches_reference(fmt, block):
+def test_dequantize_kernel_matches_reference(fmt, block, device):
     g = torch.Generator().manual_seed(7)
     for name, x in _quant_inputs(block).items():
         n = x.numel()
@@ -62,10 +66,11 @@ def test_dequantize_kernel_matches_reference(fmt, block):
         # also every code the quantizer never writes (int8 -128, int4 code 0, fp4 negative zero)
         noise = torch.randint(0, 256, packed.shape, dtype=torch.uint8, generator=g)
         for codes in (packed, noise):
-            got = q.dequantize_triton(codes, scales, n, block, fmt)
+            got = q.dequantize_triton(codes.to(device), scales.to(device), n, block, fmt).cpu()
             assert torch.equal(got, q.dequantize_ref(codes, scales, n, block, fmt)), name
             base = torch.randn(n, generator=g)
-            acc = q.dequantize_triton(codes, scales, n, block, fmt, out=base.clone(), weight=0.37, accumulate=True)
+            acc = q.dequantize_triton(codes.to(device), scales.to(device), n, block, fmt, out=base.clone().to(device),
+                                      weight=0.37, accumulate=True).cpu()
             ref = q.dequantize_ref(codes, scales, n, block, fmt, out=base.clone(), weight=0.37, accumulate=True)
             assert torch.allclose(acc, ref, rtol=1e-6, atol=1e-6), name
 
@@ -94,20 +99,21 @@ def _topk_inputs(chunk: int) -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("chunk,k", [(16, 1), (16, 5), (16, 16), (256, 13)])
 @pytest.mark.parametrize("residual,decay", [(False, 1.0), (True, 1.0), (True, 0.9)], ids=["plain", "ef", "ef-decay"])
-def test_topk_kernel_matches_reference(chunk, k, residual, decay):
+def test_topk_kernel_matches_reference(chunk, k, residual, decay, device):
     g = torch.Generator().manual_seed(3)
     for name, x in _topk_inputs(chunk).items():
         r = torch.randn(x.numel(), generator=g) if residual else None
-        r_kernel, r_ref = (r.clone(), r.clone()) if residual else (None, None)
-        idx, values = tk.topk_chunks_triton(x, chunk, k, r_kernel, decay)
+        r_kernel, r_ref = (r.clone().to(device), r.clone()) if residual else (None, None)
+        idx, values = (t.cpu() for t in tk.topk_chunks_triton(x.to(device), chunk, k, r_kernel, decay))
         ref_idx, ref_values = tk.topk_chunks_ref(x, chunk, k, r_ref, decay)
         assert idx.dtype == torch.int32 and idx.numel() == tk.selected_count(x.numel(), chunk, k), name
         assert torch.equal(idx, ref_idx), name
         assert torch.equal(values.view(torch.int32), ref_values.view(torch.int32)), name
         if residual:
-            assert torch.equal(r_kernel, r_ref), name
+            assert torch.equal(r_kernel.cpu(), r_ref), name
 
 
 # ---- reference properties --------------------------------------------------------------------

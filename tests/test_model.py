@@ -334,7 +334,8 @@ def test_custom_module_trains_through_python_api(tmp_path):
     assert summary["algorithm"] == "ddp" and summary["num_workers"] == 1
     assert summary["tokens"] == 3 * cfg.run.batch_size * cfg.data.seq_len
     assert math.isfinite(summary["val_loss"])
-    assert not torch.equal(before, custom.head.weight.detach())  # the weights moved
+    # the weights moved (on whichever device run.device=auto chose: compared on the CPU)
+    assert not torch.equal(before, custom.head.weight.detach().cpu())
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["steps"] == 3
     assert (tmp_path / "config.yaml").is_file()

@@ -1,0 +1,116 @@
+"""Checks that need a CUDA GPU (``pytest -m gpu``): bf16 autocast with exact resume, NCCL with one process, a node
+with more processes than GPUs, the simulator with ``--offload``. The kernels on CUDA against their references are
+the ``cuda`` cases of tests/test_kernels.py and tests/test_demo.py. Without CUDA all of these are skipped with a
+reason (conftest); the device choice they rely on is checked on the CPU at the end of this file."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import FAST, TINY, free_port, run_cli
+from launch.checkpoint import latest_checkpoint, list_checkpoints
+from launch.config import load_config
+from launch.metrics import read_metrics
+from launch.simulate import simulate_once
+from launch.trainer import RunError, check_gpu_share, train
+
+# FAST names the CPU; a later override wins
+ON_GPU = [*FAST, "run.device=cuda", "run.eval_every=0", "run.batch_size=4"]
+COMPARED = ("step", "tokens", "loss", "lr", "grad_norm")
+
+
+def gpu_cfg(run_dir, *overrides: str):
+    cfg, _ = load_config([TINY], [*ON_GPU, f"run.dir={run_dir}", *overrides])
+    return cfg
+
+
+def sets(*overrides: str) -> list[str]:
+    return [a for s in [*ON_GPU, *overrides] for a in ("--set", s)]
+
+
+@pytest.mark.gpu
+def test_bf16_autocast_on_cuda_resumes_exactly(tmp_path):
+    extra = ["run.precision=bf16", "run.max_steps=30", "run.checkpoint_every=10", "log.every=1"]
+    reference = train(gpu_cfg(tmp_path / "reference", *extra))
+
+    def interrupt(step, record):
+        if step == 15:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(gpu_cfg(tmp_path / "broken", *extra), on_step=interrupt)
+    assert list_checkpoints(tmp_path / "broken" / "checkpoints")[0].name == "step_00000015.pt"
+    resumed = train(gpu_cfg(tmp_path / "broken", *extra, "run.resume=true"))
+    assert resumed["steps"] == 30
+    curve = [{k: r.get(k) for k in COMPARED} for r in read_metrics(tmp_path / "broken")]
+    want = [{k: r.get(k) for k in COMPARED} for r in read_metrics(tmp_path / "reference")]
+    assert curve == want
+    _, state = latest_checkpoint(tmp_path / "broken" / "checkpoints")
+    assert all(t.device.type == "cpu" for t in state["model"].values())  # checkpoints load anywhere
+
+
+@pytest.mark.gpu
+def test_nccl_with_one_process_equals_one_simulated_worker_on_cuda(tmp_path):
+    args = ["--config", TINY, "--max-steps", "8", "--seed", "3",
+            *sets("algo.name=diloco", "algo.inner_steps=4", "run.checkpoint_every=8", "sim.baseline=none")]
+    sim = run_cli(["simulate", *args, "--workers", "1", "--run-dir", str(tmp_path / "sim")])
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    real = run_cli(["--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                    "-m", "launch.cli", "train", *args, "--set", "transport.dist_backend=nccl",
+                    "--run-dir", str(tmp_path / "real")], module="torch.distributed.run")
+    assert real.returncode == 0, real.stderr[-3000:]
+    summaries = [json.loads((tmp_path / n / "summary.json").read_text()) for n in ("sim", "real")]
+    assert all(math.isfinite(s["val_loss"]) for s in summaries)
+    a, b = (latest_checkpoint(tmp_path / n / "checkpoints")[1]["model"] for n in ("sim", "real"))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+@pytest.mark.gpu
+def test_more_processes_than_gpus_stop_before_any_work(tmp_path):
+    procs = torch.cuda.device_count() + 1
+    res = run_cli(["--nproc-per-node", str(procs), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                   "-m", "launch.cli", "train", "--config", TINY, "--max-steps", "5",
+                   *[a for s in FAST[:-1] for a in ("--set", s)], "--run-dir", str(tmp_path / "run")],
+                  module="torch.distributed.run", timeout=120)
+    assert res.returncode != 0
+    # every rank stops with loco's one line (torchrun then adds its own report of the failed ranks)
+    assert f"loco train: error: this node starts {procs} processes but has {procs - 1} GPU(s)" in res.stderr
+    assert "Duplicate GPU" not in res.stderr and "NCCL error" not in res.stderr
+    assert "Traceback" not in "\n".join(line for line in res.stderr.splitlines() if "loco" in line)
+    assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())
+
+
+@pytest.mark.gpu
+def test_simulator_offload_on_cuda_changes_nothing(tmp_path):
+    """Parking idle workers in pinned host memory moves bits, not values: equal to the run without it. With
+    ``algo.offload_outer`` the outer step itself runs on the CPU, whose arithmetic differs from the GPU's in
+    the last bits, so that run is only close."""
+    common = ["run.max_steps=6", "sim.workers=3", "algo.name=diloco", "algo.inner_steps=3", "sim.baseline=none",
+              "run.checkpoint_every=6"]
+    runs = {}
+    for name, extra in (("plain", []), ("offload", ["sim.offload=true"]),
+                        ("outer", ["sim.offload=true", "algo.offload_outer=true"])):
+        runs[name] = simulate_once(gpu_cfg(tmp_path / name, *common, *extra))
+    assert runs["plain"]["bytes_sent"] == runs["offload"]["bytes_sent"] == runs["outer"]["bytes_sent"]
+    states = {n: latest_checkpoint(tmp_path / n / "checkpoints")[1] for n in runs}
+    for w in range(3):
+        a, b, c = (states[n]["workers"][w] for n in ("plain", "offload", "outer"))
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        assert all(torch.allclose(a["model"][k].float(), c["model"][k].float(), atol=1e-5) for k in a["model"])
+    assert runs["plain"]["val_loss"] == runs["offload"]["val_loss"]
+    assert abs(runs["plain"]["val_loss"] - runs["outer"]["val_loss"]) < 1e-3
+
+
+# ---- the device choice, on any machine ------------------------------------------------------------
+def test_a_node_with_fewer_gpus_than_processes_is_named_with_the_ways_out():
+    check_gpu_share(2, 2)
+    with pytest.raises(RunError) as err:
+        check_gpu_share(4, 1)
+    msg = str(err.value)
+    assert "this node starts 4 processes but has 1 GPU(s)" in msg
+    for way in ("--nproc-per-node 1", "loco simulate --workers 4", "run.device=cpu", "transport.dist_backend=gloo"):
+        assert way in msg
