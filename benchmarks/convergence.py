@@ -14,8 +14,10 @@ Every multi-worker method runs in the simulator with the same workers, per-worke
 so all see the same tokens (``single`` is one of those workers alone: the same steps on 1/M of the tokens,
 as in the DiLoCo paper's baseline). Reported per method: the median final validation loss over seeds, its
 gap to DDP, bytes sent per worker and DDP's bytes over them, the peak bytes of one exchange, and, with the
-network model (default 1 Gbit/s, 80 ms), the virtual wall-clock of the whole run and to reach DDP's final
-loss. Virtual compute per step is fixed (``--step-time``, default: measured once here) so timings of all
+network model (default 1 Gbit/s, 80 ms), the virtual wall-clock of the whole run, to reach DDP's final
+loss (the first evaluation at or below it) and to reach DiLoCo's final loss (``--diloco-ref``, by default
+``diloco-h50`` when it ran; interpolated linearly between the two evaluations around the crossing; "not
+reached" when no evaluation gets there). Virtual compute per step is fixed (``--step-time``, default: measured once here) so timings of all
 methods compare. Writes a Markdown table (``--out``) and a plot of validation loss vs tokens and vs bytes.
 """
 
@@ -111,6 +113,41 @@ def time_to(curve: list, target: float) -> Optional[float]:
     return next((v for _, _, v, loss in curve if loss <= target), None)
 
 
+def time_to_interp(curve: list, target: float) -> Optional[float]:
+    """Virtual seconds at which the validation loss first reaches ``target``, linear between evaluations.
+
+    Before the first evaluation nothing is known, so a curve already at or below the target there gives the
+    first evaluation's time; None when no evaluation gets there.
+    """
+    prev = None
+    for _, _, v, loss in curve:
+        if loss <= target:
+            if prev is None or prev[1] <= loss:
+                return v
+            v0, l0 = prev
+            return v0 + (l0 - target) / (l0 - loss) * (v - v0)
+        prev = (v, loss)
+    return None
+
+
+def diloco_ref(args, methods: list[str]) -> Optional[str]:
+    """The DiLoCo run whose final loss the 'virtual time to DiLoCo's loss' column aims at."""
+    want = getattr(args, "diloco_ref", None) or "diloco-h50"
+    if want in methods:
+        return want
+    plain = [m for m in methods if m.startswith("diloco-h") and m[len("diloco-h"):].isdigit()]
+    return plain[0] if plain else None
+
+
+def median_time_to(rs: list[dict], target: Optional[float], fn) -> str:
+    """Median over seeds of ``fn(curve, target)``, a seed that never gets there counting as infinitely late."""
+    if target is None:
+        return ""
+    reach = [fn(r["curve"], target) for r in rs]
+    mid = statistics.median_high([float("inf") if t is None else t for t in reach]) if reach else float("inf")
+    return f"{mid:.1f} s" if mid < float("inf") else "not reached"
+
+
 def report(args, results: list[dict], step_time: float, device: str) -> str:
     from launch.metrics import human_bytes
 
@@ -119,6 +156,8 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
     med = {m: statistics.median(r["val_loss"] for r in by[m]) for m in methods}
     ddp = med.get("ddp")
     ddp_bytes = statistics.median(r["bytes"] for r in by["ddp"]) if "ddp" in by else None
+    ref = diloco_ref(args, methods)
+    ref_loss = med[ref] if ref else None
     import torch
 
     lines = [
@@ -131,9 +170,16 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
         f"outer SGD lr {args.outer_lr}, Nesterov momentum {args.outer_momentum}",
         f"- network model: {args.bandwidth}, {args.latency} per worker; virtual compute {step_time * 1e3:.1f} ms/step",
         f"- command: python benchmarks/convergence.py {' '.join(sys.argv[1:])}",
+    ]
+    if ref:
+        lines.append(f"- virtual time to {ref}'s loss: when the validation loss first reaches {ref}'s final median "
+                     f"loss {ref_loss:.4f}, interpolated linearly between evaluations (to DDP's loss: the first "
+                     f"evaluation at or below it); median over seeds")
+    lines += [
         "",
-        "| method | val loss (median) | seeds | vs DDP | bytes sent / worker | DDP bytes / these | peak bytes / exchange | virtual wall | virtual time to DDP's loss |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| method | val loss (median) | seeds | vs DDP | bytes sent / worker | DDP bytes / these | peak bytes / exchange | "
+        "virtual wall | virtual time to DDP's loss |" + (f" virtual time to {ref}'s loss |" if ref else ""),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if ref else ""),
     ]
     for m in methods:
         rs = by[m]
@@ -144,11 +190,10 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
         peak = human_bytes(statistics.median(r["peak"] for r in rs))
         wall = statistics.median(r["virtual_s"] for r in rs)
         # median over seeds, a seed that never got there counting as infinitely late
-        reach = [time_to(r["curve"], ddp) for r in rs] if ddp is not None else []
-        mid = statistics.median_high([float("inf") if t is None else t for t in reach]) if reach else float("inf")
-        to_ddp = f"{mid:.1f} s" if mid < float("inf") else "not reached"
+        to_ddp = median_time_to(rs, ddp, time_to) if ddp is not None else "not reached"
+        to_ref = f" {median_time_to(rs, ref_loss, time_to_interp)} |" if ref else ""
         lines.append(f"| {m} | {med[m]:.4f} | {seeds} | {gap} | {human_bytes(b)} | {fewer} | {peak} | {wall:.1f} s | "
-                     f"{to_ddp} |")
+                     f"{to_ddp} |{to_ref}")
     return "\n".join(lines) + "\n"
 
 
@@ -210,6 +255,9 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="extra config override for every run")
     p.add_argument("--out", default="benchmarks/results/convergence_cpu.md")
     p.add_argument("--keep-runs", help="keep run folders here (default: a temporary folder)")
+    p.add_argument("--diloco-ref", default="diloco-h50",
+                   help="the method whose final loss the last column aims at (default diloco-h50; if it did not "
+                        "run: the first diloco-hN that did)")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild the table and plot from the .json that an earlier (maybe interrupted) run saved")
     p.add_argument("--merge", action="append", default=[], metavar="JSON",

@@ -106,7 +106,8 @@ def run_one(args: argparse.Namespace) -> dict:
 
     torch.manual_seed(args.seed)
     margs = replace(SIZES[args.child], vocab_size=256, max_seq_len=args.seq_len)
-    model = Transformer(margs).to(device)
+    with torch.device(device):  # initialised where it trains: no CPU initialisation and copy of a 1b model
+        model = Transformer(margs)
     opt = build_optimizer(model, OptimConfig(), device)
     B, T = args.batch_size, args.seq_len
 

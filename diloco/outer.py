@@ -108,21 +108,35 @@ class DiLoCo(Algorithm):
     def exchange(self, fragment: Optional[int], weight: float) -> float:
         """Average the pseudo-gradients of one fragment (None: all) and apply the outer step now."""
         indices = list(range(len(self.pieces))) if fragment is None else self.fragments[fragment]
-        deltas, total, handle = self.start_exchange(indices, weight, key=fragment)
+        # the local parameters are replaced by the global ones right after, so they can hold the pseudo-gradient:
+        # no second copy of the model per worker while the exchange runs (N simulated workers wait at once)
+        # (with one worker nothing waits, and a Ctrl-C that saves must find the local model whole)
+        deltas, total, handle = self.start_exchange(indices, weight, key=fragment,
+                                                    in_place=self.transport.world_size > 1)
         handle.wait()
         self.apply_exchange(indices, deltas, self._total(total), mix_alpha=0.0)
         return self._total(total)
 
-    def start_exchange(self, indices: Sequence[int], weight: float,
-                       key: Optional[int] = None) -> tuple[list[torch.Tensor], torch.Tensor, Handle]:
+    def start_exchange(self, indices: Sequence[int], weight: float, key: Optional[int] = None,
+                       in_place: bool = False) -> tuple[list[torch.Tensor], torch.Tensor, Handle]:
         """Start averaging the pseudo-gradients of the pieces ``indices``, weighted by ``weight`` over the workers.
 
         Once the handle's ``wait()`` returns, ``deltas`` hold the weighted mean and ``total`` (a
         one-element tensor) the total weight. ``key`` names the fragment for the codec's error feedback.
+        ``in_place``: the pseudo-gradient overwrites the local parameters where they are fp32 on the outer
+        device (the caller then sets them from the global copy, as :meth:`apply_exchange` does); the same
+        bits as a new tensor, since ``-local + global`` rounds as ``global - local``.
         """
         with torch.no_grad():
-            deltas = [self.global_views[k] - self._local(k).to(self.outer_device, torch.float32) for k in indices]
-            if not all(bool(torch.isfinite(d).all()) for d in deltas):
+            deltas = []
+            for k in indices:
+                local = self._local(k)
+                if in_place and local.dtype == torch.float32 and local.device == self.outer_device:
+                    deltas.append(local.neg_().add_(self.global_views[k]))
+                else:
+                    deltas.append(self.global_views[k] - local.to(self.outer_device, torch.float32))
+            finite = torch.stack([torch.isfinite(d).all() for d in deltas]).all() if deltas else torch.tensor(True)
+            if not bool(finite):  # one host sync per exchange, not one per parameter
                 # a diverged worker is left out of this average (weight 0) and re-syncs to the new global model
                 self.rejected_updates += 1
                 weight = 0.0
