@@ -103,11 +103,11 @@ def chain_rows(x: torch.Tensor, chains: list[str], repeats: int) -> list[dict]:
     for chain in chains:
         codec = make_codec(chain)
         payload = codec.encode(x)
-        y = codec.decode(payload, device=x.device)
+        y = codec.decode(payload, expect_numel=x.numel(), device=x.device)
         err = float((y - x).norm() / x.norm())
         fresh = make_codec(chain)  # encode timing without error feedback state
         enc = timed(lambda: fresh.encode(x), repeats, x.device)
-        dec = timed(lambda: codec.decode(payload, device=x.device), repeats, x.device)
+        dec = timed(lambda: codec.decode(payload, expect_numel=x.numel(), device=x.device), repeats, x.device)
         rows.append({"chain": chain, "bytes_per_param": len(payload) / n, "ratio": 4 * n / len(payload), "rel_err": err,
                      "encode_gbs": 4 * n / enc / 1e9, "decode_gbs": 4 * n / dec / 1e9})
         print(f"  {chain:28s} {len(payload) / n:7.4f} B/param  x{4 * n / len(payload):7.1f}  err {err:.4f}  "

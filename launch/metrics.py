@@ -187,56 +187,166 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def plot_runs(run_dirs: Iterable[str | Path], out: str | Path, title: Optional[str] = None) -> Path:
-    """Loss vs tokens and loss vs bytes communicated, one line per run, into a PNG."""
+def _read_mapping(path: Path) -> dict[str, Any]:
+    """A run folder's config.yaml or summary.json as a dict; {} when missing or unreadable."""
+    import yaml
+
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError):  # missing, torn or hand-edited: the label falls back
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def run_label(run_dir: str | Path) -> str:
+    """What a run was, from its config.yaml and summary.json: ``diloco H=50, 4 workers``, ``ddp, 2 workers``,
+    ``streaming H=20 P=4 int8, 4 workers``; the folder name when neither says."""
+    run_dir = Path(run_dir)
+    cfg = _read_mapping(run_dir / "config.yaml")
+    summary = _read_mapping(run_dir / "summary.json")
+    algo = cfg.get("algo") if isinstance(cfg.get("algo"), dict) else {}
+    name = algo.get("name") or summary.get("algorithm")
+    if not isinstance(name, str) or not name:
+        return run_dir.name
+    parts = [name]
+    sync = cfg.get("sync") if isinstance(cfg.get("sync"), dict) else {}
+    if name in ("diloco", "streaming", "sparseloco"):
+        if sync.get("mode") == "time" and sync.get("time_budget_s"):
+            parts.append(f"T={float(sync['time_budget_s']):g}s")
+        elif algo.get("inner_steps"):
+            parts.append(f"H={algo['inner_steps']}")
+    if name == "streaming" and algo.get("fragments"):
+        parts.append(f"P={algo['fragments']}")
+    if name == "sparseloco":  # its own codec: top-k density and value format
+        density, fmt = algo.get("topk_density"), algo.get("value_format")
+        if isinstance(density, (int, float)):
+            parts.append(f"top {100 * density:g}%")
+        if fmt:
+            parts.append(str(fmt))
+    elif name != "demo":
+        codec = (cfg.get("compress") or {}).get("codec") if isinstance(cfg.get("compress"), dict) else None
+        codec = codec or summary.get("codec")
+        if codec and codec != "fp32":
+            parts.append(str(codec))
+    label = " ".join(parts)
+    n = summary.get("num_workers")
+    if isinstance(n, int) and n > 0:
+        label += f", {n} worker{'s' if n != 1 else ''}"
+    return label
+
+
+def binary_bytes(n: float) -> str:
+    """A byte count in binary units for an axis: ``512 B``, ``1 KiB``, ``16 MiB``, ``1.5 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            break
+        n /= 1024
+    return f"{n:.0f} {unit}" if n == round(n) else f"{n:.3g} {unit}"
+
+
+def binary_ticks(lo: float, hi: float, most: int = 7) -> list[float]:
+    """Powers of two in ``[lo, hi]``, every 1st, 2nd, 4th, 10th or 20th so at most ``most`` remain
+    (1, 2, 4 MiB ... / 1, 4, 16 MiB ... / 1, 16, 256 MiB ... / 1 KiB, 1 MiB, 1 GiB)."""
+    if not (lo > 0 and hi >= lo and math.isfinite(hi)):
+        return []
+    first, last = math.ceil(math.log2(lo) - 1e-9), math.floor(math.log2(hi) + 1e-9)
+    for step in (1, 2, 4, 10, 20, 40):
+        ticks = [2.0 ** e for e in range(-(-first // step) * step, last + 1, step)]
+        if len(ticks) <= most:
+            return ticks
+    return ticks
+
+
+def count_label(x: float) -> str:
+    """A count for an axis: ``0``, ``500``, ``200k``, ``1.2M``, ``3B``."""
+    if x == 0:
+        return "0"
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.4g}{suffix}"
+    return f"{x:.4g}"
+
+
+def runs_figure(run_dirs: Iterable[str | Path], title: Optional[str] = None):
+    """The figure ``plot_runs`` saves: loss vs tokens and loss vs bytes sent, one colour per run, labelled with
+    :func:`run_label`; thin lines are the training loss, dots the validation loss. Close it when done."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-
-    fig, (ax_tok, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    any_bytes = False
-    for run_dir in run_dirs:
-        rows = read_metrics(run_dir)
-        label = Path(run_dir).name
+    run_dirs = [Path(d) for d in run_dirs]
+    runs = [(d, read_metrics(d)) for d in run_dirs]  # every folder is checked before anything is drawn
+    methods = [run_label(d) for d in run_dirs]
+    labels = [f"{m} ({d.name})" if methods.count(m) > 1 and m != d.name else m  # the same method twice: which folder
+              for m, d in zip(methods, run_dirs)]
+    # the bytes axis is logarithmic: a run that has sent nothing yet has no point there
+    any_bytes = any(r.get("bytes_sent") and (r.get("loss") is not None or r.get("val_loss") is not None)
+                    for _, rows in runs for r in rows)
+    if any_bytes:
+        fig, (ax_tok, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    else:  # single workers only: nothing crossed a network, so no bytes panel
+        fig, ax_tok = plt.subplots(figsize=(7, 4.5))
+        ax_bytes = None
+    handles, any_val = [], False
+    sent_range = [math.inf, 0.0]
+    for (run_dir, rows), label in zip(runs, labels):
         train = [r for r in rows if r.get("loss") is not None]
         val = [r for r in rows if r.get("val_loss") is not None]
-        line, = ax_tok.plot([r["tokens"] for r in train], [r["loss"] for r in train], alpha=0.5, label=f"{label} train")
+        any_val = any_val or bool(val)
+        line, = ax_tok.plot([r["tokens"] for r in train], [r["loss"] for r in train], alpha=0.45, lw=1.2)
         color = line.get_color()
         if val:
-            ax_tok.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o-", color=color, label=f"{label} val")
-        # bytes axis is logarithmic: a run that has sent nothing yet has no point there
+            ax_tok.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o-", color=color, ms=4)
+        handles.append(Line2D([], [], color=color, lw=2, label=label))
         sent = [r for r in train if r.get("bytes_sent")]
         sent_val = [r for r in val if r.get("bytes_sent")]
-        if sent or sent_val:
-            any_bytes = True
-            ax_bytes.plot([r["bytes_sent"] for r in sent], [r["loss"] for r in sent], alpha=0.5, color=color,
-                          label=f"{label} train")
-            if sent_val:
-                ax_bytes.plot([r["bytes_sent"] for r in sent_val], [r["val_loss"] for r in sent_val], "o-",
-                              color=color, label=f"{label} val")
+        for r in sent + sent_val:
+            sent_range[0], sent_range[1] = min(sent_range[0], r["bytes_sent"]), max(sent_range[1], r["bytes_sent"])
+        if sent:
+            ax_bytes.plot([r["bytes_sent"] for r in sent], [r["loss"] for r in sent], alpha=0.45, lw=1.2, color=color)
+        if sent_val:
+            ax_bytes.plot([r["bytes_sent"] for r in sent_val], [r["val_loss"] for r in sent_val], "o-", color=color,
+                          ms=4)
     ax_tok.set_xlabel("tokens trained (all workers)")
-    ax_bytes.set_xlabel("bytes sent per worker")
-    if any_bytes:
-        ax_bytes.set_xscale("log")
-        ax_bytes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: human_bytes(x)))
-        ax_bytes.xaxis.set_minor_formatter(NullFormatter())
-        ax_bytes.legend(fontsize=8)
-    else:
-        ax_bytes.text(0.5, 0.5, "no bytes communicated\n(single worker)", ha="center", va="center",
-                      transform=ax_bytes.transAxes, color="gray")
-        ax_bytes.set_xticks([])
-    for ax in (ax_tok, ax_bytes):
+    ax_tok.set_xlim(left=0)
+    ax_tok.xaxis.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10], min_n_ticks=3))
+    ax_tok.xaxis.set_major_formatter(FuncFormatter(lambda x, _: count_label(x)))
+    if ax_bytes is not None:
+        ax_bytes.set_xlabel("bytes sent per worker")
+        ax_bytes.set_xscale("log", base=2)
+        lo, hi = ax_bytes.get_xlim()
+        if len(binary_ticks(lo, hi)) < 2:  # within one octave: widen to the powers of two around the data
+            lo, hi = 2.0 ** math.floor(math.log2(sent_range[0])), 2.0 ** math.ceil(math.log2(sent_range[1]))
+            ax_bytes.set_xlim(lo, hi if hi > lo else 2 * lo)
+        ax_bytes.xaxis.set_major_locator(FixedLocator(binary_ticks(*ax_bytes.get_xlim())))
+        ax_bytes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: binary_bytes(x)))
+        ax_bytes.xaxis.set_minor_locator(NullLocator())
+    for ax in fig.axes:
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
-    ax_tok.legend(fontsize=8)
+    keys = [Line2D([], [], color="gray", alpha=0.45, lw=1.2, label="train loss")]
+    if any_val:
+        keys.append(Line2D([], [], color="gray", marker="o", ms=4, label="validation loss"))
+    ax_tok.legend(handles=handles + keys, fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def plot_runs(run_dirs: Iterable[str | Path], out: str | Path, title: Optional[str] = None) -> Path:
+    """Loss vs tokens and loss vs bytes communicated, one line per run, into a PNG (see :func:`runs_figure`)."""
+    fig = runs_figure(run_dirs, title)
+    import matplotlib.pyplot as plt
+
+    try:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
     return out

@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import zstandard
 
 from conftest import ROOT, child_env
 from diloco.compress import CodecSpecError, CorruptPayload, make_codec, wire
+from diloco.compress.codec import ZSTD_FREE_BYTES, ZSTD_MAX_RATIO, zstd_min_bytes
 from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
 from diloco.compress.dct import dct_basis, dct_blocks, dct_chunks, idct_blocks, idct_chunks
 
@@ -403,6 +405,90 @@ def test_zstd_bomb_is_rejected_without_inflating():
         codec.decode(wire.pack(_zstd_frame_declaring(2**62), torch.float32, (10,), codec.chain))
 
 
+def _zstd_rle_frame(size: int) -> bytes:
+    """A valid zstd frame of ``size`` zero bytes: 4 bytes per 128 KiB RLE block (a 256 MiB frame is 8 KiB)."""
+    frame = [struct.pack("<IBQ", 0xFD2FB528, 0xE0, size)]  # single segment, 8-byte content size
+    while size:
+        n = min(size, 1 << 17)
+        size -= n
+        frame.append(struct.pack("<I", n << 3 | 1 << 1 | (size == 0))[:3] + b"\0")  # RLE block: n times byte 0
+    return b"".join(frame)
+
+
+def test_zstd_bomb_declaring_many_values_is_refused_before_inflating():
+    codec = make_codec("fp32+zstd")
+    frame = _zstd_rle_frame(4 << 26)  # 2^26 fp32 zeros: 256 MiB
+    assert zstandard.frame_content_size(frame) == 4 << 26 and len(frame) < 10_000
+    bomb = wire.pack(frame, torch.float32, (1 << 26,), codec.chain)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptPayload, match="zstd bomb"):
+            codec.decode(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 << 20  # the frame was never inflated (zstandard's output is a traced bytes object)
+    # a caller that knows the size vouches for it; a wrong size is still refused before inflating
+    with pytest.raises(CorruptPayload, match="shape mismatch"):
+        codec.decode(bomb, expect_numel=1 << 20)
+    with pytest.raises(CorruptPayload, match="shape mismatch"):
+        codec.decode_accumulate_(bomb, torch.zeros(10))
+
+
+def test_zstd_bomb_bound_is_on_the_sections_the_chain_needs():
+    # top-k: 2^22 declared values need only their selected values and indices: 2,048 x (fp32 + 12-bit index)
+    codec = make_codec("topk:k=2,chunk=4096+zstd")
+    need = codec.payload_bytes(1 << 22)
+    assert need == 4 * 2048 + 2048 * 12 // 8 < ZSTD_FREE_BYTES
+    x = torch.zeros(1 << 22)
+    x[::4096] = torch.arange(1.0, 1025.0)
+    payload = codec.encode(x)
+    assert 4 * x.numel() > 500 * len(payload)
+    assert torch.equal(codec.decode(payload), x)  # a dense size 500x the payload's: decodes
+    # a chain needing more than ZSTD_FREE_BYTES: the bound is ZSTD_MAX_RATIO x the compressed bytes present
+    codec = make_codec("int8+zstd")
+    numel = 1 << 21
+    need = codec.payload_bytes(numel)
+    frame = _zstd_rle_frame(need)
+    for extra, ok in ((zstd_min_bytes(need) - len(frame), True), (zstd_min_bytes(need) - len(frame) - 1, False)):
+        body = frame + struct.pack("<II", 0x184D2A50, extra - 8) + bytes(extra - 8)
+        payload = wire.pack(body, torch.float32, (numel,), codec.chain)
+        if ok:
+            assert torch.equal(codec.decode(payload), torch.zeros(numel))
+        else:
+            with pytest.raises(CorruptPayload, match=f"more than {ZSTD_MAX_RATIO}x"):
+                codec.decode(payload)
+            assert torch.equal(codec.decode(payload, expect_numel=numel), torch.zeros(numel))
+
+
+@pytest.mark.parametrize("chain,numel", [("fp32+zstd", 1 << 19), ("int8:block=64+zstd", 1 << 21),
+                                         ("topk:0.5+int8+zstd", 1 << 20), ("dct:chunk=16+fp16+zstd:1", 1 << 20)])
+def test_a_payload_beyond_the_bomb_bound_decodes_only_with_its_size(chain, numel):
+    """Nothing is padded: what compresses better than the bound (zeros, ones) needs expect_numel; data that does
+    not (noise) decodes without it; the transports always pass the size."""
+    codec = make_codec(chain)
+    need = codec.payload_bytes(numel)
+    assert need > ZSTD_FREE_BYTES
+    for kind, x in (("zeros", torch.zeros(numel)), ("ones", torch.ones(numel)), ("randn", _randn(numel, seed=21))):
+        payload = codec.encode(x, key="k")
+        header = wire.parse_header(payload, codec.max_numel)
+        body = payload[header.offset:]
+        raw = zstandard.ZstdDecompressor().decompress(body)
+        assert len(raw) == need and zstandard.ZstdCompressor(level=codec.spec.zstd_level).compress(raw) == body
+        sized = codec.decode(payload, expect_numel=numel)
+        assert bool(torch.isfinite(sized).all())
+        if len(body) >= zstd_min_bytes(need):
+            assert kind == "randn" or chain.startswith("topk") or chain.startswith("dct")
+            assert torch.equal(codec.decode(payload), sized)
+        else:
+            assert kind != "randn"
+            with pytest.raises(CorruptPayload, match="pass expect_numel="):
+                codec.decode(payload)
+        out = torch.zeros(numel)
+        codec.decode_accumulate_(payload, out)  # the size comes from out
+        assert torch.equal(out.view(sized.shape), sized.float())
+
+
 def _topk_payload(codec, shape: tuple[int, ...], indices: list[int], values: torch.Tensor) -> bytes:
     packed = pack_bits(torch.tensor(indices), bits_for(codec.spec.topk_chunk))
     return wire.pack(values.numpy().tobytes() + packed.numpy().tobytes(), torch.float32, shape, codec.chain)
@@ -450,7 +536,7 @@ def test_decode_to_half_precision_never_returns_inf(chain, payload, dtype):
 
 def test_decode_checks_the_payload_length_before_allocating():
     script = textwrap.dedent("""
-        import resource, torch
+        import resource, struct, torch
         from diloco.compress import CorruptPayload, make_codec, wire
         vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
         resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
@@ -459,10 +545,17 @@ def test_decode_checks_the_payload_length_before_allocating():
             codec.decode(wire.pack(b"", torch.float32, (1 << 30,), codec.chain))
         except CorruptPayload:
             print("CorruptPayload")
+        codec = make_codec("fp32+zstd")  # 2^28 values (1 GiB) from 32 KiB of zstd RLE blocks
+        frame = struct.pack("<IBQ", 0xFD2FB528, 0xE0, 1 << 30) + (struct.pack("<I", 1 << 20 | 2)[:3] + bytes(1)) * 8191
+        frame += struct.pack("<I", 1 << 20 | 3)[:3] + bytes(1)
+        try:
+            codec.decode(wire.pack(frame, torch.float32, (1 << 28,), codec.chain))
+        except CorruptPayload:
+            print("CorruptPayload")
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(), cwd=ROOT,
                           timeout=120)
-    assert proc.stdout.strip() == "CorruptPayload", proc.stderr[-2000:]
+    assert proc.stdout.split() == ["CorruptPayload"] * 2, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("chain,value", [("fp4", 1e37), ("int8", 2e38), ("dct:chunk=16", 3e38)])

@@ -24,6 +24,16 @@ per ``key`` (one per buffer the caller encodes repeatedly); the quantization err
 values that were sent goes into the residual too. ``decode`` validates the header, the
 exact section sizes, indices and values before it returns, and raises
 :class:`CorruptPayload` for anything wrong; it never returns NaN or Inf.
+
+Decompression bombs: the sections a header's shape needs (``payload_bytes``) are known
+before anything is inflated. Without zstd they must all be present, byte for byte. With
+zstd, when the caller has not vouched for the size (``decode`` without ``expect_numel``),
+a payload whose sections would inflate to more than :data:`ZSTD_FREE_BYTES` and more than
+:data:`ZSTD_MAX_RATIO` times the compressed bytes present is refused before anything is
+allocated; a tensor that really compresses better (all zeros, say) then needs
+``decode(payload, expect_numel=n)``, and ``decode_accumulate_`` (whose ``out`` fixes the
+size) and the transports always check the exact size instead. Nothing is padded: the
+bytes on the wire are the compressed bytes.
 """
 
 from __future__ import annotations
@@ -50,6 +60,13 @@ _FLOAT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FLOAT_MAX = {"fp16": 65504.0, "bf16": float(torch.finfo(torch.bfloat16).max)}
 STAGE_NAMES = ("dct", "topk", *VALUE_FORMATS, "zstd")
+ZSTD_MAX_RATIO = 256  # a zstd section of unvouched size may inflate at most this many times ...
+ZSTD_FREE_BYTES = 1 << 20  # ... once it inflates to more than this
+
+
+def zstd_min_bytes(inflated: int) -> int:
+    """Fewest compressed bytes that may carry ``inflated`` section bytes when the decoder is not told the size."""
+    return 0 if inflated <= ZSTD_FREE_BYTES else -(-inflated // ZSTD_MAX_RATIO)
 
 
 class CodecSpecError(ValueError):
@@ -307,9 +324,14 @@ class Codec:
     # ---- decode -----------------------------------------------------------------------------
     def decode(self, payload: bytes | bytearray | memoryview, *, expect_numel: Optional[int] = None,
                device: torch.device | str = "cpu") -> torch.Tensor:
-        """The tensor (its shape and dtype from the header); raises CorruptPayload for any bad input."""
+        """The tensor (its shape and dtype from the header); raises CorruptPayload for any bad input.
+
+        ``expect_numel``: the number of values the caller expects; anything else is refused. Without it a zstd
+        payload may not inflate past the bomb bound (``ZSTD_MAX_RATIO`` once past ``ZSTD_FREE_BYTES``): a tensor
+        that compresses better than that (all zeros, say) decodes only with ``expect_numel``.
+        """
         header = self.check(payload, expect_numel)
-        body = self._body(payload, header)  # sizes checked before the tensor is allocated
+        body = self._body(payload, header, vouched=expect_numel is not None)  # sizes checked before allocating
         out = torch.zeros(header.numel, dtype=torch.float32, device=device)
         self._accumulate(body, header, out, 1.0)
         result = out.view(header.shape).to(header.dtype)
@@ -320,7 +342,7 @@ class Codec:
     def decode_accumulate_(self, payload: bytes | bytearray | memoryview, out: torch.Tensor, weight: float = 1.0) -> None:
         """``out += weight * decode(payload)`` (``out``: fp32, flat, of the payload's size), fused where a kernel is."""
         header = self.check(payload, out.numel())
-        self._accumulate(self._body(payload, header), header, out, weight)
+        self._accumulate(self._body(payload, header, vouched=True), header, out, weight)
 
     def check(self, payload: bytes | bytearray | memoryview, expect_numel: Optional[int] = None) -> wire.Header:
         header = wire.parse_header(payload, self.max_numel)
@@ -332,12 +354,21 @@ class Codec:
                                  f"expected {expect_numel}")
         return header
 
-    def _body(self, payload: bytes | bytearray | memoryview, header: wire.Header) -> bytes | memoryview:
-        """The payload after the header (decompressed), of exactly the size the chain needs for its shape."""
+    def _body(self, payload: bytes | bytearray | memoryview, header: wire.Header,
+              vouched: bool) -> bytes | memoryview:
+        """The payload after the header (decompressed), of exactly the size the chain needs for its shape.
+
+        ``vouched``: the caller fixed the number of values; otherwise a zstd body must be within the bomb bound.
+        """
         _, _, index_bytes, value_bytes = self._layout(header.numel)
         body = memoryview(payload)[header.offset:]
         expected = index_bytes + value_bytes
         if self._zc is not None:
+            if not vouched and len(body) < zstd_min_bytes(expected):
+                raise CorruptPayload(
+                    f"zstd bomb: {header.numel} values need {expected} bytes from {len(body)} compressed bytes, more "
+                    f"than {ZSTD_MAX_RATIO}x (a decompression bomb, or a tensor that compresses that well: pass "
+                    f"expect_numel= to decode a tensor whose size you know)")
             body = self._unzstd(body, expected)
         if len(body) != expected:
             raise CorruptPayload(f"payload of {len(body)} bytes, the chain {self.chain!r} needs {expected} for "
