@@ -138,11 +138,12 @@ else
     # 3 simulator (batch 8 x 128; a loco step of small costs ~34 ms there, mostly the loop's overhead): 3
     #   one-worker steps warm up, then one pair: N x H simulated steps against N*H steps of one worker, with
     #   the peak memory of each side (no per-worker-count processes: they would double the stage). Both
-    #   sides include building their Trainers (8 against 1), which the 150m ratio shows.
+    #   sides include building their Trainers (8 against 1; models are initialised on the GPU) and no final
+    #   checkpoint (run.checkpoint_final=false).
     SIM_RUNS=("small|small, 8 workers, H=50|--model small --workers 8 --inner-steps 50 --repeats 1 --warmup light --mem-workers none"
               "150m|150m, 8 workers, H=50|--model 150m --workers 8 --inner-steps 50 --repeats 1 --warmup light --mem-workers none")
-    # opt-in: 4 workers of 1b do not fit on an H100 without offload, and with it the run is slow (each worker's
-    #   ~22 GB of state leaves and re-enters the GPU at every collective, each 1b Trainer takes ~20 s to build)
+    # opt-in: 4 workers of 1b do not fit on an H100 without offload, and with it each worker's ~22 GB of state
+    #   leaves and re-enters the GPU (pinned host memory) at every collective; not yet timed
     SIM_OFFLOAD="1b-offload|1b, 4 workers, H=10, offload|--model 1b --workers 4 --inner-steps 10 --repeats 1 --offload --warmup none --mem-workers none"
     if [ "$WITH_1B" = 1 ]; then SIM_RUNS+=("$SIM_OFFLOAD"); fi
     # 4 demo: one encode of every parameter, median of 3, per model
@@ -153,21 +154,20 @@ else
                --evals 10 --eval-batches 16)
 fi
 
-if wanted throughput; then
-    begin throughput 1
-    out="$RESULTS/train_throughput_$SUFFIX.md"
-    run "$PY" benchmarks/train_throughput.py "${TP_ARGS[@]}" --device "$DEVICE" --out "$out"
+# one_report STAGE NUMBER REPORT SCRIPT ARGS...: a stage whose script writes one report, $RESULTS/REPORT_$SUFFIX.md
+one_report() {
+    local name=$1 number=$2 report=$3 script=$4
+    shift 4
+    wanted "$name" || return 0
+    begin "$name" "$number"
+    local out="$RESULTS/${report}_$SUFFIX.md"
+    run "$PY" "benchmarks/$script" "$@" --device "$DEVICE" --out "$out"
     end
-    stamp "$out" "stage throughput, ${TIMES[-1]#* } s"
-fi
+    stamp "$out" "stage $name, ${TIMES[-1]#* } s"
+}
 
-if wanted codecs; then
-    begin codecs 2
-    out="$RESULTS/codecs_$SUFFIX.md"
-    run "$PY" benchmarks/codecs.py "${CODEC_ARGS[@]}" --device "$DEVICE" --out "$out"
-    end
-    stamp "$out" "stage codecs, ${TIMES[-1]#* } s"
-fi
+one_report throughput 1 train_throughput train_throughput.py "${TP_ARGS[@]}"
+one_report codecs 2 codecs codecs.py "${CODEC_ARGS[@]}"
 
 if wanted simulator; then
     begin simulator 3
@@ -187,13 +187,7 @@ if wanted simulator; then
         --device "$DEVICE" --base-file "$WORK/stamp" --note "stage simulator, ${TIMES[-1]#* } s"
 fi
 
-if wanted demo; then
-    begin demo 4
-    out="$RESULTS/demo_$SUFFIX.md"
-    run "$PY" benchmarks/demo.py --encode-only "${DEMO_ARGS[@]}" --device "$DEVICE" --out "$out"
-    end
-    stamp "$out" "stage demo, ${TIMES[-1]#* } s"
-fi
+one_report demo 4 demo demo.py --encode-only "${DEMO_ARGS[@]}"
 
 if wanted convergence; then
     begin convergence 5
