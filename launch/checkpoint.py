@@ -3,17 +3,22 @@
 A crash at any moment leaves either the previous checkpoint set or the new one,
 never a half-written file under a checkpoint's name. Loading checks that a file
 is a complete loco checkpoint; ``latest_checkpoint`` skips one that is not,
-with a warning, and falls back to the next newest.
+printing one line, and falls back to the next newest. Pruning counts readable
+checkpoints only: it keeps the newest K that load (the one just written always
+among them) and never deletes a valid checkpoint because broken ones have
+higher steps. A write that fails for want of space raises ``CheckpointError``
+naming the file and the bytes it needs; the older checkpoints stay as they were.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
-import warnings
+import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -44,8 +49,69 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _payload_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj``: about what its checkpoint file takes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_payload_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_payload_bytes(v) for v in obj)
+    return 0
+
+
+def _out_of_space(e: BaseException) -> bool:
+    """A write that failed because the disk (or the quota, or the file size limit) is full.
+
+    torch's zip writer reports a failed write as ``RuntimeError: [enforce fail at inline_container.cc] ...
+    unexpected pos``, without the errno; the file handle's own errors are OSErrors.
+    """
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("unexpected pos" in text or "file write failed" in text)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _free_bytes(directory: Path) -> Optional[int]:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def write_file(path: str | Path, payload: dict[str, Any], final: Optional[Path] = None) -> None:
+    """``torch.save(payload)`` into ``path`` and fsync it; a full disk becomes one CheckpointError line."""
+    path = Path(path)
+    final = final or path
+    try:
+        with open(path, "wb") as fh:
+            torch.save(payload, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except (OSError, RuntimeError) as e:
+        if not _out_of_space(e):
+            raise
+        if path.is_file():  # the partial temp file: its space counts as free
+            path.unlink(missing_ok=True)
+        need = _payload_bytes(payload)
+        free = _free_bytes(final.parent)
+        where = f", {_human(free)} free there" if free is not None else ""
+        raise CheckpointError(f"no space left on device: writing {final} needs about {_human(need)} "
+                              f"({need:,} bytes){where}; the older checkpoints are intact; free some space "
+                              f"(or lower run.keep_checkpoints, or choose another --run-dir) and resume") from None
+
+
 def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], keep: int = 3) -> Path:
-    """Write ``state`` as ``directory/step_XXXXXXXX.pt`` atomically, then prune to the newest ``keep``."""
+    """Write ``state`` as ``directory/step_XXXXXXXX.pt`` atomically, then prune to the newest ``keep`` valid ones."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(".step_*.tmp*"):  # left by a crash mid-write
@@ -54,17 +120,70 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
     tmp = directory / f".{final.name}.tmp{os.getpid()}"
     payload = {"format": FORMAT, "version": VERSION, "step": step, **state, "complete": True}
     try:
-        with open(tmp, "wb") as fh:
-            torch.save(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+        write_file(tmp, payload, final)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(directory)
-    for old in list_checkpoints(directory)[keep:]:
-        old.unlink(missing_ok=True)
+    _remember_valid(final)
+    prune_checkpoints(directory, keep, final)
     return final
+
+
+# (path, size, mtime) -> loads: a file once checked need not be read again at every prune
+_VALID: dict[tuple[str, int, int], bool] = {}
+
+
+def _key(path: Path) -> Optional[tuple[str, int, int]]:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return str(path), st.st_size, st.st_mtime_ns
+
+
+def _remember_valid(path: Path) -> None:
+    key = _key(path)
+    if key is not None:
+        _VALID[key] = True
+
+
+def is_valid_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` loads as a complete loco checkpoint (cached by size and modification time)."""
+    path = Path(path)
+    key = _key(path)
+    if key is None:
+        return False
+    if key not in _VALID:
+        try:
+            load_checkpoint(path)
+            _VALID[key] = True
+        except CheckpointError:
+            _VALID[key] = False
+    return _VALID[key]
+
+
+def prune_checkpoints(directory: str | Path, keep: int, written: Optional[Path] = None) -> list[Path]:
+    """Keep the newest ``keep`` readable checkpoints (and ``written``, the one just saved); delete the rest.
+
+    Unreadable files never count among the ``keep``: a valid checkpoint is never deleted because broken ones
+    have higher steps. Unreadable files older than the oldest kept checkpoint go too; newer ones stay (a
+    resume skips them). Returns the deleted files.
+    """
+    kept, deleted = 0, []
+    for path in list_checkpoints(directory):
+        if written is not None and path == written:
+            kept += 1
+            continue
+        valid = is_valid_checkpoint(path)
+        if valid and kept < keep:
+            kept += 1
+            continue
+        if not valid and kept < keep:
+            continue  # newer than the keep-th valid one: a resume skips it; maybe a human looks at it
+        path.unlink(missing_ok=True)
+        deleted.append(path)
+    return deleted
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
@@ -83,7 +202,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     try:
         state = torch.load(path, map_location=map_location, weights_only=True, mmap=True)  # pages load on use
     except Exception as e:  # a truncated zip, a foreign pickle: all mean "not a usable checkpoint"
-        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise CheckpointError(f"{path}: unreadable ({_reason(path, e)})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT or not state.get("complete"):
         raise CheckpointError(f"{path}: not a complete loco checkpoint")
     if state.get("version", 0) > VERSION:
@@ -91,13 +210,33 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     return state
 
 
-def latest_checkpoint(directory: str | Path, map_location: Any = "cpu") -> Optional[tuple[Path, dict[str, Any]]]:
-    """The newest checkpoint that loads; broken ones are skipped with a warning."""
+def _reason(path: Path, e: Exception) -> str:
+    """Why a file did not load, in a few words (not the zip library's paragraph)."""
+    text = str(e)
+    if "zip archive" in text or "central directory" in text or "PytorchStreamReader" in text:
+        try:
+            size = f", {path.stat().st_size:,} bytes"
+        except OSError:
+            size = ""
+        return f"truncated or corrupted file{size}"
+    first = text.splitlines()[0] if text else ""
+    first = first.split(". ")[0]
+    return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
+
+
+def _print_skip(message: str) -> None:
+    print(f"loco: skipping checkpoint {message}", file=sys.stderr, flush=True)
+
+
+def latest_checkpoint(directory: str | Path, map_location: Any = "cpu",
+                      on_skip: Optional[Callable[[str], None]] = _print_skip) -> Optional[tuple[Path, dict[str, Any]]]:
+    """The newest checkpoint that loads; broken ones are skipped, each with one line on stderr (``on_skip``)."""
     for path in list_checkpoints(directory):
         try:
             return path, load_checkpoint(path, map_location)
         except CheckpointError as e:
-            warnings.warn(f"skipping checkpoint {e}", stacklevel=2)
+            if on_skip is not None:
+                on_skip(str(e))
     return None
 
 

@@ -8,6 +8,7 @@ naming the problem and exits with status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -18,6 +19,7 @@ EXAMPLES = {
   loco train --config configs/tiny.yaml
   loco train --config configs/tiny.yaml --set optim.lr=1e-3 --max-time 90s --run-dir runs/mine
   loco train --run-dir runs/mine --resume
+  loco train --run-dir runs/mine --restart        # start runs/mine over from step 0 (old files moved aside)
   torchrun --nproc-per-node 2 -m launch.cli train --config configs/tiny.yaml --set algo.name=ddp""",
     "simulate": """examples:
   loco simulate                                   # the demo: 4 DiLoCo workers vs DDP, tiny model
@@ -65,7 +67,7 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="train until this much time is spent, then evaluate and save, e.g. --max-time 90s or 24h")
     g.add_argument("--seed", type=int, metavar="N", help="seed for initialisation and data order, e.g. --seed 1")
     g.add_argument("--resume", action="store_true",
-                   help="continue from the newest valid checkpoint in --run-dir (skips a broken one with a warning)")
+                   help="continue from the newest valid checkpoint in --run-dir (skips a broken one, saying so)")
     g.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning, then exit")
 
 
@@ -83,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train a model. Under torchrun every rank is one worker (gloo on CPU, NCCL on GPU).",
                        epilog=EXAMPLES["train"])
     _add_training_flags(p)
+
+    _add_restart_flag(p)
 
     p = sub.add_parser("simulate", help="simulate N workers on one device", formatter_class=fmt,
                        description="Run N workers in one process with the same algorithm objects as real runs, "
@@ -104,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep idle workers' state off the accelerator (sim.offload)")
     g.add_argument("--baseline", choices=["ddp", "none"],
                    help="also simulate DDP on the same tokens and compare (sim.baseline), e.g. --baseline none")
+    _add_restart_flag(p)
 
     p = sub.add_parser("join", help="join (or start) a run of internet peers", formatter_class=fmt,
                        description="Train together with peers over hivemind.", epilog=EXAMPLES["join"])
@@ -158,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_restart_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--restart", action="store_true",
+                   help="start the run in --run-dir over from step 0 with its config.yaml; its checkpoints and "
+                        "metrics are moved to RUN_DIR/discarded-<time>/ (e.g. when none of them can be read)")
+
+
 def _add_swarm_flags(g) -> None:
     g.add_argument("--run", default="loco", metavar="NAME", help="the run's name (default loco), e.g. --run fineweb-1b")
     g.add_argument("--run-key", metavar="KEY", help="shared secret of a closed run ($LOCO_RUN_KEY also works)")
@@ -181,8 +192,17 @@ def _load(args: argparse.Namespace):
             extra[key] = (value, "--" + flag.replace("_", "-"))
     if args.resume:
         extra["run.resume"] = (True, "--resume")
-    if args.resume and not args.config and args.run_dir and (Path(args.run_dir) / "config.yaml").is_file():
-        args.config = [str(Path(args.run_dir) / "config.yaml")]  # continue with the run's own settings
+    restart = getattr(args, "restart", False)
+    if args.resume and restart:
+        raise UserError("--resume continues the run and --restart starts it over: pass one of them")
+    if (args.resume or restart) and not args.config and args.run_dir:
+        saved = Path(args.run_dir) / "config.yaml"
+        if not saved.is_file():  # a mistyped folder would otherwise start a new run with the default settings
+            where = "has no config.yaml" if Path(args.run_dir).is_dir() else "does not exist"
+            flag = "--resume" if args.resume else "--restart"
+            raise UserError(f"{args.run_dir}: no run to continue there (the folder {where}); check --run-dir, or "
+                            f"pass --config FILE without {flag} to start a new run in it")
+        args.config = [str(saved)]  # continue with the run's own settings
     elif args.command == "simulate" and not args.config:
         args.config = ["simulate"]  # the demo preset
     elif args.command == "join":
@@ -194,14 +214,14 @@ def _load(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace) -> int:
     from launch.trainer import train
 
-    train(_load(args))
+    train(_load(args), restart=args.restart)
     return 0
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from launch.simulate import simulate
 
-    simulate(_load(args))
+    simulate(_load(args), restart=args.restart)
     return 0
 
 
@@ -296,13 +316,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "plot": cmd_plot, "status": cmd_status}[args.command]
     warnings.simplefilter("default", UserWarning)
     try:
+        if args.command in ("train", "simulate"):  # Ctrl-C and SIGTERM save a checkpoint, then stop
+            from launch.trainer import stop_signals
+
+            with stop_signals():
+                return handler(args)
         return handler(args)
     except _user_errors() as e:
         print(f"loco {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"loco {args.command}: stopped by the user", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # launch.trainer.Interrupted names the signal and the checkpoint it saved
+        signum = getattr(e, "signum", signal.SIGINT)
+        saved = f"; saved {e.saved}" if getattr(e, "saved", None) else ""
+        who = "the user (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"loco {args.command}: stopped by {who}{saved}", file=sys.stderr)
+        return 128 + int(signum)  # 130 for Ctrl-C, 143 for SIGTERM, as a shell reports a process they ended
 
 
 if __name__ == "__main__":

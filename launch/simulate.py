@@ -23,7 +23,7 @@ from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_sp
 from launch.config import Config
 from launch.data import TokenData, load_data
 from launch.metrics import human_bytes, plot_runs
-from launch.trainer import Trainer
+from launch.trainer import STOP, Interrupted, Trainer
 
 
 def network_of(cfg: Config) -> NetworkModel:
@@ -36,8 +36,13 @@ def move_worker_state(trainer: Trainer, device: torch.device) -> None:
     trainer.algo.to(device)
 
 
-def simulate_once(cfg: Config, data: Optional[TokenData] = None) -> dict[str, Any]:
-    """One simulated run; returns rank 0's summary."""
+def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool = False) -> dict[str, Any]:
+    """One simulated run; returns rank 0's summary.
+
+    A Ctrl-C or SIGTERM (under ``launch.trainer.stop_signals``) stops every worker at the next point they all
+    reach (a sync; any step for DDP), where the checkpoint of all workers is saved as usual; then
+    :class:`Interrupted` is raised, and ``--resume`` continues the run as if it had not stopped.
+    """
     sim = cfg.sim
     data = data or load_data(cfg.data)
     speeds = resolve_speeds(sim.workers, sim.speeds, sim.speed_dist, cfg.run.seed)
@@ -54,14 +59,23 @@ def simulate_once(cfg: Config, data: Optional[TokenData] = None) -> dict[str, An
 
         group.on_release, group.on_acquire = park, unpark
 
-    def worker(rank: int, transport) -> dict[str, Any]:
-        trainers[rank] = Trainer(cfg, transport=transport, data=data)
+    def worker(rank: int, transport) -> Any:
+        trainers[rank] = Trainer(cfg, transport=transport, data=data, restart=restart)
+        trainers[rank].stop_on_request = True  # every worker checks the stop request at the same points
         try:
             return trainers[rank].fit()
+        except Interrupted as e:
+            if not e.clean:
+                raise
+            return e  # every worker stops here; raised once they all have (rank 0 may still be saving)
         finally:
             trainers[rank] = None  # free the worker's memory as soon as it is done
 
-    return run_workers(group, worker)[0]
+    results = run_workers(group, worker)
+    stopped = [r for r in results if isinstance(r, Interrupted)]
+    if stopped:
+        raise stopped[0]  # rank 0's first: it names the checkpoint
+    return results[0]
 
 
 def baseline_config(cfg: Config, run_dir: Path) -> Config:
@@ -75,16 +89,18 @@ def baseline_config(cfg: Config, run_dir: Path) -> Config:
     return base
 
 
-def simulate(cfg: Config) -> dict[str, Any]:
+def simulate(cfg: Config, restart: bool = False) -> dict[str, Any]:
     """The main job of ``loco simulate``: the configured run, the DDP baseline, a table and a plot."""
     data = load_data(cfg.data)
-    summary = simulate_once(cfg, data)
+    summary = simulate_once(cfg, data, restart)
     run_dir = Path(summary["run_dir"])
     rows = [(_label(cfg), summary)]
     if cfg.sim.baseline == "ddp" and cfg.algo.name != "ddp":
+        if STOP.signum is not None:  # a signal came as the run ended: it is saved; --resume runs the baseline
+            raise Interrupted(STOP.signum, clean=True)
         print(f"[simulate] baseline: DDP with {cfg.sim.workers} workers on the same tokens", file=sys.stderr, flush=True)
         base_cfg = baseline_config(cfg, run_dir)
-        base = simulate_once(base_cfg, data)
+        base = simulate_once(base_cfg, data, restart)
         rows.append((_label(base_cfg), base))
         plot_runs([run_dir, Path(base["run_dir"])], run_dir / "compare.png", title=f"{_label(cfg)} vs DDP")
         (run_dir / "comparison.json").write_text(json.dumps({label: s for label, s in rows}, indent=2) + "\n")

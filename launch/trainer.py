@@ -5,8 +5,13 @@ then ``algo.step()`` (exchange, clip, inner step, maybe a round), then
 ``algo.zero_grad()``. Around it: the learning-rate schedule, metrics every
 ``log.every`` steps, validation every ``run.eval_every``, checkpoints every
 ``run.checkpoint_every``, and the stop conditions ``run.max_steps`` and
-``run.max_time``. At the end: a last validation, a checkpoint, summary.json
-and a plot.
+``run.max_time`` (a resumed run gets the budget afresh: it counts from the resume). At the end: a last
+validation, a checkpoint, summary.json and a plot.
+
+Stopping by signal: inside :func:`stop_signals` (the CLI's ``train`` and ``simulate``), Ctrl-C (SIGINT) or
+SIGTERM asks the loop to stop at the next point where it can save: the end of the current step for one
+worker, the next point every worker reaches (a sync, or any step for DDP) in the simulator. The loop saves a
+checkpoint there and raises :class:`Interrupted`; a second signal stops at once, without saving.
 
 Python API::
 
@@ -22,10 +27,15 @@ import json
 import math
 import os
 import random
+import shutil
+import signal
+import sys
+import threading
 import time
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -35,7 +45,8 @@ import torch.nn.functional as F
 from diloco import Algorithm
 from diloco.comm import Transport, make_transport
 from launch.algorithms import algorithm_class
-from launch.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from launch.checkpoint import (checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint, rng_state,
+                               save_checkpoint, set_rng_state)
 from launch.config import Config, dump_config
 from launch.data import Batcher, TokenData, load_data
 from launch.metrics import Metrics, peak_flops, plot_runs, truncate_metrics
@@ -44,6 +55,59 @@ from launch.models import Transformer, count_params, flops_per_token, model_args
 
 class RunError(RuntimeError):
     """A run that cannot start or continue as asked (existing run folder, missing checkpoint, ...)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run stopped on a signal (``signum``: SIGINT for Ctrl-C, or SIGTERM).
+
+    ``saved`` is the checkpoint written before stopping (None when the signal could not wait for one: a second
+    signal, or one outside the training loop). The CLI exits with 128 + signum: 130 for Ctrl-C, 143 for SIGTERM.
+    """
+
+    def __init__(self, signum: int = signal.SIGINT, saved: Optional[Path] = None, clean: bool = False) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.saved = int(signum), saved
+        self.clean = clean  # raised where every worker stopped together, after the save (not mid-step)
+
+
+class _StopRequest:
+    """A signal waiting for the training loops of this process to reach a point where they can save."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self.listening = 0  # training loops (simulated workers included) that check ``signum`` at step ends
+
+
+STOP = _StopRequest()
+
+
+@contextmanager
+def stop_signals() -> Iterator[None]:
+    """Turn SIGINT and SIGTERM into a request to stop at the next point where the run can save a checkpoint.
+
+    Outside a training loop (loading data, the final evaluation) or on a second signal, :class:`Interrupted`
+    is raised at once. Only the main thread can install handlers; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if STOP.signum is not None or STOP.listening == 0:
+            raise Interrupted(signum)
+        STOP.signum = signum
+        print(f"loco: {signal.Signals(signum).name}: stopping at the next point where the run can save a checkpoint "
+              "(a second signal stops at once, without saving)", file=sys.stderr, flush=True)
+
+    # a signal the process was started to ignore (nohup, a shell's background job) stays ignored
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(s) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        STOP.signum = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -154,8 +218,11 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     def __init__(self, cfg: Config, model: Optional[nn.Module] = None, transport: Optional[Transport] = None,
-                 data: Optional[TokenData] = None, on_step: Optional[Callable[[int, dict], None]] = None) -> None:
+                 data: Optional[TokenData] = None, on_step: Optional[Callable[[int, dict], None]] = None,
+                 restart: bool = False) -> None:
+        """``restart``: start over from step 0 in ``run.dir``, moving its checkpoints and metrics aside."""
         self.cfg = cfg
+        self.restart = restart
         self.on_step = on_step
         self.on_round: Optional[Callable[[dict], None]] = None  # called after every round's sync (loco join)
         run = cfg.run
@@ -201,9 +268,18 @@ class Trainer:
         self._t0: Optional[float] = None
         self.last_val: Optional[tuple[int, float]] = None  # (step, val_loss) of the latest evaluation
         self.wall_prior = 0.0  # training seconds of earlier segments of a resumed run
+        self.window_loss, self.window_steps = 0.0, 0  # train loss summed since the last metrics line
+        self.saved_step: Optional[int] = None  # the step of the checkpoint this process last wrote or loaded
+        # whether a signal (see stop_signals) may stop this loop at a step end: it must be a point every worker
+        # reaches, so one worker, or the simulator (which sets it for its workers); torchrun ranks stop at once
+        self.stop_on_request = False
+        self.stopped_by: Optional[int] = None
         self.run_dir = self._prepare_run_dir()
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.resumed_from: Optional[Path] = self._maybe_resume()
+        self._write_config()
+        self.start_step = self.step
+        self.stop_on_request = self.world == 1
         self.metrics = Metrics(self.run_dir, cfg.log, self.leader, run.max_steps, self.step, self.rank,
                                cfg.to_dict(), run.name)
 
@@ -215,6 +291,8 @@ class Trainer:
 
     def _prepare_run_dir(self) -> Path:
         run = self.cfg.run
+        if self.restart:  # starts over, whatever the run's config.yaml says (a resume attempt wrote resume: true)
+            run.resume = False
         if self.elastic_restart() and not run.resume:
             if not run.dir:
                 raise RunError("torchrun restarted the workers, but the run has no fixed folder to continue from: "
@@ -233,23 +311,38 @@ class Trainer:
             raise RunError("run.resume needs the run folder to continue: pass --run-dir DIR")
         path = Path(chosen)
         if self.leader:
+            if self.restart:
+                discard_run(path)
             if not run.resume and any((path / "checkpoints").glob("step_*.pt")):
                 raise RunError(f"{path} already holds checkpoints of an earlier run; "
-                               f"pass --resume to continue it, or choose another --run-dir")
+                               f"pass --resume to continue it, --restart to start it over from step 0 "
+                               f"(its checkpoints and metrics are moved aside), or choose another --run-dir")
             path.mkdir(parents=True, exist_ok=True)
-            tmp = path / ".config.yaml.tmp"
-            tmp.write_text(dump_config(self.cfg))
-            os.replace(tmp, path / "config.yaml")
         return path
+
+    def _write_config(self) -> None:
+        """The run's settings, for --resume (written once the run starts: a refused resume leaves them alone)."""
+        if self.leader:
+            tmp = self.run_dir / ".config.yaml.tmp"
+            tmp.write_text(dump_config(self.cfg))
+            os.replace(tmp, self.run_dir / "config.yaml")
 
     def _maybe_resume(self) -> Optional[Path]:
         if not self.cfg.run.resume:
             return None
         found = None
         if self.leader:
-            hit = latest_checkpoint(self.ckpt_dir, map_location="cpu")
-            found = str(hit[0]) if hit else None
+            skipped: list[str] = []
+            hit = latest_checkpoint(self.ckpt_dir, map_location="cpu", on_skip=skipped.append)
+            if hit is not None:
+                for line in skipped:
+                    print(f"[worker {self.rank}] skipping checkpoint {line}", file=sys.stderr, flush=True)
+                found = str(hit[0])
+            elif skipped:  # files exist, none loads: starting over would lose the run (and prune its files)
+                found = ("error", unreadable_message(self.run_dir, self.ckpt_dir))
         found = self.transport.broadcast_object(found)
+        if isinstance(found, tuple):
+            raise RunError(found[1])
         if found is None:
             if self.leader:
                 print(f"[worker {self.rank}] no checkpoint in {self.ckpt_dir}: starting from step 0", flush=True)
@@ -267,6 +360,7 @@ class Trainer:
             raise RunError(f"{found}: cannot resume this run from it: {e}") from None
         if self.leader:
             truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+        self.saved_step = self.step
         return Path(found)
 
     # ---- state ------------------------------------------------------------------------------
@@ -280,6 +374,8 @@ class Trainer:
                      "num_workers": self.world, "seed": self.cfg.run.seed},
             "rng": rng_state(),
             "comm": self.transport.stats.as_dict(),
+            # a run stopped between metrics lines continues the average of its next line where it was
+            "log_window": {"loss": self.window_loss, "steps": self.window_steps},
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -310,6 +406,8 @@ class Trainer:
         set_rng_state(mine["rng"])
         self.step = int(mine["step"])
         self.wall_prior = float(state.get("wall_s", 0.0))
+        window = mine.get("log_window", {})
+        self.window_loss, self.window_steps = float(window.get("loss", 0.0)), int(window.get("steps", 0))
         comm = mine.get("comm", {})
         self.transport.stats.bytes_sent = int(comm.get("bytes_sent", 0))
         self.transport.stats.bytes_received = int(comm.get("bytes_received", 0))
@@ -318,6 +416,7 @@ class Trainer:
     def save(self) -> Optional[Path]:
         """Rank 0 writes; algorithms whose workers differ first gather every worker's state (a collective)."""
         state = self.state_dict()
+        self.saved_step = self.step
         if not self.leader:
             return None
         return save_checkpoint(self.ckpt_dir, self.step, state, keep=self.cfg.run.keep_checkpoints)
@@ -325,6 +424,10 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------
     def wall_s(self) -> float:
         return self.wall_prior + (time.perf_counter() - self._t0 if self._t0 is not None else 0.0)
+
+    def budget_s(self) -> float:
+        """Seconds spent of ``run.max_time``: a resumed run gets its budget afresh, counted from the resume."""
+        return self.wall_s() - self.wall_prior
 
     def loss_on(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -347,8 +450,8 @@ class Trainer:
         run, o = self.cfg.run, self.cfg.optim
         if run.max_steps:
             progress = (self.step - o.warmup_steps) / max(1, run.max_steps - o.warmup_steps)
-        else:
-            progress = self.wall_s() / run.max_time
+        else:  # by time: the schedule ends where this segment's budget does (stretched on a resume)
+            progress = self.wall_s() / (self.wall_prior + run.max_time)
         factor = lr_factor(self.step, o.warmup_steps, progress, o.schedule, o.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * factor
@@ -368,9 +471,17 @@ class Trainer:
             stop = bool(run.max_steps and self.step >= run.max_steps)
         if run.max_time is not None and not stop:
             if self.world == 1:
-                stop = self.wall_s() >= run.max_time
+                stop = self.budget_s() >= run.max_time
             elif synced or not self.algo.round_based:  # a point every worker reaches together
-                stop = bool(self.transport.broadcast_object(self.wall_s() >= run.max_time))
+                stop = bool(self.transport.broadcast_object(self.budget_s() >= run.max_time))
+        if self.stop_on_request and not stop:  # a signal asked to stop (stop_signals): here if every worker can
+            signum = None
+            if self.world == 1:
+                signum = STOP.signum
+            elif synced or not self.algo.round_based:  # the leader's view decides for all
+                signum = self.transport.broadcast_object(STOP.signum)
+            if signum is not None:
+                self.stopped_by, stop = int(signum), True
         return stop
 
     def _checkpoint_due(self, synced: bool) -> bool:
@@ -392,7 +503,10 @@ class Trainer:
             if self.resumed_from:
                 m.info(f"resumed from {self.resumed_from}", self.step)
         self._t0 = time.perf_counter()
-        window_loss, window_steps, window_t = 0.0, 0, time.perf_counter()
+        window_t = time.perf_counter()
+        listening = self.stop_on_request
+        if listening:
+            STOP.listening += 1
         try:
             synced = False
             while not self._should_stop(synced):
@@ -413,29 +527,54 @@ class Trainer:
                 if info.get("skipped"):
                     m.info(f"non-finite gradients (norm {info['grad_norm']}): this step's update was skipped; "
                            f"lower optim.lr or set optim.grad_clip", self.step)
-                window_loss += step_loss
-                window_steps += 1
+                self.window_loss += step_loss
+                self.window_steps += 1
                 evaluate = run.eval_every and self.step % run.eval_every == 0
                 if self.step % cfg.log.every == 0 or evaluate:
                     now = time.perf_counter()
-                    tps_local = window_steps * self.tokens_per_step / max(now - window_t, 1e-9)
-                    record = self._record(window_loss / window_steps, lr, tps_local, info)
+                    tps_local = self.window_steps * self.tokens_per_step / max(now - window_t, 1e-9)
+                    record = self._record(self.window_loss / self.window_steps, lr, tps_local, info)
                     if evaluate:
                         record["val_loss"] = self.evaluate()
                         self.last_val = (self.step, record["val_loss"])
                     m.log(record)
+                    self.window_loss, self.window_steps = 0.0, 0
                     if self.on_step:
                         self.on_step(self.step, record)
-                    window_loss, window_steps, window_t = 0.0, 0, time.perf_counter()
+                    window_t = time.perf_counter()
                 if self._checkpoint_due(synced):
                     self.save()
-        except KeyboardInterrupt:
-            if self.world == 1 and self.step > 0:
+        except KeyboardInterrupt as e:
+            # a plain KeyboardInterrupt (the Python API without stop_signals) saves at this step; an Interrupted
+            # here is a second signal, or one the loop could not wait for (torchrun): it stops without saving
+            if self.world == 1 and self.step > 0 and not isinstance(e, Interrupted):
                 path = self.save()
                 m.info(f"interrupted: saved {path}; continue with --resume --run-dir {self.run_dir}", self.step)
             m.close()
             raise
+        finally:
+            if listening:
+                STOP.listening -= 1
+        if self.stopped_by is not None:
+            self._stop(self.stopped_by)
         return self._finish()
+
+    def _stop(self, signum: int) -> None:
+        """Save where a signal stopped the loop (every worker is here), then raise Interrupted."""
+        m = self.metrics
+        path = None
+        if self.step != self.saved_step and self.step > 0:
+            path = self.save()
+        elif self.leader and self.step > 0:
+            path = self.ckpt_dir / checkpoint_name(self.step)
+        name = signal.Signals(signum).name
+        if self.leader:
+            if path is not None:
+                m.info(f"stopped by {name}: saved {path}; continue with --resume --run-dir {self.run_dir}", self.step)
+            else:
+                m.info(f"stopped by {name} before the first step: nothing to save", self.step)
+        m.close()
+        raise Interrupted(signum, path, clean=True)
 
     def _record(self, loss: float, lr: float, tps_local: float, info: dict[str, Any]) -> dict[str, Any]:
         stats = self.transport.stats
@@ -444,6 +583,20 @@ class Trainer:
                 "tokens_per_s": tps_local * self.world, "mfu": mfu, "grad_norm": info.get("grad_norm"),
                 "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "wall_s": self.wall_s(),
                 **self.transport.metrics()}
+
+    def _final_line_logged(self) -> bool:
+        """Whether metrics.jsonl already ends this step with a final validation line (leader; False elsewhere)."""
+        path = self.run_dir / "metrics.jsonl"
+        if not self.leader or not path.is_file():
+            return False
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if r.get("step") == self.step and "val_loss" in r and "loss" not in r:
+                return True
+        return False
 
     def _codec_summary(self) -> dict[str, Any]:
         codec = self.algo.codec
@@ -460,15 +613,18 @@ class Trainer:
     def _finish(self) -> dict[str, Any]:
         m = self.metrics
         self.algo.finalize()
+        # resumed from the run's final checkpoint: nothing trained since, and its last lines are already there
+        at_end = self.resumed_from is not None and self.step == self.start_step
         if self.last_val is not None and self.last_val[0] == self.step and not self.algo.round_based:
             val = self.last_val[1]
         else:
             val = self.evaluate()
             stats = self.transport.stats
-            m.log({"step": self.step, "tokens": self.tokens_seen(), "val_loss": val,
-                   "lr": self.optimizer.param_groups[0]["lr"], "bytes_sent": stats.bytes_sent,
-                   "bytes_received": stats.bytes_received, "wall_s": self.wall_s(), **self.transport.metrics()})
-        if self.cfg.run.checkpoint_final:
+            if not (at_end and self._final_line_logged()):
+                m.log({"step": self.step, "tokens": self.tokens_seen(), "val_loss": val,
+                       "lr": self.optimizer.param_groups[0]["lr"], "bytes_sent": stats.bytes_sent,
+                       "bytes_received": stats.bytes_received, "wall_s": self.wall_s(), **self.transport.metrics()})
+        if self.cfg.run.checkpoint_final:  # again at_end too: the checkpoint there may predate algo.finalize()
             self.save()
         stats = self.transport.stats
         mine = {"worker": self.rank, "tokens": self.step * self.tokens_per_step, "bytes_sent": stats.bytes_sent,
@@ -494,6 +650,36 @@ class Trainer:
                    f"summary in {self.run_dir / 'summary.json'}", self.step)
         m.close()
         return summary
+
+
+def discard_run(path: Path) -> Optional[Path]:
+    """Move a run folder's checkpoints and metrics into ``path/discarded-<time>/`` (``--restart``).
+
+    Nothing is deleted: the unreadable (or unwanted) files stay there for a look, and go with ``rm -r``.
+    """
+    movable = list_checkpoints(path / "checkpoints")
+    movable += [path / n for n in ("metrics.jsonl", "summary.json", "loss.png") if (path / n).exists()]
+    if not movable:
+        return None
+    dest = path / f"discarded-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = path / f"discarded-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{n}"
+    (dest / "checkpoints").mkdir(parents=True)
+    for p in movable:
+        shutil.move(str(p), str(dest / p.relative_to(path)))
+    print(f"loco: --restart: moved {len(movable)} file(s) of the earlier run to {dest}", file=sys.stderr, flush=True)
+    return dest
+
+
+def unreadable_message(run_dir: Path, ckpt_dir: Path) -> str:
+    """The one line that refuses to resume from a folder whose checkpoints are all unreadable."""
+    names = [p.name for p in list_checkpoints(ckpt_dir)]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"{ckpt_dir}: none of its {len(names)} checkpoint(s) can be read ({shown}: truncated, corrupted or "
+            f"not loco checkpoints), so there is nothing to resume from; remove them, or pass --restart instead "
+            f"of --resume to start over from step 0 in {run_dir} (they are moved to {run_dir}/discarded-<time>/)")
 
 
 def train(cfg: Config, model: Optional[nn.Module] = None, **kwargs: Any) -> dict[str, Any]:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import random
+import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import child_env, kill_when
+from conftest import FAST, ROOT, TINY, child_env, kill_when
 from launch.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, rng_state,
-                               save_checkpoint, set_rng_state)
+                               save_checkpoint, set_rng_state, write_file)
 
 
 def test_save_load_and_keep_last_k(tmp_path):
@@ -61,16 +64,46 @@ def test_kill_mid_write_leaves_previous_checkpoint_readable(tmp_path):
     assert not [p for p in ckpt.iterdir() if p.name.startswith(".")]
 
 
-def test_truncated_checkpoint_is_skipped_with_a_warning(tmp_path):
+def test_truncated_checkpoint_is_skipped_with_one_clean_line(tmp_path, capsys):
     save_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(1000)}})
     bad = save_checkpoint(tmp_path, 2, {"model": {"w": torch.zeros(1000)}})
     data = bad.read_bytes()
     bad.write_bytes(data[: len(data) // 2])
-    with pytest.warns(UserWarning, match="step_00000002.pt"):
-        path, state = latest_checkpoint(tmp_path)
+    path, state = latest_checkpoint(tmp_path)
     assert state["step"] == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "skipping checkpoint" in err and "step_00000002.pt" in err, err
+    assert "truncated or corrupted" in err and "miniz" not in err and "Warning" not in err, err
     with pytest.raises(CheckpointError, match="unreadable"):
         load_checkpoint(bad)
+
+
+def test_pruning_keeps_the_newest_valid_checkpoints(tmp_path):
+    """Broken files with higher steps never count among the K kept, nor push out the checkpoint just written."""
+    for step in (100, 120):
+        (tmp_path / f"step_{step:08d}.pt").write_bytes(b"\0" * 1000)  # e.g. truncated by a full disk
+    for step in (20, 40, 60, 80):
+        save_checkpoint(tmp_path, step, {"model": {"w": torch.full((3,), float(step))}}, keep=2)
+        assert (tmp_path / f"step_{step:08d}.pt").is_file(), "the checkpoint just written was pruned"
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert names == ["step_00000120.pt", "step_00000100.pt", "step_00000080.pt", "step_00000060.pt"]
+    path, state = latest_checkpoint(tmp_path, on_skip=None)
+    assert state["step"] == 80
+    # an old broken file below the kept ones goes with the next prune; the valid ones stay the newest K
+    (tmp_path / "step_00000010.pt").write_bytes(b"junk")
+    save_checkpoint(tmp_path, 90, {"model": {}}, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == \
+        ["step_00000120.pt", "step_00000100.pt", "step_00000090.pt", "step_00000080.pt"]
+
+
+def test_full_disk_is_one_line_with_the_bytes_needed(tmp_path):
+    """/dev/full fails every write with ENOSPC, as a full disk does (torch reports it as 'unexpected pos')."""
+    payload = {"model": {"w": torch.ones(250_000)}}
+    with pytest.raises(CheckpointError) as info:
+        write_file("/dev/full", payload, tmp_path / "step_00000007.pt")
+    message = str(info.value)
+    assert message.startswith("no space left on device") and "step_00000007.pt" in message, message
+    assert "1,000,000 bytes" in message and "\n" not in message and "enforce fail" not in message, message
 
 
 def test_foreign_file_is_not_a_checkpoint(tmp_path):
@@ -89,3 +122,32 @@ def test_rng_state_round_trip(tmp_path):
     set_rng_state(load_checkpoint(tmp_path / "step_00000001.pt")["rng"])
     got = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(expect[0], got[0]) and np.array_equal(expect[1], got[1]) and expect[2] == got[2]
+
+
+def _can_mount_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k none /tmp"],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unprivileged user namespaces (unshare -rm) for a tiny tmpfs")
+def test_training_on_a_full_disk_stops_with_one_line(tmp_path):
+    """A 16 MB filesystem (a tmpfs in a user namespace, no root needed) holds one 10.7 MB checkpoint, not two."""
+    run_dir, copy = tmp_path / "run", tmp_path / "kept"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    train = [sys.executable, "-m", "launch.cli", "train", "--config", TINY, "--max-steps", "10",
+             *[a for s in FAST for a in ("--set", s)], "--set", "run.checkpoint_every=5", "--run-dir", str(run_dir)]
+    script = (f"mount -t tmpfs -o size=16m none {run_dir / 'checkpoints'} || exit 99; "
+              f"{shlex.join(train)}; rc=$?; cp -a {run_dir / 'checkpoints'} {copy}; exit $rc")
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120,
+                         env=child_env(), cwd=ROOT)
+    assert res.returncode == 2, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("loco train: error: no space left on device: writing "), res.stderr[-3000:]
+    assert re.search(r"step_00000010\.pt needs about [\d.]+ MB \([\d,]+ bytes\), [\d.]+ MB free there", last), last
+    assert "Traceback" not in res.stderr and "enforce fail" not in res.stderr
+    assert [p.name for p in list_checkpoints(copy)] == ["step_00000005.pt"], "the older checkpoint must stay"
+    assert load_checkpoint(copy / "step_00000005.pt")["step"] == 5
+    assert not [p for p in copy.iterdir() if p.name.startswith(".")], "the temp file must be removed"

@@ -177,6 +177,25 @@ def test_missing_config_file_in_process(capsys, tmp_path):
     assert err.strip() == f"loco train: error: {missing}: config file not found"
 
 
+@pytest.mark.parametrize("cmd", ["train", "simulate"])
+def test_resume_of_a_folder_without_a_run_names_it(capsys, tmp_path, cmd):
+    """A mistyped --run-dir with --resume must not start a new run with the default settings."""
+    missing, empty = tmp_path / "runs" / "mien", tmp_path / "empty"
+    empty.mkdir()
+    for folder, why in ((missing, "does not exist"), (empty, "has no config.yaml")):
+        for flag in ("--resume", "--restart"):
+            assert main([cmd, "--run-dir", str(folder), flag]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"loco {cmd}: error: {folder}: no run to continue there" in err, err
+            assert why in err and f"without {flag}" in err
+    assert not missing.exists() and list(empty.iterdir()) == [], "nothing may be written"
+
+
+def test_resume_and_restart_exclude_each_other(capsys, tmp_path):
+    assert main(["train", "--run-dir", str(tmp_path), "--resume", "--restart"]) == 2
+    assert "pass one of them" in capsys.readouterr().err
+
+
 def test_bad_max_time_flag_names_the_flag(capsys):
     assert main(["train", "--max-time", "soon"]) == 2
     err = capsys.readouterr().err

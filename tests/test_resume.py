@@ -1,16 +1,22 @@
-"""A run that is stopped (killed, or Ctrl-C) and resumed gives the same loss curve as one that was not."""
+"""A run that is stopped (killed, Ctrl-C or SIGTERM) and resumed gives the same loss curve as one that was not.
+
+Also: a folder whose checkpoints are all unreadable is refused (and --restart starts it over), and a resumed
+--max-time run gets its budget afresh.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from conftest import FAST, ROOT, TINY, child_env, kill_when, run_cli
-from launch.checkpoint import list_checkpoints
+from launch.checkpoint import latest_checkpoint, list_checkpoints
 from launch.metrics import read_metrics
 from launch.trainer import RunError, train
 
@@ -70,3 +76,119 @@ def test_fresh_run_refuses_a_folder_with_checkpoints(reference, tiny_cfg):
         train(tiny_cfg(run_dir=reference))
     res = run_cli([*ARGS, "--run-dir", str(reference)])
     assert res.returncode == 2 and "already holds checkpoints" in res.stderr and "Traceback" not in res.stderr
+
+
+def _logged_steps(run_dir) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    steps = []
+    for line in (path.read_text().splitlines() if path.is_file() else []):
+        try:
+            steps.append(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            pass
+    return steps
+
+
+def _stop_with(signum, args, run_dir, after_step):
+    """Start ``loco ARGS``, send ``signum`` once a metrics line of ``after_step`` is written; (rc, stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *args, "--run-dir", str(run_dir)], cwd=ROOT,
+                            env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None and after_step not in _logged_steps(run_dir):
+            time.sleep(0.01)
+        os.kill(proc.pid, signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, err
+
+
+def test_sigterm_saves_and_resumes_exactly(reference, tmp_path):
+    """SIGTERM (a scheduler's preemption, systemd, kill) saves at the current step like Ctrl-C; exit 143."""
+    run_dir = tmp_path / "terminated"
+    rc, err = _stop_with(signal.SIGTERM, ARGS, run_dir, after_step=15)
+    assert rc == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("loco train: stopped by SIGTERM; saved")
+    step = load_checkpoint_step(run_dir)
+    assert 15 <= step < STEPS, "the stop must save the step it reached"
+    res = run_cli(["train", "--run-dir", str(run_dir), "--resume"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _curve(run_dir) == _curve(reference)
+
+
+def load_checkpoint_step(run_dir) -> int:
+    hit = latest_checkpoint(run_dir / "checkpoints", on_skip=None)
+    assert hit is not None, "no checkpoint was saved"
+    return hit[1]["step"]
+
+
+def test_unreadable_checkpoints_refuse_resume_and_restart_starts_over(tmp_path):
+    run_dir = tmp_path / "broken"
+    short = [a if a != str(STEPS) else "20" for a in ARGS]
+    res = run_cli([*short, "--run-dir", str(run_dir)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    ckpts = list_checkpoints(run_dir / "checkpoints")
+    assert [p.name for p in ckpts] == ["step_00000020.pt", "step_00000010.pt"]
+    for p in ckpts:
+        os.truncate(p, 1000)
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+
+    res = run_cli(["train", "--run-dir", str(run_dir), "--resume"])
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert res.stderr.count("\n") == 1, res.stderr
+    assert "step_00000020.pt, step_00000010.pt" in res.stderr and "--restart" in res.stderr and "remove" in res.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics, "a refused resume must not touch the metrics"
+    assert [p.stat().st_size for p in list_checkpoints(run_dir / "checkpoints")] == [1000, 1000]
+
+    res = run_cli(["train", "--run-dir", str(run_dir), "--restart", "--max-steps", "10"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_00000010.pt"]
+    assert _logged_steps(run_dir) == [5, 10, 10], "a new curve from step 0"
+    aside, = run_dir.glob("discarded-*")
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_00000010.pt", "step_00000020.pt"]
+    assert (aside / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_resumed_max_time_run_gets_a_fresh_budget(tmp_path):
+    run_dir = tmp_path / "timed"
+    timed = ["train", "--config", TINY, *[a for s in FAST for a in ("--set", s)], "--max-steps", "100000",
+             "--max-time", "2s", "--set", "log.every=1", "--set", "run.eval_every=0", "--run-dir", str(run_dir)]
+    res = run_cli(timed)
+    assert res.returncode == 0, res.stderr[-3000:]
+    first = json.loads((run_dir / "summary.json").read_text())["steps"]
+    for again in ([], ["--max-time", "1s"]):  # the original budget again, or the one given on the resume
+        res = run_cli(["train", "--run-dir", str(run_dir), "--resume", *again])
+        assert res.returncode == 0, res.stderr[-3000:]
+        steps = json.loads((run_dir / "summary.json").read_text())["steps"]
+        assert steps > first, f"the resumed run trained no step ({first} -> {steps})"
+        first = steps
+    finals = [s for s, r in zip(_logged_steps(run_dir), read_metrics(run_dir)) if "loss" not in r]
+    assert len(finals) == len(set(finals)) == 3, "one final validation line per segment, none twice"
+    lines = [(r["step"], "loss" in r) for r in read_metrics(run_dir)]
+    assert len(lines) == len(set(lines)), "no duplicate metrics lines"
+
+
+SIM = ["simulate", "--config", TINY, *[a for s in FAST for a in ("--set", s)], "--workers", "2", "--baseline", "none",
+       "--max-steps", "30", "--set", "algo.name=diloco", "--set", "algo.inner_steps=5", "--set", "run.batch_size=8",
+       "--set", "log.every=5", "--set", "run.eval_every=10", "--set", "run.checkpoint_every=100"]
+
+
+def test_simulator_ctrl_c_saves_every_worker_and_resumes_exactly(tmp_path):
+    """Ctrl-C in `loco simulate` stops all workers at the next sync, saves them all, exits 130; --resume continues."""
+    ref = tmp_path / "reference"
+    res = run_cli([*SIM, "--run-dir", str(ref)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = tmp_path / "interrupted"
+    rc, err = _stop_with(signal.SIGINT, SIM, run_dir, after_step=5)
+    assert rc == 128 + signal.SIGINT, err[-3000:]
+    assert "Traceback" not in err and "loco simulate: stopped by the user (Ctrl-C); saved" in err, err[-3000:]
+    _, state = latest_checkpoint(run_dir / "checkpoints", on_skip=None)
+    assert state["step"] in (10, 15, 20, 25) and len(state["workers"]) == 2, "every worker, at a sync"
+    res = run_cli(["simulate", "--run-dir", str(run_dir), "--resume"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _curve(run_dir) == _curve(ref)
+    assert json.loads((run_dir / "summary.json").read_text())["val_loss"] == \
+        json.loads((ref / "summary.json").read_text())["val_loss"]
