@@ -4,8 +4,9 @@
    k=8 (``--demo-lr``), all with ``--workers`` simulated workers x ``--batch-size``, the same
    seeds and steps (the runs go through ``benchmarks/convergence.py``). Reported: median final
    validation loss, gap to DDP, bytes sent per worker per step and DDP's over DeMo's.
-2. Encode time per step for every parameter of the model: loco's encode (the fused Triton
-   kernel on CUDA, the torch reference elsewhere) against a plain per-parameter
+2. Encode time per step for every parameter of the model: loco's encode (``kernels.encode_many``:
+   the fused Triton kernel per parameter on CUDA, the torch reference batched over parameters
+   with the same block elsewhere) against a plain per-parameter
    einsum + ``torch.topk`` + scatter implementation like the published one. Medians.
 
     python benchmarks/demo.py --steps 300 --seeds 0,1,2                       # tiny on CPU
@@ -77,9 +78,10 @@ def encode_times(model_size: str, device: torch.device, repeats: int, topk: int 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def loco():
-        for d, plan in zip(deltas, plans):
-            kernels.encode(d, plan)
+    order = sorted(range(len(plans)), key=lambda j: (plans[j].s1, plans[j].s2, plans[j].k, j))
+
+    def loco():  # as DeMo.step runs it: one call, parameters with the same block batched on the reference path
+        kernels.encode_many([deltas[j] for j in order], [plans[j] for j in order])
 
     def plain():
         for d in deltas:

@@ -4,6 +4,10 @@
   index), and ``delta -= IDCT(what was kept)`` in the same pass; returns (indices int32,
   values fp32), ``plan.k`` per chunk, indices ascending within their chunk.
 * ``decode_sign_(agg, param, lr, plan)``: ``param -= lr * sign(IDCT(agg))``.
+* ``encode_many`` / ``decode_sign_many``: the same for a list of parameters, as the optimizer
+  calls them. Where the kernel runs it runs per parameter (one launch each); the reference
+  path batches every run of consecutive parameters with the same block (s1, s2, k): their
+  blocks are stacked, so the DCT, the top-k and the IDCT are one call each for the run.
 
 The kernel handles one s1 x s2 block per program with two small matmuls each way
 (``tl.dot`` at IEEE fp32 precision) and the same bit-pattern binary search for the k-th
@@ -36,6 +40,66 @@ def encode_ref(delta: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tensor, torc
 def decode_sign_ref(agg: torch.Tensor, param: torch.Tensor, lr: float, plan: ChunkPlan) -> None:
     update = from_chunks(agg, plan)
     param.add_(torch.sign(update).to(param.dtype), alpha=-lr)
+
+
+def _to_blocks(x: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """``(num_chunks, s1, s2)``: x's blocks in chunk order (zero-padded to whole blocks), not yet transformed."""
+    m = x.reshape(plan.lead, plan.rows, plan.cols)
+    if plan.padded:
+        m = torch.nn.functional.pad(m, (0, plan.cols_padded - plan.cols, 0, plan.rows_padded - plan.rows))
+    nr, nc = plan.rows_padded // plan.s1, plan.cols_padded // plan.s2
+    return m.view(plan.lead, nr, plan.s1, nc, plan.s2).transpose(2, 3).reshape(-1, plan.s1, plan.s2)
+
+
+def _from_blocks(b: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """Inverse of :func:`_to_blocks` (padding cropped), in the parameter's shape."""
+    nr, nc = plan.rows_padded // plan.s1, plan.cols_padded // plan.s2
+    m = b.view(plan.lead, nr, nc, plan.s1, plan.s2).transpose(2, 3).reshape(plan.lead, plan.rows_padded,
+                                                                            plan.cols_padded)
+    if plan.padded:
+        m = m[:, :plan.rows, :plan.cols]
+    return m.reshape(plan.shape)
+
+
+def _runs(plans: list[ChunkPlan], batched: list[bool]) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive parameters that share (s1, s2, k) and all take the batched path."""
+    runs: list[tuple[int, int]] = []
+    for j, plan in enumerate(plans):
+        prev = plans[j - 1] if j else None
+        if (runs and batched[j] and batched[j - 1] and runs[-1][1] == j
+                and (plan.s1, plan.s2, plan.k) == (prev.s1, prev.s2, prev.k)):
+            runs[-1] = (runs[-1][0], j + 1)
+        else:
+            runs.append((j, j + 1))
+    return runs
+
+
+def encode_batch_ref(deltas: list[torch.Tensor], plans: list[ChunkPlan]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode_ref` of parameters that share (s1, s2, k), as one stacked pass; the results concatenated."""
+    plan = plans[0]
+    blocks = torch.cat([_to_blocks(d.float(), p) for d, p in zip(deltas, plans)]) if len(plans) > 1 else \
+        _to_blocks(deltas[0].float(), plan)
+    d1, d2 = dct_basis(plan.s1, blocks.device), dct_basis(plan.s2, blocks.device)
+    coeffs = (d1 @ blocks @ d2.T).reshape(-1, plan.chunk_size)
+    idx, vals = topk_chunks_ref(coeffs.reshape(-1), plan.chunk_size, plan.k)
+    n = coeffs.shape[0]
+    sent = torch.zeros_like(coeffs).scatter_(1, idx.long().view(n, plan.k), vals.view(n, plan.k))
+    rec = d1.T @ sent.view(n, plan.s1, plan.s2) @ d2
+    pieces = rec.split([p.num_chunks for p in plans]) if len(plans) > 1 else (rec,)
+    for d, p, r in zip(deltas, plans, pieces):
+        d.sub_(_from_blocks(r, p).to(d.dtype))
+    return idx, vals
+
+
+def decode_sign_batch_ref(agg: torch.Tensor, params: list[torch.Tensor], lrs: list[float],
+                          plans: list[ChunkPlan]) -> None:
+    """:func:`decode_sign_ref` of parameters that share (s1, s2), their chunks back to back in ``agg``."""
+    plan = plans[0]
+    d1, d2 = dct_basis(plan.s1, agg.device), dct_basis(plan.s2, agg.device)
+    signs = torch.sign(d1.T @ agg.reshape(-1, plan.s1, plan.s2).float() @ d2)
+    pieces = signs.split([p.num_chunks for p in plans]) if len(plans) > 1 else (signs,)
+    for param, lr, p, s in zip(params, lrs, plans, pieces):
+        param.add_(_from_blocks(s, p).to(param.dtype), alpha=-lr)
 
 
 # ---- Triton -----------------------------------------------------------------------------------
@@ -130,3 +194,36 @@ def decode_sign_(agg: torch.Tensor, param: torch.Tensor, lr: float, plan: ChunkP
         decode_sign_triton(agg, param, lr, plan)
     else:
         decode_sign_ref(agg, param, lr, plan)
+
+
+def _encode_fits(delta: torch.Tensor, plan: ChunkPlan) -> bool:
+    return use_triton(delta) and kernel_fits(plan) and delta.dtype == torch.float32 and delta.is_contiguous()
+
+
+def encode_many(deltas: list[torch.Tensor], plans: list[ChunkPlan]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode` of every parameter in turn, the (indices, values) concatenated in the given order."""
+    kernel = [_encode_fits(d, p) for d, p in zip(deltas, plans)]
+    idx, vals = [], []
+    for a, b in _runs(plans, [not k for k in kernel]):
+        i, v = encode_triton(deltas[a], plans[a]) if kernel[a] else encode_batch_ref(deltas[a:b], plans[a:b])
+        idx.append(i)
+        vals.append(v)
+    if len(idx) == 1:
+        return idx[0], vals[0]
+    return torch.cat(idx), torch.cat(vals)
+
+
+def decode_sign_many(agg: torch.Tensor, params: list[torch.Tensor], lrs: list[float],
+                     plans: list[ChunkPlan]) -> None:
+    """:func:`decode_sign_` of every parameter; ``agg`` holds their ``(num_chunks, chunk_size)`` blocks back to
+    back, in the given order."""
+    kernel = [use_triton(p) and kernel_fits(plan) and p.is_contiguous() for p, plan in zip(params, plans)]
+    starts = [0]
+    for plan in plans:
+        starts.append(starts[-1] + plan.num_chunks * plan.chunk_size)
+    for a, b in _runs(plans, [not k for k in kernel]):
+        piece = agg[starts[a]:starts[b]]
+        if kernel[a]:
+            decode_sign_triton(piece.view(plans[a].num_chunks, plans[a].chunk_size), params[a], lrs[a], plans[a])
+        else:
+            decode_sign_batch_ref(piece, params[a:b], lrs[a:b], plans[a:b])

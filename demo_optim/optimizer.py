@@ -9,14 +9,22 @@ Per parameter, every step::
     agg    = per coefficient, the mean over the workers that sent it (0 if nobody did)
     p     -= lr * sign(IDCT(agg))
 
-All parameters travel in one payload per worker and one ``all_gather_bytes`` per step:
-loco's wire header (magic, version, settings + model layout fingerprint, length, CRC-32),
-then every kept value (fp32, or 1 bit each with ``sign_values``), then each parameter's
-indices in ``ceil(log2(s1*s2))`` bits (12 for 64 x 64). Every worker aggregates the same
-payloads in rank order, so every worker applies the same update. A payload that fails
-validation is left out of the mean and logged; a worker whose gradients are not finite
-sends nothing that step (``nonfinite="skip"``) or raises (``"raise"``) and still applies
-the others' update, so the replicas stay equal.
+All parameters travel in one payload per worker and one ``all_gather_bytes`` per step
+(chain ``demo:v2``): loco's wire header (magic, version, settings + model layout fingerprint,
+length, CRC-32), then every kept value (fp32, or 1 bit each with ``sign_values``), then the
+indices in ``ceil(log2(s1*s2))`` bits (12 for 64 x 64). Parameters are laid out in *wire
+order*: grouped by index width (ascending), in parameter order within a width; the values
+follow that order, and each width's indices form one bit stream (padded to a whole byte
+once per width, not once per parameter). So a payload is validated and accumulated with a
+fixed number of tensor ops whatever the number of parameters: the index streams are unpacked
+(one ``unpack_bits`` per width), the range, the strict increase within every chunk and the
+finiteness of the values are checked in one vectorised expression, with one host sync to
+accept or reject, and one ``scatter_add_`` each adds the values and the counts into flat
+buffers that hold every parameter's chunks back to back (flat position = the chunk's offset
++ the index). Every worker aggregates the same payloads in rank order, so every worker
+applies the same update. A payload that fails validation is left out of the mean and logged;
+a worker whose gradients are not finite sends nothing that step (``nonfinite="skip"``) or
+raises (``"raise"``) and still applies the others' update, so the replicas stay equal.
 """
 
 from __future__ import annotations
@@ -24,14 +32,16 @@ from __future__ import annotations
 import logging
 import math
 import zlib
+from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from diloco.comm.base import Transport
 from diloco.comm.local import LocalTransport
-from diloco.compress import (RULES, ChunkPlan, CorruptPayload, bits_for, chunk_indices_ok, pack_bits, packed_size,
-                             plan_for, tensor_bytes, unpack_bits, wire)
+from diloco.compress import (RULES, ChunkPlan, CorruptPayload, bits_for, pack_bits, packed_size, plan_for,
+                             tensor_bytes, unpack_bits, wire)
 from demo_optim import kernels
 
 log = logging.getLogger("demo_optim")
@@ -67,6 +77,7 @@ class DeMo(torch.optim.Optimizer):
         self.last_contributors = 0
         self.contribute = True  # the trainer clears it for one step when it found non-finite gradients
         self.grads_checked = False  # the trainer sets it when it already checked the gradients this step
+        self._layouts: dict[tuple[str, torch.device], _Layout] = {}
 
     # ---- layout ---------------------------------------------------------------------------------
     def _entries(self) -> list[tuple[torch.Tensor, dict[str, Any], ChunkPlan]]:
@@ -80,13 +91,19 @@ class DeMo(torch.optim.Optimizer):
 
     def _chain(self, plans: list[ChunkPlan]) -> str:
         layout = zlib.crc32(repr([(p.shape, p.s1, p.s2, p.rows_padded, p.cols_padded, p.k) for p in plans]).encode())
-        return f"demo:v1,sign={int(self.sign_values)},layout={layout:08x}"
+        return f"demo:v2,sign={int(self.sign_values)},layout={layout:08x}"
 
-    def _sizes(self, plans: list[ChunkPlan]) -> tuple[int, int, list[int]]:
-        sent = sum(p.sent for p in plans)
-        value_bytes = packed_size(sent, 1) if self.sign_values else 4 * sent
-        index_bytes = [packed_size(p.sent, bits_for(p.chunk_size)) for p in plans]
-        return sent, value_bytes, index_bytes
+    def _layout(self, plans: list[ChunkPlan], chain: str, device: torch.device) -> "_Layout":
+        """The layout of these plans, built once per layout and device (its index tensors live on the device)."""
+        layouts = self.__dict__.setdefault("_layouts", {})
+        key = (chain, torch.device(device))
+        layout = layouts.get(key)
+        if layout is None:
+            layout = layouts[key] = _Layout(plans, self.sign_values, device)
+        return layout
+
+    def _device(self) -> torch.device:
+        return self.param_groups[0]["params"][0].device
 
     # ---- the step -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -98,18 +115,23 @@ class DeMo(torch.optim.Optimizer):
         entries = self._entries()
         plans = [plan for _, _, plan in entries]
         chain = self._chain(plans)
+        if entries:
+            self._layout(plans, chain, self._device())  # built once, outside the per-step work
         contribute = self.contribute and (self.grads_checked or self._grads_finite(entries))
         self.contribute, self.grads_checked = True, False
         payload = self._encode(entries, chain) if contribute else wire.pack(b"", torch.float32, (0,), chain)
         payloads = self.transport.all_gather_bytes(payload)
         sums, counts = self._aggregate(payloads, plans, chain)
-        for (p, group, plan), s, c in zip(entries, sums, counts):
-            agg = torch.where(c > 0, s / c.clamp(min=1), torch.zeros_like(s))
-            kernels.decode_sign_(agg, p, group["lr"], plan)
+        if entries:
+            agg = sums.flat.div_(counts.flat.clamp_(min=1))  # the mean; 0 where nobody sent (the sum is 0 there)
+            order = sums.layout.order
+            kernels.decode_sign_many(agg, [entries[j][0] for j in order], [entries[j][1]["lr"] for j in order],
+                                     [plans[j] for j in order])
         return loss
 
     def _grads_finite(self, entries) -> bool:
-        finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p, _, _ in entries)
+        grads = [p.grad for p, _, _ in entries if p.grad is not None]
+        finite = not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())  # one host sync
         if not finite:
             if self.nonfinite == "raise":
                 raise FloatingPointError("DeMo: non-finite gradients (set nonfinite='skip' to sit the step out)")
@@ -119,79 +141,198 @@ class DeMo(torch.optim.Optimizer):
         return finite
 
     def _encode(self, entries, chain: str) -> bytes:
-        values, indices = [], []
+        if not entries:
+            return wire.pack(b"", torch.float32, (0,), chain)
+        layout = self._layout([plan for _, _, plan in entries], chain, self._device())
+        deltas, groups = [], {}
         for p, group, plan in entries:
             state = self.state[p]
             if "delta" not in state:
                 state["delta"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            delta = state["delta"]
+            deltas.append(state["delta"])
+            params, ds, with_grad, grads = groups.setdefault(id(group), (group, [], [], [], []))[1:]
+            params.append(p)
+            ds.append(state["delta"])
+            if p.grad is not None:
+                with_grad.append(state["delta"])
+                grads.append(p.grad.float())
+        for group, params, ds, with_grad, grads in groups.values():  # one op per group, not per parameter
             lr, wd = group["lr"], group["weight_decay"]
             if wd:
-                p.mul_(1.0 - lr * wd)
-            delta.mul_(group["compression_decay"])
-            if p.grad is not None:
-                delta.add_(p.grad.float(), alpha=lr)
-            idx, vals = kernels.encode(delta, plan)
-            values.append(vals)
-            indices.append(tensor_bytes(pack_bits(idx, bits_for(plan.chunk_size))))
-        flat = torch.cat(values) if values else torch.zeros(0)
-        value_section = tensor_bytes(pack_bits((flat > 0).to(torch.int32), 1) if self.sign_values else flat)
-        body = value_section + b"".join(indices)
-        return wire.pack(body, torch.float32, (flat.numel(),), chain)
+                torch._foreach_mul_(params, 1.0 - lr * wd)
+            torch._foreach_mul_(ds, group["compression_decay"])
+            if grads:
+                torch._foreach_add_(with_grad, grads, alpha=lr)
+        idx, flat = kernels.encode_many([deltas[j] for j in layout.order], [layout.plans[j] for j in layout.order])
+        sections = [pack_bits((flat > 0).to(torch.int32), 1) if self.sign_values else flat.view(torch.uint8)]
+        at = 0
+        for width, count, _ in layout.stream_sizes:  # one bit stream per index width
+            sections.append(pack_bits(idx[at:at + count], width))
+            at += count
+        return wire.pack(tensor_bytes(torch.cat(sections)), torch.float32, (flat.numel(),), chain)
 
-    def _aggregate(self, payloads: list[bytes], plans: list[ChunkPlan],
-                   chain: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        device = self.param_groups[0]["params"][0].device
-        sums = [torch.zeros(p.num_chunks, p.chunk_size, device=device) for p in plans]
-        counts = [torch.zeros(p.num_chunks, p.chunk_size, device=device) for p in plans]
-        sent, value_bytes, index_bytes = self._sizes(plans)
-        contributors = 0
-        for rank, payload in enumerate(payloads):  # rank order: the same sums on every worker
+    def _aggregate(self, payloads: list[bytes], plans: list[ChunkPlan], chain: str) -> tuple["_Views", "_Views"]:
+        """Per coefficient, the sum of what the valid payloads sent and how many sent it, in two flat buffers
+        (all parameters' chunks back to back); indexing the returned views gives parameter j's
+        ``(num_chunks, chunk_size)`` block. A fixed number of tensor ops and one host sync per payload."""
+        device = self._device() if plans else torch.device("cpu")
+        layout = self._layout(plans, chain, device)
+        sums = torch.zeros(layout.total, device=device)
+        counts = torch.zeros(layout.total, device=device)
+        bodies: list[Any] = []  # per rank: a CorruptPayload, None (nothing sent) or the body's (start, end)
+        chunks, at = [], 0
+        for payload in payloads:
             try:
-                decoded = self._decode(payload, chain, sent, value_bytes, index_bytes, plans, device)
+                body = self._check_header(payload, chain, layout)
             except CorruptPayload as e:
+                bodies.append(e)
+                continue
+            if body is None:
+                bodies.append(None)
+                continue
+            pad = -at % 8  # every body starts aligned, so its fp32 values can be viewed in place
+            chunks += [bytes(pad), body]
+            bodies.append((at + pad, at + pad + len(body)))
+            at += pad + len(body)
+        data = None
+        if at:  # all bodies reach the device in one transfer
+            data = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).to(device)
+        contributors = 0
+        for rank, body in enumerate(bodies):  # rank order: the same sums on every worker
+            if isinstance(body, tuple):
+                try:
+                    idx, values = self._decode(data[body[0]:body[1]], layout)
+                except CorruptPayload as e:
+                    body = e
+                else:
+                    contributors += 1
+                    pos = layout.base + idx
+                    sums.scatter_add_(0, pos, values)
+                    counts.scatter_add_(0, pos, layout.ones)
+            if isinstance(body, CorruptPayload):
                 self.rejected_payloads += 1
-                log.warning("DeMo worker %d: left worker %d's payload out of the mean: %s", self.transport.rank, rank, e)
-                continue
-            if decoded is None:
-                continue
-            contributors += 1
-            for (idx, vals), s, c in zip(decoded, sums, counts):
-                s.scatter_add_(1, idx, vals)
-                c.scatter_add_(1, idx, torch.ones_like(vals))
+                log.warning("DeMo worker %d: left worker %d's payload out of the mean: %s", self.transport.rank, rank,
+                            body)
         self.last_contributors = contributors
-        return sums, counts
+        return _Views(sums, layout), _Views(counts, layout)
 
-    def _decode(self, payload: bytes, chain: str, sent: int, value_bytes: int, index_bytes: list[int],
-                plans: list[ChunkPlan], device: torch.device):
-        """[(indices (chunks, k) int64, values (chunks, k))] per parameter, or None for "nothing sent"."""
+    def _check_header(self, payload: bytes, chain: str, layout: "_Layout") -> Optional[memoryview]:
+        """The payload's body, or None for "nothing sent"; CorruptPayload when the header does not fit."""
         header = wire.parse_header(payload, self.max_payload_bytes)
         if header.chain != chain:
             raise CorruptPayload(f"settings or model differ: payload {header.chain!r}, this worker {chain!r}")
         if header.numel == 0 and header.length == 0:
             return None
-        if header.numel != sent or header.length != value_bytes + sum(index_bytes):
-            raise CorruptPayload(f"{header.numel} values in {header.length} bytes, expected {sent} in "
-                                 f"{value_bytes + sum(index_bytes)}")
-        data = torch.frombuffer(bytearray(memoryview(payload)[header.offset:]), dtype=torch.uint8).to(device)
+        expected = layout.value_bytes + layout.index_bytes
+        if header.numel != layout.sent or header.length != expected:
+            raise CorruptPayload(f"{header.numel} values in {header.length} bytes, expected {layout.sent} in "
+                                 f"{expected}")
+        return memoryview(payload)[header.offset:header.offset + header.length]
+
+    def _decode(self, data: torch.Tensor, layout: "_Layout") -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices int64, values fp32) of one body, in wire order; CorruptPayload unless every index lies in its
+        chunk and increases strictly within it and every value is finite: one vectorised check, one host sync."""
+        vb = layout.value_bytes
         if self.sign_values:
-            values = unpack_bits(data[:value_bytes], 1, sent).float() * 2 - 1
+            values = unpack_bits(data[:vb], 1, layout.sent).float() * 2 - 1
         else:
-            values = data[:value_bytes].view(torch.float32)
-            if not bool(torch.isfinite(values).all()):
+            values = data[:vb].view(torch.float32)
+        streams, b = [], vb
+        for width, count, nbytes in layout.stream_sizes:
+            streams.append(unpack_bits(data[b:b + nbytes], width, count))
+            b += nbytes
+        idx = torch.cat(streams) if len(streams) > 1 else streams[0]
+        bad = idx >= layout.limit
+        bad[1:] |= (idx[1:] <= idx[:-1]) & layout.inner
+        flag = bad.any()
+        if not self.sign_values:
+            flag = flag | ~torch.isfinite(values).all()
+        if bool(flag):  # the one host sync per payload; the rest runs only to word the rejection
+            if not self.sign_values and not bool(torch.isfinite(values).all()):
                 raise CorruptPayload("payload holds NaN or Inf values")
-        out, v, b = [], 0, value_bytes
-        for plan, nb in zip(plans, index_bytes):
-            idx = unpack_bits(data[b:b + nb], bits_for(plan.chunk_size), plan.sent).view(plan.num_chunks, plan.k)
-            if not chunk_indices_ok(idx, plan.chunk_size):
-                raise CorruptPayload(f"indices of parameter {tuple(plan.shape)} out of range or not increasing")
-            out.append((idx, values[v:v + plan.sent].view(plan.num_chunks, plan.k)))
-            v += plan.sent
-            b += nb
-        return out
+            first = int(bad.nonzero()[0, 0])
+            plan = layout.plans[layout.owner(first)]
+            raise CorruptPayload(f"indices of parameter {tuple(plan.shape)} out of range or not increasing")
+        return idx, values
 
     def bytes_per_step(self) -> int:
         """Exact payload bytes one worker sends per step (header included)."""
         plans = [plan for _, _, plan in self._entries()]
-        sent, value_bytes, index_bytes = self._sizes(plans)
-        return len(wire.pack(bytes(value_bytes + sum(index_bytes)), torch.float32, (sent,), self._chain(plans)))
+        chain = self._chain(plans)
+        layout = _Layout(plans, self.sign_values, None)
+        return len(wire.pack(bytes(layout.value_bytes + layout.index_bytes), torch.float32, (layout.sent,), chain))
+
+
+class _Layout:
+    """Where each parameter's coefficients sit, on the wire and in the flat aggregation buffers.
+
+    Wire order: parameters sorted by index width, then block (s1, s2, k), then position, so each
+    width is one contiguous run, packed as one bit stream, and parameters with the same block sit
+    together (the reference kernels batch them). Flat buffers: wire order too, parameter j's
+    ``num_chunks x chunk_size`` block at ``offsets[j]``. The per-element tensors (built once per
+    layout and device) map the i-th sent element of a payload to its chunk's flat offset (``base``),
+    its chunk size (``limit``) and whether it follows another index of the same chunk (``inner``,
+    for the strict-increase check).
+    """
+
+    def __init__(self, plans: list[ChunkPlan], sign_values: bool, device: Optional[torch.device]) -> None:
+        self.plans = plans
+        widths = [bits_for(p.chunk_size) for p in plans]
+        self.order = sorted(range(len(plans)), key=lambda j: (widths[j], plans[j].s1, plans[j].s2, plans[j].k, j))
+        self.streams: list[tuple[int, int, int]] = []  # (width, first, last) positions in wire order
+        for pos, j in enumerate(self.order):
+            if self.streams and self.streams[-1][0] == widths[j]:
+                self.streams[-1] = (widths[j], self.streams[-1][1], pos + 1)
+            else:
+                self.streams.append((widths[j], pos, pos + 1))
+        counts = [sum(plans[j].sent for j in self.order[a:b]) for _, a, b in self.streams]
+        self.stream_sizes = [(w, n, packed_size(n, w)) for (w, _, _), n in zip(self.streams, counts)]
+        self.sent = sum(p.sent for p in plans)
+        self.value_bytes = packed_size(self.sent, 1) if sign_values else 4 * self.sent
+        self.index_bytes = sum(nb for _, _, nb in self.stream_sizes)
+        sizes = [plans[j].num_chunks * plans[j].chunk_size for j in self.order]
+        self.offsets = [0] * len(plans)
+        for j, start in zip(self.order, [0, *accumulate(sizes)]):
+            self.offsets[j] = start
+        self.total = sum(sizes)
+        self.wire_ends = list(accumulate(plans[j].sent for j in self.order))
+        if device is not None:
+            self._tensors(torch.device(device))
+
+    def owner(self, element: int) -> int:
+        """The parameter (index in parameter order) of the element-th sent coefficient of a payload."""
+        return self.order[next(n for n, end in enumerate(self.wire_ends) if element < end)]
+
+    def _tensors(self, device: torch.device) -> None:
+        base, limit, inner = [], [], []
+        for j in self.order:
+            p = self.plans[j]
+            chunk_start = self.offsets[j] + torch.arange(p.num_chunks, dtype=torch.int64) * p.chunk_size
+            base.append(chunk_start.repeat_interleave(p.k))
+            limit.append(torch.full((p.sent,), p.chunk_size, dtype=torch.int64))
+            follows = torch.ones(p.num_chunks, p.k, dtype=torch.bool)
+            follows[:, 0] = False
+            inner.append(follows.reshape(-1))
+        empty = torch.zeros(0, dtype=torch.int64)
+        self.base = (torch.cat(base) if base else empty).to(device)
+        self.limit = (torch.cat(limit) if limit else empty).to(device)
+        self.inner = (torch.cat(inner)[1:] if inner else empty.bool()).to(device)
+        self.ones = torch.ones(self.sent, device=device)
+
+
+class _Views(Sequence):
+    """A flat buffer over all parameters' chunks; item j is parameter j's ``(num_chunks, chunk_size)`` view."""
+
+    def __init__(self, flat: torch.Tensor, layout: _Layout) -> None:
+        self.flat, self.layout = flat, layout
+
+    def __len__(self) -> int:
+        return len(self.layout.plans)
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return [self[i] for i in range(len(self))[j]]
+        j = range(len(self))[j]
+        plan = self.layout.plans[j]
+        start = self.layout.offsets[j]
+        return self.flat[start:start + plan.num_chunks * plan.chunk_size].view(plan.num_chunks, plan.chunk_size)

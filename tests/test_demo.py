@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import FAST, KERNEL_DEVICES, TINY, simulate_and_torchrun
 from demo_optim import DeMo
@@ -303,3 +304,185 @@ def test_simulator_equals_real_gloo_processes(tmp_path):
     a, b, sa, sb = simulate_and_torchrun(tmp_path, args, 2)
     assert max(float((a["model"][k] - b["model"][k]).abs().max()) for k in a["model"]) < 1e-5
     assert sa["bytes_sent"] == sb["bytes_sent"] > 0
+
+
+# ---- the exchange's cost does not grow with the number of parameter tensors (issue 24) ---------------
+class _CountOps(TorchDispatchMode):
+    """Counts every aten op dispatched while active, and the host syncs among them (item() / bool())."""
+
+    SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops, self.syncs = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.syncs += str(func).startswith(self.SYNCS)
+        return func(*args, **(kwargs or {}))
+
+
+def _tiny(n_layers: int) -> torch.nn.Module:
+    from dataclasses import replace
+
+    from launch.models import SIZES, Transformer
+    torch.manual_seed(0)
+    return Transformer(replace(SIZES["tiny"], n_layers=n_layers, max_seq_len=16))
+
+
+def _aggregate_cost(n_layers: int, world: int, monkeypatch) -> tuple[int, int, int, int]:
+    """(parameter tensors, ops, host syncs, payloads) of one worker's ``_aggregate`` in one DeMo step."""
+    seen = {}
+    tolist = torch.Tensor.tolist
+
+    def body(rank, transport):
+        model = _tiny(n_layers)
+        opt = DeMo(model.parameters(), lr=1e-3, transport=transport)
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * rank + i))
+        aggregate = opt._aggregate
+
+        def counted(payloads, *a, **kw):  # runs between two collectives: no other worker's ops interleave
+            counter = _CountOps()
+            calls = [0]
+
+            def counting_tolist(t):
+                calls[0] += 1
+                return tolist(t)
+
+            monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+            try:
+                with counter:
+                    out = aggregate(payloads, *a, **kw)
+            finally:
+                monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+            seen[rank] = (len(list(model.parameters())), counter.ops, counter.syncs + calls[0], len(payloads))
+            return out
+
+        opt._aggregate = counted
+        opt.step()
+        return opt.last_contributors
+
+    assert run_workers(InProcessGroup(world), body) == [world] * world
+    assert len(set(seen.values())) == 1, seen  # every worker does the same work
+    return seen[0]
+
+
+def _step_cost(n_layers: int) -> tuple[int, int, int]:
+    """(parameter tensors, ops, host syncs) of a whole DeMo step (the second) of one worker on its own."""
+    model = _tiny(n_layers)
+    opt = DeMo(model.parameters(), lr=1e-3, weight_decay=0.1)
+    for t in range(2):
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * t + i))
+        counter = _CountOps()
+        with counter:
+            opt.step()
+    return len(list(model.parameters())), counter.ops, counter.syncs
+
+
+def test_aggregate_cost_is_flat_in_the_number_of_parameter_tensors(monkeypatch):
+    params2, ops2, syncs2, payloads = _aggregate_cost(2, 3, monkeypatch)
+    params4, ops4, syncs4, _ = _aggregate_cost(4, 3, monkeypatch)
+    assert params4 >= params2 + 10  # the 4-layer model has many more parameter tensors
+    assert ops4 - ops2 <= 4, (ops2, ops4)  # validation and accumulation: a fixed number of ops per payload
+    assert syncs2 <= payloads and syncs4 <= payloads, (syncs2, syncs4)  # one accept/reject decision per payload
+    # the whole step: the gradient check and the payload are one sync each; what still runs per parameter tensor
+    # (encode's blocks in and out, decode's update) is a few ops each (v1: ~140 ops and ~3 syncs per tensor)
+    params2, ops2, syncs2 = _step_cost(2)
+    params4, ops4, syncs4 = _step_cost(4)
+    assert syncs2 <= 2 and syncs4 <= 2, (syncs2, syncs4)
+    assert (ops4 - ops2) / (params4 - params2) <= 40, (ops2, ops4)
+
+
+def test_forged_payloads_are_rejected_whatever_their_header_says(caplog):
+    """Payloads with a valid header and checksum but NaN values, repeated, unordered or out-of-range indices are
+    left out and logged; random corruption of the index section is rejected exactly when a per-parameter check
+    of the indices (the one the v1 format ran) fails; the honest payload is always kept."""
+    import random
+    import struct
+
+    from diloco.compress import bits_for, chunk_indices_ok, pack_bits, unpack_bits, wire
+
+    shapes = [(64, 64), (100,), (7,), (3, 40), (64,)]  # index widths 12, 6, 3, 7, 6 (chunks of 4096, 50, 7, 120, 64)
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    opt = DeMo(params, lr=0.01, compression_topk=4)
+    for i, p in enumerate(params):
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+    entries = opt._entries()
+    plans = [plan for _, _, plan in entries]
+    chain = opt._chain(plans)
+    honest = opt._encode(entries, chain)
+    header = wire.parse_header(honest, 1 << 31)
+    body = bytes(honest[header.offset:header.offset + header.length])
+    layout = opt._layout(plans, chain, torch.device("cpu"))
+    vb = layout.value_bytes
+    assert len(body) == vb + layout.index_bytes
+
+    def forge(b: bytes) -> bytes:
+        return wire.pack(bytes(b), torch.float32, (header.numel,), chain)
+
+    def indices(b: bytes) -> list[torch.Tensor]:  # every parameter's (chunks, k) indices, in wire order
+        out, at = [], vb
+        for width, count, nbytes in layout.stream_sizes:
+            out.append(unpack_bits(torch.frombuffer(bytearray(b[at:at + nbytes]), dtype=torch.uint8), width, count))
+            at += nbytes
+        flat, rows = torch.cat(out), []
+        for j in layout.order:
+            rows.append(flat[:plans[j].sent].view(plans[j].num_chunks, plans[j].k))
+            flat = flat[plans[j].sent:]
+        return rows
+
+    def with_indices(b: bytes, rows: list[torch.Tensor]) -> bytes:
+        flat, out, at = torch.cat([r.reshape(-1) for r in rows]), [b[:vb]], 0
+        for width, count, _ in layout.stream_sizes:
+            out.append(pack_bits(flat[at:at + count], width).numpy().tobytes())
+            at += count
+        return b"".join(out)
+
+    def valid(b: bytes) -> bool:  # the per-parameter check, independent of the vectorised one
+        values = torch.frombuffer(bytearray(b[:vb]), dtype=torch.float32)
+        return bool(torch.isfinite(values).all()) and all(
+            chunk_indices_ok(r, plans[j].chunk_size) for j, r in zip(layout.order, indices(b)))
+
+    def kept(payload: bytes) -> bool:
+        before = opt.rejected_payloads
+        opt._aggregate([honest, payload], plans, chain)
+        assert opt.last_contributors == 1 + (opt.rejected_payloads == before)
+        return opt.rejected_payloads == before
+
+    assert valid(body) and kept(honest)
+    rows = indices(body)
+    by_width = {bits_for(plans[j].chunk_size): n for n, j in enumerate(layout.order)}
+    forged = {
+        "nan value": body[:8] + struct.pack("<f", float("nan")) + body[12:],
+        "inf value": body[:vb - 4] + struct.pack("<f", float("inf")) + body[vb:],
+        "all indices zero": body[:vb] + bytes(layout.index_bytes),
+    }
+    for width, n in by_width.items():
+        r = [x.clone() for x in rows]
+        r[n][0, 1] = r[n][0, 0]  # a repeated index
+        forged[f"repeat in the {width}-bit stream"] = with_indices(body, r)
+        r = [x.clone() for x in rows]
+        r[n][-1] = r[n][-1].flip(0)  # the last chunk's indices descending
+        forged[f"descending in the {width}-bit stream"] = with_indices(body, r)
+    r = [x.clone() for x in rows]
+    n, j = next((n, j) for n, j in enumerate(layout.order) if plans[j].chunk_size < 1 << bits_for(plans[j].chunk_size))
+    r[n][0] = torch.arange(plans[j].chunk_size, plans[j].chunk_size + plans[j].k)  # increasing, out of range
+    forged["out of range"] = with_indices(body, r)
+    with caplog.at_level(logging.WARNING, logger="demo_optim"):
+        for name, b in forged.items():
+            assert len(b) == len(body) and not valid(b), name
+            assert not kept(forge(b)), name
+    assert "payload holds NaN or Inf values" in caplog.text
+    assert "out of range or not increasing" in caplog.text
+
+    rng = random.Random(0)
+    outcomes = set()
+    for _ in range(300):  # random bytes in the index section: kept exactly when the indices are still valid
+        b = bytearray(body)
+        for _ in range(rng.randint(1, 3)):
+            b[rng.randrange(vb, len(b))] = rng.randrange(256)
+        outcomes.add(valid(bytes(b)))
+        assert kept(forge(bytes(b))) == valid(bytes(b))
+    assert outcomes == {True, False}
