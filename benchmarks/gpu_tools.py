@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import platform
 import sys
 from datetime import datetime, timezone
@@ -24,6 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.simulator import device_name  # noqa: E402  (the one owner of a report's device name)
 
 # what the benchmarks import (hivemind and wandb are not among them: nothing in gpu.sh needs either)
 NEEDED = ["torch", "triton", "numpy", "einops", "zstandard", "yaml", "matplotlib", "greenlet"]
@@ -43,20 +44,9 @@ def versions() -> dict[str, str]:
     return out
 
 
-def device_label(device: str) -> str:
-    import torch
-
-    if device.startswith("cuda"):
-        index = torch.device(device).index
-        return torch.cuda.get_device_name(index if index is not None else torch.cuda.current_device())
-    from benchmarks.train_throughput import cpu_model
-
-    return f"CPU ({cpu_model()}, {os.cpu_count()} logical cores)"
-
-
 def stamp_base(device: str) -> str:
     v = versions()
-    return (f"{STAMP_MARK} on {device_label(device)}; torch {v['torch']}, triton {v['triton']}, CUDA {v['cuda']}, "
+    return (f"{STAMP_MARK} on {device_name(device)}; torch {v['torch']}, triton {v['triton']}, CUDA {v['cuda']}, "
             f"Python {v['python']}")
 
 
@@ -123,7 +113,7 @@ def preflight(device: str, stamp_out: Path | None = None) -> int:
     if device.startswith("cuda"):
         free, total = torch.cuda.mem_get_info()
         extra = f", {total / 2**30:.0f} GiB ({free / 2**30:.0f} GiB free)"
-    print(f"[gpu.sh] device: {device_label(device)}{extra}; torch {v['torch']}, triton {v['triton']}, "
+    print(f"[gpu.sh] device: {device_name(device)}{extra}; torch {v['torch']}, triton {v['triton']}, "
           f"CUDA {v['cuda']}, Python {v['python']} ({sys.executable})", flush=True)
     if stamp_out is not None:
         stamp_out.write_text(stamp_base(device) + "\n")

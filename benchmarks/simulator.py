@@ -158,14 +158,15 @@ def measure_memory(args) -> list[tuple[int, int]]:
 
 
 def device_name(device: str) -> str:
+    """The device a report names: the GPU's name (``cuda``, ``cuda:N`` or ``auto`` with CUDA), else the CPU's."""
     import torch
 
+    from benchmarks.train_throughput import cpu_model
+
     if torch.cuda.is_available() and device != "cpu":
-        return torch.cuda.get_device_name()
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return f"CPU ({line.split(':', 1)[1].strip()}, {os.cpu_count()} logical cores)"
-    return f"CPU ({platform.processor()})"
+        index = torch.device(device).index if device.startswith("cuda") else None
+        return torch.cuda.get_device_name(index if index is not None else torch.cuda.current_device())
+    return f"CPU ({cpu_model()}, {os.cpu_count()} logical cores)"
 
 
 def offload_text(args) -> str:

@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from launch.metrics import human_bytes
+
 FORMAT = "loco-checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
@@ -72,14 +74,6 @@ def _out_of_space(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and ("unexpected pos" in text or "file write failed" in text)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
 def _free_bytes(directory: Path) -> Optional[int]:
     try:
         st = os.statvfs(directory)
@@ -104,8 +98,8 @@ def write_file(path: str | Path, payload: dict[str, Any], final: Optional[Path] 
             path.unlink(missing_ok=True)
         need = _payload_bytes(payload)
         free = _free_bytes(final.parent)
-        where = f", {_human(free)} free there" if free is not None else ""
-        raise CheckpointError(f"no space left on device: writing {final} needs about {_human(need)} "
+        where = f", {human_bytes(free)} free there" if free is not None else ""
+        raise CheckpointError(f"no space left on device: writing {final} needs about {human_bytes(need)} "
                               f"({need:,} bytes){where}; the older checkpoints are intact; free some space "
                               f"(or lower run.keep_checkpoints, or choose another --run-dir) and resume") from None
 

@@ -661,11 +661,11 @@ def discard_run(path: Path) -> Optional[Path]:
     movable += [path / n for n in ("metrics.jsonl", "summary.json", "loss.png") if (path / n).exists()]
     if not movable:
         return None
-    dest = path / f"discarded-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    n = 1
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    dest, n = path / f"discarded-{stamp}", 1
     while dest.exists():
         n += 1
-        dest = path / f"discarded-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{n}"
+        dest = path / f"discarded-{stamp}-{n}"
     (dest / "checkpoints").mkdir(parents=True)
     for p in movable:
         shutil.move(str(p), str(dest / p.relative_to(path)))
