@@ -8,6 +8,10 @@ forward (bf16 autocast on CUDA unless ``--precision fp32``), cross-entropy, back
 clipping, AdamW (``launch.trainer.build_optimizer``), zero_grad. After ``--warmup`` untimed steps,
 ``--repeats`` windows of ``--steps`` steps each are timed; the table shows the median window.
 
+MFU is counted as the trainer's log counts it (``launch.metrics.mfu_basis``): 6N+attention FLOPs per
+token against the device's datasheet peak at the run's precision (e.g. H100 dense bf16 989 TFLOP/s).
+The caption says which; a CPU, or a device the table does not list, gets no MFU column.
+
     python benchmarks/train_throughput.py                              # tiny and small, auto device
     python benchmarks/train_throughput.py --models tiny --steps 50 --out benchmarks/results/x.md
     python benchmarks/train_throughput.py --steps tiny=20,small=5 --batch-size 8 --seq-len 128
@@ -57,13 +61,9 @@ def cpu_model() -> str:
 
 
 def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit in ("B", "KiB") else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+    from launch.metrics import human_bytes
+
+    return "n/a" if n is None else human_bytes(n)
 
 
 def fmt_params(n: int) -> str:
@@ -91,6 +91,7 @@ def run_one(args: argparse.Namespace) -> dict:
     import torch.nn.functional as F
 
     from launch.config import DataConfig, OptimConfig
+    from launch.metrics import matmul_precision, mfu_basis
     from launch.models import SIZES, Transformer, count_params
     from launch.trainer import build_optimizer, resolve_device
 
@@ -110,6 +111,7 @@ def run_one(args: argparse.Namespace) -> dict:
         model = Transformer(margs)
     opt = build_optimizer(model, OptimConfig(), device)
     B, T = args.batch_size, args.seq_len
+    mfu = mfu_basis(model, T, device, matmul_precision(device, bf16))
 
     if args.data == "stdlib":
         from launch.data import Batcher, load_data
@@ -178,6 +180,9 @@ def run_one(args: argparse.Namespace) -> dict:
         "baseline_bytes": baseline, "final_loss": final_loss, "device": str(device), "device_name": name,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "precision": "bf16 autocast" if bf16 else "fp32", "data": args.data,
+        "flops_per_token": mfu.flops_per_token, "flop_count": mfu.count(),
+        "peak": str(mfu.peak) if mfu.peak is not None else None, "mfu_device": mfu.device,
+        "mfu": [mfu.of(tokens / w) for w in windows] if mfu.peak is not None else None,
     }
 
 
@@ -197,8 +202,18 @@ def run_child(model: str, steps: int, args: argparse.Namespace) -> dict:
     raise SystemExit(f"benchmark of {model} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
+def mfu_caption(result: dict) -> str:
+    """Which FLOP count and which peak the MFU column uses, as the trainer's start-up line says it."""
+    from launch.metrics import MFU_RULE
+
+    if result.get("peak") is None:
+        return f"MFU: not reported: no datasheet peak for {result.get('mfu_device', result['device'])}"
+    return f"MFU: {MFU_RULE} against {result['peak']}"
+
+
 def render(results: list[dict], args: argparse.Namespace, started: str, load: tuple[float, float]) -> str:
     first = results[0]
+    with_mfu = all(r.get("mfu") for r in results)
     lines = [
         "# Training throughput",
         "",
@@ -213,9 +228,11 @@ def render(results: list[dict], args: argparse.Namespace, started: str, load: tu
         f"- peak memory: {first['peak_kind']}, each model in its own process "
         f"(in brackets: the part above the process before the model was built)",
         f"- load average (1 min) before / after: {load[0]:.2f} / {load[1]:.2f}",
+        f"- {mfu_caption(first)}",
         "",
-        "| model | params | batch x seq | steps/window | tokens/s (median) | ms/step (median) | peak memory |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| model | params | batch x seq | steps/window | tokens/s (median) | ms/step (median) | peak memory |"
+        + (" MFU (median) |" if with_mfu else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if with_mfu else ""),
     ]
     for r in results:
         tps, ms = r["tokens_per_s"], r["ms_per_step"]
@@ -225,6 +242,7 @@ def render(results: list[dict], args: argparse.Namespace, started: str, load: tu
             f"| {statistics.median(tps):,.0f} [{min(tps):,.0f}-{max(tps):,.0f}] "
             f"| {statistics.median(ms):,.1f} [{min(ms):,.1f}-{max(ms):,.1f}] "
             f"| {fmt_bytes(r['peak_bytes'])} [+{fmt_bytes(extra)}] |"
+            + (f" {100 * statistics.median(r['mfu']):.1f}% |" if with_mfu else "")
         )
     return "\n".join(lines) + "\n"
 

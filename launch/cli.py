@@ -47,12 +47,13 @@ class UserError(Exception):
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from diloco.comm import TransportError
+    from diloco.extras import MissingExtra
     from launch.checkpoint import CheckpointError
     from launch.config import ConfigError
     from launch.data import DataError
     from launch.trainer import RunError
 
-    return (UserError, ConfigError, DataError, RunError, CheckpointError, TransportError)
+    return (UserError, ConfigError, DataError, RunError, CheckpointError, TransportError, MissingExtra)
 
 
 def _add_training_flags(p: argparse.ArgumentParser) -> None:
@@ -103,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bandwidth", metavar="RATE", help="per-worker link (sim.bandwidth), e.g. --bandwidth 1Gbit or 100Mbit/s")
     g.add_argument("--latency", metavar="DURATION", help="one-way latency (sim.latency), e.g. --latency 80ms")
     g.add_argument("--step-time", metavar="DURATION",
-                   help="virtual compute per step at speed 1 instead of the measured time (sim.step_time), e.g. --step-time 0.35s")
+                   help="virtual compute seconds per step at speed 1, fixed instead of the median of the measured steps "
+                   "(sim.step_time), e.g. --step-time 0.25")
     g.add_argument("--offload", action="store_true", default=None,
                    help="keep idle workers' state off the accelerator (sim.offload)")
     g.add_argument("--baseline", choices=["ddp", "none"],
@@ -226,9 +228,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    from diloco.extras import require
     from launch.join import JoinOptions, join, read_run_key
 
     cfg = _load(args)
+    require("hivemind", "loco join")
     opts = JoinOptions(peers=args.peers, run=args.run, address_file=args.address_file,
                        run_key=read_run_key(args.run_key, args.run_key_file), host=args.host, port=args.port,
                        announce=args.announce, identity=args.identity, use_relay=args.use_relay,
@@ -294,8 +298,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
+    from diloco.extras import require
     from launch.join import format_status, read_run_key, status
 
+    require("hivemind", "loco status")
     info = status(args.peers, args.run, read_run_key(args.run_key, args.run_key_file))
     print(json.dumps(info, indent=2) if args.json else format_status(info))
     return 0

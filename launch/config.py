@@ -135,7 +135,7 @@ class SimConfig:
     speed_dist: Optional[str] = _f(None, "Draw speeds instead: lognormal:SIGMA or uniform:LOW (--speed-dist).")
     bandwidth: Optional[str] = _f("1Gbit", "Per-worker link bandwidth for virtual time, e.g. 1Gbit, 100Mbit/s, 50MB/s; empty: unlimited.")
     latency: float = _f(0.08, "One-way latency per message, e.g. 80ms.", ge=0, duration=True)
-    step_time: Optional[float] = _f(None, "Virtual compute seconds per step at speed 1 (empty: the measured time), e.g. 0.35s.", gt=0, duration=True)
+    step_time: Optional[float] = _f(None, "Virtual compute seconds per step at speed 1 (empty: the median of the measured step times), e.g. 0.35s.", gt=0, duration=True)
     offload: bool = _f(False, "Keep idle workers' model and optimizer state off the accelerator.")
     baseline: Literal["ddp", "none"] = _f("ddp", "Also simulate DDP on the same tokens and compare (ignored when algo.name is ddp).")
 

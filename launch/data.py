@@ -121,36 +121,60 @@ def _read_docs(root: Path, files: list[Path], max_docs: Optional[int]) -> list[t
     return docs
 
 
-def _text_files(path: Path, pattern: str) -> tuple[Path, list[Path]]:
+def _binary_reason(path: Path) -> Optional[str]:
+    """Why ``path`` looks like a binary file rather than text (from its first 8 KiB), or None."""
+    with open(path, "rb") as fh:
+        head = fh.read(8192)
+    if b"\x00" in head:
+        return "it holds NUL bytes"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 3:  # a character cut at the 8 KiB edge is not a reason
+            return f"it is not UTF-8 text (byte {e.start})"
+    control = sum(1 for b in head if b < 32 and b not in (9, 10, 12, 13, 27))
+    if head and control > len(head) // 10:
+        return "more than a tenth of its first bytes are control characters"
+    return None
+
+
+def _text_files(path: Path, pattern: str) -> tuple[Path, list[Path], int]:
+    """The text files named by ``path`` (a file or a folder searched with ``pattern``) and how many binaries were skipped."""
     if path.is_file():
-        return path.parent, [path]
-    files = []
+        reason = _binary_reason(path)
+        if reason:
+            raise DataError(f"{path}: looks like a binary file, not text ({reason}); "
+                            "name a text file or a folder of them, or use data.source=shards for token files")
+        return path.parent, [path], 0
+    files, binary = [], 0
     for name in sorted(glob.glob(str(path / pattern), recursive=True)):
         p = Path(name)
         rel = p.relative_to(path)
         if not p.is_file() or any(part.startswith(".") for part in rel.parts):
             continue
-        with open(p, "rb") as fh:
-            if b"\x00" in fh.read(8192):  # binary file
-                continue
+        if _binary_reason(p):
+            binary += 1
+            continue
         files.append(p)
     if not files:
-        raise DataError(f"{path}: no text files match data.pattern={pattern!r}")
-    return path, files
+        extra = f" ({binary} binary files skipped)" if binary else ""
+        raise DataError(f"{path}: no text files match data.pattern={pattern!r}{extra}")
+    return path, files, binary
 
 
 def load_text(path: str, val_path: Optional[str], pattern: str, fraction: float, max_docs: Optional[int]) -> TokenData:
-    root, files = _text_files(Path(path), pattern)
+    root, files, binary = _text_files(Path(path), pattern)
     docs = _read_docs(root, files, max_docs)
     if not docs:
         raise DataError(f"{path}: the text files are empty")
     if val_path:
-        vroot, vfiles = _text_files(Path(val_path), pattern)
+        vroot, vfiles, _ = _text_files(Path(val_path), pattern)
         train = [_concat_with_eos([t for _, t in docs])]
         val = [_concat_with_eos([t for _, t in _read_docs(vroot, vfiles, None)])]
     else:
         train, val = _split_documents(docs, fraction)
-    return TokenData(train, val, BYTE_VOCAB, "bytes", f"text {path} ({len(docs)} files)")
+    skipped = f"; {binary} binary files skipped" if binary else ""
+    return TokenData(train, val, BYTE_VOCAB, "bytes", f"text {path} ({len(docs)} files{skipped})")
 
 
 def load_stdlib(fraction: float, max_docs: Optional[int]) -> TokenData:
@@ -400,10 +424,9 @@ def load_shards(path: str, val_path: Optional[str], dtype: str, vocab_size: int,
 
 def load_hf(path: str, name: Optional[str], split: str, field: str, fraction: float, max_docs: Optional[int],
             data_files: Optional[str] = None) -> TokenData:
-    try:
-        import datasets
-    except ImportError:
-        raise DataError("data.source=hf needs the Hugging Face datasets package: pip install 'loco[hf]'") from None
+    from diloco.extras import require
+
+    datasets = require("datasets", "data.source=hf")
     try:
         p = Path(path)
         if p.is_dir() and ((p / "dataset_dict.json").exists() or (p / "dataset_info.json").exists()):

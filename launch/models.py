@@ -46,6 +46,15 @@ class ModelArgs:
         h = int(8 * self.dim / 3)  # SwiGLU keeps the parameter count of a 4x MLP
         return (h + 63) // 64 * 64
 
+    @property
+    def n_params(self) -> int:
+        """The parameter count of :class:`Transformer` with these arguments, without building it."""
+        head = self.dim // self.n_heads
+        attn = self.dim * head * (2 * self.n_heads + 2 * self.kv_heads)
+        block = attn + 3 * self.dim * self.hidden + 2 * self.dim
+        embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return embed + self.n_layers * block + self.dim
+
 
 SIZES: dict[str, ModelArgs] = {
     "tiny": ModelArgs(dim=128, n_layers=4, n_heads=4, tie_embeddings=True),

@@ -4,9 +4,11 @@ Every worker is a :class:`launch.trainer.Trainer` over an endpoint of one
 :class:`diloco.sim.InProcessGroup`, so the algorithm code is the code that runs
 under torchrun or hivemind. The run folder has the usual layout; its
 summary.json adds ``bytes_sent_per_worker``, ``virtual_wall_s``,
-``compute_utilization`` and ``tokens_per_virtual_s``. Unless told otherwise
+``compute_utilization``, ``tokens_per_virtual_s`` and the virtual step time
+with where it came from (``virtual_step_time_s``: ``sim.step_time``, or the
+median of the run's measured steps). Unless told otherwise
 (``sim.baseline: none``), a DDP run on the same tokens follows in
-``RUN/baseline-ddp`` and a table compares the two.
+``RUN/baseline-ddp``, on the same virtual step time, and a table compares the two.
 """
 
 from __future__ import annotations
@@ -100,6 +102,9 @@ def simulate(cfg: Config, restart: bool = False) -> dict[str, Any]:
             raise Interrupted(STOP.signum, clean=True)
         print(f"[simulate] baseline: DDP with {cfg.sim.workers} workers on the same tokens", file=sys.stderr, flush=True)
         base_cfg = baseline_config(cfg, run_dir)
+        if base_cfg.sim.step_time is None and summary.get("virtual_step_time_s"):
+            # the same model on the same device: one compute time for both, so the comparison is of the networks
+            base_cfg.sim.step_time = summary["virtual_step_time_s"]
         base = simulate_once(base_cfg, data, restart)
         rows.append((_label(base_cfg), base))
         plot_runs([run_dir, Path(base["run_dir"])], run_dir / "compare.png", title=f"{_label(cfg)} vs DDP")
@@ -117,10 +122,23 @@ def _label(cfg: Config) -> str:
     return f"{a.name} x{w} (H={a.inner_steps}{extra}){codec}"
 
 
+def _step_time_line(summary: dict[str, Any]) -> list[str]:
+    """How long a step takes in virtual time, and why: ``virtual compute: 0.0213 s per step at speed 1 (...)``."""
+    step = summary.get("virtual_step_time_s")
+    if not step:
+        return []
+    if summary.get("virtual_step_time_source") == "sim.step_time":
+        why = "fixed: sim.step_time, or --step-time"
+    else:
+        why = f"the median of {summary.get('measured_steps', 0)} measured steps; fix it with --step-time"
+    return [f"virtual compute: {step:.4g} s per step at speed 1 ({why})"]
+
+
 def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel) -> str:
     width = max(28, *(len(label) for label, _ in rows))
     head = f"{'run':<{width}} {'val loss':>9} {'tokens':>9} {'sent/worker':>12} {'virtual wall':>13} {'compute util':>13}"
-    lines = ["", f"simulated network: {network.describe()} per worker", head, "-" * len(head)]
+    lines = ["", f"simulated network: {network.describe()} per worker", *_step_time_line(rows[0][1]), head,
+             "-" * len(head)]
     for label, s in rows:
         per_worker = s.get("bytes_sent_per_worker") or [s["bytes_sent"]]
         util = s.get("compute_utilization")

@@ -44,13 +44,14 @@ import torch.nn.functional as F
 
 from diloco import Algorithm
 from diloco.comm import Transport, make_transport
+from diloco.comm.torch_dist import TorchDistTransport
 from launch.algorithms import algorithm_class
 from launch.checkpoint import (checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint, rng_state,
                                save_checkpoint, set_rng_state)
 from launch.config import Config, dump_config
 from launch.data import Batcher, TokenData, load_data
-from launch.metrics import Metrics, peak_flops, plot_runs, truncate_metrics
-from launch.models import Transformer, count_params, flops_per_token, model_args_from_config
+from launch.metrics import Metrics, human_bytes, matmul_precision, mfu_basis, plot_runs, truncate_metrics
+from launch.models import Transformer, count_params, model_args_from_config
 
 
 class RunError(RuntimeError):
@@ -156,6 +157,36 @@ def check_gpu_share(processes: int, gpus: int) -> None:
             "--set run.device=cpu --set transport.dist_backend=gloo")
 
 
+def available_memory(device: torch.device) -> Optional[int]:
+    """Bytes this process could still allocate on ``device``: free GPU memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# fp32 weights, gradients and AdamW's two moments: no run of this model can hold less per parameter
+BYTES_PER_PARAM = 16
+
+
+def check_model_fits(args, device: torch.device, workers: int = 1) -> None:
+    """One line instead of an allocator traceback when the model cannot possibly be trained on ``device``."""
+    free = available_memory(device)
+    need = BYTES_PER_PARAM * args.n_params * workers
+    if free is not None and need > free:
+        who = f" for {workers} workers" if workers > 1 else ""
+        raise RunError(f"model (dim {args.dim}, {args.n_layers} layers) has {args.n_params:,} parameters and needs at "
+                       f"least {human_bytes(need)}{who} ({BYTES_PER_PARAM} bytes per parameter: fp32 weights, "
+                       f"gradients and AdamW moments); {device} has {human_bytes(free)} free: "
+                       "choose a smaller model.size or model.dim")
+
+
 def lr_factor(step: int, warmup: int, progress: float, schedule: str, min_ratio: float) -> float:
     """Multiplier of the peak lr: linear warmup over ``warmup`` steps, then decay by ``progress`` in [0, 1]."""
     if step < warmup:
@@ -244,6 +275,7 @@ class Trainer:
                                run.grad_accum * procs)
         if model is None:
             self.model_args = model_args_from_config(cfg.model, self.data.vocab_size, cfg.data.seq_len)
+            check_model_fits(self.model_args, self.device)
             torch.manual_seed(run.seed)
             with torch.device(self.device):  # initialised where it trains: a 1B model takes seconds on a CPU
                 model = Transformer(self.model_args)
@@ -261,8 +293,10 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["initial_lr"] = group["lr"]
         self.bf16 = run.precision == "bf16" or (run.precision == "auto" and self.device.type == "cuda")
-        self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)
-        self.peak = peak_flops(self.device)
+        # MFU's FLOP count and datasheet peak, as benchmarks/train_throughput.py counts them (none on a CPU)
+        self.mfu = mfu_basis(self.model, cfg.data.seq_len, self.device, matmul_precision(self.device, self.bf16))
+        self.flops_per_token = self.mfu.flops_per_token
+        self.peak = self.mfu.peak.flops if self.mfu.peak is not None else None
 
         self.step = 0
         self._t0: Optional[float] = None
@@ -270,8 +304,7 @@ class Trainer:
         self.wall_prior = 0.0  # training seconds of earlier segments of a resumed run
         self.window_loss, self.window_steps = 0.0, 0  # train loss summed since the last metrics line
         self.saved_step: Optional[int] = None  # the step of the checkpoint this process last wrote or loaded
-        # whether a signal (see stop_signals) may stop this loop at a step end: it must be a point every worker
-        # reaches, so one worker, or the simulator (which sets it for its workers); torchrun ranks stop at once
+        # whether a signal (see stop_signals) may stop this loop at a step end: set below once the run is ready
         self.stop_on_request = False
         self.stopped_by: Optional[int] = None
         self.run_dir = self._prepare_run_dir()
@@ -279,7 +312,9 @@ class Trainer:
         self.resumed_from: Optional[Path] = self._maybe_resume()
         self._write_config()
         self.start_step = self.step
-        self.stop_on_request = self.world == 1
+        # a signal stops the loop where every process can save: one worker at any step end; torchrun ranks
+        # where rank 0's view is broadcast (round ends, or every log.every-th step); the simulator sets its own
+        self.stop_on_request = self.world == 1 or isinstance(self.transport, TorchDistTransport)
         self.metrics = Metrics(self.run_dir, cfg.log, self.leader, run.max_steps, self.step, self.rank,
                                cfg.to_dict(), run.name)
 
@@ -476,10 +511,10 @@ class Trainer:
                 stop = bool(self.transport.broadcast_object(self.budget_s() >= run.max_time))
         if self.stop_on_request and not stop:  # a signal asked to stop (stop_signals): here if every worker can
             signum = None
-            if self.world == 1:
+            if self.world == 1 and self.inner is None:
                 signum = STOP.signum
-            elif synced or not self.algo.round_based:  # the leader's view decides for all
-                signum = self.transport.broadcast_object(STOP.signum)
+            elif synced if self.algo.round_based else self.step % self.cfg.log.every == 0:
+                signum = self.transport.broadcast_object(STOP.signum)  # rank 0's view decides for every process
             if signum is not None:
                 self.stopped_by, stop = int(signum), True
         return stop
@@ -500,6 +535,8 @@ class Trainer:
             m.info(f"{self.data.description}: {self.data.train_tokens:,} train / {self.data.val_tokens:,} val tokens; "
                    f"model {count_params(self.model) / 1e6:.2f}M params on {self.device}; algorithm {cfg.algo.name} "
                    f"x {self.world} worker(s); run folder {self.run_dir}")
+            if self.device.type != "cpu":  # a CPU has no datasheet peak: no MFU, and no line about it
+                m.info(self.mfu.describe())
             if self.resumed_from:
                 m.info(f"resumed from {self.resumed_from}", self.step)
         self._t0 = time.perf_counter()
@@ -623,7 +660,8 @@ class Trainer:
             if not (at_end and self._final_line_logged()):
                 m.log({"step": self.step, "tokens": self.tokens_seen(), "val_loss": val,
                        "lr": self.optimizer.param_groups[0]["lr"], "bytes_sent": stats.bytes_sent,
-                       "bytes_received": stats.bytes_received, "wall_s": self.wall_s(), **self.transport.metrics()})
+                       "bytes_received": stats.bytes_received, "wall_s": self.wall_s(), **self.transport.metrics()},
+                      show=False)  # the done line below prints it
         if self.cfg.run.checkpoint_final:  # again at_end too: the checkpoint there may predate algo.finalize()
             self.save()
         stats = self.transport.stats
@@ -646,8 +684,8 @@ class Trainer:
             os.replace(tmp, self.run_dir / "summary.json")
             if self.cfg.log.plot:
                 plot_runs([self.run_dir], self.run_dir / "loss.png", title=self.cfg.run.name)
-            m.info(f"done: val_loss {val:.4f} after {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s; "
-                   f"summary in {self.run_dir / 'summary.json'}", self.step)
+            m.info(f"done at step {self.step}: val_loss {val:.4f} after {summary['tokens']:,} tokens in "
+                   f"{summary['wall_s']:.1f}s; summary in {self.run_dir / 'summary.json'}")
         m.close()
         return summary
 

@@ -146,7 +146,7 @@ def test_training_on_a_full_disk_stops_with_one_line(tmp_path):
     assert res.returncode == 2, res.stderr[-3000:]
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("loco train: error: no space left on device: writing "), res.stderr[-3000:]
-    assert re.search(r"step_00000010\.pt needs about [\d.]+ MB \([\d,]+ bytes\), [\d.]+ MB free there", last), last
+    assert re.search(r"step_00000010\.pt needs about [\d.]+ MiB \([\d,]+ bytes\), [\d.]+ MiB free there", last), last
     assert "Traceback" not in res.stderr and "enforce fail" not in res.stderr
     assert [p.name for p in list_checkpoints(copy)] == ["step_00000005.pt"], "the older checkpoint must stay"
     assert load_checkpoint(copy / "step_00000005.pt")["step"] == 5

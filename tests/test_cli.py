@@ -191,6 +191,63 @@ def test_resume_of_a_folder_without_a_run_names_it(capsys, tmp_path, cmd):
     assert not missing.exists() and list(empty.iterdir()) == [], "nothing may be written"
 
 
+@pytest.mark.parametrize("cmd", ["train", "simulate"])
+def test_a_model_too_large_for_memory_is_one_line(capsys, tmp_path, cmd):
+    """Not an allocator traceback: the parameter count, the bytes it needs and what the device has."""
+    run = tmp_path / "run"
+    assert main([cmd, "--config", TINY, "--set", "model.dim=100000000", "--set", "run.device=cpu",
+                 "--run-dir", str(run), "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    lines = error_lines(err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "parameters and needs at least" in lines[0] and "cpu has" in lines[0] and "model.dim" in lines[0]
+    assert not list(run.glob("checkpoints/*.pt"))
+
+
+WITHOUT = """import sys
+for name in {hidden!r}:
+    sys.modules[name] = None  # as on a machine where the package is not installed
+from launch.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize("hidden, argv, extra, feature", [
+    ("hivemind", ["join", "--config", TINY], "swarm", "loco join"),
+    ("hivemind", ["status", "--peers", "/ip4/127.0.0.1/tcp/1/p2p/QmNotAPeer"], "swarm", "loco status"),
+    ("wandb", ["train", "--config", TINY, "--max-steps", "1", "--set", "log.wandb=true"], "wandb", "log.wandb=true"),
+    ("datasets", ["train", "--config", TINY, "--max-steps", "1", "--set", "data.source=hf",
+                  "--set", "data.path=nowhere"], "hf", "data.source=hf"),
+])
+def test_a_missing_extra_is_one_line_naming_the_pip_install(tmp_path, hidden, argv, extra, feature):
+    """`pip install loco` holds train and simulate; swarm, wandb and hf are extras, each named when missing."""
+    code = WITHOUT.format(hidden=[hidden], argv=[*argv, "--run-dir", str(tmp_path / "run")]
+                          if argv[0] != "status" else argv)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith(f"loco {argv[0]}: error: {feature} needs the {hidden} package")
+    assert lines[0].endswith(f'pip install "loco[{extra}]"')
+
+
+def test_train_and_simulate_import_no_extra(tmp_path):
+    """The core commands run with hivemind, wandb, datasets and Triton all absent."""
+    code = WITHOUT.format(hidden=["hivemind", "wandb", "datasets", "triton"],
+                          argv=["simulate", "--config", TINY, "--max-steps", "2", "--workers", "2", "--baseline",
+                                "none", "--set", "algo.name=diloco", "--set", "algo.inner_steps=1",
+                                "--set", "compress.codec=int8", "--set", "run.device=cpu",
+                                "--run-dir", str(tmp_path / "run")])
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "run" / "summary.json").is_file()
+
+
 def test_resume_and_restart_exclude_each_other(capsys, tmp_path):
     assert main(["train", "--run-dir", str(tmp_path), "--resume", "--restart"]) == 2
     assert "pass one of them" in capsys.readouterr().err

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from launch.config import ConfigError, DataConfig, load_config
-from launch.data import (BYTE_VOCAB, EOS, LLMC_MAGIC, Batcher, DataError, TokenData, _is_val, _split_documents,
+from launch.data import (BYTE_VOCAB, _binary_reason, EOS, LLMC_MAGIC, Batcher, DataError, TokenData, _is_val, _split_documents,
                          load_data, load_python, python_files, python_roots, stdlib_files)
 
 
@@ -286,10 +287,40 @@ def test_text_folder_nested_skips_hidden_and_binary(tmp_path):
     train_docs, val_docs = _docs(data.train), _docs(data.val)
     assert sorted(train_docs + val_docs) == sorted(keep.values())
     assert train_docs and val_docs
-    assert "(4 files)" in data.description
+    assert "(4 files; 1 binary files skipped)" in data.description
     # pattern **/* would also take notes.md, still not the hidden or binary files
     wide = load_data(DataConfig(source="text", path=str(tmp_path / "corpus"), val_fraction=0.2, seq_len=16))
     assert sorted(_docs(wide.train) + _docs(wide.val)) == sorted([*keep.values(), b"markdown, not matched by the pattern " * 40])
+
+
+@pytest.mark.parametrize("body, reason", [
+    (bytes(range(256)) * 64, "NUL bytes"),
+    (b"\x7fELF" + bytes([0xFF, 0xFE, 0x80]) * 500, "not UTF-8"),
+    (b"\x01\x02\x03\x04 ab" * 400, "control characters"),
+])
+def test_a_binary_file_named_directly_is_refused(tmp_path, body, reason):
+    path = tmp_path / "program"
+    path.write_bytes(body)
+    with pytest.raises(DataError) as info:
+        load_data(DataConfig(source="text", path=str(path), seq_len=16))
+    assert str(path) in str(info.value) and "binary" in str(info.value) and reason in str(info.value)
+
+
+def test_an_executable_named_directly_is_refused_and_text_with_accents_is_not(tmp_path):
+    with pytest.raises(DataError, match="binary"):
+        load_data(DataConfig(source="text", path=sys.executable, seq_len=16))
+    # UTF-8 text cut in the middle of a character at the 8 KiB edge is still text
+    text = tmp_path / "accents.txt"
+    text.write_bytes(b"a" * 8191 + "\u00e9t\u00e9 ".encode() * 100)
+    assert _binary_reason(text) is None
+    text.write_bytes(b"a" * 8000 + b"\xff" + b"a" * 100)
+    assert "not UTF-8" in _binary_reason(text)
+
+
+def test_a_folder_of_only_binaries_names_them(tmp_path):
+    _write(tmp_path / "bin" / "a.txt", b"\x00\x01" * 100)
+    with pytest.raises(DataError, match=r"no text files .*1 binary files skipped"):
+        load_data(DataConfig(source="text", path=str(tmp_path / "bin"), seq_len=16))
 
 
 def test_text_val_path_is_used(tmp_path):

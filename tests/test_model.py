@@ -153,7 +153,7 @@ def test_every_named_size_builds_on_meta(size):
     args = replace(SIZES[size], vocab_size=32000, max_seq_len=256)
     model = meta_model(args)
     assert model.embed.weight.is_meta
-    assert count_params(model) == analytic_params(args)
+    assert count_params(model) == analytic_params(args) == args.n_params
     assert len(model.layers) == args.n_layers
     assert args.dim % args.n_heads == 0 and args.n_heads % args.kv_heads == 0
     assert (args.dim // args.n_heads) % 2 == 0

@@ -117,7 +117,7 @@ def test_wide_byte_ranges_thin_the_powers_of_two(tmp_path):
         plt.close(fig)
 
 
-def test_bytes_within_one_octave_still_get_two_ticks(tmp_path):
+def test_bytes_within_one_octave_get_three_ticks(tmp_path):
     run = _run(tmp_path / "r", algo="diloco", steps=10, tokens_per_step=1000, bytes_per_step=1e6)
     rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     for r in rows:  # 9.5 .. 12 MB: no power of two inside
@@ -126,7 +126,23 @@ def test_bytes_within_one_octave_still_get_two_ticks(tmp_path):
     fig = runs_figure([run])
     try:
         _draw(fig)
-        assert _xticks(fig.axes[1]) == ["8 MiB", "16 MiB"]
+        assert _xticks(fig.axes[1]) == ["8 MiB", "12 MiB", "16 MiB"]  # one octave: its middle too
+    finally:
+        plt.close(fig)
+
+
+def test_a_short_simulated_run_gets_three_byte_ticks(tmp_path):
+    # DiLoCo's rounds send 5 MiB each: 5 .. 15 MiB held only the ticks 8 and 16 MiB
+    run = _run(tmp_path / "r", algo="diloco", steps=24, tokens_per_step=2048, bytes_per_step=5.3e6 / 8)
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["bytes_sent"] = int(5.3e6 * max(1, r["step"] // 8))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = runs_figure([run], title="simulate")
+    try:
+        _draw(fig)
+        assert _xticks(fig.axes[1]) == ["4 MiB", "8 MiB", "16 MiB"]
+        assert _xticks(fig.axes[0]) == ["0", "10k", "20k", "30k", "40k", "50k"]
     finally:
         plt.close(fig)
 

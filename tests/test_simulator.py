@@ -10,9 +10,9 @@ import torch
 
 from conftest import FAST, TINY, run_cli
 from diloco.comm import TransportError
-from diloco.sim import InProcessGroup, parse_bandwidth, resolve_speeds, run_workers, sample_speeds
+from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers, sample_speeds
 from launch.config import load_config
-from launch.simulate import simulate_once
+from launch.simulate import simulate, simulate_once
 
 QUICK = [*FAST, "run.batch_size=4", "run.eval_every=0", "run.checkpoint_every=0", "sim.baseline=none"]
 
@@ -148,3 +148,64 @@ def test_offload_paths_run_and_change_nothing_on_cpu(tmp_path):
         runs[name] = simulate_once(cfg)
     assert runs["plain"]["val_loss"] == runs["offload"]["val_loss"]
     assert runs["plain"]["bytes_sent"] == runs["offload"]["bytes_sent"]
+
+
+def _timed_run(step_time, measured):
+    """Two workers at speeds 1 and 0.5: three steps each (``measured[rank]``: what their compute took), a 1 MB
+    all-reduce on a 1 MB/s link with 100 ms latency (1.2 s), three steps more. The group's summary."""
+    group = InProcessGroup(2, speeds=[1.0, 0.5], network=NetworkModel(1e6, 0.1), step_time=step_time)
+
+    def body(rank, transport):
+        seconds = iter(measured[rank])
+        for _ in range(3):
+            transport.advance_compute(next(seconds))
+        transport.all_reduce_([torch.ones(250_000)])
+        for _ in range(3):
+            transport.advance_compute(next(seconds))
+
+    run_workers(group, body)
+    return group.summary()
+
+
+def test_virtual_step_time_is_the_median_of_the_measured_steps():
+    # one step of worker 0 took 50 times longer (the machine was busy): the virtual clock does not follow it
+    summary = _timed_run(None, [[0.1, 0.1, 5.0, 0.1, 0.1, 0.1], [0.1] * 6])
+    assert summary["virtual_step_time_s"] == pytest.approx(0.1)
+    assert summary["virtual_step_time_source"] == "median of measured steps"
+    assert summary["measured_step_time_s"] == pytest.approx(0.1) and summary["measured_steps"] == 12
+    # worker 1 (speed 0.5) arrives last at the all-reduce after 3 x 0.2 s and finishes 3 x 0.2 s after its end
+    assert summary["virtual_wall_s"] == pytest.approx(6 * 0.2 + 1.2)
+    assert summary["virtual_compute_s_per_worker"] == pytest.approx([0.6, 1.2])
+
+
+def test_a_fixed_step_time_makes_virtual_time_independent_of_the_machine():
+    quiet = _timed_run(0.25, [[0.01] * 6, [0.01] * 6])
+    busy = _timed_run(0.25, [[0.3, 2.0, 0.01, 9.0, 0.5, 0.02], [1.0, 0.01, 3.0, 0.2, 0.2, 7.0]])
+    for summary in (quiet, busy):
+        assert summary["virtual_step_time_s"] == 0.25 and summary["virtual_step_time_source"] == "sim.step_time"
+        assert summary["virtual_wall_s"] == pytest.approx(6 * 0.5 + 1.2)
+    for key in ("virtual_wall_s", "virtual_compute_s_per_worker", "compute_utilization"):
+        assert quiet[key] == busy[key]
+
+
+def test_step_time_flag_sets_sim_step_time():
+    from launch.cli import _load, build_parser
+
+    cfg = _load(build_parser().parse_args(["simulate", "--step-time", "0.25"]))
+    assert cfg.sim.step_time == 0.25
+    assert _load(build_parser().parse_args(["simulate"])).sim.step_time is None
+
+
+def test_the_baseline_runs_on_the_measured_step_time_of_the_run(tmp_path):
+    cfg, _ = load_config([TINY], [*FAST, "run.batch_size=2", "run.eval_every=0", "run.checkpoint_every=0",
+                                  "run.max_steps=4", "sim.workers=2", "algo.name=diloco", "algo.inner_steps=2",
+                                  "sim.baseline=ddp",
+                                  f"run.dir={tmp_path / 'run'}"])
+    summary = simulate(cfg)
+    assert summary["virtual_step_time_source"] == "median of measured steps"
+    assert summary["virtual_step_time_s"] == summary["measured_step_time_s"] > 0
+    assert summary["measured_steps"] == 4 * 2
+    assert summary["virtual_compute_s_per_worker"] == pytest.approx([4 * summary["virtual_step_time_s"]] * 2)
+    base = json.loads((tmp_path / "run" / "baseline-ddp" / "summary.json").read_text())
+    assert base["virtual_step_time_s"] == summary["virtual_step_time_s"]
+    assert base["virtual_step_time_source"] == "sim.step_time"

@@ -117,6 +117,43 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(tmp_path):
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
 
 
+@pytest.mark.parametrize("algo", [["algo.name=diloco", "algo.inner_steps=4"], ["algo.name=ddp", "log.every=3"]],
+                         ids=["diloco", "ddp"])
+def test_sigterm_to_torchrun_saves_and_resume_continues_exactly(tmp_path, algo):
+    """torchrun forwards SIGTERM (SLURM, Kubernetes) to every rank: they stop together, save, and resume exactly."""
+    run_dir = tmp_path / "real"
+    args = ["--config", TINY, "--max-steps", "12", "--seed", "3", *sets(*algo, "run.checkpoint_every=0")]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *torchrun(), "-m", "launch.cli",
+         "train", *args[:3], "400", *args[4:], "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT, start_new_session=True)
+    try:
+        metrics, deadline = run_dir / "metrics.jsonl", time.time() + 180
+        while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # to torchrun, which sends it on to both ranks
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    saved = list((run_dir / "checkpoints").glob("step_*.pt"))
+    assert len(saved) == 1, err[-3000:]
+    step = load_checkpoint(saved[0])["step"]
+    assert 0 < step < 12, step
+    assert f"stopped by SIGTERM: saved {saved[0]}" in err
+    # the rest of the run with --resume (a 12-step budget, as the unbroken run below), then the same run unbroken
+    resumed = run_cli(["--nproc-per-node", "2", *torchrun(), "-m", "launch.cli", "train", "--run-dir", str(run_dir),
+                       "--resume", "--max-steps", "12"], module="torch.distributed.run")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {saved[0]}" in resumed.stderr
+    whole = run_cli(["simulate", *args, "--workers", "2", "--run-dir", str(tmp_path / "sim")])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    a = latest_checkpoint(run_dir / "checkpoints")[1]
+    b = latest_checkpoint(tmp_path / "sim" / "checkpoints")[1]
+    assert a["step"] == b["step"] == 12
+    assert max_diff(a["model"], b["model"]) < 1e-6
+
+
 OVERLAP = textwrap.dedent("""
     import time, torch
     from pathlib import Path

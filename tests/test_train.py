@@ -44,6 +44,15 @@ def test_run_folder_layout(trained):
     assert "[worker 0 | step 40/80]" in res.stderr  # plain progress lines carry context
 
 
+def test_progress_ends_with_one_line_per_step_and_no_mfu_on_a_cpu(trained):
+    _, res = trained
+    assert res.stderr.count("step 80/80") == 1, res.stderr[-2000:]  # the last progress line, not the done line too
+    assert "[worker 0] done at step 80: val_loss " in res.stderr
+    assert "mfu" not in res.stderr  # a CPU has no datasheet peak: no MFU figure, and no line about it
+    rows = [json.loads(l) for l in (trained[0] / "metrics.jsonl").read_text().splitlines()]
+    assert all(r.get("mfu") is None for r in rows)  # the key stays, empty
+
+
 def test_loss_falls_well_below_uniform(trained):
     run_dir, _ = trained
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -33,6 +33,9 @@ def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: f
             return NodeMeshTransport(dist_backend, timeout, device, per_node)
         return TorchDistTransport(dist_backend, timeout, device)
     if backend == "hivemind":
+        from diloco.extras import require
+
+        require("hivemind", "transport.backend=hivemind")
         from diloco.comm.hivemind import HivemindTransport
 
         return HivemindTransport(**options)

@@ -14,24 +14,76 @@ to arrive combines them in rank order and wakes the others. When every live
 worker waits and a collective still lacks someone (a worker that finished or
 failed early), the group says who is missing at once, instead of hanging.
 
-Time is virtual. Each worker has a clock that its compute advances (the
-measured seconds of a step, or ``step_time``, divided by its speed). A
+Time is virtual. Each worker has a clock that its compute advances by one
+virtual step time per step, divided by the worker's speed. The virtual step
+time is ``step_time`` when given; otherwise it is the median of every step's
+measured compute time in the run (all workers share one device, so they are
+measured alike), which a busy machine's slow or fast moments do not move. A
 collective starts when the last worker arrives (the maximum of the clocks) and
 the link is free, and lasts what the :class:`NetworkModel` says the bytes take.
 A synchronous collective moves the clocks to its end; an asynchronous one
 (Streaming DiLoCo's overlap) moves a worker's clock only when it waits for it.
+
+A clock is held as :class:`VirtualTime`, network seconds plus a number of steps,
+so the reported times use the median of the whole run. While the run goes,
+decisions that read a clock (which worker arrives last, a time-budgeted round's
+end) use the median of the steps measured so far. With ``step_time`` given,
+the virtual times depend on the bytes and step counts only: the same settings
+give the same times on any machine, however loaded.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import greenlet
 import torch
 
 from diloco.comm.base import Handle, Transport, TransportError
 from diloco.sim.network import NetworkModel
+
+
+class RunningMedian:
+    """The median of a growing sample, O(log n) per value: a max-heap holds the lower half, a min-heap the upper."""
+
+    def __init__(self) -> None:
+        self._lo: list[float] = []  # negated
+        self._hi: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._lo) + len(self._hi)
+
+    def add(self, x: float) -> None:
+        if self._lo and x > -self._lo[0]:
+            heapq.heappush(self._hi, x)
+        else:
+            heapq.heappush(self._lo, -x)
+        if len(self._lo) > len(self._hi) + 1:
+            heapq.heappush(self._hi, -heapq.heappop(self._lo))
+        elif len(self._hi) > len(self._lo):
+            heapq.heappush(self._lo, -heapq.heappop(self._hi))
+
+    def median(self) -> Optional[float]:
+        if not self._lo:
+            return None
+        if len(self._lo) > len(self._hi):
+            return -self._lo[0]
+        return (self._hi[0] - self._lo[0]) / 2
+
+
+@dataclass(frozen=True)
+class VirtualTime:
+    """A point on a virtual clock: ``seconds`` of network time plus ``steps`` steps of compute at speed 1, each
+    as long as the group's virtual step time (see :meth:`InProcessGroup.seconds`)."""
+
+    seconds: float = 0.0
+    steps: float = 0.0
+
+    def plus(self, seconds: float = 0.0, steps: float = 0.0) -> "VirtualTime":
+        return VirtualTime(self.seconds + seconds, self.steps + steps)
 
 
 class InProcessGroup:
@@ -52,9 +104,10 @@ class InProcessGroup:
         self._result: Any = None
         self.runnable: deque[int] = deque()  # workers the scheduler may resume, in order
         self.hub: Optional[greenlet.greenlet] = None  # the scheduler, while run_workers runs
-        self.clock = [0.0] * world
-        self.compute_s = [0.0] * world
-        self.link_free_at = 0.0
+        self.clock = [VirtualTime()] * world
+        self.compute_steps = [0.0] * world  # steps at speed 1: a step of a worker at speed s counts 1/s
+        self.link_free_at = VirtualTime()
+        self.measured = RunningMedian()  # every step's measured compute seconds, all workers
         self.endpoints = [InProcessTransport(self, r) for r in range(world)]
 
     # ---- the one rendezvous everything is built on -------------------------------------------
@@ -67,11 +120,11 @@ class InProcessGroup:
             values = self._values
             result = combine(values)
             seconds = comm_s(values) if comm_s else 0.0
-            start = max(self.clock)
+            start = self.latest(self.clock)
             if seconds > 0:
-                start = max(start, self.link_free_at)
-                self.link_free_at = start + seconds
-            self._result = (result, start + seconds)
+                start = self.latest([start, self.link_free_at])
+                self.link_free_at = start.plus(seconds)
+            self._result = (result, start.plus(seconds))
             self._values = [None] * self.world
             self._present = [False] * self.world
             self.runnable.extend(r for r in range(self.world) if r != rank)  # everyone else may go on
@@ -94,28 +147,54 @@ class InProcessGroup:
     def waiting(self) -> list[int]:
         return [r for r, here in enumerate(self._present) if here]
 
+    # ---- virtual time -----------------------------------------------------------------------
+    def step_time_s(self) -> float:
+        """Virtual compute seconds of one step at speed 1: ``step_time``, else the median measured so far."""
+        if self.step_time is not None:
+            return self.step_time
+        return self.measured.median() or 0.0
+
+    def seconds(self, t: VirtualTime) -> float:
+        return t.seconds + t.steps * self.step_time_s()
+
+    def latest(self, times: Iterable[VirtualTime]) -> VirtualTime:
+        return max(times, key=self.seconds)
+
+    @property
+    def compute_s(self) -> list[float]:
+        """Virtual compute seconds of each worker."""
+        step = self.step_time_s()
+        return [n * step for n in self.compute_steps]
+
     # ---- reporting --------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
-        wall = max(self.clock)
+        wall = max(self.seconds(c) for c in self.clock)
+        compute = self.compute_s
+        measured = self.measured.median()
         return {
             "virtual_wall_s": wall,
-            "compute_utilization": (sum(self.compute_s) / (self.world * wall)) if wall > 0 else None,
+            "compute_utilization": (sum(compute) / (self.world * wall)) if wall > 0 else None,
             "bytes_sent_per_worker": [e.stats.bytes_sent for e in self.endpoints],
             "bytes_received_per_worker": [e.stats.bytes_received for e in self.endpoints],
-            "virtual_compute_s_per_worker": list(self.compute_s),
+            "virtual_compute_s_per_worker": compute,
+            # what one step at speed 1 costs in virtual time, and where that figure comes from
+            "virtual_step_time_s": self.step_time_s(),
+            "virtual_step_time_source": "sim.step_time" if self.step_time is not None else "median of measured steps",
+            "measured_step_time_s": measured,  # the median of the steps this run measured (None: none ran)
+            "measured_steps": len(self.measured),
             "speeds": list(self.speeds),
             "network": self.network.describe(),
         }
 
 
 class _VirtualHandle(Handle):
-    def __init__(self, transport: "InProcessTransport", done: float, result: Any = None) -> None:
+    def __init__(self, transport: "InProcessTransport", done: VirtualTime, result: Any = None) -> None:
         super().__init__(result)
         self.transport, self.done = transport, done
 
     def wait(self) -> Any:
         g, r = self.transport.group, self.transport.rank
-        g.clock[r] = max(g.clock[r], self.done)
+        g.clock[r] = g.latest([g.clock[r], self.done])
         return self.result
 
 
@@ -125,13 +204,13 @@ class InProcessTransport(Transport):
     def __init__(self, group: InProcessGroup, rank: int) -> None:
         super().__init__()
         self.group, self.rank, self.world_size = group, rank, group.world
-        self._deferred: Optional[list[float]] = None
+        self._deferred: Optional[list[VirtualTime]] = None
 
-    def _finish(self, done: float) -> None:
+    def _finish(self, done: VirtualTime) -> None:
         if self._deferred is not None:
             self._deferred.append(done)
         else:
-            self.group.clock[self.rank] = max(self.group.clock[self.rank], done)
+            self.group.clock[self.rank] = self.group.latest([self.group.clock[self.rank], done])
 
     def _all_reduce_sum_(self, flat: torch.Tensor) -> None:
         def total(values: list[torch.Tensor]) -> torch.Tensor:
@@ -151,7 +230,7 @@ class InProcessTransport(Transport):
         self._deferred = []
         try:
             result = fn()
-            done = max(self._deferred, default=self.now())
+            done = self.group.latest(self._deferred) if self._deferred else self.group.clock[self.rank]
         finally:
             self._deferred = None
         return _VirtualHandle(self, done, result)
@@ -188,13 +267,15 @@ class InProcessTransport(Transport):
         return received
 
     def now(self) -> float:
-        return self.group.clock[self.rank]
+        return self.group.seconds(self.group.clock[self.rank])
 
     def advance_compute(self, seconds: float) -> None:
+        """One step done: ``seconds`` is what its compute measured; the clock advances by one virtual step."""
         g = self.group
-        virtual = (g.step_time if g.step_time is not None else seconds) / g.speeds[self.rank]
-        g.clock[self.rank] += virtual
-        g.compute_s[self.rank] += virtual
+        g.measured.add(seconds)
+        steps = 1.0 / g.speeds[self.rank]
+        g.clock[self.rank] = g.clock[self.rank].plus(steps=steps)
+        g.compute_steps[self.rank] += steps
 
     def metrics(self) -> dict[str, Any]:
         return {"virtual_s": self.now()}
