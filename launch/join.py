@@ -36,7 +36,7 @@ from diloco.comm import check_run_name, fingerprint, make_transport, merge_ledge
 from launch.config import Config
 from launch.data import Batcher, load_data
 from launch.metrics import human_bytes
-from launch.trainer import RunError, Trainer
+from launch.trainer import STOP, RunError, Trainer, stop_signals
 
 DEFAULT_RUN = "loco"
 
@@ -142,6 +142,7 @@ class Peer:
         tr.batcher = Batcher(self.data, self.cfg.data.seq_len, self.cfg.run.batch_size, 0, 1, seed, self.cfg.run.grad_accum)
         tr.on_round = self._on_round
         t.fingerprint_fn = self.fingerprint
+        t.stop_requested = lambda: STOP.signum is not None  # a signal: stop waiting for late peers, save, leave
         m = tr.metrics
         # the line to paste elsewhere: an announced or public address before loopback and relay ones
         best = sorted(addrs, key=lambda a: ("/p2p-circuit" in a, "/127.0.0.1/" in a or "/::1/" in a))
@@ -157,7 +158,12 @@ class Peer:
             else:
                 epoch, blob = got
                 self.load_state(blob)
-                m.info(f"downloaded the run's state (round {epoch}, {len(blob) / 1e6:.1f} MB); training from there", 0)
+                self._align_step()
+                m.info(f"downloaded the run's state (round {epoch}, {len(blob) / 1e6:.1f} MB); training from there "
+                       f"at the run's step {tr.step}", tr.step)
+                if self.cfg.run.max_steps and tr.step >= self.cfg.run.max_steps:
+                    m.info(f"the run is past --max-steps {self.cfg.run.max_steps} already: nothing to train "
+                           f"(raise --max-steps to take part)", tr.step)
         self.publish()
         t.heartbeat(step=tr.step, tokens=0, tokens_per_s=0.0)
 
@@ -185,6 +191,18 @@ class Peer:
         self.transport.epoch = int(state["epoch"])
         self.transport.stale = False
 
+    def _align_step(self) -> int:
+        """After taking another peer's state: this peer's step is the state's (its round x the round's steps,
+        for rounds of fixed steps), so the learning-rate schedule and ``run.max_steps`` follow the run's
+        progress, and peers holding one state stop at one round, on one model, whenever they joined.
+        Returns how far the step moved."""
+        tr = self.trainer
+        if tr.time_rounds:
+            return 0
+        step = tr.algo.round * self.cfg.algo.inner_steps
+        moved, tr.step = step - tr.step, step
+        return moved
+
     def publish(self) -> None:
         self.transport.publish_state(self.state_blob())
 
@@ -205,9 +223,14 @@ class Peer:
             got = t.download_state(t.resync_from, min_epoch=t.epoch)
             if got is not None:
                 self.load_state(got[1], f"peer {t.resync_from[0].to_base58()}")
-                m.info(f"round {t.epoch - 1}: this peer's state differed from the majority's; downloaded theirs",
+                moved = self._align_step()
+                m.info(f"round {t.epoch - 1}: this peer's state differed from the group's; downloaded theirs"
+                       + (f" (round {tr.algo.round}: step {tr.step - moved} -> {tr.step})" if moved else ""),
                        tr.step)
                 rec["resynced"] = True
+            else:
+                m.info(f"round {t.epoch - 1}: this peer's state differs from the group's, and no member served "
+                       f"it; the next round tries again", tr.step)
         rec.update(step=tr.step, round=tr.algo.round, fp_after=hashlib.sha256(self.fingerprint()).hexdigest()[:16],
                    time=time.time())
         with open(self.run_dir / "rounds.jsonl", "a") as f:
@@ -233,22 +256,26 @@ class Peer:
         self.transport.close()
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def join(cfg: Config, opts: JoinOptions) -> dict[str, Any]:
-    """Run one peer until its step budget is spent or it is stopped (Ctrl-C / SIGTERM: checkpoint, leave)."""
-    # both signals stop the peer the same way, even where the shell that started it ignores SIGINT
-    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    """Run one peer until its step budget is spent or it is stopped.
+
+    Ctrl-C and SIGTERM stop it as they stop ``loco train`` (:func:`launch.trainer.stop_signals`): at the end of
+    the current step (after the round in flight, if one is), with a checkpoint, and then the peer leaves the swarm;
+    a second signal stops at once. Both work even where the shell that started the peer ignores SIGINT.
+    """
+    ignored = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGINT, signal.SIGTERM)
+               if signal.getsignal(sig) is signal.SIG_IGN}
     peer = None
     try:
-        peer = Peer(cfg, opts)
-        return peer.fit()
+        with stop_signals():
+            try:
+                peer = Peer(cfg, opts)
+                return peer.fit()
+            finally:
+                if peer is not None:
+                    peer.close()
     finally:
-        if peer is not None:
-            peer.close()
-        for sig, handler in previous.items():
+        for sig, handler in ignored.items():
             signal.signal(sig, handler)
 
 

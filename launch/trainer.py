@@ -44,7 +44,6 @@ import torch.nn.functional as F
 
 from diloco import Algorithm
 from diloco.comm import Transport, make_transport
-from diloco.comm.torch_dist import TorchDistTransport
 from launch.algorithms import algorithm_class
 from launch.checkpoint import (checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint, rng_state,
                                save_checkpoint, set_rng_state)
@@ -314,7 +313,7 @@ class Trainer:
         self.start_step = self.step
         # a signal stops the loop where every process can save: one worker at any step end; torchrun ranks
         # where rank 0's view is broadcast (round ends, or every log.every-th step); the simulator sets its own
-        self.stop_on_request = self.world == 1 or isinstance(self.transport, TorchDistTransport)
+        self.stop_on_request = self.world == 1 or self.transport.shared_stop
         self.metrics = Metrics(self.run_dir, cfg.log, self.leader, run.max_steps, self.step, self.rank,
                                cfg.to_dict(), run.name)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, ROOT, TINY, child_env
+from conftest import FAST, ROOT, TINY, child_env, free_port
 
 hivemind_transport = pytest.importorskip("diloco.comm.hivemind")
 HivemindTransport = hivemind_transport.HivemindTransport
@@ -148,13 +148,44 @@ def test_sparseloco_rounds_over_the_swarm_keep_peers_equal(swarm):
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][0], out[2][0])
 
 
-def test_a_peer_without_the_run_key_is_refused(swarm):
+def stale_sockets(before: set) -> list[str]:
+    """hivemind's unix sockets made since ``before`` that nothing listens on any more."""
+    import glob
+    import socket
+    import tempfile
+
+    stale = []
+    for path in set(glob.glob(os.path.join(tempfile.gettempdir(), "hivemind-*.sock"))) - before:
+        with socket.socket(socket.AF_UNIX) as s:
+            try:
+                s.connect(path)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                stale.append(path)
+    return stale
+
+
+def test_a_refused_or_unreachable_join_says_why_and_leaves_no_sockets(swarm):
+    import glob
+    import tempfile
+
     from diloco.comm import TransportError
 
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "hivemind-*.sock")))
     addrs = swarm[0].visible_maddrs()
-    for key in (None, b"another-key"):
-        with pytest.raises(TransportError, match="run key"):
+    for key in (None, b"another-key"):  # the peer answers and refuses: the key is to blame
+        with pytest.raises(TransportError, match="run key") as info:
             HivemindTransport("unit", initial_peers=addrs, run_key=key, startup_timeout=10)
+        assert "answered but refused" in str(info.value) and "ensure_bootstrap_success" not in str(info.value)
+    # nothing answers there: the address is to blame, not the key
+    port = free_port()
+    dead = addrs[0].replace(addrs[0].split("/")[4], str(port))
+    with pytest.raises(TransportError, match="could be reached") as info:
+        HivemindTransport("unit", initial_peers=[dead], run_key=KEY, startup_timeout=10)
+    assert f"127.0.0.1:{port}" in str(info.value) and "run key" not in str(info.value)
+    time.sleep(0.5)
+    assert stale_sockets(before) == []
 
 
 # ---- `loco join` peers as processes -----------------------------------------------------------------------------
@@ -218,8 +249,10 @@ def test_peers_train_together_survive_a_crash_and_a_late_joiner_starts_from_the_
         time.sleep(1.0)
         assert group_alive(procs["c"].pid) == [], "the killed peer left processes behind"
 
-        # a late joiner downloads the run's state and joins at the current round
-        procs["d"] = start_peer(tmp_path, "d", *join, "--max-steps", "40")
+        # a late joiner downloads the run's state and joins at the current round; its step budget counts the
+        # run's steps (10 per round), so it trains up to 12 rounds from here
+        budget = (max(r["epoch"] for r in rounds(tmp_path, "a")) + 12) * 10
+        procs["d"] = start_peer(tmp_path, "d", *join, "--max-steps", str(budget))
         assert procs["d"].wait(180) == 0, (tmp_path / "d.log").read_text()[-3000:]
         d_log = (tmp_path / "d.log").read_text()
         assert "downloaded the run's state" in d_log
@@ -236,11 +269,11 @@ def test_peers_train_together_survive_a_crash_and_a_late_joiner_starts_from_the_
         assert set(ids.values()) <= set(info["peers"])
         assert all(info["ledger"][pid]["tokens"] > 0 for pid in ids.values())
 
-        # Ctrl-C and SIGTERM: a checkpoint, then the swarm is left cleanly
+        # Ctrl-C and SIGTERM: a checkpoint, then the swarm is left cleanly (exit 130 and 143, as for loco train)
         for name, sig in (("b", signal.SIGINT), ("a", signal.SIGTERM)):
             os.kill(procs[name].pid, sig)
             t0 = time.time()
-            assert procs[name].wait(30) == 130, (tmp_path / f"{name}.log").read_text()[-3000:]
+            assert procs[name].wait(30) == 128 + sig, (tmp_path / f"{name}.log").read_text()[-3000:]
             assert time.time() - t0 < 20
             assert list((tmp_path / name / "checkpoints").glob("*.pt")), f"{name} saved no checkpoint"
             time.sleep(0.5)
@@ -266,6 +299,43 @@ def test_peers_train_together_survive_a_crash_and_a_late_joiner_starts_from_the_
     # the ledger of a survivor credits the crashed peer for its rounds
     ledger = json.loads((tmp_path / "a" / "ledger.json").read_text())["peers"]
     assert len(ledger) == 4 and all(v["tokens"] > 0 for v in ledger.values())
+
+
+def summary(tmp: Path, name: str) -> dict:
+    return json.loads((tmp / name / "summary.json").read_text())
+
+
+def test_peers_at_different_speeds_and_start_times_meet_every_round_and_end_on_one_model(tmp_path):
+    """a runs on; b joins rounds later at a's speed, c with it at a third of the speed (3x the micro-batches per
+    step). Each peer that joins meets the others in its first round, every later round has all three, and b and c
+    stop at the run's step budget on one model: the state a holds after that epoch too."""
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        procs["a"] = start_peer(tmp_path, "a", "--address-file", str(tmp_path / "a.addr"), "--max-steps", "100000")
+        wait_for(lambda: len(rounds(tmp_path, "a")) >= 2, "two rounds of a alone", procs)
+        budget = (max(r["epoch"] for r in rounds(tmp_path, "a")) + 12) * 10  # the run's steps: 10 a round
+        join = ["--peers", (tmp_path / "a.addr").read_text().split()[0], "--max-steps", str(budget)]
+        procs["b"] = start_peer(tmp_path, "b", *join)
+        procs["c"] = start_peer(tmp_path, "c", *join, "--set", "run.batch_size=12", "--set", "run.grad_accum=3")
+        for name in "bc":
+            assert procs[name].wait(120) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        os.kill(procs["a"].pid, signal.SIGINT)
+        assert procs["a"].wait(30) == 130, (tmp_path / "a.log").read_text()[-3000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+    a, b, c = (rounds(tmp_path, n) for n in "abc")
+    assert len(b) >= 3 and len(c) >= 3, (b, c)
+    for r in b + c:  # from its first round on, every round of a joiner has all three peers
+        assert len(r["members"]) == 3 and not r["alone"], r
+    assert [r["epoch"] for r in b] == [r["epoch"] for r in c]
+    assert b[-1]["step"] == c[-1]["step"] == budget
+    assert b[-1]["fp_after"] == c[-1]["fp_after"]
+    at_end = [r for r in a if r["epoch"] == b[-1]["epoch"]]
+    assert at_end and at_end[0]["fp_after"] == b[-1]["fp_after"]
+    assert summary(tmp_path, "b")["val_loss"] == summary(tmp_path, "c")["val_loss"]
 
 
 def test_state_sketches_tolerate_rounding_but_not_a_different_round():

@@ -65,6 +65,9 @@ class Transport(ABC):
     fixed_ranks: bool = True
     norm_clip: float = 0.0
     clip_action: str = "clip"
+    #: True where a stop signal reaches every process of the run at once (torchrun passes SIGTERM on to every
+    #: rank) and ``broadcast_object`` spans them all, so the processes can agree to stop and save at one step
+    shared_stop: bool = False
 
     def __init__(self) -> None:
         self.stats = CommStats()

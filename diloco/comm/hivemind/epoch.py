@@ -57,43 +57,99 @@ class EpochMixin:
     def exchange(self, payload: bytes) -> EpochResult:
         """Run one epoch: form a group, send ``payload`` to every member, agree on who delivered."""
         fp = self.fingerprint_fn() if self.fingerprint_fn is not None else b""
+        compute_s = time.perf_counter() - self._round_start
+        # how long this peer waits for slower peers announced at this epoch: a few of its own rounds
+        wait_cap = max(self.matchmaking_time, self.wait_rounds * compute_s)
         try:
-            result = self._call(self._epoch(payload, fp), self.matchmaking_time * 4 + self.exchange_timeout * 3 + 60)
+            result = self._call(self._epoch(payload, fp, wait_cap),
+                                wait_cap + self.matchmaking_time * 4 + self.exchange_timeout * 3 + 60)
         except Exception as e:  # a failed exchange is a round done alone, never the end of training
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             log.warning("peer %s | epoch %d: the exchange failed (%s); this round is done alone", self.me[-8:],
                         self.epoch, why)
             result = EpochResult(self.epoch, "", [self.peer_id], {self.peer_id: payload},
-                                 {self.peer_id: {"fp": fp, "stale": self.stale}}, alone=True,
+                                 {self.peer_id: {"fp": fp, "stale": self.stale, "g": self.last_group}}, alone=True,
                                  notes=[f"the exchange failed ({why})"])
         self._after_epoch(result, fp)
+        # the next round starts now: announce when this peer expects to reach the next epoch
+        self.round_s = compute_s
+        self._round_start = time.perf_counter()
+        self.phase, self.eta = "train", _now() + compute_s
+        try:
+            self._call(self._heartbeat(), 30)
+        except Exception as e:
+            log.info("peer %s: heartbeat failed: %s", self.me[-8:], e)
         return result
 
-    async def _epoch(self, payload: bytes, fp: bytes) -> EpochResult:
+    def _expects(self, entry: dict, now: float, waited: float) -> bool:
+        """Whether a peer that has not reached this epoch yet is still worth waiting for: always for the first
+        ``matchmaking_time`` seconds, then until its announced arrival time, with slack for a round that runs
+        longer than the last one."""
+        if waited < self.matchmaking_time:
+            return True
+        eta = entry.get("eta")
+        if eta is None:  # its first round: no estimate yet (the caller's cap bounds the wait)
+            return True
+        slack = max(self.matchmaking_time, 0.5 * float(entry.get("round_s") or 0.0))
+        return now <= float(eta) + slack
+
+    async def _rendezvous(self, wait_cap: float, notes: list) -> tuple[dict, int]:
+        """Wait on the registry until every live peer expected at this peer's epoch has arrived.
+
+        A peer that finds others past its epoch joins theirs (``stale``: it contributes its older update
+        and takes the group's state afterwards). Peers still training toward this epoch (or an earlier one,
+        from which they will move up) are waited for until their announced arrival time, at most
+        ``wait_cap`` seconds. Returns the live peers waiting at this epoch (by peer id) and how many other
+        live peers the registry lists.
+        """
+        begin = time.perf_counter()
+        end = begin + wait_cap
+        announced = None
+        while True:
+            live = {pid: v for pid, v in (await self._registry()).items()
+                    if pid != self.me and not self._suspected(pid, v)}
+            ahead = max((int(v.get("epoch", -1)) for v in live.values()), default=-1)
+            if ahead > self.epoch:
+                notes.append(f"this peer is behind (epoch {self.epoch}, peers at {ahead}): it joins epoch {ahead} "
+                             f"and then takes the group's state")
+                self.epoch, self.stale = ahead, True
+            e = self.epoch
+            if announced != (e, self.phase):
+                await self._heartbeat()
+                announced = (e, self.phase)
+            here = {pid: v for pid, v in live.items() if int(v.get("epoch", -1)) == e and v.get("phase") != "train"}
+            now = _now()
+            pending = [pid for pid, v in live.items() if pid not in here and int(v.get("epoch", -1)) <= e
+                       and self._expects(v, now, time.perf_counter() - begin)]
+            grouping = any(v.get("phase") == "group" for v in here.values())
+            stopping = self.stop_requested is not None and self.stop_requested()
+            if not pending or grouping or stopping or time.perf_counter() >= end:
+                if pending and not grouping and not stopping:
+                    notes.append(f"{len(pending)} peer(s) announced for epoch {e} did not arrive within "
+                                 f"{wait_cap:.0f}s: going on without them")
+                return here, len(live)
+            await asyncio.sleep(0.25)
+
+    async def _epoch(self, payload: bytes, fp: bytes, wait_cap: float) -> EpochResult:
         from hivemind.averaging.control import StepControl
         from hivemind.utils import MPFuture
         from hivemind.utils.serializer import MSGPackSerializer
 
         start = time.perf_counter()
-        notes = []
-        live = await self._registry()
-        live = {pid: v for pid, v in live.items() if pid == self.me or not self._suspected(pid, v)}
-        ahead = max((int(v.get("epoch", -1)) for pid, v in live.items() if pid != self.me), default=-1)
-        if ahead > self.epoch:
-            # the others finished this epoch already: join theirs with this (older) update, then take their state
-            notes.append(f"this peer is behind (epoch {self.epoch}, peers at {ahead}): it joins epoch {ahead} and "
-                         f"then downloads the majority's state")
-            self.epoch, self.stale = ahead, True
+        notes: list = []
+        self.phase, self.eta = "wait", _now()
+        here, others = await self._rendezvous(wait_cap, notes)
         e = self.epoch
-        mine = {"e": e, "fp": fp, "stale": self.stale, "n": len(payload), "sha": hashlib.sha256(payload).digest(),
+        mine = {"e": e, "fp": fp, "stale": self.stale, "g": self.last_group, "n": len(payload),
+                "sha": hashlib.sha256(payload).digest(),
                 "tok": mac(self.key, b"join", self.peer_id.to_bytes(), str(e).encode())}
-        await self._heartbeat()
-        expected = sum(1 for pid, v in live.items()
-                       if pid == self.me or v.get("epoch", -1) >= e - 1)
+        expected = 1 + len(here)
         group = None
         if expected > 1:
+            self.phase = "group"
+            await self._heartbeat()
             self.mm.group_key_manager.prefix = f"{self.run}_e{e}"  # one DHT key per epoch: epochs never mix
-            self.mm.target_group_size = expected  # assemble at once when every live peer has come
+            self.mm.target_group_size = expected  # assemble at once when every peer waiting here has come
             step = StepControl(scheduled_time=_now() + self.matchmaking_time,
                                deadline=_now() + self.matchmaking_time + 2, allow_retries=False, weight=1.0,
                                data_for_gather=MSGPackSerializer.dumps(mine))
@@ -108,8 +164,8 @@ class EpochMixin:
         if group is None:
             return EpochResult(e, "", [self.peer_id], {self.peer_id: payload}, {self.peer_id: mine}, alone=True,
                                seconds=time.perf_counter() - start, matchmaking_s=mm_s,
-                               notes=notes + [f"no other peer reached epoch {e} within {self.matchmaking_time:g}s"
-                                              if expected > 1 else "no other live peer in the run"])
+                               notes=notes + [f"no other peer reached epoch {e} within {mm_s:.0f}s"
+                                              if others else "no other live peer in the run"])
         members, meta = [], {}
         for pid, blob in zip(group.peer_ids, group.gathered):
             try:
@@ -162,17 +218,23 @@ class EpochMixin:
                            received_bytes=sum(len(d) for p, d in received.items() if p != self.peer_id))
 
     def _after_epoch(self, result: EpochResult, fp: bytes) -> None:
-        """A member whose state differs from the majority's resyncs from the majority after this epoch.
+        """A member whose state differs from the group's canonical one takes it after this epoch.
 
-        States compare by their sketches (:func:`same_state`): peers on different hardware may round the
-        same average differently in the last bit, which is no reason to download the model again.
+        The canonical state is the one most members in step (not behind) share; between equally supported
+        states, the one that came out of the larger group last epoch (a peer that trained alone gives way
+        to peers that averaged together), then the smaller peer id. States compare by their sketches
+        (:func:`same_state`): peers on different hardware may round the same average differently in the last
+        bit, which is no reason to download the model again.
         """
-        # the state to keep: the one most members in step (not behind) share; ties to the smaller peer id
         fresh = [p for p in result.members if not result.meta[p].get("stale")] or result.members
         sketches = {p: result.meta[p].get("fp", b"") for p in fresh}
         support = {p: [q for q in fresh if same_state(sketches[p], sketches[q])] for p in fresh}
-        best = min(fresh, key=lambda p: (-len(support[p]), p))
+        weight = {p: max(int(result.meta[q].get("g", 1)) for q in support[p]) for p in fresh}
+        best = min(fresh, key=lambda p: (-len(support[p]), -weight[p], p))
         self.resync_from = [] if same_state(fp, sketches[best]) else support[best]
+        if not self.resync_from:
+            self.stale = False
+        self.last_group = len(result.members)
         self.last = result
         self.epoch += 1
         for note in result.notes:
@@ -238,16 +300,20 @@ class EpochMixin:
             missing = {p for p in senders if p not in box}
             if not missing or time.perf_counter() >= deadline:
                 return {p: box[p] for p in senders if p in box}
+            # what arrived while the checks below awaited counts: a member that delivered and then moved on
+            # (its registry entry is at the next epoch) is not left out
             if time.perf_counter() - last_check > 0.5:  # a peer libp2p lost is not waited for
                 last_check = time.perf_counter()
                 connected = {i.peer_id for i in await self.p2p.list_peers()}
-                if missing - connected:
-                    senders = senders - (missing - connected)
+                lost = {p for p in missing - connected if p not in self._inbox.get((gid, kind, epoch), {})}
+                if lost:
+                    senders = senders - lost
                     continue
             if time.perf_counter() - last_registry > 1.0:  # nor one whose matchmaking gave up on this epoch
                 last_registry = time.perf_counter()
                 reg = await self._registry()
-                moved = {p for p in missing if int(reg.get(p.to_base58(), {}).get("epoch", -1)) > epoch}
+                moved = {p for p in missing if int(reg.get(p.to_base58(), {}).get("epoch", -1)) > epoch
+                         and p not in self._inbox.get((gid, kind, epoch), {})}
                 if moved:
                     senders = senders - moved
                     continue

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import glob
 import hashlib
+import itertools
+import os
+import re
+import signal
+import socket
+import tempfile
 import threading
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -23,9 +31,75 @@ def _dht_class():
     class PeerDHT(DHT):
         def run(self) -> None:
             die_with_parent()
+            # signals are for the peer's main process, which saves, leaves the swarm and then stops this one
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
             super().run()
 
     return PeerDHT
+
+
+_TAGS = itertools.count()
+
+
+def _socket_tag() -> str:
+    """Give the p2pd this peer starts socket names of its own, so that they can be found and removed later.
+
+    hivemind names the unix sockets of a daemon and its clients ``<prefix>p2pd-<random>.sock`` and
+    ``<prefix>p2pclient-<random>.sock``; the DHT process, forked next, inherits the prefix set here.
+    """
+    from hivemind.p2p import P2P
+
+    tag = f"hivemind-loco{os.getpid()}x{next(_TAGS)}-"
+    P2P._UNIX_SOCKET_PREFIX = f"/unix{tempfile.gettempdir()}/{tag}"
+    return os.path.join(tempfile.gettempdir(), tag)
+
+
+def _remove_sockets(prefix: str) -> None:
+    for path in glob.glob(glob.escape(prefix) + "*.sock"):
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+def _tcp_endpoint(maddr: str) -> Optional[tuple[str, int]]:
+    parts = str(maddr).split("/")
+    try:
+        host = next(parts[i + 1] for i, p in enumerate(parts) if p in ("ip4", "ip6", "dns", "dns4", "dns6"))
+        port = int(next(parts[i + 1] for i, p in enumerate(parts) if p == "tcp"))
+    except (StopIteration, IndexError, ValueError):
+        return None
+    return host, port
+
+
+def _answers(endpoint: tuple[str, int], timeout: float = 3.0) -> bool:
+    try:
+        with socket.create_connection(endpoint, timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def join_failure(error: Exception, initial_peers: Sequence[str], keyed: bool) -> str:
+    """One line on why this peer could not join: the bootstrap peers could not be reached, or they answered
+    and refused it (another run key), or hivemind's own reason, without its advice about its arguments."""
+    text = re.sub(r"\s*\(set ensure_bootstrap_success=False to ignore\)", "", str(error)).strip()
+    if not initial_peers or "bootstrap" not in text:
+        return text or type(error).__name__
+    endpoints = {str(m): _tcp_endpoint(m) for m in initial_peers}
+    answered = [m for m, ep in endpoints.items() if ep is not None and _answers(ep)]
+    if not answered:
+        where = ", ".join(f"{ep[0]}:{ep[1]}" if ep else m for m, ep in endpoints.items())
+        return (f"no bootstrap peer could be reached ({where}: nothing answers there); check the address in "
+                f"--peers and that the peer is running and reachable from this machine")
+    if "none of the initial_peers responded" in text:
+        key = ("this peer's run key is not the run's (the run has another one, or none)" if keyed
+               else "the run has a run key and this peer has none")
+        return (f"the bootstrap peer {answered[0]} answered but refused this peer: {key} (check --run-key or "
+                f"--run-key-file)")
+    return (f"something answers at {answered[0]} but the libp2p connection failed: is the /p2p/ id in the "
+            f"address that peer's? ({text.splitlines()[-1] if text else type(error).__name__})")
 
 
 class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
@@ -34,6 +108,8 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
     ``initial_peers``: multiaddrs of peers already in the run (none: this peer starts it).
     ``matchmaking_time``: how long the first peer of an epoch waits for the others.
     ``exchange_timeout``: how long to wait for members' payloads once the group is formed.
+    ``wait_rounds``: a peer that reaches an epoch first waits for the peers announced there until their
+    announced arrival, at most this many of its own rounds (so peers up to that much slower still meet it).
     ``norm_clip`` / ``clip_action``: contributions above ``norm_clip`` x the median norm of the other
     members are scaled down to that bound (``clip``) or left out (``drop``); 0 turns this off.
     """
@@ -48,7 +124,7 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
                  nat_port_map: bool = False, client_mode: bool = False, matchmaking_time: float = 5.0,
                  exchange_timeout: float = 60.0, heartbeat_ttl: float = 60.0, norm_clip: float = 10.0,
                  clip_action: str = "clip", schema: str = "", max_payload_bytes: int = 4 << 30,
-                 startup_timeout: float = 30.0, observer: bool = False) -> None:
+                 startup_timeout: float = 30.0, observer: bool = False, wait_rounds: float = 4.0) -> None:
         super().__init__()
         self.run = check_run_name(run)
         if clip_action not in ("clip", "drop"):
@@ -63,6 +139,14 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self.epoch = 0  # exchanges this peer's state has been through (downloaded state carries it)
         self.stale = False  # True from jumping ahead to the others' epoch until this peer downloads their state
         self.fingerprint_fn: Optional[Callable[[], bytes]] = None
+        # what the registry announces besides the epoch: "train" (with the time this peer expects to reach the
+        # next epoch, eta, from its last round's length round_s), "wait" (at the epoch, waiting for the peers
+        # announced there) or "group" (forming the group)
+        self.wait_rounds = float(wait_rounds)
+        self.phase, self.eta, self.round_s = "train", None, None
+        self._round_start = time.perf_counter()
+        self.last_group = 1  # how many peers averaged the state this peer holds (its latest epoch's group)
+        self.stop_requested: Optional[Callable[[], bool]] = None  # true: stop waiting for late peers (a signal)
         self.resync_from: list = []  # peers holding the majority state, set when this peer's state differs
         self.ledger: dict[str, PeerRecord] = {}
         self.history: list[dict] = []  # one record per epoch (also written by the driver)
@@ -84,12 +168,15 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
             kwargs["announce_maddrs"] = list(announce_maddrs)
         if self.key:
             kwargs["authorizer"] = _make_authorizer(self.key)
+        self._sockets = _socket_tag()  # this peer's p2pd sockets, removed whatever way it ends
+        kwargs["start"] = False
+        self.dht = _dht_class()(**kwargs)
         try:
-            self.dht = _dht_class()(**kwargs)
+            self.dht.run_in_background(await_ready=True)
         except Exception as e:
-            hint = (" (the run's peers refuse a peer without the run key or with another one: check --run-key)"
-                    if "bootstrap" in str(e) else "")
-            raise TransportError(f"could not start or join the swarm {run!r}: {e}{hint}") from None
+            self._abandon_dht()
+            raise TransportError(f"could not start or join the swarm {run!r}: "
+                                 f"{join_failure(e, initial_peers, bool(self.key))}") from None
         self.peer_id = self.dht.peer_id  # a blocking round trip: read it before our loop starts
         self.me = self.peer_id.to_base58()
         self._loop = asyncio.new_event_loop()
@@ -158,6 +245,15 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
                 self._thread.join(5)
         finally:
             self.dht.shutdown()
+            _remove_sockets(self._sockets)
+
+    def _abandon_dht(self) -> None:
+        """After a failed start: stop the DHT process (and its p2pd) and remove the sockets they made."""
+        self.dht.join(self.dht.shutdown_timeout)
+        if self.dht.is_alive():
+            self.dht.terminate()
+            self.dht.join(5)
+        _remove_sockets(self._sockets)
 
     async def _shutdown(self) -> None:
         if not self.observer:
@@ -174,13 +270,14 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
 
     # ---- DHT records ------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
-        value = {"epoch": self.epoch, "time": _now(), **self.status}
+        value = {"epoch": self.epoch, "time": _now(), "phase": self.phase, "eta": self.eta, "round_s": self.round_s,
+                 **self.status}
         await self.dht.store(f"{self.run}.peers", subkey=self.me, value=value,
                              expiration_time=_now() + self.heartbeat_ttl, return_future=True)
 
     async def _subkeys(self, key: str) -> dict[str, dict]:
         """A DHT dictionary record as {subkey: value}, keeping only dict values (a leaving peer stores None)."""
-        res = await self.dht.get(key, latest=True, return_future=True)
+        res = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), 30)
         if res is None or not isinstance(res.value, dict):
             return {}
         return {k: v.value for k, v in res.value.items() if isinstance(getattr(v, "value", None), dict)}
