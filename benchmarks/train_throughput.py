@@ -4,8 +4,10 @@ Each model runs in a fresh Python process (this script re-invoked with a hidden 
 peak memory of one model never includes another's: on CUDA the peak is
 ``torch.cuda.max_memory_allocated``, on CPU the peak resident set size (``VmHWM`` in
 ``/proc/self/status``). A step is what ``launch.trainer.Trainer`` does for DDP on one worker:
-forward (bf16 autocast on CUDA unless ``--precision fp32``), cross-entropy, backward, gradient
-clipping, AdamW (``launch.trainer.build_optimizer``), zero_grad. After ``--warmup`` untimed steps,
+forward (bf16 autocast on CUDA unless ``--precision fp32``; ``torch.compile`` of the model with
+``--compile on``, the default on CUDA, as ``run.compile``), cross-entropy, backward, then
+``diloco.DDP.step``: gradient clipping and AdamW (``launch.trainer.build_optimizer``; fused on
+CUDA, where the finiteness check and clipping stay on the device, with no host sync), zero_grad. After ``--warmup`` untimed steps,
 ``--repeats`` windows of ``--steps`` steps each are timed; the table shows the median window.
 
 MFU is counted as the trainer's log counts it (``launch.metrics.mfu_basis``): 6N+attention FLOPs per
@@ -93,6 +95,8 @@ def run_one(args: argparse.Namespace) -> dict:
     from launch.config import DataConfig, OptimConfig
     from launch.metrics import matmul_precision, mfu_basis
     from launch.models import SIZES, Transformer, count_params
+    from diloco import DDP
+    from diloco.comm import LocalTransport
     from launch.trainer import build_optimizer, resolve_device
 
     if args.threads:
@@ -110,6 +114,10 @@ def run_one(args: argparse.Namespace) -> dict:
     with torch.device(device):  # initialised where it trains: no CPU initialisation and copy of a 1b model
         model = Transformer(margs)
     opt = build_optimizer(model, OptimConfig(), device)
+    algo = DDP(model, opt, LocalTransport(), grad_clip=1.0)
+    compiled = cuda if args.compile == "auto" else args.compile == "on"
+    if compiled:
+        model.compile()
     B, T = args.batch_size, args.seq_len
     mfu = mfu_basis(model, T, device, matmul_precision(device, bf16))
 
@@ -135,9 +143,8 @@ def run_one(args: argparse.Namespace) -> dict:
             logits = model(x)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        algo.step()
+        algo.zero_grad()
         return loss.detach()
 
     def sync() -> None:
@@ -179,7 +186,7 @@ def run_one(args: argparse.Namespace) -> dict:
         "ms_per_step": [1000 * w / args.steps for w in windows], "peak_bytes": peak, "peak_kind": peak_kind,
         "baseline_bytes": baseline, "final_loss": final_loss, "device": str(device), "device_name": name,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "precision": "bf16 autocast" if bf16 else "fp32", "data": args.data,
+        "precision": "bf16 autocast" if bf16 else "fp32", "data": args.data, "compiled": compiled,
         "flops_per_token": mfu.flops_per_token, "flop_count": mfu.count(),
         "peak": str(mfu.peak) if mfu.peak is not None else None, "mfu_device": mfu.device,
         "mfu": [mfu.of(tokens / w) for w in windows] if mfu.peak is not None else None,
@@ -192,7 +199,7 @@ def run_child(model: str, steps: int, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", model, "--steps", str(steps),
            "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--batch-size", str(args.batch_size),
            "--seq-len", str(args.seq_len), "--device", args.device, "--precision", args.precision,
-           "--data", args.data, "--seed", str(args.seed)]
+           "--data", args.data, "--seed", str(args.seed), "--compile", args.compile]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -221,7 +228,8 @@ def render(results: list[dict], args: argparse.Namespace, started: str, load: tu
         f"- device: {first['device']} ({first['device_name']})",
         f"- torch {first['torch']}, Python {platform.python_version()}, {platform.system()} {platform.release()}",
         f"- torch threads: {first['threads']} (logical CPUs on the machine: {os.cpu_count()})",
-        f"- step: forward ({first['precision']}) + cross-entropy + backward + grad clip + AdamW; "
+        f"- step: forward ({first['precision']}{', torch.compile' if first.get('compiled') else ', eager'}) "
+        f"+ cross-entropy + backward + grad clip + AdamW (diloco.DDP.step); "
         f"data: {'random byte tokens' if args.data == 'random' else 'launch.data stdlib batches'}, vocab 256",
         f"- {args.warmup} warmup steps, then {args.repeats} timed windows per model; "
         f"tokens/s and ms/step are the median window (range in brackets)",
@@ -262,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default="random", choices=["random", "stdlib"],
                    help="random byte tokens, or real batches from launch.data (stdlib corpus)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile the model (auto: on CUDA, as run.compile)")
     p.add_argument("--out", default=None, help="also write the Markdown table to this file")
     p.add_argument("--_child", dest="child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

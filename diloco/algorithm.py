@@ -112,7 +112,8 @@ class Algorithm:
         self.grad_clip = grad_clip
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.steps = 0
-        self.skipped_steps = 0
+        self._skipped = 0  # steps skipped for non-finite gradients, counted on the host
+        self._skipped_on_device: Optional[torch.Tensor] = None  # and on the device (see _checks_on_device)
         self.inner = inner  # the processes of one worker (a node), averaged every step
 
     # ---- built from config ------------------------------------------------------------------
@@ -181,16 +182,69 @@ class Algorithm:
                     p.grad = torch.zeros_like(p)
             self.inner.all_reduce_([p.grad for p in self.params], op="mean")
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients (reading it waits for the device's count)."""
+        extra = int(self._skipped_on_device.item()) if self._skipped_on_device is not None else 0
+        return self._skipped + extra
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped, self._skipped_on_device = int(value), None
+
+    def _checks_on_device(self) -> bool:
+        """Whether a step can test finiteness and clip without reading anything back to the host.
+
+        True for the plain update (no subclass hook that must know on the host) with a fused Adam/AdamW, which
+        skips a step itself when it is handed ``found_inf`` (as under a GradScaler): the step then costs no
+        host sync, and ``info`` carries the norm and the skip flag as device tensors.
+        """
+        opt = self.optimizer
+        return (type(self)._update is Algorithm._update and type(self)._skipped_update is Algorithm._skipped_update
+                and isinstance(opt, torch.optim.Adam) and bool(opt.defaults.get("fused")))
+
+    @staticmethod
+    def _grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros(())
+        if all(g.dtype == torch.float32 for g in grads):
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+    def _step_on_device(self, grads: list[torch.Tensor]) -> dict[str, Any]:
+        norm = self._grad_norm(grads)
+        found_inf = (~torch.isfinite(norm)).to(torch.float32)
+        if self.grad_clip > 0:
+            # the factor is 1 below the bound; a non-finite norm gives 0 (that step is skipped anyway)
+            scale = torch.nan_to_num(torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0), nan=0.0)
+            torch._foreach_mul_(grads, scale)
+        self.optimizer.found_inf = found_inf
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        if self._skipped_on_device is None:
+            self._skipped_on_device = torch.zeros((), device=found_inf.device)
+        self._skipped_on_device += found_inf
+        self.steps += 1
+        info: dict[str, Any] = {"grad_norm": norm, "skipped": found_inf}
+        info.update(self._after_step())
+        return info
+
     # ---- the interface ----------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
+        """One optimizer step on the exchanged gradients; ``info`` holds ``grad_norm`` and ``skipped`` (floats,
+        or 0-d device tensors where the step makes no host sync) plus the algorithm's own keys."""
         self._sync_inner()
         self._exchange_gradients()
         grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) if grads else torch.zeros(())
+        if grads and self._checks_on_device():
+            return self._step_on_device(grads)
+        norm = self._grad_norm(grads)
         grad_norm = float(norm)
         info: dict[str, Any] = {"grad_norm": grad_norm, "skipped": not math.isfinite(grad_norm)}
         if info["skipped"]:
-            self.skipped_steps += 1
+            self._skipped += 1
             self._skipped_update()
         else:
             if self.grad_clip > 0 and grad_norm > self.grad_clip:

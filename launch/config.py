@@ -182,6 +182,8 @@ class RunConfig:
     grad_accum: int = _f(1, "Micro-batches per step (batch_size must be divisible by it).", gt=0)
     device: str = _f("auto", "auto, cpu, cuda or cuda:N.")
     precision: Literal["auto", "fp32", "bf16"] = _f("auto", "auto: bf16 autocast on CUDA, fp32 on CPU.")
+    compile: Optional[bool] = _f(None, "torch.compile the model (empty: on CUDA yes, on CPU no); if compiling "
+                                       "fails the run goes on uncompiled with a one-line warning.")
     threads: Optional[int] = _f(None, "CPU threads for torch (empty: torch's default).", gt=0)
     eval_every: int = _f(100, "Validation every this many steps (0: only at the end).", ge=0)
     eval_batches: int = _f(10, "Validation batches per evaluation.", gt=0)

@@ -281,6 +281,7 @@ class Trainer:
         else:
             self.model_args = getattr(model, "args", None)
         self.model = model.to(self.device)
+        self._compile()
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, transport=self.transport, cfg=cfg)
         self.tokens_per_step = run.batch_size * procs * cfg.data.seq_len  # per worker
         if self.world > 1:  # every worker starts from rank 0's parameters (also the global copy of DiLoCo)
@@ -311,6 +312,7 @@ class Trainer:
         self.resumed_from: Optional[Path] = self._maybe_resume()
         self._write_config()
         self.start_step = self.step
+        self.skipped_reported = self.algo.skipped_steps  # non-finite steps already reported (see _report_skipped)
         # a signal stops the loop where every process can save: one worker at any step end; torchrun ranks
         # where rank 0's view is broadcast (round ends, or every log.every-th step); the simulator sets its own
         self.stop_on_request = self.world == 1 or self.transport.shared_stop
@@ -409,7 +411,7 @@ class Trainer:
             "rng": rng_state(),
             "comm": self.transport.stats.as_dict(),
             # a run stopped between metrics lines continues the average of its next line where it was
-            "log_window": {"loss": self.window_loss, "steps": self.window_steps},
+            "log_window": {"loss": float(self.window_loss), "steps": self.window_steps},
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -464,10 +466,40 @@ class Trainer:
         return self.wall_s() - self.wall_prior
 
     def loss_on(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":  # from pinned memory the copies do not wait for the queued kernels
+            x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            logits = self.model(x)
+            logits = self._forward(x)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def _compile(self) -> None:
+        """``run.compile``: torch.compile the model in place (its state_dict keeps its names).
+
+        Graphs are cached by code, not by module, so the simulator's workers (one model each, the same
+        architecture) share them: a worker switch compiles nothing.
+        """
+        wanted = self.cfg.run.compile
+        self.compiled = self.device.type == "cuda" if wanted is None else bool(wanted)
+        self.compiled_modes: set[tuple[bool, bool]] = set()  # (training, grad enabled) that ran compiled
+        if self.compiled:
+            self.model.compile()
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        mode = (self.model.training, torch.is_grad_enabled())
+        if not self.compiled or mode in self.compiled_modes:
+            return self.model(x)
+        try:  # the first call in a mode compiles; if that fails, the run goes on uncompiled
+            out = self.model(x)
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            self.metrics.info(f"run.compile: torch.compile failed ({type(e).__name__}: {first}); "
+                              "continuing without compiling (set run.compile=false to skip the attempt)", self.step)
+            self.model._compiled_call_impl = None  # what nn.Module.compile set: back to the eager forward
+            self.compiled = False
+            return self.model(x)
+        self.compiled_modes.add(mode)
+        return out
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -547,12 +579,13 @@ class Trainer:
             synced = False
             while not self._should_stop(synced):
                 lr = self._set_lr()
-                step_loss = 0.0
+                step_loss = None  # stays on the device: read back only at log steps (no host sync per step)
                 compute_start = time.perf_counter()
                 for micro in range(run.grad_accum):
                     loss = self.loss_on(*self.batcher.train_batch(self.step, self.micro_offset + micro))
                     (loss / run.grad_accum).backward()
-                    step_loss += float(loss.detach()) / run.grad_accum
+                    part = loss.detach() / run.grad_accum
+                    step_loss = part if step_loss is None else step_loss + part
                 self.transport.advance_compute(time.perf_counter() - compute_start)
                 info = self.algo.step()
                 synced = bool(info.get("synced"))
@@ -560,16 +593,14 @@ class Trainer:
                 self.step += 1
                 if synced and self.on_round is not None:
                     self.on_round(info)
-                if info.get("skipped"):
-                    m.info(f"non-finite gradients (norm {info['grad_norm']}): this step's update was skipped; "
-                           f"lower optim.lr or set optim.grad_clip", self.step)
-                self.window_loss += step_loss
+                self.window_loss = self.window_loss + step_loss
                 self.window_steps += 1
                 evaluate = run.eval_every and self.step % run.eval_every == 0
                 if self.step % cfg.log.every == 0 or evaluate:
+                    self._report_skipped(info)
                     now = time.perf_counter()
                     tps_local = self.window_steps * self.tokens_per_step / max(now - window_t, 1e-9)
-                    record = self._record(self.window_loss / self.window_steps, lr, tps_local, info)
+                    record = self._record(float(self.window_loss) / self.window_steps, lr, tps_local, info)
                     if evaluate:
                         record["val_loss"] = self.evaluate()
                         self.last_val = (self.step, record["val_loss"])
@@ -595,6 +626,17 @@ class Trainer:
             self._stop(self.stopped_by)
         return self._finish()
 
+    def _report_skipped(self, info: dict[str, Any]) -> None:
+        """Say (at a log step, where reading the device's count costs nothing extra) if steps were skipped."""
+        skipped = self.algo.skipped_steps
+        new, self.skipped_reported = skipped - self.skipped_reported, skipped
+        if new > 0:
+            norm = info.get("grad_norm")
+            last = f"; last norm {float(norm):.4g}" if norm is not None else ""
+            what = "this step's update was" if new == 1 else f"{new} steps' updates were"
+            self.metrics.info(f"non-finite gradients{last}: {what} skipped; lower optim.lr or set optim.grad_clip",
+                              self.step)
+
     def _stop(self, signum: int) -> None:
         """Save where a signal stopped the loop (every worker is here), then raise Interrupted."""
         m = self.metrics
@@ -615,8 +657,10 @@ class Trainer:
     def _record(self, loss: float, lr: float, tps_local: float, info: dict[str, Any]) -> dict[str, Any]:
         stats = self.transport.stats
         mfu = self.flops_per_token * tps_local / self.peak if self.peak else None
+        norm = info.get("grad_norm")
         return {"step": self.step, "tokens": self.tokens_seen(), "loss": loss, "lr": lr,
-                "tokens_per_s": tps_local * self.world, "mfu": mfu, "grad_norm": info.get("grad_norm"),
+                "tokens_per_s": tps_local * self.world, "mfu": mfu,
+                "grad_norm": float(norm) if norm is not None else None,
                 "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "wall_s": self.wall_s(),
                 **self.transport.metrics()}
 

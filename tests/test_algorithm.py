@@ -52,3 +52,58 @@ def test_state_dict_round_trip_and_name_check():
     state["name"] = "diloco"
     with pytest.raises(ValueError, match="diloco"):
         other.load_state_dict(state)
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the tensor reads that make the host wait for the device (item, bool, float, int, tolist)."""
+
+    READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
+             torch.Tensor.tolist, torch.Tensor.__index__}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _adamw_pair(clip: float):
+    """The same model and AdamW twice: fused (checks on the device) and the plain loop (checks on the host)."""
+    out = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=fused, foreach=None if fused else False)
+        out.append((model, DDP(model, opt, LocalTransport(), grad_clip=clip)))
+    return out
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_a_fused_adamw_step_reads_nothing_back_and_matches_the_host_checks(clip):
+    (fast, fast_algo), (slow, slow_algo) = _adamw_pair(clip)
+    assert fast_algo._checks_on_device() and not slow_algo._checks_on_device()
+    for step in range(4):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step)) * 10
+        for model, algo in ((fast, fast_algo), (slow, slow_algo)):
+            model(x).sum().backward()
+            if step == 2:  # a non-finite gradient: both skip the update and count it
+                next(model.parameters()).grad[0, 0] = float("inf")
+            with HostReads() as reads:
+                info = algo.step()
+            algo.zero_grad()
+            if algo is fast_algo:
+                assert reads.count == 0, "the fused step read a value back to the host"
+                assert isinstance(info["skipped"], torch.Tensor) and bool(info["skipped"]) == (step == 2)
+            else:
+                assert reads.count > 0
+        for a, b in zip(fast.parameters(), slow.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert fast_algo.skipped_steps == slow_algo.skipped_steps == 1
+    assert fast_algo.steps == slow_algo.steps == 4
+    # AdamW's own step count skips the skipped step too (bias correction stays aligned)
+    assert float(fast_algo.optimizer.state[next(fast.parameters())]["step"]) == 3
+    state = fast_algo.state_dict()
+    assert state["skipped_steps"] == 1
