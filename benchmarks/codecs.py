@@ -10,8 +10,15 @@ Two tables:
 
 * **Chains**: for each codec chain, exact bytes on the wire per parameter, compression
   ratio against fp32, relative reconstruction error ``|decode(encode(x)) - x| / |x|`` (one
-  round, no error feedback), and end-to-end encode / decode throughput (fp32 input GB/s,
-  including the copy of the payload to host memory and zstd).
+  round, no error feedback), and end-to-end throughput (fp32 input GB/s, including the copy
+  of the payload to host memory, the checksum and zstd) of ``encode`` (tensor to the bytes
+  ready to send), ``decode`` (bytes to a new tensor) and ``decode_accumulate_`` (bytes into an
+  existing fp32 accumulator, what the compressed all-reduce does), each also as a fraction of
+  the device's copy bandwidth, measured in the same run.
+* **zstd**: for chains with a zstd stage, what zstd alone costs: its compress and decompress
+  time on that chain's sections (single-threaded, and multithreaded where the codec uses it),
+  the bytes it saves, and the link speed below which sending the saved bytes takes longer
+  than compressing them (zstd pays on slower links).
 * **Kernels**: the quantize (+pack) and dequantize (+accumulate) hot paths and top-k, torch
   reference against the Triton kernel (CUDA only), beside the device's measured copy
   bandwidth (``dst.copy_(src)`` of the same fp32 vector; bytes read / seconds).
@@ -95,32 +102,74 @@ def timed(fn, repeats: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def copy_bandwidth(x: torch.Tensor, repeats: int) -> float:
+    """GB/s of ``dst.copy_(x)`` into a preallocated tensor (fp32 bytes read / seconds)."""
+    dst = torch.empty_like(x)
+    return 4 * x.numel() / timed(lambda: dst.copy_(x), repeats, x.device) / 1e9
+
+
 def chain_rows(x: torch.Tensor, chains: list[str], repeats: int) -> list[dict]:
     from diloco.compress import make_codec
 
     rows = []
     n = x.numel()
+    acc = torch.zeros_like(x)
     for chain in chains:
         codec = make_codec(chain)
         payload = codec.encode(x)
         y = codec.decode(payload, expect_numel=x.numel(), device=x.device)
         err = float((y - x).norm() / x.norm())
+        del y
         fresh = make_codec(chain)  # encode timing without error feedback state
         enc = timed(lambda: fresh.encode(x), repeats, x.device)
         dec = timed(lambda: codec.decode(payload, expect_numel=x.numel(), device=x.device), repeats, x.device)
+        acc_s = timed(lambda: codec.decode_accumulate_(payload, acc, 0.5), repeats, x.device)
         rows.append({"chain": chain, "bytes_per_param": len(payload) / n, "ratio": 4 * n / len(payload), "rel_err": err,
-                     "encode_gbs": 4 * n / enc / 1e9, "decode_gbs": 4 * n / dec / 1e9})
+                     "encode_gbs": 4 * n / enc / 1e9, "decode_gbs": 4 * n / dec / 1e9,
+                     "accumulate_gbs": 4 * n / acc_s / 1e9})
         print(f"  {chain:28s} {len(payload) / n:7.4f} B/param  x{4 * n / len(payload):7.1f}  err {err:.4f}  "
-              f"enc {4 * n / enc / 1e9:6.2f} GB/s  dec {4 * n / dec / 1e9:6.2f} GB/s", flush=True)
+              f"enc {4 * n / enc / 1e9:6.2f} GB/s  dec {4 * n / dec / 1e9:6.2f} GB/s  "
+              f"dec+acc {4 * n / acc_s / 1e9:6.2f} GB/s", flush=True)
     return rows
 
 
-def kernel_rows(x: torch.Tensor, repeats: int) -> tuple[float, list[dict]]:
+def zstd_rows(x: torch.Tensor, chains: list[str], repeats: int) -> list[dict]:
+    """zstd alone on each zstd chain's sections: single-threaded and (above its threshold) multithreaded."""
+    import zstandard
+
+    from diloco.compress import make_codec, wire
+    from diloco.compress.codec import ZSTD_THREADS_ABOVE
+
+    rows = []
+    for chain in chains:
+        codec = make_codec(chain)
+        level = codec.spec.zstd_level
+        if level is None:
+            continue
+        stem = make_codec(codec.chain.rsplit("+zstd", 1)[0])  # the same chain without its zstd stage
+        payload = stem.encode(x)
+        raw = memoryview(payload)[wire.parse_header(payload, stem.max_numel).offset:]
+        modes = [("1 thread", zstandard.ZstdCompressor(level=level))]
+        if len(raw) > ZSTD_THREADS_ABOVE:
+            modes.append(("all cores (threads=-1)", zstandard.ZstdCompressor(level=level, threads=-1)))
+        for mode, zc in modes:
+            comp = zc.compress(raw)
+            zd = zstandard.ZstdDecompressor()
+            c = timed(lambda: zc.compress(raw), repeats, torch.device("cpu"))
+            d = timed(lambda: zd.decompress(comp, max_output_size=len(raw)), repeats, torch.device("cpu"))
+            saved = len(raw) - len(comp)
+            rows.append({"chain": chain, "mode": mode, "raw": len(raw), "compressed": len(comp), "compress_s": c,
+                         "decompress_s": d, "pays_below_gbit": 8 * saved / (c + d) / 1e9 if saved > 0 else 0.0})
+            print(f"  zstd {chain:24s} {mode:22s} {len(raw) / 1e6:8.2f} -> {len(comp) / 1e6:8.2f} MB  "
+                  f"compress {c * 1e3:8.1f} ms  decompress {d * 1e3:8.1f} ms", flush=True)
+    return rows
+
+
+def kernel_rows(x: torch.Tensor, repeats: int) -> list[dict]:
     from diloco.compress.kernels import HAVE_TRITON, quant, topk
 
     n = x.numel()
     dst = torch.empty_like(x)
-    copy = 4 * n / timed(lambda: dst.copy_(x), repeats, x.device) / 1e9
     impls = {"torch": (quant.quantize_ref, quant.dequantize_ref, topk.topk_chunks_ref)}
     if x.is_cuda and HAVE_TRITON:
         impls["triton"] = (quant.quantize_triton, quant.dequantize_triton, topk.topk_chunks_triton)
@@ -141,31 +190,52 @@ def kernel_rows(x: torch.Tensor, repeats: int) -> tuple[float, list[dict]]:
     rows.append(row)
     for r in rows:
         print("  " + "  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
-    return copy, rows
+    return rows
 
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
 
 
-def report(args, device: torch.device, n: int, chains: list[dict], copy: float, kernels: list[dict]) -> str:
+def report(args, device: torch.device, n: int, chains: list[dict], copy: float, kernels: list[dict],
+           zstd: list[dict]) -> str:
     import triton
+    import xxhash
+    import zstandard
 
     impls = [k for k in ("torch", "triton") if kernels and k in kernels[0]]
     lines = [
         f"# Codecs on a {n / 1e6:.0f}M-parameter pseudo-gradient ({device.type})", "",
         f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- device: {device_name(device)}; torch {torch.__version__}, triton {triton.__version__}, "
-        f"python {platform.python_version()}, {torch.get_num_threads()} threads",
+        f"python {platform.python_version()}, zstandard {zstandard.__version__}, xxhash {xxhash.VERSION}, "
+        f"{torch.get_num_threads()} threads",
         f"- pseudo-gradient: model `{args.size}`, {args.inner_steps} AdamW steps (lr 4e-4), seed {args.seed}; "
         f"medians of {args.repeats} runs",
-        f"- `python benchmarks/codecs.py {' '.join(sys.argv[1:])}`", "",
-        "| chain | bytes/param | ratio vs fp32 | rel. error | encode GB/s | decode GB/s |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"- `python benchmarks/codecs.py {' '.join(sys.argv[1:])}`",
+        f"- device copy bandwidth (`dst.copy_(src)`, fp32 bytes read / s), same run, the better of before and after "
+        f"the chains: {copy:.2f} GB/s", "",
+        "| chain | bytes/param | ratio vs fp32 | rel. error | encode GB/s | decode GB/s | decode_accumulate_ GB/s "
+        "| encode / copy | decode / copy | decode_accumulate_ / copy |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in chains:
         lines.append(f"| `{r['chain']}` | {r['bytes_per_param']:.4f} | {r['ratio']:.1f}x | {r['rel_err']:.4f} | "
-                     f"{r['encode_gbs']:.2f} | {r['decode_gbs']:.2f} |")
+                     f"{r['encode_gbs']:.2f} | {r['decode_gbs']:.2f} | {r['accumulate_gbs']:.2f} | "
+                     f"{r['encode_gbs'] / copy:.0%} | {r['decode_gbs'] / copy:.0%} | {r['accumulate_gbs'] / copy:.0%} |")
+    if zstd:
+        lines += ["", "zstd alone, on each zstd chain's sections (included in the chain's numbers above; the codec "
+                  "uses all cores above the multithreading threshold). It pays on a link slower than the last "
+                  "column: below that speed, sending the bytes it saves takes longer than compressing and "
+                  "decompressing them.", "",
+                  "| chain | zstd mode | sections MB | compressed MB | compress ms | decompress ms | pays below |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for r in zstd:
+            lines.append(f"| `{r['chain']}` | {r['mode']} | {r['raw'] / 1e6:.2f} | {r['compressed'] / 1e6:.2f} | "
+                         f"{r['compress_s'] * 1e3:.1f} | {r['decompress_s'] * 1e3:.1f} | "
+                         f"{r['pays_below_gbit']:.2f} Gbit/s |")
+    if not kernels:
+        return "\n".join(lines) + "\n"
     lines += ["", f"Kernels (fp32 input GB/s; device copy bandwidth {copy:.1f} GB/s):", "",
               "| op | " + " | ".join(impls) + " | " + " | ".join(f"{k} / copy" for k in impls)
               + (" | triton / torch |" if "triton" in impls else " |"),
@@ -191,6 +261,7 @@ def main() -> None:
     p.add_argument("--cache", default="benchmarks/results/.cache/pseudo_grad_{size}.pt",
                    help="where the pseudo-gradient is kept between runs ('' to not cache)")
     p.add_argument("--out", default=None, help="also write the markdown report here")
+    p.add_argument("--no-kernels", action="store_true", help="skip the kernel table (chains and zstd only)")
     args = p.parse_args()
     from launch.trainer import resolve_device
 
@@ -199,9 +270,14 @@ def main() -> None:
     print(f"pseudo-gradient of `{args.size}` ({'cached' if cache and cache.exists() else 'training'})", flush=True)
     x = pseudo_gradient(args.size, args.inner_steps, device, args.seed, cache)
     print(f"{x.numel():,} parameters, |delta| = {x.norm():.4f}", flush=True)
-    chains = chain_rows(x, [c.replace(";", ",") for c in args.chains.split(",")], args.repeats)
-    copy, kernels = kernel_rows(x, args.repeats)
-    text = report(args, device, x.numel(), chains, copy, kernels)
+    names = [c.replace(";", ",") for c in args.chains.split(",")]
+    copy = copy_bandwidth(x, args.repeats)
+    print(f"device copy bandwidth {copy:.2f} GB/s", flush=True)
+    chains = chain_rows(x, names, args.repeats)
+    copy = max(copy, copy_bandwidth(x, args.repeats))  # before and after the chains: the better (on shared cores)
+    zstd = zstd_rows(x, names, args.repeats) if x.device.type == "cpu" else zstd_rows(x.cpu(), names, args.repeats)
+    kernels = [] if args.no_kernels else kernel_rows(x, args.repeats)
+    text = report(args, device, x.numel(), chains, copy, kernels, zstd)
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text)

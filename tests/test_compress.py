@@ -567,3 +567,84 @@ def test_encode_of_finite_values_decodes_or_raises_value_error(chain, value):
     except ValueError:
         return
     assert _decodes(codec, payload)
+
+
+# ---- one buffer: header, prefix, reuse, checksum ----------------------------------------------------
+def test_header_is_aligned_and_checksummed_with_xxh3():
+    import xxhash
+
+    data = wire.pack(b"\x01\x02\x03", torch.float32, (3, 1), "fp32")
+    header = wire.parse_header(data, 100)
+    assert header.offset % wire.ALIGN == 0 and header.offset == wire.header_size(2, "fp32")
+    tail = header.offset - 16
+    (crc,) = struct.unpack_from("<Q", data, tail + 8)
+    assert crc == xxhash.xxh3_64_intdigest(bytes(data[:tail + 8]) + b"\x01\x02\x03")
+    padded = bytearray(data)
+    padded[wire._FIXED.size + 16 + len("fp32")] = 1  # a padding byte that is not zero
+    with pytest.raises(CorruptPayload, match="padding|checksum"):
+        wire.parse_header(padded, 100)
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_prefix_is_written_in_front_of_the_same_payload(chain):
+    x = _randn(3000, seed=5)
+    plain, with_prefix = make_codec(chain), make_codec(chain)
+    a = plain.encode(x, key="k")
+    b = with_prefix.encode(x, key="k", prefix=b"12345678")
+    assert bytes(b[:8]) == b"12345678" and bytes(b[8:]) == bytes(a)
+    assert plain.stats.wire_bytes == with_prefix.stats.wire_bytes == len(a)
+
+
+@pytest.mark.parametrize("chain", ["fp32", "int8", "bf16+zstd"])
+def test_an_output_buffer_is_reused_only_once_nothing_holds_it(chain, monkeypatch):
+    import diloco.compress.codec as codec_module
+
+    monkeypatch.setattr(codec_module, "POOL_MIN", 64)
+    codec = make_codec(chain)
+    x, y = _randn(5000, seed=1), _randn(5000, seed=2)
+    first = codec.encode(x)
+    kept = bytes(first)
+    view = memoryview(first)
+    second = codec.encode(y)  # ``first`` is held (and viewed): it must not be written again
+    assert second is not first and bytes(first) == kept
+    assert torch.equal(codec.decode(first), codec.decode(make_codec(chain).encode(x)))
+    del view
+    ident = id(first)
+    del first
+    third = codec.encode(x)
+    assert bytes(third) == kept  # the released buffer (possibly reused) holds the new payload whole
+    assert id(third) == ident or len(codec._buffers._bufs) <= codec_module.POOL_KEEP
+    assert bytes(second) == bytes(make_codec(chain).encode(y))
+
+
+@pytest.mark.parametrize("chain", ["fp32", "bf16", "int8", "int4:block=32", "fp4", "topk:0.1+int8", "dct+fp16+zstd"])
+def test_decode_into_writes_what_decode_returns(chain):
+    codec = make_codec(chain)
+    x = _randn(4099, seed=3)
+    payload = codec.encode(x)
+    out = torch.full((4099,), float("nan"))
+    codec.decode_into_(payload, out)
+    assert torch.equal(out, codec.decode(payload))
+
+
+@pytest.mark.parametrize("chain", ["fp32", "bf16", "int8", "fp4"])
+def test_an_accumulation_that_overflows_is_refused(chain):
+    codec = make_codec(chain)
+    payload = codec.encode(_randn(1000, seed=4) * 1e30)
+    out = torch.zeros(1000)
+    codec.decode_accumulate_(payload, out, 1.0)  # large but finite
+    with pytest.raises(CorruptPayload, match="overflow"):
+        codec.decode_accumulate_(payload, out, 1e10)
+
+
+def test_large_zstd_sections_use_the_multithreaded_compressor(monkeypatch):
+    import diloco.compress.codec as codec_module
+
+    monkeypatch.setattr(codec_module, "ZSTD_THREADS_ABOVE", 1000)
+    codec = make_codec("int8+zstd")
+    x = _randn(20000, seed=6)
+    payload = codec.encode(x)
+    assert codec._zc_threads is not None
+    body = memoryview(payload)[wire.parse_header(payload, codec.max_numel).offset:]
+    assert zstandard.frame_content_size(body) == codec.payload_bytes(20000)  # the size is declared
+    assert torch.equal(codec.decode(payload), make_codec("int8").decode(make_codec("int8").encode(x)))

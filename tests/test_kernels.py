@@ -186,3 +186,52 @@ def test_topk_error_feedback_conserves_mass(decay):
         total_in = decay * total_in + x
         total_sent = decay * total_sent + sent
     assert torch.allclose(total_sent + residual, total_in, atol=1e-5)
+
+
+def _quantize_formula(x: torch.Tensor, block: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The formats' definitions, written out over the whole vector at once (the reference works piece by piece)."""
+    _, bits, per = q.FORMATS[fmt]
+    n = x.numel()
+    nb = q.num_blocks(n, block)
+    xp = torch.cat([x, x.new_zeros(nb * block - n)]).view(nb, block)
+    amax = xp.abs().amax(dim=1)
+    if fmt in ("int8", "int4"):
+        qmax = 127.0 if fmt == "int8" else 7.0
+        scale = amax / qmax
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
+        c = torch.floor(xp / safe + 0.5).clamp_(-qmax, qmax).to(torch.int32)
+        codes = c & 0xFF if fmt == "int8" else c + 8
+    elif fmt == "fp4":
+        scale = amax
+        e = sum((xp.abs() >= scale[:, None] * t).to(torch.int32) for t in q._FP4_T)
+        codes = torch.where((xp < 0) & (e > 0), e + 8, e)
+    else:
+        scale = amax / 1.5
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
+        codes = (torch.floor(xp / safe) + 2.0).clamp_(0.0, 3.0).to(torch.int32)
+    codes = codes.reshape(-1, per) << torch.arange(0, bits * per, bits, dtype=torch.int32)
+    return codes.sum(dim=1).to(torch.uint8)[:q.packed_bytes(n, fmt)], scale
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_reference_pieces_match_the_formula_and_write_into_given_buffers(fmt):
+    block = 64
+    n = 3 * q._PIECE + 5 * block + 17  # several pieces, and a partial last block
+    x = torch.randn(n, generator=torch.Generator().manual_seed(11)) * 3.0
+    x[::97] = 0.0
+    want_packed, want_scales = _quantize_formula(x, block, fmt)
+    buf = torch.zeros(4 * q.num_blocks(n, block) + q.packed_bytes(n, fmt) + 8, dtype=torch.uint8)
+    scales = buf[8:8 + 4 * q.num_blocks(n, block)].view(torch.float32)
+    packed = buf[8 + scales.numel() * 4:]
+    got_packed, got_scales = q.quantize_ref(x, block, fmt, packed=packed, scales=scales)
+    assert got_packed.data_ptr() == packed.data_ptr() and got_scales.data_ptr() == scales.data_ptr()
+    assert torch.equal(packed, want_packed)
+    assert torch.equal(scales.view(torch.int32), want_scales.view(torch.int32))
+    assert not buf[:8].any()  # nothing written outside the given views
+    values = q.dequantize_ref(packed, scales, n, block, fmt)
+    amax = torch.cat([x.abs(), x.new_zeros(-n % block)]).view(-1, block).amax(dim=1).repeat_interleave(block)[:n]
+    assert values.shape == (n,) and bool((values.abs() <= amax * 1.0001).all())
+    assert float((values - x).norm() / x.norm()) < {"int8": 0.01, "int4": 0.2, "fp4": 0.3, "2bit": 0.8}[fmt]
+    acc = torch.ones(n)
+    q.dequantize_ref(packed, scales, n, block, fmt, out=acc, weight=0.5, accumulate=True)
+    assert torch.allclose(acc, 1.0 + 0.5 * values)

@@ -155,6 +155,11 @@ class Transport(ABC):
     def close(self) -> None:
         pass
 
+    def abort(self) -> None:
+        """Close after a failure: release what can be released without waiting for exchanges in flight or
+        for other workers (a process that is failing must end promptly, with its own error)."""
+        self.close()
+
     # ---- byte counting: here and nowhere else -----------------------------------------------
     def _count(self, sent: int, received: int, collectives: int = 1) -> None:
         self.stats.bytes_sent += sent

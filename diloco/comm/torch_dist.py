@@ -32,8 +32,10 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import os
+import queue
 import threading
 import time
+import warnings
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
@@ -53,6 +55,39 @@ def torchrun_layout() -> tuple[int, int]:
     if local < 1 or world % local:
         return 1, world
     return world // local, local
+
+
+class _Lane:
+    """One daemon thread that runs the overlapped exchanges in order, on process groups of its own.
+
+    A daemon, so a process whose training thread fails never waits at exit for an exchange that other
+    ranks will not finish (a thread pool's workers are joined at exit).
+    """
+
+    def __init__(self, groups: dict[str, Any], lanes: threading.local) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, args=(groups, lanes), name="loco-exchange", daemon=True)
+        self.thread.start()
+
+    def _loop(self, groups: dict[str, Any], lanes: threading.local) -> None:
+        lanes.groups = groups
+        while (job := self.jobs.get()) is not None:
+            fn, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # surfaces at the handle's wait()
+                    future.set_exception(e)
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.jobs.put((fn, future))
+        return future
+
+    def stop(self, wait: bool) -> None:
+        self.jobs.put(None)
+        if wait:
+            self.thread.join()
 
 
 class _Future(Handle):
@@ -107,7 +142,7 @@ class TorchDistTransport(Transport):
         self.world_size = dist.get_world_size(group)
         self.global_rank = dist.get_rank()
         self._lanes = threading.local()  # .groups in the background thread: its own process groups
-        self._background: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._background: Optional[_Lane] = None
 
     # ---- lanes: the training thread's process groups, or the background thread's -----------------
     def _g(self, name: str = "group") -> Any:
@@ -127,15 +162,14 @@ class TorchDistTransport(Transport):
         if self.backend != "gloo" or self.world_size == 1:
             return super()._start(fn)
         if self._background is None:
-            groups = self._side_groups()
-            self._background = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="loco-exchange", initializer=lambda: setattr(self._lanes, "groups", groups))
+            self._background = _Lane(self._side_groups(), self._lanes)
         return _Future(self._background.submit(fn))
 
-    def _drain(self) -> None:
-        """Let the exchange in flight finish (its errors surface at its ``wait()``), then stop the thread."""
+    def _drain(self, wait: bool = True) -> None:
+        """Let the exchange in flight finish (its errors surface at its ``wait()``), then stop the thread;
+        ``wait=False`` leaves the thread to end with the process."""
         if self._background is not None:
-            self._background.shutdown(wait=True)
+            self._background.stop(wait)
             self._background = None
 
     def _src(self, src: int) -> int:
@@ -180,37 +214,61 @@ class TorchDistTransport(Transport):
         self._run("gather_object", dist.gather_object, obj, out, dst=self._src(dst), group=self._g())
         return out
 
-    def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
+    @staticmethod
+    def _bytes_tensor(payload: bytes | bytearray | memoryview) -> torch.Tensor:
+        """``payload`` as a uint8 tensor over the same memory (only ever read: sent)."""
+        with warnings.catch_warnings():  # immutable bytes: the tensor is never written
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(payload, dtype=torch.uint8)
+
+    def _host_views(self, recv: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Views of ``recv`` (moved to host memory once, if it is not there) at ``spans``: nothing is copied out."""
+        data = memoryview(recv.cpu().numpy()) if recv.numel() else memoryview(b"")
+        return [data[a:a + n] for a, n in spans]
+
+    def _all_gather_bytes(self, payload: bytes | bytearray | memoryview) -> list[memoryview]:
         size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
         sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
         self._run("all_gather(sizes)", dist.all_gather, sizes, size, group=self._g())
         lengths = [int(n) for n in torch.cat(sizes).tolist()]
-        buf = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
-        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else buf[:0]
-        bufs = [torch.empty_like(buf) for _ in range(self.world_size)]
-        self._run("all_gather(payload)", dist.all_gather, bufs, buf, group=self._g())
-        return [bytes(b[:n].cpu().numpy()) for b, n in zip(bufs, lengths)]
+        width = max(lengths)
+        if len(payload) == width and self.device.type == "cpu":
+            mine = self._bytes_tensor(payload) if width else torch.zeros(0, dtype=torch.uint8)
+        else:  # padded to the longest payload (and moved to the device)
+            mine = torch.zeros(width, dtype=torch.uint8, device=self.device)
+            if len(payload):
+                mine[:len(payload)] = self._bytes_tensor(payload)
+        recv = torch.empty(self.world_size * width, dtype=torch.uint8, device=self.device)
+        self._run("all_gather(payload)", dist.all_gather, list(recv.view(self.world_size, width)), mine,
+                  group=self._g())
+        return self._host_views(recv, [(i * width, n) for i, n in enumerate(lengths)])
 
-    def _all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
+    def _all_to_all_bytes(self, payloads: Sequence[bytes | bytearray | memoryview]) -> list[memoryview]:
         send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=self.device)
         recv_sizes = torch.empty_like(send_sizes)
         self._run("all_to_all(sizes)", dist.all_to_all_single, recv_sizes, send_sizes, group=self._g())
         send_n, recv_n = send_sizes.tolist(), recv_sizes.tolist()
-        joined = b"".join(payloads)
-        send = (torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined
-                else torch.zeros(0, dtype=torch.uint8)).to(self.device)
+        send = torch.empty(sum(send_n), dtype=torch.uint8)  # each payload copied once, into its place
+        pos = 0
+        for p, n in zip(payloads, send_n):
+            if n:
+                send[pos:pos + n] = self._bytes_tensor(p)
+            pos += n
+        send = send.to(self.device)
         recv = torch.empty(sum(recv_n), dtype=torch.uint8, device=self.device)
         self._run("all_to_all(payload)", dist.all_to_all_single, recv, send,
                   output_split_sizes=recv_n, input_split_sizes=send_n, group=self._g())
-        data = recv.cpu().numpy().tobytes()
-        out, pos = [], 0
-        for n in recv_n:
-            out.append(data[pos:pos + n])
-            pos += n
-        return out
+        starts = [sum(recv_n[:i]) for i in range(len(recv_n))]
+        return self._host_views(recv, list(zip(starts, recv_n)))
 
     def barrier(self) -> None:
         self._run("barrier", dist.barrier, group=self._g())
+
+    def abort(self) -> None:
+        """After a failure: no wait for the exchange in flight, no barrier, no teardown of groups another
+        thread may still be blocked in; the process ends with its own error, and torchrun stops the rest."""
+        self._drain(wait=False)
+        self._owns_group = False
 
     def close(self) -> None:
         self._drain()

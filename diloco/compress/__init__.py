@@ -1,7 +1,7 @@
 """Compression of what crosses the network: codec chains, the wire format, kernels, DCT chunking.
 
 ``make_codec("topk:0.02+2bit+zstd")`` returns a :class:`Codec` with
-``encode(tensor) -> bytes`` and ``decode(bytes) -> tensor``; a malformed payload
+``encode(tensor) -> bytearray`` (one buffer) and ``decode(bytes) -> tensor``; a malformed payload
 raises :class:`CorruptPayload` and nothing else. See ``codec.py`` for the stages.
 
 The pieces other packages (DeMo in ``demo_optim``) build on are exported here too:

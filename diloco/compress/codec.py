@@ -18,7 +18,7 @@ Each stage takes one positional option (``topk:0.02``, ``int8:128``, ``zstd:9``)
 ``topk`` a number below 1 is a density and a whole number is k. The value stage
 defaults to ``fp32`` (``topk+zstd`` sends fp32 values).
 
-``encode(tensor, key)`` returns the wire bytes (header + payload, see ``wire.py``); their
+``encode(tensor, key)`` returns the wire bytes (header + payload, see ``wire.py``) in one buffer; their
 length is exactly what crosses the network. Top-k's error feedback keeps one residual
 per ``key`` (one per buffer the caller encodes repeatedly); the quantization error of the
 values that were sent goes into the residual too. ``decode`` validates the header, the
@@ -39,6 +39,9 @@ bytes on the wire are the compressed bytes.
 from __future__ import annotations
 
 import math
+import sys
+import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
@@ -50,7 +53,7 @@ from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
 from diloco.compress.dct import dct_chunks, idct_chunks, padded_length
 from diloco.compress.kernels import quant as q
 from diloco.compress.kernels import topk as tk
-from diloco.compress.wire import CorruptPayload, tensor_bytes
+from diloco.compress.wire import CorruptPayload
 
 VALUE_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4", "fp4", "2bit")
 STAGE_ORDER = ("dct", "topk", "value", "zstd")
@@ -59,9 +62,14 @@ MAX_SCALE = 1e36  # a received scale above this could overflow once multiplied a
 _FLOAT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FLOAT_MAX = {"fp16": 65504.0, "bf16": float(torch.finfo(torch.bfloat16).max)}
+_CODE_MAX = {"int8": 128.0, "int4": 8.0, "fp4": 1.0, "2bit": 1.5}  # the largest |value| of a code, in scales
 STAGE_NAMES = ("dct", "topk", *VALUE_FORMATS, "zstd")
 ZSTD_MAX_RATIO = 256  # a zstd section of unvouched size may inflate at most this many times ...
 ZSTD_FREE_BYTES = 1 << 20  # ... once it inflates to more than this
+ZSTD_THREADS_ABOVE = 4 << 20  # zstd compresses sections larger than this on all cores (its multithreaded mode)
+PIECE = 1 << 17  # values per piece where a copy, its check and its checksum run piece by piece, in cache
+POOL_MIN = 1 << 20  # encode reuses released output buffers of at least this many bytes ...
+POOL_KEEP = 4  # ... and keeps at most this many of them
 
 
 def zstd_min_bytes(inflated: int) -> int:
@@ -205,6 +213,69 @@ def _check_topk(chunk: int, k: Optional[int] = None) -> None:
         raise CodecSpecError(f"codec stage 'topk': {e}") from None
 
 
+def _view(buf: Any, start: int, stop: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """``buf[start:stop]`` as a tensor of ``dtype`` over the same memory (no copy; read-only buffers too)."""
+    mv = memoryview(buf)[start:stop]
+    if not len(mv):
+        return torch.empty(0, dtype=dtype)
+    if mv.readonly:  # never written through: only read
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(mv, dtype=dtype)
+    return torch.frombuffer(mv, dtype=dtype)
+
+
+def _magnitude(t: torch.Tensor) -> float:
+    """The largest ``|value|`` of ``t`` (NaN or Inf when ``t`` holds one): one pass, no temporary of its size."""
+    if not t.numel():
+        return 0.0
+    lo, hi = torch.stack(torch.aminmax(t.reshape(-1))).float().tolist()
+    return max(abs(lo), abs(hi)) if not (math.isnan(lo) or math.isnan(hi)) else math.nan
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """All of ``t`` is finite (NaN and +-Inf show in the extremes)."""
+    return math.isfinite(_magnitude(t))
+
+
+def _cannot_overflow(weight: float, magnitude: float) -> bool:
+    """``out + weight * v`` stays finite for every finite ``out`` when ``|v| <= magnitude``: the addend is below
+    half an ulp of the largest float32 (2**103), so no sum of it and a finite float32 rounds to infinity."""
+    return abs(weight) * magnitude < 1e30  # NaN compares False
+
+
+class _Buffers:
+    """Encode's output buffers: a released one (nobody holds it any more) of the right size is written again.
+
+    Pages of a buffer this large come fresh from the OS each time otherwise, and faulting them in costs
+    more than the copy into them. A buffer is reused only when nothing refers to it (no variable, view or
+    tensor over it), which the reference count tells.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bytearray:
+        if n < POOL_MIN:
+            return bytearray(n)
+        with self._lock:
+            for i in range(len(self._bufs)):
+                if len(self._bufs[i]) == n and sys.getrefcount(self._bufs[i]) == 2:  # the list's reference alone
+                    return self._bufs[i]
+            buf = bytearray(n)
+            free = [i for i in range(len(self._bufs)) if sys.getrefcount(self._bufs[i]) == 2]
+            if len(self._bufs) >= POOL_KEEP and free:
+                del self._bufs[free[0]]
+            if len(self._bufs) < POOL_KEEP:
+                self._bufs.append(buf)
+            return buf
+
+    def clear(self) -> None:
+        with self._lock:
+            self._bufs.clear()
+
+
 @dataclass
 class CodecStats:
     tensors: int = 0
@@ -234,7 +305,9 @@ class Codec:
                 align = align * a // math.gcd(align, a)
         self.align = align  # shard boundaries at multiples of this keep chunks and blocks whole
         self._zc = zstandard.ZstdCompressor(level=s.zstd_level) if s.zstd_level is not None else None
+        self._zc_threads: Optional[zstandard.ZstdCompressor] = None  # made at the first large section
         self._zd = zstandard.ZstdDecompressor()
+        self._buffers = _Buffers()
 
     def __repr__(self) -> str:
         return f"Codec({self.chain!r})"
@@ -261,57 +334,162 @@ class Codec:
         return ib + vb
 
     # ---- encode -----------------------------------------------------------------------------
-    def encode(self, tensor: torch.Tensor, key: Hashable = None) -> bytes:
+    def encode(self, tensor: torch.Tensor, key: Hashable = None, *, prefix: bytes = b"") -> bytearray | memoryview:
+        """The wire bytes of ``tensor`` (header + payload), written once into one buffer of exactly their size.
+
+        Returns a ``bytearray``; for a CUDA tensor a ``memoryview`` of pinned host memory, filled by one
+        asynchronous device-to-host copy per section and a single synchronize. ``prefix``: bytes the caller
+        wants in front of the payload in the same buffer (a message header), so that sending both copies
+        nothing; the codec's payload then starts at ``len(prefix)``.
+        """
         if tensor.dtype not in wire.DTYPE_CODES:
             raise ValueError(f"cannot encode a tensor of dtype {tensor.dtype}")
         if tensor.numel() > self.max_numel:
             raise ValueError(f"tensor of {tensor.numel()} elements is above this codec's limit of {self.max_numel}")
-        x = tensor.detach().reshape(-1).float()
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError("cannot encode a tensor with NaN or Inf values")
+        x = tensor.detach().reshape(-1)
+        if x.dtype != torch.float32:
+            x = x.float()
         s = self.spec
         numel = x.numel()
-        dense, count, _, _ = self._layout(numel)
+        _, _, index_bytes, value_bytes = self._layout(numel)
+        shape = tuple(tensor.shape)
+        wire.check_encodable(tensor.dtype, shape, self.chain)
+        head = wire.header_size(len(shape), self.chain)
+        pre = len(prefix)
+        direct = not x.is_cuda and self._zc is None
+        raw = value_bytes + index_bytes
+        if direct:
+            buf = self._buffers.take(pre + head + raw)
+            base = pre + head
+        elif x.is_cuda:
+            buf = torch.empty(pre + head + raw if self._zc is None else raw, dtype=torch.uint8, pin_memory=True)
+            base = pre + head if self._zc is None else 0
+        else:  # zstd: the raw sections in a scratch buffer, compressed below
+            buf = self._buffers.take(raw)
+            base = 0
+        mem = memoryview(buf.numpy()) if isinstance(buf, torch.Tensor) else memoryview(buf)
+        h = None
+        if not s.dct_chunk and not s.topk_chunk and s.value in _FLOAT_DTYPES and direct:
+            h = wire.begin_header(mem, pre, tensor.dtype, shape, self.chain, raw)  # the values hashed as copied
+            self._put_floats(x, mem, base, s.value, h)
+        else:
+            self._sections(x, key, mem, base)
+        if self._zc is not None:  # compress the sections, then header + compressed bytes in the output
+            zc = self._zc
+            if raw > ZSTD_THREADS_ABOVE:
+                if self._zc_threads is None:
+                    self._zc_threads = zstandard.ZstdCompressor(level=s.zstd_level, threads=-1)
+                zc = self._zc_threads
+            comp = zc.compress(mem[:raw])
+            del mem, buf  # a pooled scratch buffer is free again
+            buf = self._buffers.take(pre + head + len(comp))
+            mem = memoryview(buf)
+            mem[pre + head:] = comp
+            raw = len(comp)
+        if pre:
+            mem[:pre] = prefix
+        if h is None:
+            h = wire.begin_header(mem, pre, tensor.dtype, shape, self.chain, raw)
+            if raw:
+                h.update(mem[pre + head:])
+        wire.seal(mem, pre, len(shape), self.chain, h)
+        self.stats.tensors += 1
+        self.stats.raw_bytes += 4 * numel
+        self.stats.wire_bytes += len(mem) - pre
+        return mem if isinstance(buf, torch.Tensor) else buf
+
+    def _sections(self, x: torch.Tensor, key: Hashable, mem: memoryview, base: int) -> None:
+        """Write the payload's sections (scales, values, packed indices) of ``x`` (fp32, flat) at ``mem[base:]``.
+
+        On the CPU the quantizer and the float copy write straight into ``mem``; on CUDA the sections are made
+        on the device and copied to ``mem`` (pinned) asynchronously, with one synchronize at the end.
+        """
+        s = self.spec
+        dense, count, _, value_bytes = self._layout(x.numel())
+        plain = not s.dct_chunk and not s.topk_chunk
+        late: list[tuple[int, torch.Tensor]] = []  # (offset in the payload, a section made elsewhere)
+        if not (plain and (s.value in q.FORMATS or not x.is_cuda)) and not _finite(x):
+            raise ValueError("cannot encode a tensor with NaN or Inf values")  # else: checked on the way
         if s.dct_chunk:
             x = dct_chunks(x, s.dct_chunk)
-            if not bool(torch.isfinite(x).all()):
+            if not _finite(x):
                 raise ValueError("values too large to encode: the DCT overflows float32")
-        sections: list[bytes] = []  # values (scales first), then the packed indices
-        index_section = b""
         residual = None
         flat_idx = None
         if s.topk_chunk:
             if self.error_feedback:
                 residual = self._residual(key, dense, x.device)
             idx, values = tk.topk_chunks(x, s.topk_chunk, s.topk_k, residual, s.ef_decay)
-            index_section = tensor_bytes(pack_bits(idx, bits_for(s.topk_chunk)))
+            late.append((value_bytes, pack_bits(idx, bits_for(s.topk_chunk))))
             if residual is not None:
                 flat_idx = _flat_positions(idx.long(), s.topk_k, s.topk_chunk)
         else:
             values = x
         if s.value in q.FORMATS:
-            packed, scales = q.quantize(values, s.block, s.value)
-            if scales.numel() and float(scales.max()) > MAX_SCALE:
-                raise ValueError(f"values too large to encode with {s.value} (a block scale above {MAX_SCALE:g})")
-            sections += [tensor_bytes(scales), tensor_bytes(packed)]
+            nb = q.num_blocks(count, s.block)
+            if x.is_cuda:
+                packed, scales = q.quantize(values, s.block, s.value)
+                late += [(0, scales), (4 * nb, packed)]
+            else:  # the reference writes codes and scales into the output
+                scales = _view(mem, base, base + 4 * nb, torch.float32)
+                packed = _view(mem, base + 4 * nb, base + value_bytes)
+                q.quantize_ref(values, s.block, s.value, packed=packed, scales=scales)
+            if nb:
+                top = float(scales.max())
+                if not math.isfinite(top):
+                    raise ValueError("cannot encode a tensor with NaN or Inf values")
+                if top > MAX_SCALE:
+                    raise ValueError(f"values too large to encode with {s.value} (a block scale above {MAX_SCALE:g})")
             if flat_idx is not None:  # what quantization lost also waits in the residual
                 sent = q.dequantize(packed, scales, count, s.block, s.value)
                 residual.index_add_(0, flat_idx, values - sent)
+        elif plain and not x.is_cuda:
+            self._put_floats(values, mem, base, s.value, None)
         else:
             if s.value in _FLOAT_MAX:
                 values = values.clamp(-_FLOAT_MAX[s.value], _FLOAT_MAX[s.value])
             cast = values.to(_FLOAT_DTYPES[s.value])
-            sections.append(tensor_bytes(cast))
+            late.append((0, cast))
             if flat_idx is not None and s.value != "fp32":
                 residual.index_add_(0, flat_idx, values - cast.float())
-        payload = b"".join(sections) + index_section
-        if self._zc is not None:
-            payload = self._zc.compress(payload)
-        out = wire.pack(payload, tensor.dtype, tuple(tensor.shape), self.chain)
-        self.stats.tensors += 1
-        self.stats.raw_bytes += 4 * numel
-        self.stats.wire_bytes += len(out)
-        return out
+        if x.is_cuda:
+            if late:
+                host = torch.frombuffer(mem, dtype=torch.uint8)
+                for at, t in late:
+                    if t.numel():
+                        src = t.reshape(-1).view(torch.uint8)
+                        host[base + at:base + at + src.numel()].copy_(src, non_blocking=True)
+            torch.cuda.current_stream(x.device).synchronize()  # once, for every section
+        else:
+            for at, t in late:
+                if t.numel():
+                    _view(mem, base + at, base + at + t.numel() * t.element_size()).copy_(t.reshape(-1).view(torch.uint8))
+
+    def _put_floats(self, x: torch.Tensor, mem: memoryview, base: int, value: str, h: Any) -> None:
+        """``x`` cast to ``value`` at ``mem[base:]``, piece by piece: each piece checked finite and, with ``h``,
+        hashed while it is in cache. A NaN or Inf raises ValueError."""
+        dtype = _FLOAT_DTYPES[value]
+        size = _FLOAT_BYTES[value]
+        limit = _FLOAT_MAX.get(value)
+        n = x.numel()
+        for a in range(0, n, PIECE):
+            b = min(a + PIECE, n)
+            src = x[a:b]
+            dst = _view(mem, base + size * a, base + size * b, dtype)
+            if limit is None:
+                dst.copy_(src)
+                ok = _finite(dst)
+            else:
+                ok = _finite(src)
+                dst.copy_(src.clamp(-limit, limit))
+            if not ok:
+                raise ValueError("cannot encode a tensor with NaN or Inf values")
+            if h is not None:
+                h.update(mem[base + size * a:base + size * b])
+
+    def release_buffers(self) -> None:
+        """Forget the output buffers kept for reuse (they are freed once nothing else holds them)."""
+        self._buffers.clear()
 
     def _residual(self, key: Hashable, length: int, device: torch.device) -> torch.Tensor:
         r = self.residuals.get(key)
@@ -332,10 +510,10 @@ class Codec:
         """
         header = self.check(payload, expect_numel)
         body = self._body(payload, header, vouched=expect_numel is not None)  # sizes checked before allocating
-        out = torch.zeros(header.numel, dtype=torch.float32, device=device)
-        self._accumulate(body, header, out, 1.0)
+        out = torch.empty(header.numel, dtype=torch.float32, device=device)
+        self._accumulate(body, header, out, 1.0, fresh=True)
         result = out.view(header.shape).to(header.dtype)
-        if header.dtype != torch.float32 and not bool(torch.isfinite(result).all()):
+        if header.dtype != torch.float32 and not _finite(result):
             raise CorruptPayload(f"decoded values overflow {header.dtype}")
         return result
 
@@ -343,6 +521,11 @@ class Codec:
         """``out += weight * decode(payload)`` (``out``: fp32, flat, of the payload's size), fused where a kernel is."""
         header = self.check(payload, out.numel())
         self._accumulate(self._body(payload, header, vouched=True), header, out, weight)
+
+    def decode_into_(self, payload: bytes | bytearray | memoryview, out: torch.Tensor) -> None:
+        """``out <- decode(payload)`` (``out``: fp32, flat, of the payload's size), without a temporary."""
+        header = self.check(payload, out.numel())
+        self._accumulate(self._body(payload, header, vouched=True), header, out, 1.0, fresh=True)
 
     def check(self, payload: bytes | bytearray | memoryview, expect_numel: Optional[int] = None) -> wire.Header:
         header = wire.parse_header(payload, self.max_numel)
@@ -359,9 +542,10 @@ class Codec:
         """The payload after the header (decompressed), of exactly the size the chain needs for its shape.
 
         ``vouched``: the caller fixed the number of values; otherwise a zstd body must be within the bomb bound.
+        A view of ``payload`` without zstd (nothing is copied).
         """
         _, _, index_bytes, value_bytes = self._layout(header.numel)
-        body = memoryview(payload)[header.offset:]
+        body = memoryview(payload).cast("B")[header.offset:]
         expected = index_bytes + value_bytes
         if self._zc is not None:
             if not vouched and len(body) < zstd_min_bytes(expected):
@@ -375,43 +559,95 @@ class Codec:
                                  f"{header.numel} values")
         return body
 
-    def _accumulate(self, body: bytes | memoryview, header: wire.Header, out: torch.Tensor, weight: float) -> None:
+    def _accumulate(self, body: bytes | memoryview, header: wire.Header, out: torch.Tensor, weight: float,
+                    fresh: bool = False) -> None:
+        """``out += weight * values`` of ``body``; ``fresh``: ``out`` holds nothing yet, write the values into it.
+
+        Sections are read through views of ``body``, moved to ``out``'s device when that is not the CPU.
+        """
         s = self.spec
         numel = header.numel
         dense, count, index_bytes, value_bytes = self._layout(numel)
-        expected = index_bytes + value_bytes
-        data = torch.frombuffer(bytearray(body), dtype=torch.uint8) if expected else torch.zeros(0, dtype=torch.uint8)
-        data = data.to(out.device)
-        val_data, idx_data = data[:value_bytes], data[value_bytes:]  # both start 4-byte aligned or are bytes
+
+        def section(a: int, b: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+            t = _view(body, a, b, dtype)
+            return t.to(out.device) if out.device.type != "cpu" else t
+
         flat = None
         if s.topk_chunk:
-            flat = self._indices(idx_data, dense, count)
-        fused = flat is None and not s.dct_chunk
+            flat = self._indices(section(value_bytes, value_bytes + index_bytes), dense, count)
+        direct = flat is None and not s.dct_chunk
         if s.value in q.FORMATS:
             nb = q.num_blocks(count, s.block)
-            scales = val_data[:4 * nb].view(torch.float32)
-            if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()) or bool((scales > MAX_SCALE).any()):
-                raise CorruptPayload("quantization scales out of range (negative, non-finite or above 1e36)")
-            packed = val_data[4 * nb:]
-            if fused:  # unpack + dequantize + weighted accumulate in one kernel
+            scales = section(0, 4 * nb, torch.float32)
+            hi = 0.0
+            if nb:
+                lo, hi = torch.stack(torch.aminmax(scales)).tolist()
+                if not (lo >= 0 and hi <= MAX_SCALE):  # NaN fails both
+                    raise CorruptPayload("quantization scales out of range (negative, non-finite or above 1e36)")
+            packed = section(4 * nb, value_bytes)
+            if direct:  # unpack + dequantize (+ weighted accumulate) in one kernel
+                if fresh:  # |code x scale| <= 127 x 1e36: always finite
+                    q.dequantize(packed, scales, count, s.block, s.value, out=out)
+                    if weight != 1.0:
+                        out.mul_(weight)
+                    return
                 q.dequantize(packed, scales, count, s.block, s.value, out=out, weight=weight, accumulate=True)
-                if not bool(torch.isfinite(out).all()):
+                if not _cannot_overflow(weight, _CODE_MAX[s.value] * hi) and not _finite(out):
                     raise CorruptPayload("decoded values overflow the accumulator")
                 return
             values = q.dequantize(packed, scales, count, s.block, s.value)
         else:
-            values = val_data.view(_FLOAT_DTYPES[s.value]).float()
-            if not bool(torch.isfinite(values).all()):
+            values = section(0, value_bytes, _FLOAT_DTYPES[s.value])
+            if direct and fresh and weight == 1.0:
+                self._copy_checked(values, out)
+                return
+            if direct:
+                self._add_checked(values, out, weight)
+                return
+            if not _finite(values):
                 raise CorruptPayload("payload holds NaN or Inf values")
+            values = values.float()
         if flat is not None:
             coeffs = torch.zeros(dense, dtype=torch.float32, device=out.device)
             coeffs[flat] = values
         else:
             coeffs = values
         x = idct_chunks(coeffs, s.dct_chunk, numel) if s.dct_chunk else coeffs
-        if not bool(torch.isfinite(x).all()):
+        if not _finite(x):
             raise CorruptPayload("decoded values overflow")
-        out.add_(x, alpha=weight)
+        if fresh:
+            out.copy_(x)
+            if weight != 1.0:
+                out.mul_(weight)
+        else:
+            out.add_(x, alpha=weight)
+
+    @staticmethod
+    def _add_checked(values: torch.Tensor, out: torch.Tensor, weight: float) -> None:
+        """``out += weight * values`` piece by piece, each piece checked finite while it is in cache (a NaN or Inf
+        raises CorruptPayload, with the pieces before it added), and the sum checked where it could overflow."""
+        n = values.numel()
+        for a in range(0, n, PIECE):
+            b = min(a + PIECE, n)
+            src, dst = values[a:b], out[a:b]
+            top = _magnitude(src)
+            if not math.isfinite(top):
+                raise CorruptPayload("payload holds NaN or Inf values")
+            dst.add_(src, alpha=weight)
+            if not _cannot_overflow(weight, top) and not _finite(dst):
+                raise CorruptPayload("decoded values overflow the accumulator")
+
+    @staticmethod
+    def _copy_checked(values: torch.Tensor, out: torch.Tensor) -> None:
+        """``out <- values`` piece by piece, each piece checked finite while it is in cache."""
+        n = values.numel()
+        for a in range(0, n, PIECE):
+            b = min(a + PIECE, n)
+            dst = out[a:b]
+            dst.copy_(values[a:b])
+            if not _finite(dst):
+                raise CorruptPayload("payload holds NaN or Inf values")
 
     def _unzstd(self, body: memoryview, expected: int) -> bytes:
         try:

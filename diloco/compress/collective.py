@@ -97,11 +97,15 @@ def _split_all(received: Sequence[bytes], me: int, what: str) -> list[tuple[floa
     return out
 
 
-def _decode_into(codec: "Codec", body: memoryview, out: torch.Tensor, scale: float, me: int, src: int,
+def _decode_into(codec: "Codec", body: memoryview, out: torch.Tensor, scale: float | None, me: int, src: int,
                  what: str) -> None:
-    """``out += scale * decode(body)``; a bad payload is a TransportError naming its sender."""
+    """``out += scale * decode(body)`` (``scale`` None: ``out <- decode(body)``); a bad payload is a
+    TransportError naming its sender."""
     try:
-        codec.decode_accumulate_(body, out, scale)
+        if scale is None:
+            codec.decode_into_(body, out)
+        else:
+            codec.decode_accumulate_(body, out, scale)
     except CorruptPayload as e:
         raise TransportError(f"rank {me}: worker {src} sent a corrupt {what.format(src=src)}: {e}") from None
 
@@ -125,12 +129,26 @@ def all_reduce_compressed_(transport: Transport, tensors: Sequence[torch.Tensor]
     mean_ = _gathered_mean_ if gather else _sharded_mean_
     with transport.exchange_scope():
         totals = []
+        scratch = None  # one buffer for every bucket that is concatenated (its pages faulted in once)
         for b, bucket in enumerate(buckets(tensors, transport.bucket_bytes)):
-            flat = torch.cat([t.detach().reshape(-1).float() for t in bucket])
+            alone = len(bucket) == 1 and bucket[0].dtype == torch.float32 and bucket[0].is_contiguous()
+            if alone:  # reduced in place: every payload is encoded before the result is written back
+                flat = bucket[0].detach().reshape(-1)
+            else:
+                n = sum(t.numel() for t in bucket)
+                if scratch is None or scratch.numel() < n or scratch.device != bucket[0].device:
+                    scratch = torch.empty(max(n, _largest_bucket(tensors, transport.bucket_bytes)),
+                                          dtype=torch.float32, device=bucket[0].device)
+                flat = torch.cat([t.detach().reshape(-1) for t in bucket], out=scratch[:n])
             totals.append(transport.on_my_share(
                 flat, codec.align, (key, b), lambda share, k: mean_(transport, share, codec, float(weight), k)))
-            unflatten_into(bucket, flat)
+            if not alone:
+                unflatten_into(bucket, flat)
     return max(totals)
+
+
+def _largest_bucket(tensors: Sequence[torch.Tensor], limit: int) -> int:
+    return max(sum(t.numel() for t in bucket) for bucket in buckets(tensors, limit))
 
 
 def all_reduce_compressed_async_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "Codec",
@@ -159,7 +177,8 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
     """``flat`` (this worker's, fp32) becomes the weighted mean over the workers; returns the total weight."""
     w, me = transport.world_size, transport.rank
     bounds = shard_bounds(flat.numel(), w, codec.align)
-    sends = [pack_weight(weight) + codec.encode(flat[a:b], key=(key, "shard", j)) for j, (a, b) in enumerate(bounds)]
+    prefix = pack_weight(weight)
+    sends = [codec.encode(flat[a:b], key=(key, "shard", j), prefix=prefix) for j, (a, b) in enumerate(bounds)]
     received = _split_all(transport.all_to_all_bytes(sends), me, f"payload for shard {me}")
     a, b = bounds[me]
     acc = torch.zeros(b - a, dtype=torch.float32, device=flat.device)
@@ -170,13 +189,12 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
         acc.div_(total)
     else:
         acc.zero_()
-    means = _split_all(transport.all_gather_bytes(pack_weight(total) + codec.encode(acc, key=(key, "mean"))), me,
+    del sends, received  # their buffers are free for the next encode
+    means = _split_all(transport.all_gather_bytes(codec.encode(acc, key=(key, "mean"), prefix=pack_weight(total))), me,
                        "mean of shard {src}")
     for src, (_, body) in enumerate(means):
         a, b = bounds[src]
-        out = flat[a:b]
-        out.zero_()
-        _decode_into(codec, body, out, 1.0, me, src, "mean of shard {src}")
+        _decode_into(codec, body, flat[a:b], None, me, src, "mean of shard {src}")
     return max(wi for wi, _ in means)
 
 
@@ -184,7 +202,8 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
 def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float, key: Hashable) -> float:
     """``flat`` becomes ``sum_i w_i decode(payload_i) / sum_i w_i``, summed in rank order on every worker."""
     me = transport.rank
-    received = _split_all(transport.all_gather_bytes(pack_weight(weight) + codec.encode(flat, key=key)), me, "payload")
+    received = _split_all(transport.all_gather_bytes(codec.encode(flat, key=key, prefix=pack_weight(weight))), me,
+                          "payload")
     flat.zero_()
     total = sum(wi for wi, _ in received)
     if total > 0:
@@ -225,7 +244,7 @@ def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight
     """
     with transport.exchange_scope():
         prefix = b"" if weight is None else pack_weight(weight)
-        payloads = transport.all_gather_bytes(prefix + codec.encode(flat, key=key))
+        payloads = transport.all_gather_bytes(codec.encode(flat, key=key, prefix=prefix))
     names = transport.member_names()
     result = RobustResult(torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device), 0.0)
     # pass 1: validate every member's update and measure its norm (one decoded vector alive at a time)

@@ -9,35 +9,44 @@ Layout (little-endian)::
     chain_len  u16      length of the codec chain string, at most MAX_CHAIN
     shape      ndim x u64
     chain      chain_len bytes, ASCII, the canonical chain (e.g. "topk:chunk=4096,k=82,ef=1+2bit:block=128+zstd:level=3")
+    pad        zero bytes up to a multiple of 8, so the payload starts 8-byte aligned
     length     u64      payload bytes that follow the header
-    checksum   u32      CRC-32 of everything before it and of the payload
+    checksum   u64      XXH3-64 (seed 0) of everything before it, then of the payload
     payload    length bytes
 
 ``parse_header`` checks all of it before anything the size of the tensor is
 allocated, and raises :class:`CorruptPayload` (the one error a bad payload
-raises) with what was wrong. ``tensor_bytes`` turns a payload section (a tensor)
-into the bytes that go after the header.
+raises) with what was wrong. The checksum is XXH3 (the ``xxhash`` package): it
+runs at memory speed, and is fed the header and the payload as two views, so
+neither is copied to be hashed.
+
+Encoders that build a payload in place (the codecs) reserve :func:`header_size`
+bytes, write the payload after them, then call :func:`write_header`, which
+fills in the header and the checksum. :func:`pack` does the same for a payload
+that already exists as bytes. ``tensor_bytes`` turns a payload section (a
+tensor) into the bytes that go after the header.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-import zlib
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 MAGIC = b"LOCO"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_NDIM = 8
 MAX_CHAIN = 512
+ALIGN = 8  # the payload starts at a multiple of this from the start of the header
 
 DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16, 3: torch.float64}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 
 _FIXED = struct.Struct("<4sBBBH")
-_TAIL = struct.Struct("<QI")
+_TAIL = struct.Struct("<QQ")  # length, checksum
 
 
 class CorruptPayload(ValueError):
@@ -57,13 +66,26 @@ class Header:
         return math.prod(self.shape)
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The raw bytes of ``t`` (contiguous, on the CPU, in its own dtype); ``b""`` for an empty tensor."""
-    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
-def pack(payload: bytes, dtype: torch.dtype, shape: tuple[int, ...], chain: str) -> bytes:
-    """Header + payload."""
+def header_size(ndim: int, chain: str) -> int:
+    """Bytes of the header in front of a payload (a multiple of :data:`ALIGN`)."""
+    return _padded(_FIXED.size + 8 * ndim + len(chain)) + _TAIL.size
+
+
+def checksum(head: memoryview, payload: memoryview) -> int:
+    """XXH3-64 of ``head`` then ``payload``, fed as views: nothing is copied or joined."""
+    h = xxhash.xxh3_64()
+    h.update(head)
+    if len(payload):
+        h.update(payload)
+    return h.intdigest()
+
+
+def check_encodable(dtype: torch.dtype, shape: tuple[int, ...], chain: str) -> bytes:
+    """The chain as ASCII bytes; ValueError for a dtype, a number of dimensions or a chain the header cannot hold."""
     if dtype not in DTYPE_CODES:
         raise ValueError(f"cannot encode tensors of dtype {dtype} (supported: float32, float16, bfloat16, float64)")
     if len(shape) > MAX_NDIM:
@@ -71,16 +93,76 @@ def pack(payload: bytes, dtype: torch.dtype, shape: tuple[int, ...], chain: str)
     chain_b = chain.encode("ascii")
     if len(chain_b) > MAX_CHAIN:
         raise ValueError(f"codec chain longer than {MAX_CHAIN} characters")
-    head = (_FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], len(shape), len(chain_b))
-            + struct.pack(f"<{len(shape)}Q", *shape) + chain_b)
-    length = struct.pack("<Q", len(payload))
-    crc = zlib.crc32(payload, zlib.crc32(head + length))
-    return b"".join((head, length, struct.pack("<I", crc), payload))
+    return chain_b
+
+
+def begin_header(buf: bytearray | memoryview, start: int, dtype: torch.dtype, shape: tuple[int, ...], chain: str,
+                 length: int) -> "xxhash.xxh3_64":
+    """Write the header at ``buf[start:]`` for the ``length`` payload bytes that follow it, all but the checksum.
+
+    Returns the checksum's running hash, already fed with the header: feed it the payload, in order (as it is
+    written, while it is in cache), then :func:`seal` the header with it.
+    """
+    chain_b = check_encodable(dtype, shape, chain)
+    view = memoryview(buf)
+    size = header_size(len(shape), chain)
+    if len(view) - start - size != length:
+        raise ValueError(f"buffer of {len(view)} bytes does not hold a {size}-byte header at {start} and {length} "
+                         "payload bytes")
+    _FIXED.pack_into(view, start, MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], len(shape), len(chain_b))
+    pos = start + _FIXED.size
+    struct.pack_into(f"<{len(shape)}Q", view, pos, *shape)
+    pos += 8 * len(shape)
+    view[pos:pos + len(chain_b)] = chain_b
+    pos += len(chain_b)
+    tail = start + size - _TAIL.size
+    view[pos:tail] = bytes(tail - pos)
+    struct.pack_into("<Q", view, tail, length)
+    h = xxhash.xxh3_64()
+    h.update(view[start:tail + 8])
+    return h
+
+
+def seal(buf: bytearray | memoryview, start: int, ndim: int, chain: str, h: "xxhash.xxh3_64") -> None:
+    """Write the checksum ``h`` (see :func:`begin_header`) into the header at ``buf[start:]``."""
+    struct.pack_into("<Q", buf, start + header_size(ndim, chain) - 8, h.intdigest())
+
+
+def write_header(buf: bytearray | memoryview, start: int, dtype: torch.dtype, shape: tuple[int, ...], chain: str,
+                 length: int) -> int:
+    """Write the header at ``buf[start:]`` for the ``length`` payload bytes that follow it there, checksum included.
+
+    The payload must already be in place (it is hashed). Returns the header's size.
+    """
+    h = begin_header(buf, start, dtype, shape, chain, length)
+    size = header_size(len(shape), chain)
+    if length:
+        h.update(memoryview(buf)[start + size:])
+    seal(buf, start, len(shape), chain, h)
+    return size
+
+
+def pack(payload: bytes | bytearray | memoryview, dtype: torch.dtype, shape: tuple[int, ...], chain: str) -> bytearray:
+    """Header + payload, in one buffer (the payload is copied once, into place)."""
+    check_encodable(dtype, shape, chain)
+    body = memoryview(payload).cast("B") if not isinstance(payload, (bytes, bytearray)) else payload
+    size = header_size(len(shape), chain)
+    out = bytearray(size + len(body))
+    out[size:] = body
+    write_header(out, 0, dtype, shape, chain, len(body))
+    return out
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of ``t`` (contiguous, on the CPU, in its own dtype); ``b""`` for an empty tensor."""
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def parse_header(data: bytes | bytearray | memoryview, max_numel: int) -> Header:
     """Validate the header, the length and the checksum of ``data``; nothing large is allocated."""
     view = memoryview(data)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
     if len(view) < _FIXED.size:
         raise CorruptPayload(f"truncated payload: {len(view)} bytes is shorter than the {_FIXED.size}-byte header")
     magic, version, dtype_code, ndim, chain_len = _FIXED.unpack_from(view, 0)
@@ -95,9 +177,10 @@ def parse_header(data: bytes | bytearray | memoryview, max_numel: int) -> Header
     if chain_len > MAX_CHAIN:
         raise CorruptPayload(f"codec chain of {chain_len} bytes (at most {MAX_CHAIN})")
     pos = _FIXED.size
-    need = pos + 8 * ndim + chain_len + _TAIL.size
-    if len(view) < need:
-        raise CorruptPayload(f"truncated payload: {len(view)} bytes, the header alone needs {need}")
+    tail = _padded(pos + 8 * ndim + chain_len)
+    payload_at = tail + _TAIL.size
+    if len(view) < payload_at:
+        raise CorruptPayload(f"truncated payload: {len(view)} bytes, the header alone needs {payload_at}")
     shape = struct.unpack_from(f"<{ndim}Q", view, pos)
     pos += 8 * ndim
     try:
@@ -105,16 +188,16 @@ def parse_header(data: bytes | bytearray | memoryview, max_numel: int) -> Header
     except UnicodeDecodeError:
         raise CorruptPayload("codec chain is not ASCII") from None
     pos += chain_len
-    length, crc = _TAIL.unpack_from(view, pos)
+    if any(view[pos:tail]):
+        raise CorruptPayload("header padding is not zero")
+    length, crc = _TAIL.unpack_from(view, tail)
     numel = 1
     for s in shape:
         numel *= s
         if numel > max_numel:
             raise CorruptPayload(f"shape {tuple(shape)} is above the limit of {max_numel} elements")
-    payload_at = pos + _TAIL.size
     if len(view) - payload_at != length:
         raise CorruptPayload(f"payload length: the header declares {length} bytes, {len(view) - payload_at} follow it")
-    expect = zlib.crc32(view[payload_at:], zlib.crc32(view[:pos + 8]))
-    if expect != crc:
+    if checksum(view[:tail + 8], view[payload_at:]) != crc:
         raise CorruptPayload("checksum mismatch: the payload was altered or truncated in transit")
     return Header(DTYPES[dtype_code], tuple(int(s) for s in shape), chain, int(length), payload_at)

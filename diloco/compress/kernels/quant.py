@@ -42,72 +42,154 @@ def check_block(block: int, fmt: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# torch reference
+# torch reference (also the CPU path): row blocks of about _PIECE values at a time, so every
+# temporary stays in cache and the codes and scales go straight into the caller's buffers
 # ---------------------------------------------------------------------------------------------
-def quantize_ref(x: torch.Tensor, block: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (fp32, 1-D) -> (packed codes uint8 of ``packed_bytes(n, fmt)``, scales fp32 of ``num_blocks``)."""
+_PIECE = 1 << 16
+_LUTS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _byte_lut(fmt: str, device: torch.device) -> torch.Tensor:
+    """(256, values per byte) fp32: the unscaled values each byte holds (fp4: +-2**(e-7), or zero)."""
+    key = (fmt, device)
+    lut = _LUTS.get(key)
+    if lut is None:
+        _, bits, per = FORMATS[fmt]
+        shifts = torch.arange(0, bits * per, bits, dtype=torch.int32)
+        c = (torch.arange(256, dtype=torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)
+        if fmt == "int8":
+            v = c.to(torch.int8).float()
+        elif fmt == "int4":
+            v = (c - 8).float()
+        elif fmt == "fp4":
+            e = c & 7
+            mag = torch.where(e > 0, ((e + 120) << 23).view(torch.float32), torch.zeros(()))
+            v = torch.where(c >= 8, -mag, mag)
+        else:
+            v = c.float() - 1.5
+        lut = _LUTS[key] = v.contiguous().to(device)
+    return lut
+
+
+def _quantize_rows(xb: torch.Tensor, fmt: str, packed: torch.Tensor, scales: torch.Tensor) -> None:
+    """Whole blocks ``xb`` (rows of one block each) -> their codes in ``packed`` and scales in ``scales``."""
     _, bits, per = FORMATS[fmt]
-    n = x.numel()
-    nb = num_blocks(n, block)
-    xp = x.reshape(-1).float()
-    if nb * block != n:
-        xp = torch.cat([xp, xp.new_zeros(nb * block - n)])
-    xp = xp.view(nb, block)
-    amax = xp.abs().amax(dim=1) if nb else xp.new_zeros(0)
+    amax = xb.abs().amax(dim=1)
     if fmt in _QMAX:
         qmax = _QMAX[fmt]
-        scale = amax / qmax
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
-        q = torch.floor(xp / safe + 0.5).clamp_(-qmax, qmax).to(torch.int32)
-        codes = q & 0xFF if fmt == "int8" else q + 8
+        scale = torch.div(amax, qmax, out=scales)
+        safe = torch.where(scale > 0, scale, 1.0)[:, None]
+        t = torch.div(xb, safe)
+        t.add_(0.5).floor_().clamp_(-qmax, qmax)
+        if fmt == "int8":
+            packed.view(torch.int8).view_as(t).copy_(t)
+            return
+        t = t.view(-1, 2)
+        codes = torch.add(t[:, 0], t[:, 1], alpha=16.0).add_(136.0)  # (lo + 8) | (hi + 8) << 4
     elif fmt == "fp4":
-        scale = amax
-        a = xp.abs()
-        e = torch.zeros_like(xp, dtype=torch.int32)
-        for t in _FP4_T:
-            e += (a >= scale[:, None] * t).to(torch.int32)
-        codes = torch.where((xp < 0) & (e > 0), e + 8, e)
+        scale = scales.copy_(amax)
+        a = xb.abs()
+        e = torch.zeros(xb.shape, dtype=torch.uint8, device=xb.device)
+        hit = torch.empty(xb.shape, dtype=torch.bool, device=xb.device)
+        for th in _FP4_T:
+            e.add_(torch.ge(a, scale[:, None] * th, out=hit))
+        e.add_((xb < 0).logical_and_(e > 0), alpha=8)
+        e = e.view(-1, 2)
+        codes = torch.add(e[:, 0], e[:, 1], alpha=16)
     else:  # 2bit
-        scale = amax / 1.5
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
-        codes = (torch.floor(xp / safe) + 2.0).clamp_(0.0, 3.0).to(torch.int32)
-    codes = codes.reshape(-1)
-    if per > 1:
-        codes = codes.view(-1, per) << torch.arange(0, bits * per, bits, device=x.device, dtype=torch.int32)
-        codes = codes.sum(dim=1, dtype=torch.int32)
-    return codes.to(torch.uint8)[:packed_bytes(n, fmt)].contiguous(), scale.contiguous()
+        scale = torch.div(amax, 1.5, out=scales)
+        safe = torch.where(scale > 0, scale, 1.0)[:, None]
+        t = torch.div(xb, safe).floor_().add_(2.0).clamp_(0.0, 3.0).view(-1, 4)
+        codes = torch.add(t[:, 0], t[:, 1], alpha=4.0)
+        codes.add_(t[:, 2], alpha=16.0).add_(t[:, 3], alpha=64.0)
+    packed.copy_(codes)
+
+
+def quantize_ref(x: torch.Tensor, block: int, fmt: str, packed: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (fp32, 1-D) -> (packed codes uint8 of ``packed_bytes(n, fmt)``, scales fp32 of ``num_blocks``).
+
+    ``packed`` / ``scales``: where to write them (e.g. views into a payload buffer); new tensors if None.
+    """
+    _, bits, per = FORMATS[fmt]
+    x = x.reshape(-1)
+    if x.dtype != torch.float32:
+        x = x.float()
+    n = x.numel()
+    nb = num_blocks(n, block)
+    if packed is None:
+        packed = torch.empty(packed_bytes(n, fmt), dtype=torch.uint8, device=x.device)
+    if scales is None:
+        scales = torch.empty(nb, dtype=torch.float32, device=x.device)
+    if packed.numel() != packed_bytes(n, fmt) or scales.numel() != nb:
+        raise ValueError(f"{n} values need {packed_bytes(n, fmt)} code bytes and {nb} scales")
+    full = n // block
+    rows = max(1, _PIECE // block)
+    step = block // per  # code bytes of one block
+    for r in range(0, full, rows):
+        e = min(r + rows, full)
+        _quantize_rows(x[r * block:e * block].view(e - r, block), fmt, packed[r * step:e * step], scales[r:e])
+    if full < nb:  # the last block, padded with zeros
+        tail = x.new_zeros(1, block)
+        tail[0, :n - full * block] = x[full * block:]
+        codes = torch.empty(step, dtype=torch.uint8, device=x.device)
+        _quantize_rows(tail, fmt, codes, scales[full:])
+        packed[full * step:].copy_(codes[:packed.numel() - full * step])
+    return packed, scales
+
+
+def _dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, fmt: str, count: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """The first ``count`` fp32 values of whole blocks (``codes``: their bytes, ``scale``: one per block);
+    written into ``out`` (of ``count`` values) when given and ``count`` fills the blocks."""
+    rows = scale.numel()
+    whole = out is not None and count == codes.numel() * FORMATS[fmt][2]
+    if fmt == "int8":
+        c = codes.view(torch.int8).view(rows, -1)
+        if whole:
+            return torch.mul(c, scale[:, None], out=out.view(rows, -1)).view(-1)
+        return torch.mul(c, scale[:, None]).view(-1)[:count]
+    values = _byte_lut(fmt, codes.device)[codes.long()].view(rows, -1)
+    if whole:
+        return torch.mul(values, scale[:, None], out=out.view(rows, -1)).view(-1)
+    return values.mul_(scale[:, None]).view(-1)[:count]
 
 
 def dequantize_ref(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int, fmt: str,
                    out: torch.Tensor | None = None, weight: float = 1.0, accumulate: bool = False) -> torch.Tensor:
     """Codes -> fp32 values; with ``accumulate``, ``out += weight * values`` instead (``out`` given)."""
     _, bits, per = FORMATS[fmt]
-    if fmt == "int8":
-        codes = packed.view(torch.int8).to(torch.int32)
-    else:
-        shifts = torch.arange(0, bits * per, bits, device=packed.device, dtype=torch.int32)
-        codes = ((packed.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:n]
-    scale = scales.float().repeat_interleave(block)[:n] if n else scales.new_zeros(0)
-    if fmt == "int8":
-        values = codes.float() * scale
-    elif fmt == "int4":
-        values = (codes - 8).float() * scale
-    elif fmt == "fp4":
-        e = codes & 7
-        pow2 = ((e + 120) << 23).view(torch.float32)
-        mag = torch.where(e > 0, scale * pow2, torch.zeros_like(scale))
-        values = torch.where(codes >= 8, -mag, mag)
-    else:
-        values = (codes.float() - 1.5) * scale
-    if accumulate:
-        if out is None:
-            raise ValueError("accumulate needs an output tensor")
-        out.add_(values, alpha=weight)
-        return out
-    if out is not None:
-        out.copy_(values)
-        return out
-    return values
+    if accumulate and out is None:
+        raise ValueError("accumulate needs an output tensor")
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32, device=packed.device)
+    flat = out.view(-1)
+    scales = scales.reshape(-1)
+    if scales.dtype != torch.float32:
+        scales = scales.float()
+    full, nb = n // block, num_blocks(n, block)
+    rows = max(1, _PIECE // block)
+    step = block // per
+
+    def put(a: int, b: int, values: torch.Tensor) -> None:
+        if accumulate:
+            flat[a:b].add_(values, alpha=weight)
+        else:
+            flat[a:b].copy_(values)
+
+    for r in range(0, full, rows):
+        e = min(r + rows, full)
+        a, b = r * block, e * block
+        if accumulate or not flat.is_contiguous():
+            put(a, b, _dequantize_rows(packed[r * step:e * step], scales[r:e], fmt, b - a))
+        else:  # written in place
+            _dequantize_rows(packed[r * step:e * step], scales[r:e], fmt, b - a, out=flat[a:b])
+    if full < nb:  # the last block, its codes padded to a whole block
+        codes = packed.new_zeros(step)
+        rest = packed[full * step:]
+        codes[:rest.numel()] = rest
+        put(full * block, n, _dequantize_rows(codes, scales[full:full + 1], fmt, n - full * block))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
