@@ -766,8 +766,16 @@ def unreadable_message(run_dir: Path, ckpt_dir: Path) -> str:
 def train(cfg: Config, model: Optional[nn.Module] = None, **kwargs: Any) -> dict[str, Any]:
     """Train from a config; returns the summary."""
     trainer = Trainer(cfg, model=model, **kwargs)
+    owned = kwargs.get("transport") is None
     try:
-        return trainer.fit()
-    finally:
-        if kwargs.get("transport") is None:
-            trainer.transport.close()
+        summary = trainer.fit()
+    except BaseException as e:
+        if owned:  # a failing run ends now, with its error: it does not wait for exchanges other ranks won't finish
+            if isinstance(e, Interrupted) and e.clean:
+                trainer.transport.close()  # every worker stopped here together, after the save
+            else:
+                trainer.transport.abort()
+        raise
+    if owned:
+        trainer.transport.close()
+    return summary

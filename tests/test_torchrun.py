@@ -192,6 +192,35 @@ def test_an_overlapped_exchange_runs_beside_the_training_thread(tmp_path):
         assert got["said"] == "from the training thread"
 
 
+CRASH = textwrap.dedent("""
+    import time, torch
+    from diloco.comm.torch_dist import TorchDistTransport
+    t = TorchDistTransport("gloo", timeout=120)
+    t.all_reduce_async_([torch.zeros(3)]).wait()  # the exchange thread and its groups exist on both ranks
+    if t.rank == 1:
+        time.sleep(110)  # hung: never joins rank 0's next exchange
+    else:
+        handle = t.all_reduce_async_([torch.ones(1000)])  # in flight, waiting for rank 1
+        try:
+            raise RuntimeError("the training thread failed at step 7")
+        except BaseException:
+            t.abort()  # what launch.trainer.train does when fit() raises
+            raise
+""")
+
+
+def test_a_failing_training_thread_ends_the_process_with_an_exchange_in_flight(tmp_path):
+    """The exchange thread must not keep a failing rank alive until the collective times out (120 s here)."""
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH)
+    start = time.monotonic()
+    proc = run_cli([*torchrun("--nproc-per-node", "2"), str(script)], module="torch.distributed.run", timeout=200)
+    took = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "the training thread failed at step 7" in proc.stderr, proc.stderr[-3000:]
+    assert took < 60, f"the failing rank lived on for {took:.0f}s"
+
+
 STUCK = textwrap.dedent("""
     import os, sys, time, torch
     from diloco.comm.base import TransportError
