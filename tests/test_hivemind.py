@@ -78,21 +78,25 @@ def test_a_scaled_up_update_is_clipped_and_every_peer_agrees(swarm):
 
 
 def test_nan_and_corrupt_updates_are_left_out(swarm):
+    """A NaN update and junk of the right size reach the collective, which rejects them; junk of another size
+    is refused by the transport before it is read: its sender announced that size and is left out of the group."""
     from diloco.compress import wire
     from diloco.compress.codec import make_codec
 
     codec = make_codec("fp32")
     honest = {0: 1.0, 1: 3.0}
+    size = len(codec.encode(torch.zeros(100), prefix=struct.pack("<d", 1.0)))
 
     def step(i, t):
         if i == 2:  # a NaN update in a well-formed payload (valid header and checksum), then garbage
             values = torch.ones(100)
             values[7] = float("nan")
             t.exchange(struct.pack("<d", 1.0) + wire.pack(values.numpy().tobytes(), torch.float32, (100,), codec.chain))
+            t.exchange(struct.pack("<d", 1.0) + b"\x5a" * (size - 8))
             t.exchange(struct.pack("<d", 1.0) + b"garbage")
             return None
         outs = []
-        for _ in range(2):
+        for _ in range(3):
             x = torch.full((100,), honest[i])
             t.all_reduce_compressed_([x], codec, weight=1.0, key="nan")
             outs.append(x)
@@ -103,9 +107,215 @@ def test_nan_and_corrupt_updates_are_left_out(swarm):
         for x in out[i]:
             assert torch.equal(x, torch.full((100,), 2.0)), x[:4]
     bad = swarm[2].me
-    assert "invalid payload" in swarm[0].history[-1]["rejected"][bad]
-    assert "invalid payload" in swarm[0].history[-2]["rejected"][bad]
+    nan, junk, short = swarm[0].history[-3:]
+    assert "invalid payload" in nan["rejected"][bad] and "invalid payload" in junk["rejected"][bad]
+    assert bad not in short["members"] and len(short["members"]) == 2
+    assert any("announces a payload of 15 bytes" in n for n in short["notes"]), short["notes"]
     assert swarm[0].ledger[bad].rejected >= 2
+
+
+STRANGER = r"""
+import asyncio, hashlib, hmac, os, sys
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.serializer import MSGPackSerializer
+
+
+def mac(key, *parts):
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for p in parts:
+        h.update(len(p).to_bytes(8, "big"))
+        h.update(p)
+    return h.digest()
+
+
+async def main(maddr, target, run, size, budget):
+    p2p = await P2P.create(initial_peers=[maddr])
+    peer = PeerID.from_base58(target)
+    junk = os.urandom(1 << 20)
+    sent = attempts = 0
+    while sent < budget:
+        try:
+            _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(peer, run + ".push"), 5)
+        except Exception:
+            await asyncio.sleep(0.1)
+            continue
+        attempts += 1
+        mode, e = attempts % 3, (attempts // 3) % 8
+        try:
+            if mode:  # a header announcing 2 GiB, or a well-formed one of the run's size, then junk
+                n = 2 << 30 if mode == 1 else size
+                sha = hashlib.sha256(junk[:n]).digest() if n <= len(junk) else os.urandom(32)
+                gid = os.urandom(8)
+                head = MSGPackSerializer.dumps({"g": gid, "k": "ag", "e": e, "n": n, "sha": sha, "m": mac(
+                    b"", gid, b"ag", str(e).encode(), p2p.peer_id.to_bytes(), peer.to_bytes(), str(n).encode(),
+                    sha)})
+                writer.write(len(head).to_bytes(8, "big") + head + n.to_bytes(8, "big"))
+            # no framing at all (mode 0): junk from the first byte, read as a header length
+            for _ in range(1 if mode == 2 else 256):
+                writer.write(junk[:size] if mode == 2 else junk)
+                await asyncio.wait_for(writer.drain(), 5)
+                sent += len(junk)
+            await asyncio.wait_for(reader.read(1), 5)
+        except Exception:
+            pass
+        finally:
+            writer.close()
+        print(attempts, sent, flush=True)
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(3600)
+
+
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])))
+"""
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_a_stranger_streaming_junk_leaves_memory_flat_and_training_unaffected(tmp_path):
+    """An open run: a stranger (a libp2p peer of its own) streams junk at a peer's push handler (headers that
+    announce 2 GiB, well-formed pushes of the run's size for guessed epochs, unframed bytes) while the peer
+    averages with an honest one. The peer's memory stays within 50 MB and every round has both honest peers."""
+    from diloco.compress.codec import make_codec
+
+    peers = [HivemindTransport("open", matchmaking_time=2, exchange_timeout=20)]
+    stranger = None
+    try:
+        addrs = peers[0].visible_maddrs()
+        peers.append(HivemindTransport("open", initial_peers=addrs, matchmaking_time=2, exchange_timeout=20))
+        codec = make_codec("int8")
+        numel = 1 << 19
+
+        def rounds(count):
+            def step(i, t):
+                got = []
+                for _ in range(count):
+                    x = torch.full((numel,), float(i + 1))
+                    total = t.all_reduce_compressed_([x], codec, weight=1.0, key="junk")
+                    got.append((total, float(x[0]), float(x[-1]), len(t.last.members)))
+                return got
+            return run_together(peers, step)
+
+        for _ in range(3):  # warm: buffers, codec, connections (the first rounds grow the heap by some 20 MB)
+            rounds(1)
+        size = len(codec.encode(torch.zeros(numel), prefix=struct.pack("<d", 1.0)))
+        log = open(tmp_path / "stranger.log", "w")
+        stranger = subprocess.Popen([sys.executable, "-c", STRANGER, addrs[0], peers[0].me, "open", str(size),
+                                     str(1 << 30)], stdout=log, stderr=subprocess.STDOUT,
+                                    env=child_env(HIVEMIND_LOGLEVEL="ERROR"), cwd=ROOT, start_new_session=True)
+        deadline = time.time() + 30
+        while time.time() < deadline and len((tmp_path / "stranger.log").read_text().split()) < 6:
+            time.sleep(0.2)  # it is connected and pushing
+        base = rss_mb()
+        peak = [base]
+        done = threading.Event()
+
+        def watch():
+            while not done.is_set():
+                peak[0] = max(peak[0], rss_mb())
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            out = rounds(4)
+        finally:
+            done.set()
+            watcher.join()
+        assert stranger.poll() is None, (tmp_path / "stranger.log").read_text()[-2000:]
+        attempts = int((tmp_path / "stranger.log").read_text().split()[-2])
+    finally:
+        if stranger is not None and stranger.poll() is None:
+            os.killpg(stranger.pid, signal.SIGKILL)
+            stranger.wait(10)
+        for p in peers:
+            p.close()
+    grew = peak[0] - base
+    print(f"stranger pushes: {attempts}; peer RSS {base:.0f} MB -> peak {peak[0]:.0f} MB (+{grew:.1f} MB)")
+    assert grew < 50, f"the peer's memory grew by {grew:.0f} MB while a stranger streamed junk"
+    assert attempts >= 10, "the stranger hardly pushed anything"
+    for i in out:
+        for total, first, last, members in out[i]:
+            assert members == 2 and total == 2.0
+            assert abs(first - 1.5) < 0.02 and abs(last - 1.5) < 0.02
+
+
+def test_a_push_header_is_refused_before_its_body_is_read(swarm):
+    """A second libp2p peer (no DHT, no run key) opens streams to a keyed peer's push handler and sends only a
+    header: one announcing a size this run's model and codec do not make, one without the run key's MAC. The
+    peer answers FAIL although no body byte was sent. A header a member would send is not refused: the peer
+    waits for its body and takes it."""
+    import asyncio
+    import hashlib
+
+    from hivemind.p2p import P2P
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from diloco.comm.hivemind.epoch import _push_mac
+    from diloco.compress.codec import make_codec
+
+    t = swarm[0]
+    payload = bytes(make_codec("int8").encode(torch.randn(3000), prefix=struct.pack("<d", 1.0)))
+    sha = hashlib.sha256(payload).digest()
+
+    async def opened():
+        return t._open_window(t.epoch, payload, 3)
+
+    async def closed():
+        t._close_window()
+
+    async def probe(p2p, n, key=KEY, body=None, epoch=None):
+        """Send a header announcing ``n`` bytes (then ``body``, if given) and return the peer's answer."""
+        e = t.epoch if epoch is None else epoch
+        _, reader, writer = await p2p.call_binary_stream_handler(t.peer_id, "unit.push")
+        try:
+            gid = b"g" * 8
+            head = MSGPackSerializer.dumps({"g": gid, "k": "ag", "e": e, "n": n, "sha": sha, "m": _push_mac(
+                key, gid, "ag", e, p2p.peer_id.to_bytes(), t.peer_id.to_bytes(), n, sha)})
+            writer.write(len(head).to_bytes(8, "big") + head + n.to_bytes(8, "big"))
+            await writer.drain()
+            try:
+                answer = await asyncio.wait_for(reader.readexactly(1), 2)
+            except asyncio.TimeoutError:
+                answer = None  # still waiting for the body
+            if answer is None and body is not None:
+                writer.write(body)
+                await writer.drain()
+                answer = await asyncio.wait_for(reader.readexactly(1), 10)
+            return answer
+        finally:
+            writer.close()
+
+    async def stranger():
+        p2p = await P2P.create(initial_peers=t.visible_maddrs())
+        try:
+            sender = p2p.peer_id
+            out = {"closed": await probe(p2p, len(payload))}  # between exchanges nothing is accepted
+            w = t._call(opened(), 10)
+            for name, n, key in (("huge", 1 << 40, KEY), ("one more", len(payload) + 1, KEY),
+                                 ("no key", len(payload), b""), ("another key", len(payload), b"other")):
+                out[name] = (await probe(p2p, n, key), w.refused.get((sender, "ag"), ""))
+            out["other epoch"] = (await probe(p2p, len(payload), epoch=t.epoch + 1), w.refused.get((sender, "ag")))
+            out["member"] = await probe(p2p, len(payload), body=payload)
+            out["held"] = [box.get(sender) for box in t._inbox.values()]
+            return out
+        finally:
+            t._call(closed(), 10)
+            await p2p.shutdown()
+
+    out = asyncio.run(stranger())
+    assert out["closed"] == b"\x00"
+    assert out["huge"] == (b"\x00", f"a payload of {1 << 40} bytes; this run's model and codec make {len(payload)}")
+    assert out["one more"][0] == b"\x00" and f"{len(payload) + 1} bytes" in out["one more"][1]
+    assert out["no key"] == (b"\x00", "bad MAC (no or another run key)")
+    assert out["another key"] == (b"\x00", "bad MAC (no or another run key)")
+    assert out["other epoch"][0] == b"\x00" and "epoch" in out["other epoch"][1]
+    assert out["member"] == b"\x01" and out["held"] == [payload]
+    assert t._inbox == {} and t._window is None  # the end of the exchange purges the inbox
 
 
 def test_demo_steps_over_the_swarm_keep_peers_equal(swarm):
@@ -336,6 +546,25 @@ def test_peers_at_different_speeds_and_start_times_meet_every_round_and_end_on_o
     at_end = [r for r in a if r["epoch"] == b[-1]["epoch"]]
     assert at_end and at_end[0]["fp_after"] == b[-1]["fp_after"]
     assert summary(tmp_path, "b")["val_loss"] == summary(tmp_path, "c")["val_loss"]
+
+
+def test_payload_sizes_follow_from_the_model_and_codec():
+    """Exact for a chain without zstd, with or without the collective's weight; a bound that every zstd payload
+    of the tensor's size respects (incompressible values included) and that junk of any other size misses."""
+    from diloco.comm.hivemind.limits import payload_sizes
+    from diloco.compress.codec import make_codec
+
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(0))
+    for chain in ("fp32", "int8", "topk:0.05+2bit"):
+        codec = make_codec(chain)
+        for prefix in (b"", struct.pack("<d", 2.0)):
+            p = codec.encode(x, key="a", prefix=prefix)
+            assert payload_sizes(p, 1 << 30) == (len(p), len(p), True), chain
+    zc = make_codec("fp32+zstd")
+    least, most, exact = payload_sizes(zc.encode(torch.zeros(5000)), 1 << 30)
+    assert not exact and least < len(zc.encode(torch.zeros(5000))) <= most
+    assert least <= len(zc.encode(x)) <= most and most < 4 * 5000 + 256
+    assert payload_sizes(b"not a loco payload", 1 << 20) == (0, 1 << 20, False)
 
 
 def test_state_sketches_tolerate_rounding_but_not_a_different_round():

@@ -33,8 +33,10 @@ contributed (tokens, epochs, accepted and rejected updates), built from the
 data every member saw alike, and publishes it in the DHT for ``loco status``.
 
 The modules: ``auth`` (run names, HMAC, the DHT's authorizer), ``framing`` (the
-logger, stream framing, DHT time), ``epoch`` (one exchange: matchmaking, push,
-collect, commit), ``state`` (serving and downloading state, fingerprints),
+logger, stream framing, DHT time), ``limits`` (the payload sizes a run's model
+and codec make; what a peer accepts during an epoch: pushes are checked by their
+header before any body byte is read, and the inbox is purged when the epoch
+ends), ``epoch`` (one exchange: matchmaking, push, collect, commit), ``state`` (serving and downloading state, fingerprints),
 ``ledger`` (contribution accounting, ``read_swarm``, ``merge_ledgers``) and
 ``transport`` (:class:`HivemindTransport`, which composes the three mixins of
 ``epoch``, ``state`` and ``ledger`` with its DHT registry and collectives).

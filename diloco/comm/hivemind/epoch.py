@@ -7,11 +7,21 @@ import hashlib
 import hmac
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from diloco.comm.hivemind.auth import mac
-from diloco.comm.hivemind.framing import FAIL, OK, _now, _read_framed, _write_framed, log
+from diloco.comm.hivemind.framing import FAIL, OK, _now, _read_body, _read_header, _write_framed, log
+from diloco.comm.hivemind.limits import ACK_MAX, PUSH_HEADER_MAX, Window, inbox_cap, payload_sizes
 from diloco.comm.hivemind.state import same_state
+
+KINDS = ("ag", "ack")  # a member's payload, then its list of whom it holds payloads from
+
+
+def _push_mac(key: bytes, gid: bytes, kind: str, epoch: int, sender: bytes, receiver: bytes, n: int,
+              sha: bytes) -> bytes:
+    """The MAC of a push header: group, kind, epoch, both peer ids, the body's size and hash. It is checked
+    before the body is read; the body is then checked against the hash."""
+    return mac(key, gid, kind.encode(), str(epoch).encode(), sender, receiver, str(n).encode(), sha)
 
 
 def _servicer_class():
@@ -105,9 +115,17 @@ class EpochMixin:
         begin = time.perf_counter()
         end = begin + wait_cap
         announced = None
+        last_links = 0.0
         while True:
             live = {pid: v for pid, v in (await self._registry()).items()
                     if pid != self.me and not self._suspected(pid, v)}
+            if time.perf_counter() - last_links >= 0.5:  # a peer whose libp2p connection dropped is not waited for
+                last_links = time.perf_counter()
+                for pid in await self._lost(live):
+                    self.suspects[pid] = _now()
+                    live.pop(pid)
+                    notes.append(f"peer {pid[-8:]}: its libp2p connection dropped and it cannot be dialled: "
+                                 f"not waited for")
             ahead = max((int(v.get("epoch", -1)) for v in live.values()), default=-1)
             if ahead > self.epoch:
                 notes.append(f"this peer is behind (epoch {self.epoch}, peers at {ahead}): it joins epoch {ahead} "
@@ -130,16 +148,102 @@ class EpochMixin:
                 return here, len(live)
             await asyncio.sleep(0.25)
 
-    async def _epoch(self, payload: bytes, fp: bytes, wait_cap: float) -> EpochResult:
-        from hivemind.averaging.control import StepControl
-        from hivemind.utils import MPFuture
-        from hivemind.utils.serializer import MSGPackSerializer
+    async def _lost(self, pids) -> list[str]:
+        """The peers among ``pids`` (base58) that libp2p lost: connected to this peer before, not now, and a
+        dial fails. A peer this one never had a connection to proves nothing by having none."""
+        from hivemind.p2p import PeerID
 
+        connected = {i.peer_id.to_base58() for i in await self.p2p.list_peers()}
+        self._linked |= connected
+        gone = [pid for pid in pids if pid in self._linked and pid not in connected]
+
+        async def dial(pid: str) -> bool:
+            try:  # the daemon dials the addresses it knows for the peer; a dead one refuses at once
+                await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(pid), []), 3)
+                return True
+            except Exception:
+                return False
+
+        alive = await asyncio.gather(*[dial(pid) for pid in gone])
+        lost = [pid for pid, ok in zip(gone, alive) if not ok]
+        self._linked.difference_update(lost)
+        return lost
+
+    def _open_window(self, epoch: int, payload: bytes, group: int) -> Window:
+        """Start accepting pushes for ``epoch``: sizes from this peer's own payload, room for ``group`` members."""
+        least, most, exact = payload_sizes(payload, self.max_payload_bytes)
+        most = min(most, self.max_payload_bytes)
+        self._window = Window(epoch, least, most, exact, inbox_cap(most, group))
+        self._inbox.clear()
+        return self._window
+
+    def _close_window(self) -> None:
+        """The epoch is over: nothing more is accepted for it, and what it left in the inbox goes."""
+        self._window = None
+        self._inbox.clear()
+
+    def _know_group(self, w: Window, gid: bytes, sizes: dict) -> None:
+        """The group is formed: from now on only its members, each with its announced size; the pushes of
+        anyone else (strangers that pushed before the group was known) are dropped."""
+        w.gid, w.sizes = gid, dict(sizes)
+        w.cap = max(w.cap, inbox_cap(w.most, len(sizes)))
+        for key in [k for k in self._inbox if k[0] != gid]:
+            for sender in self._inbox.pop(key):
+                w.held.pop((sender, key[1]), None)
+        for key, box in self._inbox.items():
+            for sender in [p for p, data in box.items()
+                           if p not in sizes or (key[1] == "ag" and len(data) != sizes[p])]:
+                del box[sender]
+                w.held.pop((sender, key[1]), None)
+
+    def _admit(self, w: Optional[Window], sender, header: dict, n: int) -> Optional[str]:
+        """Why a push whose header is ``header`` (announcing ``n`` body bytes) is refused, or None: checked
+        before any of the body is read."""
+        if w is None:
+            return "this peer is not in an exchange"
+        g, kind, e, sha, m = (header.get(f) for f in ("g", "k", "e", "sha", "m"))
+        if not (isinstance(g, bytes) and len(g) <= 64 and kind in KINDS and isinstance(e, int)
+                and isinstance(sha, bytes) and len(sha) == 32 and isinstance(m, bytes)):
+            return "a malformed header"
+        if e != w.epoch:
+            return f"a push for epoch {e}; this peer is at epoch {w.epoch}"
+        if not hmac.compare_digest(m, _push_mac(self.key, g, kind, e, sender.to_bytes(), self.peer_id.to_bytes(),
+                                                n, sha)):
+            return "bad MAC (no or another run key)"
+        if (sender, kind) in w.reading:
+            return "a second push of one kind while the first is being read"
+        if w.gid is not None:
+            if g != w.gid:
+                return "a push for another group"
+            if sender not in w.sizes:
+                return "the sender is not a member of this epoch's group"
+        if kind == "ack":
+            return None if n <= ACK_MAX else f"an ack of {n} bytes (at most {ACK_MAX})"
+        if not w.fits(n):
+            return f"a payload of {n} bytes; this run's model and codec make {w.expected()}"
+        if w.sizes is not None and n != w.sizes[sender]:
+            return f"a payload of {n} bytes; the sender announced {w.sizes[sender]} to the group"
+        return None
+
+    async def _epoch(self, payload: bytes, fp: bytes, wait_cap: float) -> EpochResult:
         start = time.perf_counter()
         notes: list = []
         self.phase, self.eta = "wait", _now()
         here, others = await self._rendezvous(wait_cap, notes)
         e = self.epoch
+        window = self._open_window(e, payload, 1 + len(here))
+        try:
+            return await self._grouped(payload, fp, e, here, others, window, start, notes)
+        finally:
+            self._close_window()
+
+    async def _grouped(self, payload: bytes, fp: bytes, e: int, here: dict, others: int, window: Window,
+                       start: float, notes: list) -> EpochResult:
+        """The epoch after the rendezvous: matchmaking, the pushes, the commit."""
+        from hivemind.averaging.control import StepControl
+        from hivemind.utils import MPFuture
+        from hivemind.utils.serializer import MSGPackSerializer
+
         mine = {"e": e, "fp": fp, "stale": self.stale, "g": self.last_group, "n": len(payload),
                 "sha": hashlib.sha256(payload).digest(),
                 "tok": mac(self.key, b"join", self.peer_id.to_bytes(), str(e).encode())}
@@ -174,18 +278,26 @@ class EpochMixin:
                     m["tok"], mac(self.key, b"join", pid.to_bytes(), str(e).encode()))
             except Exception:
                 good = False
-            if good:
+            if not good:
+                notes.append(f"peer {pid.to_base58()[-8:]} has no valid run-key token: left out")
+            elif not (isinstance(m.get("n"), int) and window.fits(m["n"])):
+                notes.append(f"peer {pid.to_base58()[-8:]} announces a payload of {m.get('n')} bytes; this run's "
+                             f"model and codec make {window.expected()}: left out")
+            else:
                 members.append(pid)
                 meta[pid] = m
-            else:
-                notes.append(f"peer {pid.to_base58()[-8:]} has no valid run-key token: left out")
         members.sort()
         gid = group.group_id
+        self._know_group(window, gid, {p: meta[p]["n"] for p in members})
         others = [p for p in members if p != self.peer_id]
         deadline = time.perf_counter() + self.exchange_timeout
         sent = await asyncio.gather(*[self._push(p, gid, "ag", payload) for p in others])
-        unreachable = {p for p, ok in zip(others, sent) if not ok}
+        unreachable = {p for p, r in zip(others, sent) if r != "ok"}
+        refusers = {p for p, r in zip(others, sent) if r == "refused"}  # alive, but turned this peer's payload away
         got = await self._collect(gid, "ag", {p for p in others if p not in unreachable}, deadline, e)
+        for p in others:
+            if (p, "ag") in window.refused and p not in got:
+                notes.append(f"peer {p.to_base58()[-8:]}: its payload was refused ({window.refused[(p, 'ag')]})")
         received = {self.peer_id: payload}
         for p, data in got.items():
             if hashlib.sha256(data).digest() == meta[p]["sha"]:
@@ -195,7 +307,8 @@ class EpochMixin:
         # commit: tell every member whom we hold a payload from; keep those every answering member holds
         body = MSGPackSerializer.dumps(sorted(p.to_bytes() for p in received))
         await asyncio.gather(*[self._push(p, gid, "ack", body) for p in others])
-        acks = await self._collect(gid, "ack", set(others), time.perf_counter() + min(10.0, self.exchange_timeout), e)
+        acks = await self._collect(gid, "ack", set(others) - refusers,
+                                   time.perf_counter() + min(10.0, self.exchange_timeout), e)
         final = set(received) & ({self.peer_id} | set(acks))
         for p, blob in acks.items():
             try:
@@ -205,16 +318,15 @@ class EpochMixin:
         for p in others:
             if p in final:
                 self.suspects.pop(p.to_base58(), None)
+            elif p in refusers:
+                notes.append(f"peer {p.to_base58()[-8:]} refused this peer's payload: left out")
             else:
                 self.suspects[p.to_base58()] = _now()
                 notes.append(f"peer {p.to_base58()[-8:]} did not complete epoch {e}: left out")
-        for k in [k for k in self._inbox if k[0] == gid or time.time() - self._inbox_time[k] > 600]:
-            self._inbox.pop(k, None)
-            self._inbox_time.pop(k, None)
         ordered = sorted(final)
         return EpochResult(e, gid.hex()[:12], ordered, {p: received[p] for p in ordered}, {p: meta[p] for p in ordered},
                            alone=len(ordered) == 1, seconds=time.perf_counter() - start, matchmaking_s=mm_s,
-                           notes=notes, sent_bytes=len(payload) * sum(1 for ok in sent if ok),
+                           notes=notes, sent_bytes=len(payload) * sum(1 for r in sent if r == "ok"),
                            received_bytes=sum(len(d) for p, d in received.items() if p != self.peer_id))
 
     def _after_epoch(self, result: EpochResult, fp: bytes) -> None:
@@ -240,39 +352,66 @@ class EpochMixin:
         for note in result.notes:
             log.info("peer %s | epoch %d: %s", self.me[-8:], result.epoch, note)
 
-    async def _push(self, peer, gid: bytes, kind: str, data: bytes) -> bool:
-        header = {"g": gid, "k": kind, "e": self.epoch, "n": len(data), "m": mac(
-            self.key, gid, kind.encode(), str(self.epoch).encode(), self.peer_id.to_bytes(), peer.to_bytes(),
-            hashlib.sha256(data).digest())}
+    async def _push(self, peer, gid: bytes, kind: str, data: bytes) -> str:
+        """Send ``data`` to ``peer``: "ok" (it took it), "refused" (it answered, or dropped the stream while
+        connected: it is alive and turned the push away) or "failed" (no answer in time, or libp2p lost it)."""
+        sha = hashlib.sha256(data).digest()
+        header = {"g": gid, "k": kind, "e": self.epoch, "n": len(data), "sha": sha,
+                  "m": _push_mac(self.key, gid, kind, self.epoch, self.peer_id.to_bytes(), peer.to_bytes(), len(data),
+                                 sha)}
         for attempt in range(2):
             writer = None
             try:
                 _, reader, writer = await asyncio.wait_for(
                     self.p2p.call_binary_stream_handler(peer, f"{self.run}.push"), 10)
                 await _write_framed(writer, header, data)
-                return await asyncio.wait_for(reader.readexactly(1), self.exchange_timeout) == OK
+                answer = await asyncio.wait_for(reader.readexactly(1), self.exchange_timeout)
+                return "ok" if answer == OK else "refused"
             except Exception as e:
                 connected = {info.peer_id for info in await self.p2p.list_peers()}
                 if attempt == 1 or peer not in connected:
                     log.info("peer %s: sending %s to %s failed: %s: %s", self.me[-8:], kind, peer.to_base58()[-8:],
                              type(e).__name__, e)
-                    return False
+                    timed_out = isinstance(e, asyncio.TimeoutError)
+                    return "refused" if peer in connected and not timed_out else "failed"
             finally:
                 if writer is not None:
                     writer.close()
-        return False
+        return "failed"
 
     async def _on_push(self, info, reader, writer) -> None:
+        """Take one member's push. Its header is read and checked first (:meth:`_admit`, then room in the
+        inbox); only an accepted header's body is read, so a refused push costs this peer the header's bytes."""
         sender = info.peer_id
+        w = slot = None
+        stored = False
         try:
-            header, data = await _read_framed(reader, self.max_payload_bytes, self.exchange_timeout)
-            want = mac(self.key, header["g"], header["k"].encode(), str(header["e"]).encode(), sender.to_bytes(),
-                       self.peer_id.to_bytes(), hashlib.sha256(data).digest())
-            if not hmac.compare_digest(header["m"], want):
-                raise PermissionError("bad MAC (no or another run key)")
-            k = (header["g"], header["k"], int(header["e"]))
-            self._inbox.setdefault(k, {})[sender] = data
-            self._inbox_time.setdefault(k, time.time())
+            header, n = await _read_header(reader, PUSH_HEADER_MAX)
+            w = self._window
+            why = self._admit(w, sender, header, n)
+            if why is None:
+                slot = (sender, header["k"])
+                w.reading.add(slot)
+                self._drop_held(w, slot)  # a sender holds one push of a kind: a new one replaces the old
+                end = time.perf_counter() + min(5.0, self.matchmaking_time)
+                while w.used() + n > w.cap and w.gid is None and self._window is w and time.perf_counter() < end:
+                    await asyncio.sleep(0.05)  # the group, once known, drops what non-members pushed
+                if w.used() + n > w.cap:
+                    why = f"the inbox is full ({w.used()} of {w.cap} bytes held)"
+            if why is not None:
+                if w is not None:
+                    w.refuse(sender, header.get("k"), why)
+                raise PermissionError(why)
+            w.held[slot] = n  # reserved before the body is read
+            data = await _read_body(reader, n, self.exchange_timeout)
+            if hashlib.sha256(data).digest() != header["sha"]:
+                raise PermissionError("the payload does not match the hash in its header")
+            if self._window is not w:
+                raise PermissionError("the exchange it was for is over")
+            if w.gid is not None and (header["g"] != w.gid or sender not in w.sizes):
+                raise PermissionError("the sender is not a member of this epoch's group")
+            self._inbox.setdefault((header["g"], header["k"], w.epoch), {})[sender] = data
+            stored = True
             self._arrived.set()
             writer.write(OK)
             await writer.drain()
@@ -286,7 +425,19 @@ class EpochMixin:
             except Exception:
                 pass
         finally:
+            if slot is not None:
+                w.reading.discard(slot)
+                if not stored:
+                    w.held.pop(slot, None)
             writer.close()
+
+    def _drop_held(self, w: Window, slot: tuple) -> None:
+        """Forget what ``slot`` (sender, kind) pushed earlier in this epoch."""
+        sender, kind = slot
+        for key, box in self._inbox.items():
+            if key[1] == kind:
+                box.pop(sender, None)
+        w.held.pop(slot, None)
 
     def _suspected(self, pid: str, entry: dict) -> bool:
         return pid in self.suspects and float(entry.get("time", 0)) <= self.suspects[pid]
@@ -297,6 +448,9 @@ class EpochMixin:
         while True:
             self._arrived.clear()
             box = self._inbox.get((gid, kind, epoch), {})
+            window = self._window
+            if window is not None:  # a member whose push was refused sends nothing more
+                senders = {p for p in senders if p in box or (p, kind) not in window.refused}
             missing = {p for p in senders if p not in box}
             if not missing or time.perf_counter() >= deadline:
                 return {p: box[p] for p in senders if p in box}

@@ -135,7 +135,7 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self.matchmaking_time, self.exchange_timeout = float(matchmaking_time), float(exchange_timeout)
         self.heartbeat_ttl, self.norm_clip, self.clip_action = heartbeat_ttl, float(norm_clip), clip_action
         self.max_payload_bytes, self.client_mode = max_payload_bytes, client_mode
-        self.schema = hashlib.sha256(f"loco-swarm-v1|{run}|{schema}".encode()).digest()
+        self.schema = hashlib.sha256(f"loco-swarm-v2|{run}|{schema}".encode()).digest()
         self.epoch = 0  # exchanges this peer's state has been through (downloaded state carries it)
         self.stale = False  # True from jumping ahead to the others' epoch until this peer downloads their state
         self.fingerprint_fn: Optional[Callable[[], bytes]] = None
@@ -153,8 +153,9 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self.last: Optional[EpochResult] = None
         self.status: dict[str, Any] = {}  # extra fields of this peer's registry entry (throughput, step...)
         self.suspects: dict[str, float] = {}  # peer -> when it last failed us; forgiven once it heartbeats again
-        self._inbox: dict = {}
-        self._inbox_time: dict = {}
+        self._inbox: dict = {}  # (group id, kind, epoch) -> {sender: bytes}: this epoch's pushes, purged at its end
+        self._window = None  # what this peer accepts during its current exchange (limits.Window); None between
+        self._linked: set[str] = set()  # peers libp2p has shown connected to this one (base58)
         self._snapshot: Optional[tuple[int, bytes, bytes]] = None  # (epoch, blob, sha256)
         self._closed = False
         self.observer = observer  # only reads the DHT (loco status): no heartbeat, no handlers
