@@ -1,4 +1,4 @@
-"""The ``loco`` command: train | simulate | join | sample | plot | status.
+"""The ``loco`` command: train | simulate | join | sample | plot | status | plan.
 
 Also runs as ``python -m launch.cli ...`` (for torchrun: ``torchrun --nproc-per-node 2 -m launch.cli train ...``).
 A user mistake (bad config, missing data, unusable checkpoint) prints one line
@@ -25,7 +25,8 @@ EXAMPLES = {
   loco simulate                                   # the demo: 4 DiLoCo workers vs DDP, tiny model
   loco simulate --workers 8 --set algo.inner_steps=50 --bandwidth 100Mbit --latency 50ms
   loco simulate --speeds 1,1,0.5,0.25 --set sync.mode=time --set sync.time_budget_s=5s
-  loco simulate --config tiny --set algo.name=streaming --set algo.fragments=4 --baseline none""",
+  loco simulate --config tiny --set algo.name=streaming --set algo.fragments=4 --baseline none
+  loco simulate --links configs/links-home-uplink.csv --step-time 30   # home uplinks through a day""",
     "join": """examples:
   loco join --config tiny --port 31337                       # start a run; prints the line others paste
   loco join --config tiny --peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
@@ -35,6 +36,10 @@ EXAMPLES = {
   loco sample --checkpoint runs/mine/checkpoints/step_00000600.pt --prompt "import " --max-new-tokens 300""",
     "plot": """examples:
   loco plot runs/ddp runs/diloco --out compare.png""",
+    "plan": """examples:
+  loco plan --model 150m --workers 8 --bandwidth 100Mbit --latency 40ms --step-time 0.5
+  loco plan --model 1.1e9 --workers 16 --bandwidth 1Gbit --latency 80ms --check
+  loco plan --model 1b --workers 32 --links configs/links-home-uplink.csv --step-time 2""",
     "status": """examples:
   loco status --peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
   loco status --run fineweb-1b --run-key-file run.key --peers ... --json""",
@@ -51,9 +56,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from launch.checkpoint import CheckpointError
     from launch.config import ConfigError
     from launch.data import DataError
+    from launch.plan import PlanError
     from launch.trainer import RunError
 
-    return (UserError, ConfigError, DataError, RunError, CheckpointError, TransportError, MissingExtra)
+    return (UserError, ConfigError, DataError, RunError, CheckpointError, TransportError, MissingExtra, PlanError)
 
 
 def _add_training_flags(p: argparse.ArgumentParser) -> None:
@@ -106,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--step-time", metavar="DURATION",
                    help="virtual compute seconds per step at speed 1, fixed instead of the median of the measured steps "
                    "(sim.step_time), e.g. --step-time 0.25")
+    g.add_argument("--links", metavar="FILE",
+                   help="replay per-worker bandwidth and latency over virtual time from a trace (sim.links), "
+                        "e.g. --links configs/links-home-uplink.csv")
     g.add_argument("--offload", action="store_true", default=None,
                    help="keep idle workers' state off the accelerator (sim.offload)")
     g.add_argument("--baseline", choices=["ddp", "none"],
@@ -157,6 +166,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="loss.png", metavar="PNG", help="output file, e.g. --out compare.png")
     p.add_argument("--title", help="figure title")
 
+    p = sub.add_parser("plan", help="predict bytes, time and utilization per setting; recommend one",
+                       formatter_class=fmt,
+                       description="Predict, for DDP, DiLoCo and Streaming DiLoCo at several H, codecs and fragment "
+                                   "counts, the bytes per round, the time per round and the compute utilization on "
+                                   "the given link (as the simulator counts them), with the loss penalty loco "
+                                   "measured; recommend the setting that sends the fewest bytes at >= 95% "
+                                   "utilization.",
+                       epilog=EXAMPLES["plan"])
+    p.add_argument("--model", required=True, metavar="SIZE",
+                   help="a named size (tiny, small, 150m, 1b) or a parameter count, e.g. --model 150m or 1.1e9")
+    p.add_argument("--workers", required=True, type=int, metavar="N", help="number of workers, e.g. --workers 8")
+    p.add_argument("--bandwidth", metavar="RATE", help="per-worker link, e.g. --bandwidth 100Mbit or 50MB/s")
+    p.add_argument("--latency", metavar="DURATION", help="one-way latency, e.g. --latency 40ms")
+    p.add_argument("--step-time", metavar="DURATION",
+                   help="compute seconds per training step of one worker (default 1s, assumed), e.g. --step-time 0.5")
+    p.add_argument("--links", metavar="FILE",
+                   help="a link trace (CSV or YAML: time, worker, bandwidth, latency); the plan uses its median "
+                        "bandwidth and latency, e.g. --links configs/links-home-uplink.csv")
+    p.add_argument("--check", action="store_true",
+                   help="also simulate the recommendation on the tiny model and print predicted and simulated "
+                        "utilization side by side")
+
     p = sub.add_parser("status", help="peers, throughput and contributions of a run", formatter_class=fmt,
                        description="Show the peers of a run of internet peers.", epilog=EXAMPLES["status"])
     p.add_argument("--peers", nargs="*", default=[], metavar="MULTIADDR", help="a peer of the run")
@@ -188,7 +219,7 @@ def _load(args: argparse.Namespace):
             extra[key] = (value, "--" + flag.replace("_", "-"))
     for flag, key in (("workers", "sim.workers"), ("speeds", "sim.speeds"), ("speed_dist", "sim.speed_dist"),
                       ("bandwidth", "sim.bandwidth"), ("latency", "sim.latency"), ("step_time", "sim.step_time"),
-                      ("offload", "sim.offload"), ("baseline", "sim.baseline")):
+                      ("offload", "sim.offload"), ("baseline", "sim.baseline"), ("links", "sim.links")):
         value = getattr(args, flag, None)
         if value is not None:
             extra[key] = (value, "--" + flag.replace("_", "-"))
@@ -295,6 +326,16 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from launch.plan import check, format_check, format_plan, make_plan
+
+    plan = make_plan(args.model, args.workers, args.bandwidth, args.latency, args.step_time, args.links)
+    print(format_plan(plan), flush=True)
+    if args.check:
+        print(format_check(check(plan)))
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
@@ -319,7 +360,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(describe_fields())
         return 0
     handler = {"train": cmd_train, "simulate": cmd_simulate, "join": cmd_join, "sample": cmd_sample,
-               "plot": cmd_plot, "status": cmd_status}[args.command]
+               "plot": cmd_plot, "status": cmd_status, "plan": cmd_plan}[args.command]
     warnings.simplefilter("default", UserWarning)
     try:
         if args.command in ("train", "simulate"):  # Ctrl-C and SIGTERM save a checkpoint, then stop

@@ -136,6 +136,9 @@ class SimConfig:
     bandwidth: Optional[str] = _f("1Gbit", "Per-worker link bandwidth for virtual time, e.g. 1Gbit, 100Mbit/s, 50MB/s; empty: unlimited.")
     latency: float = _f(0.08, "One-way latency per message, e.g. 80ms.", ge=0, duration=True)
     step_time: Optional[float] = _f(None, "Virtual compute seconds per step at speed 1 (empty: the median of the measured step times), e.g. 0.35s.", gt=0, duration=True)
+    links: Optional[str] = _f(None, "A link trace (CSV or YAML: time, worker or *, bandwidth, latency) replayed over "
+                                    "virtual time instead of sim.bandwidth and sim.latency, e.g. "
+                                    "configs/links-home-uplink.csv (--links).")
     offload: bool = _f(False, "Keep idle workers' model and optimizer state off the accelerator.")
     baseline: Literal["ddp", "none"] = _f("ddp", "Also simulate DDP on the same tokens and compare (ignored when algo.name is ddp).")
 
@@ -492,6 +495,13 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
         resolve_speeds(sim.workers, sim.speeds, sim.speed_dist, cfg.run.seed)
     except ValueError as e:
         fail("sim.speeds" if sim.speeds else "sim.speed_dist", str(e))
+    if sim.links:
+        from diloco.sim.links import LinkTrace, LinkTraceError
+
+        try:
+            LinkTrace.load(sim.links).check_workers(sim.workers)
+        except (OSError, LinkTraceError) as e:
+            fail("sim.links", str(e))
 
 
 def resolve_config_path(name: str) -> str:

@@ -400,9 +400,69 @@ def count_label(x: float) -> str:
     return f"{x:.4g}"
 
 
+def virtual_curve(run_dir: str | Path, key: str = "val_loss") -> list[tuple[float, float]]:
+    """(virtual seconds, ``key``) of a simulated run's records that carry both, in time order; [] for a run
+    without a virtual clock. Each record's steps are priced at the run's final virtual step time
+    (``virtual_step_time_s`` in summary.json), as the run's own summary prices them."""
+    step = _read_mapping(Path(run_dir) / "summary.json").get("virtual_step_time_s")
+    points = []
+    for r in read_metrics(run_dir):
+        if r.get(key) is None:
+            continue
+        if isinstance(step, (int, float)) and r.get("virtual_net_s") is not None and r.get("virtual_steps") is not None:
+            t = r["virtual_net_s"] + r["virtual_steps"] * step
+        elif r.get("virtual_s") is not None:
+            t = r["virtual_s"]
+        else:
+            continue
+        points.append((float(t), float(r[key])))
+    points.sort(key=lambda p: p[0])
+    return points
+
+
+def loss_at(curve: list[tuple[float, float]], t: float) -> Optional[float]:
+    """The loss a curve of (time, loss) had reached at time ``t``, interpolated linearly between points; its last
+    loss once it has ended; None before its first point."""
+    if not curve or t < curve[0][0]:
+        return None
+    for (t0, l0), (t1, l1) in zip(curve, curve[1:]):
+        if t0 <= t <= t1:
+            return l0 if t1 == t0 else l0 + (l1 - l0) * (t - t0) / (t1 - t0)
+    return curve[-1][1]
+
+
+def time_to_reach(curve: list[tuple[float, float]], target: float) -> Optional[float]:
+    """When a curve of (time, loss) first reaches ``target`` or below, interpolated linearly between points (its
+    first point's time when that point is already there); None when it never does."""
+    for i, (t, l) in enumerate(curve):
+        if l <= target:
+            if i == 0:
+                return t
+            t0, l0 = curve[i - 1]
+            return t0 + (t - t0) * (l0 - target) / (l0 - l) if l0 != l else t
+    return None
+
+
+def equal_time_comparison(run_dir: str | Path, baseline_dir: str | Path) -> Optional[dict[str, Any]]:
+    """Two simulated runs at equal virtual time, from their validation losses:
+
+    ``at_s``: the virtual time the first of them finished; ``loss_at``: each run's validation loss then
+    (interpolated; None before its first evaluation); ``time_to_other``: the virtual time each needed to reach
+    the other's final loss (None: not reached). None when a run has no validation loss on a virtual clock."""
+    curves = [virtual_curve(run_dir), virtual_curve(baseline_dir)]
+    if not all(curves):
+        return None
+    at = min(c[-1][0] for c in curves)
+    return {"at_s": at, "loss_at": [loss_at(c, at) for c in curves],
+            "final_loss": [c[-1][1] for c in curves], "final_s": [c[-1][0] for c in curves],
+            "time_to_other": [time_to_reach(curves[0], curves[1][-1][1]), time_to_reach(curves[1], curves[0][-1][1])]}
+
+
 def runs_figure(run_dirs: Iterable[str | Path], title: Optional[str] = None):
-    """The figure ``plot_runs`` saves: loss vs tokens and loss vs bytes sent, one colour per run, labelled with
-    :func:`run_label`; thin lines are the training loss, dots the validation loss. Close it when done."""
+    """The figure ``plot_runs`` saves: loss vs tokens, loss vs bytes sent and, for simulated runs, loss vs virtual
+    time, one colour per run, labelled with :func:`run_label`; thin lines are the training loss, dots the
+    validation loss. On the time panel a dotted line marks when the first run finished, with each run's
+    validation loss then. Close it when done."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -418,11 +478,16 @@ def runs_figure(run_dirs: Iterable[str | Path], title: Optional[str] = None):
     # the bytes axis is logarithmic: a run that has sent nothing yet has no point there
     any_bytes = any(r.get("bytes_sent") and (r.get("loss") is not None or r.get("val_loss") is not None)
                     for _, rows in runs for r in rows)
-    if any_bytes:
-        fig, (ax_tok, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    else:  # single workers only: nothing crossed a network, so no bytes panel
-        fig, ax_tok = plt.subplots(figsize=(7, 4.5))
-        ax_bytes = None
+    # simulated runs: loss against virtual time too, where the runs' speed and their networks show
+    timed = [(virtual_curve(d, "loss"), virtual_curve(d, "val_loss")) for d, _ in runs]
+    any_time = any(train or val for train, val in timed)
+    panels = 1 + any_bytes + any_time
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8), squeeze=False)
+    axes = list(axes[0])
+    ax_tok = axes.pop(0)
+    ax_bytes = axes.pop(0) if any_bytes else None
+    ax_time = axes.pop(0) if any_time else None
+    timed_val: list[tuple[list[tuple[float, float]], Any]] = []  # (validation curve, colour) on the time panel
     handles, any_val = [], False
     sent_range = [math.inf, 0.0]
     for (run_dir, rows), label in zip(runs, labels):
@@ -443,6 +508,13 @@ def runs_figure(run_dirs: Iterable[str | Path], title: Optional[str] = None):
         if sent_val:
             ax_bytes.plot([r["bytes_sent"] for r in sent_val], [r["val_loss"] for r in sent_val], "o-", color=color,
                           ms=4)
+        if ax_time is not None:
+            train_t, val_t = timed[len(handles) - 1]
+            if train_t:
+                ax_time.plot(*zip(*train_t), alpha=0.45, lw=1.2, color=color)
+            if val_t:
+                ax_time.plot(*zip(*val_t), "o-", color=color, ms=4)
+                timed_val.append((val_t, color))
     ax_tok.set_xlabel("tokens trained (all workers)")
     ax_tok.set_xlim(left=0)
     ax_tok.xaxis.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10], min_n_ticks=3))
@@ -460,6 +532,10 @@ def runs_figure(run_dirs: Iterable[str | Path], title: Optional[str] = None):
         ax_bytes.xaxis.set_major_locator(FixedLocator(ticks))
         ax_bytes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: binary_bytes(x)))
         ax_bytes.xaxis.set_minor_locator(NullLocator())
+    if ax_time is not None:
+        ax_time.set_xlabel("virtual time (s)")
+        ax_time.set_xlim(left=0)
+        _mark_equal_time(ax_time, timed_val)
     for ax in fig.axes:
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
@@ -471,6 +547,36 @@ def runs_figure(run_dirs: Iterable[str | Path], title: Optional[str] = None):
         fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def _mark_equal_time(ax, curves: list[tuple[list[tuple[float, float]], Any]]) -> None:
+    """With several runs' validation curves (with their colours) on a virtual clock: a dotted line where the first
+    of them finished, each run's validation loss there (a ring, labelled), and where the others later reach the
+    final loss of the first (a cross at the end of a dashed line)."""
+    if len(curves) < 2:
+        return
+    at = min(c[-1][0] for c, _ in curves)
+    ax.axvline(at, color="0.35", ls=":", lw=1.2)
+    ax.annotate(f"first to finish: {at:.3g} s", xy=(at, 1.0), xycoords=("data", "axes fraction"),
+                xytext=(4, -12), textcoords="offset points", fontsize=8, color="0.25")
+    for curve, color in curves:
+        loss = loss_at(curve, at)
+        if loss is None:
+            continue
+        ax.plot([at], [loss], "o", ms=9, mfc="none", mec=color, mew=1.6)
+        ax.annotate(f"{loss:.3f}", xy=(at, loss), xytext=(7, 3), textcoords="offset points", fontsize=8, color=color)
+    # when the others reach the final loss of the first to finish: a dashed line across, a cross where they do
+    first, first_color = min(curves, key=lambda cc: cc[0][-1][0])
+    target = first[-1][1]
+    for curve, color in curves:
+        t = time_to_reach(curve, target) if curve is not first else None
+        if t is None or t <= at:
+            continue
+        ax.plot([at, t], [target, target], ls="--", lw=1.0, color=first_color, alpha=0.8)
+        ax.plot([t], [target], "x", ms=8, mew=1.8, color=color)
+        ax.annotate(f"reaches {target:.3f} at {t:.3g} s", xy=(t, target), xytext=(-10, -15),
+                    textcoords="offset points", fontsize=8, color=color, ha="center",
+                    bbox=dict(facecolor="white", edgecolor="none", alpha=0.85, pad=1))
 
 
 def plot_runs(run_dirs: Iterable[str | Path], out: str | Path, title: Optional[str] = None) -> Path:

@@ -4,9 +4,11 @@ Every worker is a :class:`launch.trainer.Trainer` over an endpoint of one
 :class:`diloco.sim.InProcessGroup`, so the algorithm code is the code that runs
 under torchrun or hivemind. The run folder has the usual layout; its
 summary.json adds ``bytes_sent_per_worker``, ``virtual_wall_s``,
-``compute_utilization``, ``tokens_per_virtual_s`` and the virtual step time
-with where it came from (``virtual_step_time_s``: ``sim.step_time``, or the
-median of the run's measured steps). Unless told otherwise
+``compute_utilization``, ``tokens_per_virtual_s``, where each worker's virtual
+time went (``virtual_compute_s_per_worker``, ``virtual_wait_s_per_worker``,
+``virtual_send_s_per_worker``) and the virtual step time with where it came
+from (``virtual_step_time_s``: ``sim.step_time``, or the median of the run's
+measured steps). ``sim.links`` replays a trace of per-worker links. Unless told otherwise
 (``sim.baseline: none``), a DDP run on the same tokens follows in
 ``RUN/baseline-ddp``, on the same virtual step time, and a table compares the two.
 """
@@ -22,15 +24,28 @@ from typing import Any, Optional
 import torch
 
 from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers
-from launch.config import Config
+from launch.config import Config, ConfigError
 from launch.data import TokenData, load_data
-from launch.metrics import human_bytes, plot_runs
+from launch.metrics import equal_time_comparison, human_bytes, plot_runs
 from launch.trainer import STOP, Interrupted, Trainer
 
 
+BASELINE_EVALS = 20  # the DDP baseline evaluates at least this often over its run
+
+
 def network_of(cfg: Config) -> NetworkModel:
+    """The network model of ``sim.*``: one link for every worker, or ``sim.links``' trace replayed over time."""
     sim = cfg.sim
-    return NetworkModel(parse_bandwidth(sim.bandwidth) if sim.bandwidth else None, sim.latency)
+    links = None
+    if sim.links:
+        from diloco.sim.links import LinkTrace, LinkTraceError
+
+        try:
+            links = LinkTrace.load(sim.links)
+            links.check_workers(sim.workers)
+        except (OSError, LinkTraceError) as e:
+            raise ConfigError(f"sim.links: {e}") from None
+    return NetworkModel(parse_bandwidth(sim.bandwidth) if sim.bandwidth else None, sim.latency, links)
 
 
 def move_worker_state(trainer: Trainer, device: torch.device) -> None:
@@ -88,6 +103,10 @@ def baseline_config(cfg: Config, run_dir: Path) -> Config:
     base.run.dir = str(run_dir / "baseline-ddp")
     base.run.name = f"{cfg.run.name}-ddp"
     base.log.wandb = False
+    run = base.run
+    if run.eval_every and run.max_steps:
+        # about 20 evaluations: the comparison reads the baseline's loss at the time the run finished
+        run.eval_every = min(run.eval_every, max(1, run.max_steps // BASELINE_EVALS))
     return base
 
 
@@ -108,6 +127,9 @@ def simulate(cfg: Config, restart: bool = False) -> dict[str, Any]:
         base = simulate_once(base_cfg, data, restart)
         rows.append((_label(base_cfg), base))
         plot_runs([run_dir, Path(base["run_dir"])], run_dir / "compare.png", title=f"{_label(cfg)} vs DDP")
+        equal = equal_time_comparison(run_dir, Path(base["run_dir"]))
+        if equal is not None:
+            summary["equal_time"] = equal
         (run_dir / "comparison.json").write_text(json.dumps({label: s for label, s in rows}, indent=2) + "\n")
     print(format_table(rows, network_of(cfg)))
     return summary
@@ -134,21 +156,91 @@ def _step_time_line(summary: dict[str, Any]) -> list[str]:
     return [f"virtual compute: {step:.4g} s per step at speed 1 ({why})"]
 
 
+def _seconds(t: Optional[float]) -> str:
+    return "not reached" if t is None else f"{t:.1f}s"
+
+
 def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel) -> str:
+    """The comparison printed at the end of ``loco simulate``: one row per run, then (against the DDP baseline)
+    bytes, time and loss at equal tokens, and the loss at equal virtual time (``equal_time`` in the run's
+    summary, from :func:`launch.metrics.equal_time_comparison`)."""
+    equal = rows[0][1].get("equal_time") if len(rows) == 2 else None
     width = max(28, *(len(label) for label, _ in rows))
-    head = f"{'run':<{width}} {'val loss':>9} {'tokens':>9} {'sent/worker':>12} {'virtual wall':>13} {'compute util':>13}"
+    at_head = f"loss at {equal['at_s']:.1f}s" if equal else ""
+    head = (f"{'run':<{width}} {'val loss':>9} {'tokens':>9} {'sent/worker':>12} {'virtual wall':>13} "
+            f"{'compute util':>13}")
+    at_w = max(15, len(at_head))
+    if equal:
+        head += f" {at_head:>{at_w}} {'time to the other':>18}"
     lines = ["", f"simulated network: {network.describe()} per worker", *_step_time_line(rows[0][1]), head,
              "-" * len(head)]
-    for label, s in rows:
+    for i, (label, s) in enumerate(rows):
         per_worker = s.get("bytes_sent_per_worker") or [s["bytes_sent"]]
         util = s.get("compute_utilization")
-        lines.append(f"{label:<{width}} {s['val_loss']:>9.4f} {s['tokens'] / 1e6:>8.2f}M {human_bytes(max(per_worker)):>12} "
-                     f"{s.get('virtual_wall_s', 0):>12.1f}s {'' if util is None else f'{100 * util:.1f}%':>13}")
+        line = (f"{label:<{width}} {s['val_loss']:>9.4f} {s['tokens'] / 1e6:>8.2f}M {human_bytes(max(per_worker)):>12} "
+                f"{s.get('virtual_wall_s', 0):>12.1f}s {'' if util is None else f'{100 * util:.1f}%':>13}")
+        if equal:
+            loss = equal["loss_at"][i]
+            line += f" {'n/a' if loss is None else f'{loss:.4f}':>{at_w}} {_seconds(equal['time_to_other'][i]):>18}"
+        lines.append(line)
     if len(rows) == 2:
-        (_, a), (_, b) = rows
+        (name, a), (_, b) = rows
         ratio = (max(b["bytes_sent_per_worker"]) / max(1, max(a["bytes_sent_per_worker"])))
         speed = b["virtual_wall_s"] / a["virtual_wall_s"] if a.get("virtual_wall_s") else float("nan")
-        lines.append(f"{rows[0][0]} sends {ratio:.0f}x fewer bytes than DDP and finishes {speed:.1f}x sooner in "
+        faster = f"finishes {speed:.1f}x sooner" if speed >= 1 else f"takes {1 / speed:.1f}x longer"
+        lines.append(f"at equal tokens: {name} sends {ratio:.0f}x fewer bytes than DDP and {faster} in "
                      f"virtual time; val loss {100 * (a['val_loss'] / b['val_loss'] - 1):+.1f}% vs DDP.")
+        if equal:
+            lines.extend(_equal_time_lines(name, equal))
         lines.append(f"plot: {Path(a['run_dir']) / 'compare.png'}")
+    for label, s in rows:
+        lines.extend(_time_split_lines(label, s))
     return "\n".join(lines)
+
+
+def _time_split_lines(label: str, s: dict[str, Any], most: int = 8) -> list[str]:
+    """Where each worker's virtual time went: ``worker 0: compute 80.1%, waiting 2.3%, sending 17.6%``; with
+    more than ``most`` workers, the least and the most computing ones and the mean."""
+    compute, wait, send = (s.get(k) for k in ("virtual_compute_s_per_worker", "virtual_wait_s_per_worker",
+                                                "virtual_send_s_per_worker"))
+    wall = s.get("virtual_wall_s")
+    if not (compute and wait and send and wall):
+        return []
+
+    def share(i: int) -> str:
+        return (f"compute {100 * compute[i] / wall:.1f}%, waiting {100 * wait[i] / wall:.1f}%, "
+                f"sending {100 * send[i] / wall:.1f}%")
+
+    if len({share(i) for i in range(len(compute))}) == 1:
+        return [f"{label}, every worker's virtual time: {share(0)}"]
+    lines = [f"{label}: virtual time of each worker"]
+    order = range(len(compute))
+    if len(compute) > most:
+        lo, hi = min(order, key=lambda i: compute[i]), max(order, key=lambda i: compute[i])
+        order = [lo, hi]
+        n = len(compute)
+        lines.append(f"  mean of {n}: compute {100 * sum(compute) / n / wall:.1f}%, waiting "
+                     f"{100 * sum(wait) / n / wall:.1f}%, sending {100 * sum(send) / n / wall:.1f}%")
+    lines.extend(f"  worker {i}: {share(i)}" for i in order)
+    return lines
+
+
+def _equal_time_lines(name: str, equal: dict[str, Any]) -> list[str]:
+    """``at equal time (12.3 s, when diloco finished): DDP's val loss was 1.9021, diloco's 1.7012 (-10.6%).``"""
+    names = [name, "DDP"]
+    first = 0 if equal["final_s"][0] <= equal["final_s"][1] else 1
+    other = 1 - first
+    mine, theirs = equal["loss_at"][first], equal["loss_at"][other]
+    head = f"at equal virtual time ({equal['at_s']:.1f}s, when {names[first]} finished): "
+    if theirs is None:
+        head += f"{names[other]} had not evaluated yet (no validation loss before then)."
+    else:
+        head += (f"{names[other]}'s val loss was {theirs:.4f}, {names[first]}'s {mine:.4f} "
+                 f"({100 * (mine / theirs - 1):+.1f}%).")
+    reach = []
+    for i, j in ((1, 0), (0, 1)):
+        t = equal["time_to_other"][i]
+        target = f"{names[j]}'s final {equal['final_loss'][j]:.4f}"
+        reach.append(f"{names[i]} never reaches {target}" if t is None else
+                     f"{names[i]} reaches {target} at {t:.1f}s")
+    return [head, "to reach the other's final loss: " + "; ".join(reach) + "."]

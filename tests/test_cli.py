@@ -15,7 +15,7 @@ from launch.cli import EXAMPLES, build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
-COMMANDS = ["train", "simulate", "join", "sample", "plot", "status"]
+COMMANDS = ["train", "simulate", "join", "sample", "plot", "status", "plan"]
 
 
 def run_module(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

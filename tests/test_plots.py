@@ -182,3 +182,56 @@ def test_axis_label_helpers():
     assert binary_ticks(0, 10) == [] and binary_ticks(5, 6) == []
     assert [count_label(x) for x in (0, 500, 2e4, 2e5, 1.2e6, 2.5e7, 3e9)] == ["0", "500", "20k", "200k", "1.2M",
                                                                                  "25M", "3B"]
+
+
+def _timed_run(folder: Path, algo: str, points: list[tuple[float, float]], step_time: float = 0.5) -> Path:
+    """A simulated run folder whose validation losses sit at virtual times ``points`` [(seconds, loss)]: each
+    record holds network seconds and steps, priced at ``step_time`` in summary.json."""
+    folder.mkdir(parents=True)
+    rows = []
+    for i, (t, loss) in enumerate(points, 1):
+        steps = 10 * i
+        rows.append({"step": steps, "tokens": steps * 1000, "loss": loss + 0.05, "val_loss": loss,
+                     "bytes_sent": steps * 1000, "virtual_s": -1.0,  # the running figure: the parts win
+                     "virtual_net_s": t - steps * step_time, "virtual_steps": steps})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = Config()
+    cfg.algo.name = algo
+    (folder / "config.yaml").write_text(dump_config(cfg))
+    (folder / "summary.json").write_text(json.dumps({"algorithm": algo, "num_workers": 4, "codec": "fp32",
+                                                     "virtual_step_time_s": step_time}))
+    return folder
+
+
+def test_curves_on_virtual_time_interpolate_and_say_not_reached(tmp_path):
+    from launch.metrics import equal_time_comparison, loss_at, time_to_reach, virtual_curve
+
+    diloco = _timed_run(tmp_path / "run", "diloco", [(10.0, 3.0), (20.0, 2.5)])
+    ddp = _timed_run(tmp_path / "run" / "baseline-ddp", "ddp", [(10.0, 3.5), (30.0, 2.5), (50.0, 2.0)])
+    assert virtual_curve(diloco) == [(10.0, 3.0), (20.0, 2.5)]  # network seconds + steps x the final step time
+    curve = virtual_curve(ddp)
+    assert loss_at(curve, 20.0) == pytest.approx(3.0)
+    assert loss_at(curve, 5.0) is None and loss_at(curve, 60.0) == 2.0
+    assert time_to_reach(curve, 2.25) == pytest.approx(40.0)
+    assert time_to_reach(curve, 1.0) is None and time_to_reach(curve, 9.0) == 10.0
+    eq = equal_time_comparison(diloco, ddp)
+    assert eq["at_s"] == 20.0 and eq["loss_at"] == [2.5, pytest.approx(3.0)]
+    assert eq["time_to_other"][0] is None  # DiLoCo never reaches DDP's 2.0
+    assert eq["time_to_other"][1] == pytest.approx(30.0)  # DDP reaches DiLoCo's 2.5 at 30 s
+
+
+def test_simulated_runs_get_a_virtual_time_panel_marking_equal_time(tmp_path):
+    diloco = _timed_run(tmp_path / "run", "diloco", [(10.0, 3.0), (20.0, 2.5)])
+    ddp = _timed_run(tmp_path / "run" / "baseline-ddp", "ddp", [(10.0, 3.5), (30.0, 2.5), (50.0, 2.0)])
+    fig = runs_figure([diloco, ddp], title="diloco vs DDP")
+    try:
+        _draw(fig)
+        assert len(fig.axes) == 3
+        ax_time = fig.axes[2]
+        assert ax_time.get_xlabel() == "virtual time (s)"
+        texts = [t.get_text() for t in ax_time.texts]
+        assert "first to finish: 20 s" in texts
+        assert "3.000" in texts and "2.500" in texts  # each run's loss when the first finished
+        assert "reaches 2.500 at 30 s" in texts
+    finally:
+        plt.close(fig)

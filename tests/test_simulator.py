@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, TINY, run_cli
+from conftest import FAST, ROOT, TINY, run_cli
 from diloco.comm import TransportError
 from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers, sample_speeds
 from launch.config import load_config
@@ -129,12 +129,17 @@ def test_main_demo_prints_a_table_and_plots(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert "diloco x4 (H=4)" in out and "ddp x4" in out and "fewer bytes than DDP" in out
+    assert "at equal virtual time" in out and "to reach the other's final loss" in out
     assert (tmp_path / "demo" / "compare.png").read_bytes()[:4] == b"\x89PNG"
     comparison = json.loads((tmp_path / "demo" / "comparison.json").read_text())
     diloco, ddp = comparison.values()
     assert diloco["tokens"] == ddp["tokens"]
     assert max(ddp["bytes_sent_per_worker"]) > 3 * max(diloco["bytes_sent_per_worker"])
     assert diloco["virtual_wall_s"] < ddp["virtual_wall_s"]
+    equal = diloco["equal_time"]
+    assert equal["at_s"] == pytest.approx(diloco["virtual_wall_s"])
+    assert equal["loss_at"][1] is not None  # the baseline evaluated before DiLoCo finished
+    assert equal["loss_at"][1] > ddp["val_loss"]  # and was still above its own final loss then
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     for key in ("bytes_sent_per_worker", "virtual_wall_s", "compute_utilization", "tokens_per_virtual_s"):
         assert key in summary
@@ -209,3 +214,105 @@ def test_the_baseline_runs_on_the_measured_step_time_of_the_run(tmp_path):
     base = json.loads((tmp_path / "run" / "baseline-ddp" / "summary.json").read_text())
     assert base["virtual_step_time_s"] == summary["virtual_step_time_s"]
     assert base["virtual_step_time_source"] == "sim.step_time"
+
+
+def test_the_table_compares_at_equal_time_too():
+    from launch.simulate import format_table
+
+    run = {"val_loss": 2.5, "tokens": 1e6, "bytes_sent_per_worker": [1 << 20], "virtual_wall_s": 20.0,
+           "compute_utilization": 0.9, "run_dir": "runs/x", "virtual_step_time_s": 0.5,
+           "virtual_step_time_source": "sim.step_time",
+           "equal_time": {"at_s": 20.0, "loss_at": [2.5, 3.0], "final_loss": [2.5, 2.0], "final_s": [20.0, 50.0],
+                          "time_to_other": [None, 30.0]}}
+    ddp = {"val_loss": 2.0, "tokens": 1e6, "bytes_sent_per_worker": [50 << 20], "virtual_wall_s": 50.0,
+           "compute_utilization": 0.4, "run_dir": "runs/x/baseline-ddp"}
+    text = format_table([("diloco x4 (H=50)", run), ("ddp x4", ddp)], NetworkModel(125e6, 0.08))
+    assert "0.5 s per step at speed 1 (fixed" in text  # which step time the virtual clock used
+    assert "loss at 20.0s" in text and "not reached" in text and "30.0s" in text
+    assert "at equal tokens: diloco x4 (H=50) sends 50x fewer bytes than DDP and finishes 2.5x sooner" in text
+    assert ("at equal virtual time (20.0s, when diloco x4 (H=50) finished): DDP's val loss was 3.0000, "
+            "diloco x4 (H=50)'s 2.5000 (-16.7%)") in text
+    assert "DDP reaches diloco x4 (H=50)'s final 2.5000 at 30.0s" in text
+    assert "diloco x4 (H=50) never reaches DDP's final 2.0000" in text
+
+
+def _trace(tmp_path, text: str, name: str = "links.csv"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_link_traces_read_csv_and_yaml_and_repeat(tmp_path):
+    from diloco.sim.links import LinkTrace
+
+    csv = _trace(tmp_path, "# a comment\ntime,worker,bandwidth,latency\n0,*,8Mbit,10ms\n1h,*,80Mbit,20ms\n"
+                           "0,1,1MB/s,50ms\n")
+    yml = _trace(tmp_path, "links:\n  - {time: 0, worker: '*', bandwidth: 8Mbit, latency: 10ms}\n"
+                           "  - {time: 1h, worker: '*', bandwidth: 80Mbit, latency: 20ms}\n"
+                           "  - {time: 0, worker: 1, bandwidth: 1MB/s, latency: 50ms}\n", "links.yaml")
+    for path in (csv, yml):
+        t = LinkTrace.load(path)
+        assert t.at(0, 0) == (1e6, 0.01) and t.at(0, 3599) == (1e6, 0.01) and t.at(0, 3600) == (1e7, 0.02)
+        assert t.at(1, 5000) == (1e6, 0.05)  # worker 1's own row wins over *
+        assert t.period == 7200 and t.at(0, 7200 + 10) == (1e6, 0.01)  # the trace repeats
+    shipped = LinkTrace.load(ROOT / "configs" / "links-home-uplink.csv")
+    bws = [shipped.at(0, h * 3600)[0] * 8 / 1e6 for h in range(24)]
+    assert min(bws) == 20 and max(bws) == 100 and shipped.period == 24 * 3600
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("time,worker,bandwidth\n0,*,1Gbit\n", "lacks latency"),
+    ("time,worker,bandwidth,latency\n0,*,fast,1ms\n", "row 2"),
+    ("time,worker,bandwidth,latency\n0,*,1Gbit,soon\n", "row 2"),
+    ("time,worker,bandwidth,latency\n0,9,1Gbit,1ms\n", "worker 9"),
+    ("time,worker,bandwidth,latency\n0,0,1Gbit,1ms\n", "worker 1 has no rows"),
+])
+def test_a_bad_link_trace_fails_before_training(tmp_path, text, expected):
+    path = _trace(tmp_path, text)
+    res = run_cli(["simulate", "--workers", "2", "--links", str(path)], timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert "sim.links" in res.stderr and expected in res.stderr and "Traceback" not in res.stderr
+    assert "[worker" not in res.stderr
+
+
+def test_links_change_over_virtual_time_and_the_slowest_link_bounds_a_collective(tmp_path):
+    from diloco.sim.links import LinkTrace
+
+    # worker 1 has 1 MB/s until t=5 s, then 10 MB/s; worker 0 always 10 MB/s; no latency
+    path = _trace(tmp_path, "time,worker,bandwidth,latency\n0,0,10MB/s,0\n0,1,1MB/s,0\n5s,1,10MB/s,0\n")
+    group = InProcessGroup(2, speeds=[1.0, 0.5], network=NetworkModel(links=LinkTrace.load(path)), step_time=1.0)
+
+    def body(rank, transport):
+        for _ in range(2):  # worker 0 arrives at 2 s, worker 1 at 4 s
+            transport.advance_compute(0.0)
+        transport.all_reduce_([torch.ones(250_000)])  # 1 MB: 1 MB on each link, at 1 MB/s (t=4: before 5 s)
+        for _ in range(2):  # 2 s and 4 s of compute: worker 1 arrives at 9 s
+            transport.advance_compute(0.0)
+        transport.all_reduce_([torch.ones(250_000)])  # now 10 MB/s: 0.1 s
+
+    run_workers(group, body)
+    s = group.summary()
+    assert s["virtual_wall_s"] == pytest.approx(4 + 1 + 4 + 0.1)
+    assert s["virtual_compute_s_per_worker"] == pytest.approx([4.0, 8.0])
+    assert s["virtual_send_s_per_worker"] == pytest.approx([1.1, 1.1])
+    assert s["virtual_wait_s_per_worker"] == pytest.approx([2 + 2 + 0, 0.0])  # worker 0 waits for worker 1
+    for c, w, x in zip(s["virtual_compute_s_per_worker"], s["virtual_wait_s_per_worker"],
+                       s["virtual_send_s_per_worker"]):
+        assert c + w + x == pytest.approx(s["virtual_wall_s"])
+
+
+def test_simulate_with_links_reports_where_time_went(tmp_path):
+    path = _trace(tmp_path, "time,worker,bandwidth,latency\n0,*,4Mbit,20ms\n")
+    cfg, _ = load_config([TINY], [*QUICK, "run.max_steps=4", "sim.workers=2", "algo.name=diloco",
+                                  "algo.inner_steps=2", "sim.step_time=0.1", f"sim.links={path}",
+                                  f"run.dir={tmp_path / 'run'}"])
+    s = simulate_once(cfg)
+    assert "links from" in s["network"]
+    assert all(x > 0 for x in s["virtual_send_s_per_worker"])
+    for c, w, x in zip(s["virtual_compute_s_per_worker"], s["virtual_wait_s_per_worker"],
+                       s["virtual_send_s_per_worker"]):
+        assert c + w + x == pytest.approx(s["virtual_wall_s"])
+    same, _ = load_config([TINY], [*QUICK, "run.max_steps=4", "sim.workers=2", "algo.name=diloco",
+                                   "algo.inner_steps=2", "sim.step_time=0.1", "sim.bandwidth=4Mbit",
+                                   "sim.latency=20ms", f"run.dir={tmp_path / 'fixed'}"])
+    assert simulate_once(same)["virtual_wall_s"] == pytest.approx(s["virtual_wall_s"])  # a constant trace

@@ -106,25 +106,33 @@ class InProcessGroup:
         self.hub: Optional[greenlet.greenlet] = None  # the scheduler, while run_workers runs
         self.clock = [VirtualTime()] * world
         self.compute_steps = [0.0] * world  # steps at speed 1: a step of a worker at speed s counts 1/s
+        # where each worker's clock went besides compute: waiting for the others (or the link) before a
+        # collective, and the collective's own time on the wire while the worker waited for it
+        self.waited = [VirtualTime()] * world
+        self.sending = [VirtualTime()] * world
         self.link_free_at = VirtualTime()
         self.measured = RunningMedian()  # every step's measured compute seconds, all workers
         self.endpoints = [InProcessTransport(self, r) for r in range(world)]
 
     # ---- the one rendezvous everything is built on -------------------------------------------
     def rendezvous(self, rank: int, value: Any, combine: Callable[[list[Any]], Any],
-                   comm_s: Callable[[list[Any]], float] | None = None) -> tuple[Any, float]:
-        """Every worker brings ``value``; returns ``combine(values in rank order)`` and the virtual end time."""
+                   comm_s: Callable[[list[Any], float], float] | None = None) -> tuple[Any, VirtualTime, VirtualTime]:
+        """Every worker brings ``value``; returns ``combine(values in rank order)`` and the virtual end and start
+        times. ``comm_s(values, at)``: how long the collective takes if it starts at ``at`` virtual seconds."""
         self._values[rank] = value
         self._present[rank] = True
         if all(self._present):
             values = self._values
             result = combine(values)
-            seconds = comm_s(values) if comm_s else 0.0
             start = self.latest(self.clock)
-            if seconds > 0:
-                start = self.latest([start, self.link_free_at])
-                self.link_free_at = start.plus(seconds)
-            self._result = (result, start.plus(seconds))
+            seconds = 0.0
+            if comm_s:
+                on_link = self.latest([start, self.link_free_at])  # when the link can take it
+                seconds = comm_s(values, self.seconds(on_link))
+                if seconds > 0:
+                    start = on_link
+                    self.link_free_at = start.plus(seconds)
+            self._result = (result, start.plus(seconds), start)
             self._values = [None] * self.world
             self._present = [False] * self.world
             self.runnable.extend(r for r in range(self.world) if r != rank)  # everyone else may go on
@@ -166,17 +174,42 @@ class InProcessGroup:
         step = self.step_time_s()
         return [n * step for n in self.compute_steps]
 
+    def advance_to(self, rank: int, start: VirtualTime, end: VirtualTime) -> None:
+        """Move ``rank``'s clock to the end of a collective that ran from ``start`` to ``end``, if it is later;
+        the time before ``start`` counts as waiting, the rest as sending."""
+        clock = self.clock[rank]
+        if self.seconds(end) <= self.seconds(clock):
+            return
+        begin = clock
+        if self.seconds(start) > self.seconds(clock):
+            self.waited[rank] = _add(self.waited[rank], start, clock)
+            begin = start
+        self.sending[rank] = _add(self.sending[rank], end, begin)
+        self.clock[rank] = end
+
     # ---- reporting --------------------------------------------------------------------------
+    def time_split(self) -> dict[str, list[float]]:
+        """Virtual seconds of each worker computing, waiting (for the others at a collective, for the link, and
+        at the end for the last worker to finish) and sending (a collective's time on the wire that the
+        worker waited for; what Streaming DiLoCo overlaps with compute is not counted)."""
+        wall = max(self.seconds(c) for c in self.clock)
+        compute = self.compute_s
+        waited = [self.seconds(w) + wall - self.seconds(c) for w, c in zip(self.waited, self.clock)]
+        return {"compute": compute, "waiting": waited, "sending": [self.seconds(s) for s in self.sending]}
+
     def summary(self) -> dict[str, Any]:
         wall = max(self.seconds(c) for c in self.clock)
         compute = self.compute_s
         measured = self.measured.median()
+        split = self.time_split()
         return {
             "virtual_wall_s": wall,
             "compute_utilization": (sum(compute) / (self.world * wall)) if wall > 0 else None,
             "bytes_sent_per_worker": [e.stats.bytes_sent for e in self.endpoints],
             "bytes_received_per_worker": [e.stats.bytes_received for e in self.endpoints],
             "virtual_compute_s_per_worker": compute,
+            "virtual_wait_s_per_worker": split["waiting"],
+            "virtual_send_s_per_worker": split["sending"],
             # what one step at speed 1 costs in virtual time, and where that figure comes from
             "virtual_step_time_s": self.step_time_s(),
             "virtual_step_time_source": "sim.step_time" if self.step_time is not None else "median of measured steps",
@@ -187,14 +220,21 @@ class InProcessGroup:
         }
 
 
+def _add(total: VirtualTime, end: VirtualTime, begin: VirtualTime) -> VirtualTime:
+    """``total`` plus the span from ``begin`` to ``end``."""
+    return total.plus(end.seconds - begin.seconds, end.steps - begin.steps)
+
+
 class _VirtualHandle(Handle):
-    def __init__(self, transport: "InProcessTransport", done: VirtualTime, result: Any = None) -> None:
+    def __init__(self, transport: "InProcessTransport", done: VirtualTime, result: Any = None,
+                 start: Optional[VirtualTime] = None) -> None:
         super().__init__(result)
         self.transport, self.done = transport, done
+        self.start = start if start is not None else done
 
     def wait(self) -> Any:
         g, r = self.transport.group, self.transport.rank
-        g.clock[r] = g.latest([g.clock[r], self.done])
+        g.advance_to(r, self.start, self.done)
         return self.result
 
 
@@ -204,13 +244,13 @@ class InProcessTransport(Transport):
     def __init__(self, group: InProcessGroup, rank: int) -> None:
         super().__init__()
         self.group, self.rank, self.world_size = group, rank, group.world
-        self._deferred: Optional[list[VirtualTime]] = None
+        self._deferred: Optional[list[tuple[VirtualTime, VirtualTime]]] = None
 
-    def _finish(self, done: VirtualTime) -> None:
+    def _finish(self, done: VirtualTime, start: VirtualTime) -> None:
         if self._deferred is not None:
-            self._deferred.append(done)
+            self._deferred.append((start, done))
         else:
-            self.group.clock[self.rank] = self.group.latest([self.group.clock[self.rank], done])
+            self.group.advance_to(self.rank, start, done)
 
     def _all_reduce_sum_(self, flat: torch.Tensor) -> None:
         def total(values: list[torch.Tensor]) -> torch.Tensor:
@@ -220,23 +260,27 @@ class InProcessTransport(Transport):
             return out
 
         nbytes = flat.numel() * flat.element_size()
-        result, done = self.group.rendezvous(self.rank, flat, total,
-                                             lambda _: self.group.network.all_reduce_s(nbytes, self.world_size))
+        result, done, start = self.group.rendezvous(
+            self.rank, flat, total, lambda _, at: self.group.network.all_reduce_at(nbytes, self.world_size, at))
         flat.copy_(result)
-        self._finish(done)
+        self._finish(done, start)
 
     def _start(self, fn: Callable[[], Any]) -> Handle:
         """Run the collectives now, but move this worker's clock to their end only when it waits."""
         self._deferred = []
         try:
             result = fn()
-            done = self.group.latest(self._deferred) if self._deferred else self.group.clock[self.rank]
+            if self._deferred:
+                done = self.group.latest(end for _, end in self._deferred)
+                start = min((begin for begin, _ in self._deferred), key=self.group.seconds)
+            else:
+                done = start = self.group.clock[self.rank]
         finally:
             self._deferred = None
-        return _VirtualHandle(self, done, result)
+        return _VirtualHandle(self, done, result, start)
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        result, _ = self.group.rendezvous(self.rank, tensor, lambda values: values[src].clone())
+        result = self.group.rendezvous(self.rank, tensor, lambda values: values[src].clone())[0]
         tensor.copy_(result)
         return tensor
 
@@ -247,23 +291,24 @@ class InProcessTransport(Transport):
         return self.group.rendezvous(self.rank, obj, list)[0]
 
     def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
-        net, w = self.group.network, self.world_size
-        result, done = self.group.rendezvous(
+        net = self.group.network
+        result, done, start = self.group.rendezvous(
             self.rank, bytes(payload), list,
-            lambda values: max(net.all_gather_s(sum(len(v) for v in values) - len(v), w) for v in values))
-        self._finish(done)
+            lambda values, at: net.all_gather_at([sum(len(v) for v in values) - len(v) for v in values], at))
+        self._finish(done, start)
         return result
 
     def _all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
         net, w, me = self.group.network, self.world_size, self.rank
 
-        def seconds(values: list[list[bytes]]) -> float:
-            return max(net.all_to_all_s(sum(len(p) for j, p in enumerate(values[r]) if j != r),
-                                        sum(len(values[i][r]) for i in range(w) if i != r), w) for r in range(w))
+        def seconds(values: list[list[bytes]], at: float) -> float:
+            sent = [sum(len(p) for j, p in enumerate(values[r]) if j != r) for r in range(w)]
+            received = [sum(len(values[i][r]) for i in range(w) if i != r) for r in range(w)]
+            return net.all_to_all_at(sent, received, at)
 
-        result, done = self.group.rendezvous(me, [bytes(p) for p in payloads], list, seconds)
+        result, done, start = self.group.rendezvous(me, [bytes(p) for p in payloads], list, seconds)
         received = [result[i][me] for i in range(w)]
-        self._finish(done)
+        self._finish(done, start)
         return received
 
     def now(self) -> float:
@@ -278,7 +323,10 @@ class InProcessTransport(Transport):
         g.compute_steps[self.rank] += steps
 
     def metrics(self) -> dict[str, Any]:
-        return {"virtual_s": self.now()}
+        """``virtual_s``: this worker's clock with the step time known so far; ``virtual_net_s`` and
+        ``virtual_steps`` are the clock's parts, so a report can price the steps at the run's final step time."""
+        t = self.group.clock[self.rank]
+        return {"virtual_s": self.now(), "virtual_net_s": t.seconds, "virtual_steps": t.steps}
 
     def summary(self) -> dict[str, Any]:
         return self.group.summary()

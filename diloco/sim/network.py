@@ -4,6 +4,10 @@ Each worker has a link of ``bandwidth`` bytes/s and one-way ``latency``. A ring
 all-reduce over W workers takes 2(W-1) latency-bound phases and puts
 2(W-1)/W of the buffer on every link; an all-gather takes W-1 phases and moves
 everyone else's payload. Collectives on one link run one after another.
+
+With a link trace (:class:`diloco.sim.links.LinkTrace`) every worker has its own
+link, read at the time a collective starts; a collective lasts as long as its
+slowest participant needs (its latency-bound phases and its bytes on its link).
 """
 
 from __future__ import annotations
@@ -11,7 +15,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from diloco.sim.links import LinkTrace
 
 _BW = re.compile(r"^([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*([kKmMgGtT]?)"
                  r"(bit/s|bits/s|bits|bit|bps|b|B/s|Bps|B|bytes/s|byte/s)?$")
@@ -61,6 +68,45 @@ class NetworkModel:
         busiest = max(sent_bytes, received_bytes)  # a full-duplex link: the busier direction bounds it
         return (world - 1) * self.latency + (busiest / self.bandwidth if self.bandwidth else 0.0)
 
+    links: Optional["LinkTrace"] = None  # per-worker links over time; when set, bandwidth and latency are unused
+
+    def link(self, rank: int, at: float) -> tuple[Optional[float], float]:
+        """(bandwidth, latency) of ``rank``'s link at virtual time ``at``."""
+        if self.links is None:
+            return self.bandwidth, self.latency
+        return self.links.at(rank, at)
+
+    @staticmethod
+    def _on(bandwidth: Optional[float], latency: float, phases: int, nbytes: float) -> float:
+        return phases * latency + (nbytes / bandwidth if bandwidth else 0.0)
+
+    def all_reduce_at(self, nbytes: int, world: int, at: float) -> float:
+        """:meth:`all_reduce_s` on the links at time ``at``: the ring waits for its slowest link."""
+        if self.links is None or world <= 1:
+            return self.all_reduce_s(nbytes, world)
+        wire = 2 * (world - 1) * nbytes / world
+        return max(self._on(*self.link(r, at), 2 * (world - 1), wire) for r in range(world))
+
+    def all_gather_at(self, received: Sequence[int], at: float) -> float:
+        """An all-gather in which worker r receives ``received[r]`` bytes, on the links at time ``at``."""
+        world = len(received)
+        if world <= 1:
+            return 0.0
+        if self.links is None:
+            return max(self.all_gather_s(n, world) for n in received)
+        return max(self._on(*self.link(r, at), world - 1, n) for r, n in enumerate(received))
+
+    def all_to_all_at(self, sent: Sequence[int], received: Sequence[int], at: float) -> float:
+        """An all-to-all in which worker r sends ``sent[r]`` and receives ``received[r]`` bytes."""
+        world = len(sent)
+        if world <= 1:
+            return 0.0
+        if self.links is None:
+            return max(self.all_to_all_s(s, n, world) for s, n in zip(sent, received))
+        return max(self._on(*self.link(r, at), world - 1, max(s, n)) for r, (s, n) in enumerate(zip(sent, received)))
+
     def describe(self) -> str:
+        if self.links is not None:
+            return self.links.describe()
         bw = "unlimited" if not self.bandwidth else f"{self.bandwidth * 8 / 1e9:g} Gbit/s"
         return f"{bw}, {self.latency * 1e3:g} ms latency"

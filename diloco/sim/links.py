@@ -1,0 +1,147 @@
+"""Link traces: each worker's bandwidth and latency over virtual time, replayed by the network model.
+
+A trace is a table of rows ``time, worker, bandwidth, latency``: from ``time`` on, ``worker`` (a rank, or ``*``
+for every worker without a row of its own) has that link, until its next row. A CSV file has these four
+columns under a header line; a YAML file is a list of mappings with these keys (or a mapping whose ``links``
+key holds that list). Times and latencies are durations (``0``, ``90s``, ``6h``, ``40ms``), bandwidths as
+``sim.bandwidth`` takes them (``100Mbit``, ``12.5MB/s``). Lines starting with ``#`` are comments.
+
+Before its first row a worker has its first row's link. The trace repeats: its period is its last time plus
+the interval before it (rows at 0h, 1h, ..., 23h repeat every 24 h); a trace with a single time holds forever.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import io
+import math
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from diloco.sim.network import parse_bandwidth
+
+_DURATION = re.compile(r"^([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*(ms|s|m|min|h|d)?$")
+_UNITS = {None: 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+class LinkTraceError(ValueError):
+    """A link trace that cannot be read; the message names the file and the row."""
+
+
+def parse_seconds(value: Any) -> float:
+    """``40ms`` -> 0.04, ``6h`` -> 21600.0, ``90`` -> 90.0 (seconds)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a duration")
+    if isinstance(value, (int, float)):
+        out = float(value)
+    else:
+        m = _DURATION.match(str(value).strip())
+        if not m:
+            raise ValueError(f"{value!r} is not a duration (examples: 0, 90s, 6h, 40ms)")
+        out = float(m.group(1)) * _UNITS[m.group(2)]
+    if not math.isfinite(out) or out < 0:
+        raise ValueError(f"{value!r} must be a duration >= 0")
+    return out
+
+
+@dataclass(frozen=True)
+class LinkRow:
+    time: float  # seconds
+    worker: Optional[int]  # None: every worker without its own row
+    bandwidth: float  # bytes/s
+    latency: float  # seconds
+
+
+class LinkTrace:
+    def __init__(self, rows: list[LinkRow], source: str = "trace") -> None:
+        if not rows:
+            raise LinkTraceError(f"{source}: no rows (expected time, worker, bandwidth, latency)")
+        self.rows = sorted(rows, key=lambda r: r.time)
+        self.source = source
+        times = sorted({r.time for r in self.rows})
+        self.period = times[-1] + (times[-1] - times[-2]) if len(times) > 1 else math.inf
+        self._series: dict[Optional[int], tuple[list[float], list[LinkRow]]] = {}
+        for w in {r.worker for r in self.rows}:
+            mine = [r for r in self.rows if r.worker == w]
+            self._series[w] = ([r.time for r in mine], mine)
+
+    # ---- reading ------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path) -> "LinkTrace":
+        path = Path(path)
+        if not path.is_file():
+            raise LinkTraceError(f"{path}: no such file")
+        text = path.read_text()
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise LinkTraceError(f"{path}: not valid YAML: {e}") from None
+            if isinstance(data, dict):
+                data = data.get("links")
+            if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+                raise LinkTraceError(f"{path}: expected a list of rows with time, worker, bandwidth, latency")
+            records = [(i + 1, r) for i, r in enumerate(data)]
+        else:
+            lines = [l for l in text.splitlines() if l.strip() and not l.lstrip().startswith("#")]
+            reader = csv.DictReader(io.StringIO("\n".join(lines)), skipinitialspace=True)
+            missing = {"time", "worker", "bandwidth", "latency"} - set(reader.fieldnames or [])
+            if missing:
+                raise LinkTraceError(f"{path}: the header lacks {', '.join(sorted(missing))} "
+                                     f"(expected: time,worker,bandwidth,latency)")
+            records = [(i + 2, r) for i, r in enumerate(reader)]
+        return cls([cls._row(path, line, r) for line, r in records], str(path))
+
+    @staticmethod
+    def _row(path: Path, line: int, r: dict[str, Any]) -> LinkRow:
+        try:
+            worker = r.get("worker")
+            worker = None if worker is None or str(worker).strip() == "*" else int(str(worker).strip())
+            if worker is not None and worker < 0:
+                raise ValueError(f"worker {worker} must be >= 0 or *")
+            return LinkRow(parse_seconds(r.get("time")), worker, parse_bandwidth(r.get("bandwidth")),
+                           parse_seconds(r.get("latency")))
+        except (TypeError, ValueError) as e:
+            raise LinkTraceError(f"{path}, row {line}: {e}") from None
+
+    def check_workers(self, world: int) -> None:
+        """Every worker has a link (its own rows or ``*``), and no row names a worker beyond ``world``."""
+        beyond = sorted(w for w in self._series if w is not None and w >= world)
+        if beyond:
+            raise LinkTraceError(f"{self.source}: rows for worker {beyond[0]}, but there are {world} workers "
+                                 f"(0 to {world - 1})")
+        if None not in self._series:
+            lacking = [w for w in range(world) if w not in self._series]
+            if lacking:
+                raise LinkTraceError(f"{self.source}: worker {lacking[0]} has no rows and there is no '*' row")
+
+    # ---- the link at a time -------------------------------------------------------------------------
+    def at(self, worker: int, t: float) -> tuple[float, float]:
+        """(bandwidth bytes/s, latency s) of ``worker``'s link at virtual time ``t``."""
+        times, rows = self._series.get(worker) or self._series[None]
+        if math.isfinite(self.period) and self.period > 0:
+            t = t % self.period
+        i = bisect.bisect_right(times, t) - 1
+        row = rows[max(i, 0)]
+        return row.bandwidth, row.latency
+
+    def median_bandwidth(self) -> float:
+        return statistics.median(r.bandwidth for r in self.rows)
+
+    def median_latency(self) -> float:
+        return statistics.median(r.latency for r in self.rows)
+
+    def span_s(self) -> float:
+        return self.period if math.isfinite(self.period) else 0.0
+
+    def describe(self) -> str:
+        bws = [r.bandwidth * 8 / 1e6 for r in self.rows]
+        lats = [r.latency * 1e3 for r in self.rows]
+        return (f"links from {self.source} ({min(bws):g}-{max(bws):g} Mbit/s, median {self.median_bandwidth() * 8 / 1e6:g}; "
+                f"{min(lats):g}-{max(lats):g} ms)")

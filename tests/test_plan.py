@@ -1,0 +1,142 @@
+"""`loco plan`: predictions that match the simulator's accounting, measured penalties with their source, the
+recommendation, `--check`, and input errors as one line."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, TINY
+from diloco.sim import NetworkModel
+from launch import plan as planner
+from launch.cli import main
+from launch.config import load_config
+from launch.plan import MEASURED, PlanError, Setting, format_plan, make_plan, resolve_model, timeline
+from launch.simulate import simulate_once
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _simulated(tmp_path, setting: Setting, workers: int, steps: int, bandwidth: str, latency: float, step: float):
+    cfg, _ = load_config([TINY], [*FAST, *setting.overrides(), f"sim.workers={workers}", f"sim.bandwidth={bandwidth}",
+                                  f"sim.latency={latency}", f"sim.step_time={step}", "sim.baseline=none",
+                                  f"run.max_steps={steps}", "run.batch_size=1", "data.seq_len=16",
+                                  "run.eval_every=0", "run.checkpoint_every=0", "run.checkpoint_final=false",
+                                  f"run.dir={tmp_path / setting.label().replace(' ', '_')}"])
+    return simulate_once(cfg)
+
+
+@pytest.mark.parametrize("setting, steps", [
+    (Setting("ddp"), 3),
+    (Setting("diloco", 3, "fp32"), 6),
+    (Setting("diloco", 3, "int8"), 7),  # a partial last round is synced at the end
+    (Setting("streaming", 4, "fp4", 2, 1), 8),  # exchanges hidden behind one step, and the end of training
+])
+def test_predicted_bytes_and_time_are_the_simulators(tmp_path, setting, steps):
+    workers, bw, lat, step = 3, 8e6 / 8, 0.05, 0.2  # 8 Mbit/s: the exchanges of tiny take a good part of a step
+    summary = _simulated(tmp_path, setting, workers, steps, "8Mbit", lat, step)
+    model = resolve_model("tiny")
+    t = timeline(setting, model, workers, NetworkModel(bw, lat), step, steps)
+    assert t.bytes_sent == summary["bytes_sent"]
+    assert t.wall_s == pytest.approx(summary["virtual_wall_s"], rel=1e-9)
+    assert t.utilization == pytest.approx(summary["compute_utilization"], rel=1e-9)
+    assert t.utilization < 0.97  # the network mattered: a wrong exchange time would show
+
+
+def test_overlap_hides_what_the_link_can_carry():
+    model = resolve_model("150m")
+    net = NetworkModel(1e9 / 8, 0.02)
+    blocking = planner.predict(Setting("streaming", 100, "fp32", 4, 0), model, 8, net, 1.0)
+    hidden = planner.predict(Setting("streaming", 100, "fp32", 4, 5), model, 8, net, 1.0)
+    diloco = planner.predict(Setting("diloco", 100, "fp32"), model, 8, net, 1.0)
+    assert hidden.bytes_per_round == pytest.approx(diloco.bytes_per_round, rel=0.01)
+    assert hidden.utilization > blocking.utilization
+    assert blocking.round_s > diloco.round_s  # four exchanges pay four times the latency, nothing hides them
+
+
+def test_named_sizes_and_parameter_counts():
+    assert resolve_model("tiny").params == 885888
+    big = resolve_model("1.1e9")
+    assert big.params == 1_100_000_000
+    assert sum(map(sum, big.fragment_pieces(4))) == big.params
+    assert resolve_model("150m").name == "150m"  # a named size wins over the count "150m"
+    assert resolve_model("200m").params == 200_000_000
+    for bad in ("huge", "-3", "0", "1e999"):
+        with pytest.raises(PlanError, match="--model"):
+            resolve_model(bad)
+
+
+def test_the_table_names_utilization_penalties_and_their_sources():
+    plan = make_plan("150m", 8, "100Mbit", "40ms", "0.5")
+    text = format_plan(plan)
+    assert "utilization" in text and "unmeasured" in text
+    assert "diloco H=50" in text and "streaming H=100 P=4 tau=5" in text
+    sources = re.findall(r"benchmarks/results/(\S+):", text)
+    assert sources and all((ROOT / "benchmarks" / "results" / s).is_file() for s in sources)
+    row = next(r for r in plan.rows if r.setting == Setting("diloco", 50))
+    assert row.measured is MEASURED[Setting("diloco", 50)]
+
+
+@pytest.mark.parametrize("setting", sorted(MEASURED, key=str))
+def test_every_measured_penalty_is_in_its_file(setting):
+    m = MEASURED[setting]
+    text = (ROOT / "benchmarks" / "results" / m.source).read_text()
+    assert f"{100 * m.penalty:+.1f}%" in text, f"{setting.label()} {setting.codec}: not in {m.source}"
+
+
+def test_the_recommendation_is_the_fewest_bytes_at_95_percent():
+    plan = make_plan("150m", 8, "100Mbit", "40ms", "0.5")
+    best = plan.cheapest
+    assert best is not None and best.utilization >= 0.95
+    assert all(r.bytes_per_step >= best.bytes_per_step for r in plan.rows if r.utilization >= 0.95)
+    assert plan.nearest.bytes_per_step >= best.bytes_per_step
+    assert "recommended" in format_plan(plan)
+    fast = make_plan("tiny", 2, "100Gbit", "0s", "1")
+    assert fast.nearest.setting == Setting("ddp")  # an ample link: DDP itself is fully used
+    slow = make_plan("1b", 64, "1Mbit", "200ms", "0.1")
+    assert slow.cheapest is None and "no setting reaches 95%" in format_plan(slow)
+
+
+def test_check_agrees_with_the_simulator():
+    plan = make_plan("tiny", 3, "4Mbit", "30ms", "0.1")
+    c = planner.check(plan, Setting("diloco", 4, "int8"))
+    assert c.steps == 4 and c.workers == 3
+    assert c.simulated < 0.95  # the link matters in this run
+    assert abs(c.predicted - c.simulated) < 1e-6 and c.agrees
+
+
+def test_cli_plan_check_prints_both(capsys, monkeypatch):
+    monkeypatch.setattr(planner, "candidates", lambda model: [Setting("ddp"), Setting("diloco", 3, "fp4")])
+    assert main(["plan", "--model", "tiny", "--workers", "2", "--bandwidth", "2Mbit", "--latency", "10ms",
+                 "--step-time", "0.2", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "utilization" in out and "predicted utilization" in out and "simulated utilization" in out
+    assert "agree within 5 points" in out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--model", "enormous", "--workers", "4", "--bandwidth", "1Gbit", "--latency", "1ms"], "--model"),
+    (["--model", "tiny", "--workers", "0", "--bandwidth", "1Gbit", "--latency", "1ms"], "--workers"),
+    (["--model", "tiny", "--workers", "4", "--bandwidth", "fast", "--latency", "1ms"], "--bandwidth"),
+    (["--model", "tiny", "--workers", "4", "--bandwidth", "1Gbit", "--latency", "soon"], "--latency"),
+    (["--model", "tiny", "--workers", "4", "--bandwidth", "1Gbit"], "--latency"),
+    (["--model", "tiny", "--workers", "4", "--bandwidth", "1Gbit", "--latency", "1ms", "--step-time", "0"],
+     "--step-time"),
+    (["--model", "tiny", "--workers", "4", "--links", "no-such-file.csv"], "--links"),
+])
+def test_bad_input_is_one_line(capsys, argv, expected):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("loco plan: error:") and expected in err and "\n" not in err
+
+
+def test_plan_with_a_link_trace_uses_its_median(tmp_path):
+    trace = tmp_path / "links.csv"
+    trace.write_text("time,worker,bandwidth,latency\n0,*,10Mbit,10ms\n1h,*,30Mbit,30ms\n2h,*,20Mbit,20ms\n")
+    plan = make_plan("tiny", 4, None, None, "0.2", str(trace))
+    assert plan.link.bandwidth == 20e6 / 8 and plan.link.latency == pytest.approx(0.02)
+    assert "median" in format_plan(plan)
+    shipped = make_plan("150m", 8, None, None, "1", str(ROOT / "configs" / "links-home-uplink.csv"))
+    assert 20e6 / 8 < shipped.link.bandwidth < 100e6 / 8
