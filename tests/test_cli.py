@@ -214,15 +214,11 @@ sys.exit(main({argv!r}))
 
 @pytest.mark.parametrize("hidden, argv, extra, feature", [
     ("hivemind", ["join", "--config", TINY], "swarm", "loco join"),
-    ("hivemind", ["status", "--peers", "/ip4/127.0.0.1/tcp/1/p2p/QmNotAPeer"], "swarm", "loco status"),
     ("wandb", ["train", "--config", TINY, "--max-steps", "1", "--set", "log.wandb=true"], "wandb", "log.wandb=true"),
-    ("datasets", ["train", "--config", TINY, "--max-steps", "1", "--set", "data.source=hf",
-                  "--set", "data.path=nowhere"], "hf", "data.source=hf"),
 ])
 def test_a_missing_extra_is_one_line_naming_the_pip_install(tmp_path, hidden, argv, extra, feature):
     """`pip install loco` holds train and simulate; swarm, wandb and hf are extras, each named when missing."""
-    code = WITHOUT.format(hidden=[hidden], argv=[*argv, "--run-dir", str(tmp_path / "run")]
-                          if argv[0] != "status" else argv)
+    code = WITHOUT.format(hidden=[hidden], argv=[*argv, "--run-dir", str(tmp_path / "run")])
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", WANDB_MODE="offline")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
                           timeout=120)
