@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from diloco.sim import NetworkModel
+from launch.metrics import human_bytes
 
 BUCKET_BYTES = 32 << 20  # diloco.comm.base.Transport.bucket_bytes: one all-reduce per bucket
 WEIGHT_BYTES = 8  # each compressed message starts with its weight (diloco.compress.collective.WEIGHT)
@@ -480,12 +481,6 @@ def make_plan(model: str, workers: int, bandwidth: Optional[str], latency: Optio
     return Plan(m, workers, link, step, given, rows, cheapest, nearest)
 
 
-def _bytes(n: float) -> str:
-    from launch.metrics import human_bytes
-
-    return human_bytes(n)
-
-
 def penalty_text(row: Row, sources: list[str]) -> str:
     m = row.measured
     if m is None:
@@ -510,8 +505,8 @@ def format_plan(plan: Plan) -> str:
     lines += [head, "-" * (len(head) + 6)]
     for r in plan.rows:
         mark = " <-" if r is plan.cheapest else ""
-        lines.append(f"{r.setting.label():<30} {r.setting.codec:<6} {_bytes(r.bytes_per_round):>11} "
-                     f"{_bytes(r.bytes_per_step):>11} {r.round_s:>10.4g}s {r.compute_s:>8.4g}s "
+        lines.append(f"{r.setting.label():<30} {r.setting.codec:<6} {human_bytes(r.bytes_per_round):>11} "
+                     f"{human_bytes(r.bytes_per_step):>11} {r.round_s:>10.4g}s {r.compute_s:>8.4g}s "
                      f"{100 * r.utilization:>11.1f}%  {penalty_text(r, sources)}{mark}")
     lines.append("")
     lines.append("round: H steps (DDP: one step); utilization: compute time / round time, as `loco simulate` "
@@ -527,13 +522,13 @@ def format_plan(plan: Plan) -> str:
     else:
         c, n = plan.cheapest, plan.nearest
         lines.append(f"recommended (fewest bytes at >= {100 * TARGET_UTILIZATION:.0f}% utilization): "
-                     f"{c.setting.label()} {c.setting.codec}: {_bytes(c.bytes_per_round)} per round, "
+                     f"{c.setting.label()} {c.setting.codec}: {human_bytes(c.bytes_per_round)} per round, "
                      f"{100 * c.utilization:.1f}% utilization, loss vs DDP {penalty_text(c, sources)}")
         lines.append(f"  run it: loco simulate --workers {plan.workers} "
                      + " ".join(f"--set {o}" for o in c.setting.overrides()))
         if n is not None and n is not c:
             lines.append(f"nearest DDP at >= {100 * TARGET_UTILIZATION:.0f}%: {n.setting.label()} {n.setting.codec}: "
-                         f"{_bytes(n.bytes_per_round)} per round, {100 * n.utilization:.1f}% utilization, "
+                         f"{human_bytes(n.bytes_per_round)} per round, {100 * n.utilization:.1f}% utilization, "
                          f"loss vs DDP {penalty_text(n, sources)}")
     return "\n".join(lines)
 
