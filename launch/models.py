@@ -141,6 +141,15 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
+@torch.compiler.disable
+def _lookup(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The embedding lookup, kept out of ``torch.compile``'s graph: compiled, its backward becomes an atomic
+    scatter-add on CUDA, whose summation order changes from run to run, so two identical runs (a resumed one
+    and an unbroken one, the simulator and torchrun) would drift apart in the last bits. Eager, the backward
+    is deterministic, and the graph break it costs is one, at the very start of the forward."""
+    return F.embedding(idx, weight)
+
+
 class Transformer(nn.Module):
     """Token ids [B, T] -> logits [B, T, vocab]."""
 
@@ -169,7 +178,7 @@ class Transformer(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if idx.shape[1] > self.args.max_seq_len:
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than max_seq_len={self.args.max_seq_len}")
-        h = self.embed(idx)
+        h = _lookup(idx, self.embed.weight)
         for layer in self.layers:
             h = layer(h, self.rope_cos, self.rope_sin)
         h = self.norm(h)
