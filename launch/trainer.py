@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from diloco import Algorithm
 from diloco.comm import Transport, make_transport
 from launch.algorithms import algorithm_class
-from launch.checkpoint import (checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint, rng_state,
-                               save_checkpoint, set_rng_state)
+from launch.checkpoint import (CheckpointError, checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint,
+                               rng_state, save_checkpoint, set_rng_state)
 from launch.config import Config, dump_config
 from launch.data import Batcher, TokenData, load_data
 from launch.metrics import Metrics, human_bytes, matmul_precision, mfu_basis, plot_runs, truncate_metrics
@@ -76,6 +76,18 @@ class _StopRequest:
     def __init__(self) -> None:
         self.signum: Optional[int] = None
         self.listening = 0  # training loops (simulated workers included) that check ``signum`` at step ends
+        self.writing = 0  # checkpoint writes under way: a first signal waits for them to complete
+        self.cut: Optional[int] = None  # a second signal that cut a write short (torch reports it as a failed write)
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """A checkpoint write that a first signal does not cut short (it is recorded in ``signum``); a second
+        signal still stops at once, and the atomic write leaves the older checkpoints as they were."""
+        self.writing += 1
+        try:
+            yield
+        finally:
+            self.writing -= 1
 
 
 STOP = _StopRequest()
@@ -93,7 +105,14 @@ def stop_signals() -> Iterator[None]:
         return
 
     def handler(signum: int, frame: Any) -> None:
+        if STOP.writing and STOP.signum is None:
+            STOP.signum = signum
+            print(f"loco: {signal.Signals(signum).name}: stopping once the checkpoint being written is complete "
+                  "(a second signal stops at once)", file=sys.stderr, flush=True)
+            return
         if STOP.signum is not None or STOP.listening == 0:
+            if STOP.writing:
+                STOP.cut = signum
             raise Interrupted(signum)
         STOP.signum = signum
         print(f"loco: {signal.Signals(signum).name}: stopping at the next point where the run can save a checkpoint "
@@ -107,7 +126,22 @@ def stop_signals() -> Iterator[None]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-        STOP.signum = None
+        STOP.signum = STOP.cut = None
+
+
+def save_waiting_for_it(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    """``save_checkpoint`` that a first SIGINT/SIGTERM does not interrupt (see ``_StopRequest.saving``).
+
+    A second signal stops at once; torch's writer turns its exception into a failed write, which is reported
+    as the Interrupted it was, not as a full disk. The older checkpoints stay as they were either way.
+    """
+    try:
+        with STOP.saving():
+            return save_checkpoint(directory, step, state, keep=keep)
+    except (CheckpointError, RuntimeError):
+        if STOP.cut is not None:
+            raise Interrupted(STOP.cut) from None
+        raise
 
 
 def resolve_device(name: str) -> torch.device:
@@ -455,7 +489,12 @@ class Trainer:
         self.saved_step = self.step
         if not self.leader:
             return None
-        return save_checkpoint(self.ckpt_dir, self.step, state, keep=self.cfg.run.keep_checkpoints)
+        path = save_waiting_for_it(self.ckpt_dir, self.step, state, keep=self.cfg.run.keep_checkpoints)
+        if STOP.signum is not None and STOP.listening == 0:  # a signal during a save outside the loop (the final one)
+            self.metrics.info(f"stopped by {signal.Signals(STOP.signum).name}: saved {path}; continue with --resume "
+                              f"--run-dir {self.run_dir}", self.step)
+            raise Interrupted(STOP.signum, path)
+        return path
 
     # ---- the loop ---------------------------------------------------------------------------
     def wall_s(self) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import os
 import random
 import re
 import shlex
@@ -151,3 +153,39 @@ def test_training_on_a_full_disk_stops_with_one_line(tmp_path):
     assert [p.name for p in list_checkpoints(copy)] == ["step_00000005.pt"], "the older checkpoint must stay"
     assert load_checkpoint(copy / "step_00000005.pt")["step"] == 5
     assert not [p for p in copy.iterdir() if p.name.startswith(".")], "the temp file must be removed"
+
+
+class _Signals:
+    """Pickled inside a checkpoint: sends this process ``count`` SIGTERMs in the middle of the write."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __reduce__(self):
+        for _ in range(self.count):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return (collections.OrderedDict, ())  # an empty mapping, which a weights-only load accepts
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_signal_in_the_middle_of_a_checkpoint_write(tmp_path, count):
+    """The first signal waits for the write (the run stops after it, saved); a second stops at once, reported as
+    the signal it was (never as a full disk), with the older checkpoint intact."""
+    from launch.trainer import STOP, Interrupted, save_waiting_for_it, stop_signals
+
+    save_checkpoint(tmp_path, 1, {"model": {"w": torch.zeros(3)}})
+    state = {"model": {"w": torch.ones(100_000)}, "extra": _Signals(count)}
+    with stop_signals():
+        if count == 1:
+            path = save_waiting_for_it(tmp_path, 2, state, keep=3)
+            assert STOP.signum == signal.SIGTERM, "the signal must be remembered, to stop after the write"
+        else:
+            with pytest.raises(Interrupted) as info:
+                save_waiting_for_it(tmp_path, 2, state, keep=3)
+            assert info.value.signum == signal.SIGTERM
+    if count == 1:
+        assert load_checkpoint(path)["step"] == 2 and torch.equal(load_checkpoint(path)["model"]["w"], torch.ones(100_000))
+    else:
+        assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001.pt"]
+        assert not list(tmp_path.glob(".step_*")), "the partial file stays behind"
+    assert STOP.signum is None and STOP.writing == 0
