@@ -18,6 +18,9 @@ the reference. Tests run it with ``TRITON_INTERPRET=1`` on CPU tensors.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Optional
+
 import torch
 
 from diloco.compress import ChunkPlan, dct_basis, from_chunks, to_chunks
@@ -61,17 +64,36 @@ def _from_blocks(b: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
     return m.reshape(plan.shape)
 
 
-def _runs(plans: list[ChunkPlan], batched: list[bool]) -> list[tuple[int, int]]:
-    """[start, end) runs of consecutive parameters that share (s1, s2, k) and all take the batched path."""
+def _runs(plans: list[ChunkPlan], kernel: list[bool], lrs: Optional[list[float]] = None) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive parameters done in one pass: on the reference path those that share
+    (s1, s2, k); on the kernel path those of one shape (one launch over them stacked), and one lr if given."""
     runs: list[tuple[int, int]] = []
     for j, plan in enumerate(plans):
         prev = plans[j - 1] if j else None
-        if (runs and batched[j] and batched[j - 1] and runs[-1][1] == j
-                and (plan.s1, plan.s2, plan.k) == (prev.s1, prev.s2, prev.k)):
+        same = runs and runs[-1][1] == j and kernel[j] == kernel[j - 1] and \
+            (plan.s1, plan.s2, plan.k) == (prev.s1, prev.s2, prev.k)
+        if same and kernel[j]:
+            same = plan.shape == prev.shape and (lrs is None or lrs[j] == lrs[j - 1])
+        if same:
             runs[-1] = (runs[-1][0], j + 1)
         else:
             runs.append((j, j + 1))
     return runs
+
+
+def stacked_view(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Tensors of one shape that lie back to back in one buffer, as one ``(len, *shape)`` view; else None."""
+    first = tensors[0]
+    n, ptr, off = first.numel(), first.untyped_storage().data_ptr(), first.storage_offset()
+    for i, t in enumerate(tensors):
+        if (t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != ptr or t.storage_offset() != off + i * n):
+            return None
+    return first.as_strided((len(tensors), *first.shape), (n, *first.stride()), off)
+
+
+def _stacked_plan(plan: ChunkPlan, count: int) -> ChunkPlan:
+    return replace(plan, shape=(count, *plan.shape), lead=plan.lead * count)
 
 
 def encode_batch_ref(deltas: list[torch.Tensor], plans: list[ChunkPlan]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,16 +218,32 @@ def decode_sign_(agg: torch.Tensor, param: torch.Tensor, lr: float, plan: ChunkP
         decode_sign_ref(agg, param, lr, plan)
 
 
-def _encode_fits(delta: torch.Tensor, plan: ChunkPlan) -> bool:
-    return use_triton(delta) and kernel_fits(plan) and delta.dtype == torch.float32 and delta.is_contiguous()
+def _encode_fits(delta: torch.Tensor, plan: ChunkPlan, triton: Optional[bool] = None) -> bool:
+    wanted = use_triton(delta) if triton is None else triton
+    return wanted and kernel_fits(plan) and delta.dtype == torch.float32 and delta.is_contiguous()
 
 
-def encode_many(deltas: list[torch.Tensor], plans: list[ChunkPlan]) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`encode` of every parameter in turn, the (indices, values) concatenated in the given order."""
-    kernel = [_encode_fits(d, p) for d, p in zip(deltas, plans)]
+def encode_many(deltas: list[torch.Tensor], plans: list[ChunkPlan],
+                triton: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode` of every parameter, the (indices, values) concatenated in the given order.
+
+    Consecutive parameters of one shape take one kernel launch: in place when they lie back to back in one
+    buffer (:func:`stacked_view`; DeMo keeps its momenta so), else through a stacked copy that is written back.
+    ``triton``: None picks the kernel for CUDA tensors; True also runs it on CPU tensors (the interpreter).
+    """
+    kernel = [_encode_fits(d, p, triton) for d, p in zip(deltas, plans)]
     idx, vals = [], []
-    for a, b in _runs(plans, [not k for k in kernel]):
-        i, v = encode_triton(deltas[a], plans[a]) if kernel[a] else encode_batch_ref(deltas[a:b], plans[a:b])
+    for a, b in _runs(plans, kernel):
+        if not kernel[a]:
+            i, v = encode_batch_ref(deltas[a:b], plans[a:b])
+        elif b - a == 1:
+            i, v = encode_triton(deltas[a], plans[a])
+        else:
+            view = stacked_view(deltas[a:b])
+            x = torch.stack(deltas[a:b]) if view is None else view
+            i, v = encode_triton(x, _stacked_plan(plans[a], b - a))
+            if view is None:
+                torch._foreach_copy_(deltas[a:b], list(x.unbind(0)))
         idx.append(i)
         vals.append(v)
     if len(idx) == 1:
@@ -214,16 +252,24 @@ def encode_many(deltas: list[torch.Tensor], plans: list[ChunkPlan]) -> tuple[tor
 
 
 def decode_sign_many(agg: torch.Tensor, params: list[torch.Tensor], lrs: list[float],
-                     plans: list[ChunkPlan]) -> None:
+                     plans: list[ChunkPlan], triton: Optional[bool] = None) -> None:
     """:func:`decode_sign_` of every parameter; ``agg`` holds their ``(num_chunks, chunk_size)`` blocks back to
     back, in the given order."""
-    kernel = [use_triton(p) and kernel_fits(plan) and p.is_contiguous() for p, plan in zip(params, plans)]
+    kernel = [(use_triton(p) if triton is None else triton) and kernel_fits(plan) and p.is_contiguous()
+              for p, plan in zip(params, plans)]
     starts = [0]
     for plan in plans:
         starts.append(starts[-1] + plan.num_chunks * plan.chunk_size)
-    for a, b in _runs(plans, [not k for k in kernel]):
+    for a, b in _runs(plans, kernel, lrs):
         piece = agg[starts[a]:starts[b]]
-        if kernel[a]:
-            decode_sign_triton(piece.view(plans[a].num_chunks, plans[a].chunk_size), params[a], lrs[a], plans[a])
-        else:
+        if not kernel[a]:
             decode_sign_batch_ref(piece, params[a:b], lrs[a:b], plans[a:b])
+        elif b - a == 1:
+            decode_sign_triton(piece.view(plans[a].num_chunks, plans[a].chunk_size), params[a], lrs[a], plans[a])
+        else:  # one launch over the run's parameters stacked (a copy, written back, unless they are one buffer)
+            view = stacked_view(params[a:b])
+            x = torch.stack(params[a:b]) if view is None else view
+            plan = _stacked_plan(plans[a], b - a)
+            decode_sign_triton(piece.view(plan.num_chunks, plan.chunk_size), x, lrs[a], plan)
+            if view is None:
+                torch._foreach_copy_(params[a:b], list(x.unbind(0)))

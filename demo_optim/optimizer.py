@@ -10,7 +10,7 @@ Per parameter, every step::
     p     -= lr * sign(IDCT(agg))
 
 All parameters travel in one payload per worker and one ``all_gather_bytes`` per step
-(chain ``demo:v2``): loco's wire header (magic, version, settings + model layout fingerprint,
+(chain ``demo:v3``): loco's wire header (magic, version, settings + model layout fingerprint,
 length, CRC-32), then every kept value (fp32, or 1 bit each with ``sign_values``), then the
 indices in ``ceil(log2(s1*s2))`` bits (12 for 64 x 64). Parameters are laid out in *wire
 order*: grouped by index width (ascending), in parameter order within a width; the values
@@ -91,7 +91,7 @@ class DeMo(torch.optim.Optimizer):
 
     def _chain(self, plans: list[ChunkPlan]) -> str:
         layout = zlib.crc32(repr([(p.shape, p.s1, p.s2, p.rows_padded, p.cols_padded, p.k) for p in plans]).encode())
-        return f"demo:v2,sign={int(self.sign_values)},layout={layout:08x}"
+        return f"demo:v3,sign={int(self.sign_values)},layout={layout:08x}"
 
     def _layout(self, plans: list[ChunkPlan], chain: str, device: torch.device) -> "_Layout":
         """The layout of these plans, built once per layout and device (its index tensors live on the device)."""
@@ -144,11 +144,10 @@ class DeMo(torch.optim.Optimizer):
         if not entries:
             return wire.pack(b"", torch.float32, (0,), chain)
         layout = self._layout([plan for _, _, plan in entries], chain, self._device())
+        self._stack_momenta(entries, layout)
         deltas, groups = [], {}
         for p, group, plan in entries:
             state = self.state[p]
-            if "delta" not in state:
-                state["delta"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
             deltas.append(state["delta"])
             params, ds, with_grad, grads = groups.setdefault(id(group), (group, [], [], [], []))[1:]
             params.append(p)
@@ -170,6 +169,28 @@ class DeMo(torch.optim.Optimizer):
             sections.append(pack_bits(idx[at:at + count], width))
             at += count
         return wire.pack(tensor_bytes(torch.cat(sections)), torch.float32, (flat.numel(),), chain)
+
+    def _stack_momenta(self, entries, layout: "_Layout") -> None:
+        """Keep the momenta of each run of same-shaped parameters (in wire order) back to back in one buffer,
+        so that their encode is one kernel launch in place. Done when they are created and again after a
+        ``load_state_dict`` (which gives every parameter its own tensor); otherwise a few pointer checks."""
+        order = layout.order
+        start = 0
+        while start < len(order):
+            end = start + 1
+            shape = entries[order[start]][2].shape
+            while end < len(order) and entries[order[end]][2].shape == shape:
+                end += 1
+            states = [self.state[entries[j][0]] for j in order[start:end]]
+            have = [st.get("delta") for st in states]
+            if any(d is None for d in have) or kernels.stacked_view(have) is None:
+                p = entries[order[start]][0]
+                buf = torch.zeros((end - start, *p.shape), dtype=torch.float32, device=p.device)
+                for i, (st, d) in enumerate(zip(states, have)):
+                    if d is not None:
+                        buf[i].copy_(d)
+                    st["delta"] = buf[i]
+            start = end
 
     def _aggregate(self, payloads: list[bytes], plans: list[ChunkPlan], chain: str) -> tuple["_Views", "_Views"]:
         """Per coefficient, the sum of what the valid payloads sent and how many sent it, in two flat buffers
@@ -278,7 +299,8 @@ class _Layout:
     def __init__(self, plans: list[ChunkPlan], sign_values: bool, device: Optional[torch.device]) -> None:
         self.plans = plans
         widths = [bits_for(p.chunk_size) for p in plans]
-        self.order = sorted(range(len(plans)), key=lambda j: (widths[j], plans[j].s1, plans[j].s2, plans[j].k, j))
+        self.order = sorted(range(len(plans)), key=lambda j: (widths[j], plans[j].s1, plans[j].s2, plans[j].k,
+                                                              plans[j].shape, j))
         self.streams: list[tuple[int, int, int]] = []  # (width, first, last) positions in wire order
         for pos, j in enumerate(self.order):
             if self.streams and self.streams[-1][0] == widths[j]:

@@ -271,6 +271,40 @@ def test_kernels_match_the_reference(shape, device):
     assert torch.equal(p1, p2.cpu())
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("in_one_buffer", [True, False], ids=["one-buffer", "separate"])
+def test_same_shaped_parameters_take_one_launch_and_match_one_by_one(device, in_one_buffer):
+    """encode_many/decode_sign_many stack a run of same-shaped parameters into one launch (in place when they
+    lie back to back in one buffer, else through a copy written back): the same result as one at a time."""
+    shapes = [(64, 128), (64, 128), (64, 128), (32, 64), (32, 64), (64, 64)]
+    plans = [plan_for(s, 64, 16, "divisor") for s in shapes]
+    g = torch.Generator().manual_seed(5)
+    src = [torch.randn(s, generator=g) for s in shapes]
+    if in_one_buffer:
+        buf = torch.stack(src[:3]).to(device)
+        run = [buf[0], buf[1], buf[2]]
+        assert K.stacked_view(run) is not None
+    else:
+        run = [t.clone().to(device) for t in src[:3]]
+        assert K.stacked_view(run) is None
+    many = run + [t.clone().to(device) for t in src[3:]]
+    one = [t.clone().to(device) for t in src]
+    i_many, v_many = K.encode_many(many, plans, triton=True)
+    pieces = [K.encode_triton(d, p) for d, p in zip(one, plans)]
+    assert torch.equal(i_many.cpu(), torch.cat([i for i, _ in pieces]).cpu())
+    assert torch.equal(v_many.cpu(), torch.cat([v for _, v in pieces]).cpu())
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(many, one)), "the residuals were not written back"
+    agg = torch.randn(sum(p.num_chunks * p.chunk_size for p in plans), generator=g).to(device)
+    lrs = [0.01, 0.01, 0.01, 0.02, 0.03, 0.01]  # a new lr starts a new run
+    K.decode_sign_many(agg, many, lrs, plans, triton=True)
+    at = 0
+    for p, lr, plan in zip(one, lrs, plans):
+        n = plan.num_chunks * plan.chunk_size
+        K.decode_sign_triton(agg[at:at + n].view(plan.num_chunks, plan.chunk_size), p, lr, plan)
+        at += n
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(many, one))
+
+
 # ---- in the loop -------------------------------------------------------------------------------
 SMALL = ["run.batch_size=4", "run.eval_every=0", "run.checkpoint_every=0", "sim.baseline=none", "sim.step_time=0.01"]
 
