@@ -166,14 +166,18 @@ def main() -> None:
         f"{args.demo_lr}, decay {args.demo_decay}, chunk 64, no weight decay, warmup {demo_warmup}; cosine to 10% "
         f"of the peak (DeMo: to {100 * args.demo_min_lr:g}%)",
         f"- `python benchmarks/demo.py {' '.join(sys.argv[1:])}`", "",
-        "| method | val loss (median) | seeds | vs DDP | bytes / worker / step | DDP bytes / these |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| method | val loss (median) | seeds | vs DDP | bytes / worker / step | DDP bytes / these | wall s (median) "
+        "| wall / DDP's |",
+        "| --- | --- | --- | --- | --- | --- | ---: | ---: |",
     ]
+    wall = {m: statistics.median(r["real_s"] for r in results if r["method"] == m) for m in args.methods}
     for m in args.methods:
         seeds = ", ".join(f"{r['val_loss']:.3f}" for r in results if r["method"] == m)
         gap = f"{100 * (med[m] / med['ddp'] - 1):+.1f}%" if "ddp" in med else ""
         fewer = f"{per_step['ddp'] / per_step[m]:.0f}x" if "ddp" in per_step and per_step[m] else ""
-        lines.append(f"| {m} | {med[m]:.4f} | {seeds} | {gap} | {human_bytes(per_step[m])} | {fewer} |")
+        slower = f"{wall[m] / wall['ddp']:.2f}x" if "ddp" in wall and wall["ddp"] else ""
+        lines.append(f"| {m} | {med[m]:.4f} | {seeds} | {gap} | {human_bytes(per_step[m])} | {fewer} | "
+                     f"{wall[m]:.1f} | {slower} |")
     lines += ["", f"Encode (all parameters of `{args.model}`, k=32, median of {args.repeats}): loco "
               f"{times['loco'] * 1e3:.1f} ms ({'Triton kernel' if device.type == 'cuda' else 'torch reference'}), "
               f"plain einsum+topk {times['plain'] * 1e3:.1f} ms: {times['plain'] / times['loco']:.2f}x."]

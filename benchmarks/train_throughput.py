@@ -117,7 +117,8 @@ def run_one(args: argparse.Namespace) -> dict:
     algo = DDP(model, opt, LocalTransport(), grad_clip=1.0)
     compiled = cuda if args.compile == "auto" else args.compile == "on"
     if compiled:
-        model.compile()
+        model.compile(mode=None if args.compile_mode == "default" else args.compile_mode)
+    graphs = compiled and args.compile_mode == "reduce-overhead"
     B, T = args.batch_size, args.seq_len
     mfu = mfu_basis(model, T, device, matmul_precision(device, bf16))
 
@@ -138,6 +139,8 @@ def run_one(args: argparse.Namespace) -> dict:
             return t[:, :-1], t[:, 1:]
 
     def train_step(step: int) -> torch.Tensor:
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         x, y = batch(step)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(x)
@@ -166,6 +169,7 @@ def run_one(args: argparse.Namespace) -> dict:
         sync()
         windows.append(time.perf_counter() - t0)
     final_loss = float(loss) if loss is not None else float("nan")
+    profile = profile_steps(train_step, step, sync, cuda, args.profile_steps) if args.profile else None
     if not final_loss == final_loss or final_loss == float("inf"):
         raise RuntimeError(f"{args.child}: non-finite loss {final_loss}")
 
@@ -187,10 +191,43 @@ def run_one(args: argparse.Namespace) -> dict:
         "baseline_bytes": baseline, "final_loss": final_loss, "device": str(device), "device_name": name,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "precision": "bf16 autocast" if bf16 else "fp32", "data": args.data, "compiled": compiled,
+        "compile_mode": args.compile_mode if compiled else None,
         "flops_per_token": mfu.flops_per_token, "flop_count": mfu.count(),
         "peak": str(mfu.peak) if mfu.peak is not None else None, "mfu_device": mfu.device,
         "mfu": [mfu.of(tokens / w) for w in windows] if mfu.peak is not None else None,
+        "profile": profile,
     }
+
+
+def profile_steps(train_step, step: int, sync, cuda: bool, n: int) -> dict:
+    """``n`` more steps under ``torch.profiler``: the operators that took the most device time (CPU time on a
+    CPU), as Markdown rows, and the share of the profiled wall time the device was busy."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for i in range(n):
+            train_step(step + i)
+        sync()
+    wall_us = (time.perf_counter() - t0) * 1e6
+    if cuda:  # the kernels themselves: an operator's device time is its kernels' and would count twice
+        key = "self_device_time_total"
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        key = "self_cpu_time_total"
+        events = list(prof.key_averages())
+    events = [e for e in events if getattr(e, key, 0) > 0]
+    busy = sum(getattr(e, key) for e in events)
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    rows = []
+    for e in events[:25]:
+        t = getattr(e, key)
+        rows.append(f"| `{e.key[:90]}` | {e.count // n} | {t / n / 1e3:.2f} | {100 * t / busy:.1f}% |")
+    return {"steps": n, "wall_ms_per_step": wall_us / n / 1e3, "busy_ms_per_step": busy / n / 1e3,
+            "busy_share": busy / wall_us if wall_us else 0.0, "clock": "device" if cuda else "CPU", "rows": rows}
 
 
 # ---- parent: one subprocess per model, then the table -------------------------------------------
@@ -199,7 +236,10 @@ def run_child(model: str, steps: int, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", model, "--steps", str(steps),
            "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--batch-size", str(args.batch_size),
            "--seq-len", str(args.seq_len), "--device", args.device, "--precision", args.precision,
-           "--data", args.data, "--seed", str(args.seed), "--compile", args.compile]
+           "--data", args.data, "--seed", str(args.seed), "--compile", args.compile,
+           "--compile-mode", args.compile_mode]
+    if args.profile:
+        cmd += ["--profile", args.profile, "--profile-steps", str(args.profile_steps)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -207,6 +247,13 @@ def run_child(model: str, steps: int, args: argparse.Namespace) -> dict:
         if line.startswith(RESULT_MARK):
             return json.loads(line[len(RESULT_MARK):])
     raise SystemExit(f"benchmark of {model} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def compile_label(result: dict) -> str:
+    if not result.get("compiled"):
+        return "eager"
+    mode = result.get("compile_mode") or "default"
+    return "torch.compile" if mode == "default" else f"torch.compile mode={mode}"
 
 
 def mfu_caption(result: dict) -> str:
@@ -228,7 +275,7 @@ def render(results: list[dict], args: argparse.Namespace, started: str, load: tu
         f"- device: {first['device']} ({first['device_name']})",
         f"- torch {first['torch']}, Python {platform.python_version()}, {platform.system()} {platform.release()}",
         f"- torch threads: {first['threads']} (logical CPUs on the machine: {os.cpu_count()})",
-        f"- step: forward ({first['precision']}{', torch.compile' if first.get('compiled') else ', eager'}) "
+        f"- step: forward ({first['precision']}, {compile_label(first)}) "
         f"+ cross-entropy + backward + grad clip + AdamW (diloco.DDP.step); "
         f"data: {'random byte tokens' if args.data == 'random' else 'launch.data stdlib batches'}, vocab 256",
         f"- {args.warmup} warmup steps, then {args.repeats} timed windows per model; "
@@ -272,7 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the model (auto: on CUDA, as run.compile)")
+    p.add_argument("--compile-mode", default="default", choices=["default", "reduce-overhead", "max-autotune",
+                                                                  "max-autotune-no-cudagraphs"],
+                   help="torch.compile mode (with --compile on); reduce-overhead replays the step's kernels as CUDA "
+                        "graphs")
     p.add_argument("--out", default=None, help="also write the Markdown table to this file")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="after the timed windows, profile --profile-steps more steps per model with torch.profiler "
+                        "and write the top operators by device time (CPU time on a CPU) to this Markdown file")
+    p.add_argument("--profile-steps", type=int, default=5, help="steps under the profiler (with --profile)")
     p.add_argument("--_child", dest="child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -310,7 +365,27 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(table)
+    if args.profile:
+        write_profile(Path(args.profile), results, started)
     return 0
+
+
+def write_profile(path: Path, results: list[dict], started: str) -> None:
+    lines = ["# Where a training step spends its time (torch.profiler)", "",
+             f"- date: {started}; device: {results[0]['device_name']}; torch {results[0]['torch']}",
+             "- the steps of `benchmarks/train_throughput.py` (same flags), profiled after the timed windows; "
+             "operators by self time on the device (on a CPU: self CPU time), per step", ""]
+    for r in results:
+        pr = r["profile"]
+        lines += [f"## {r['model']} ({r['batch_size']} x {r['seq_len']}, "
+                  f"{compile_label(r)}, {r['precision']})", "",
+                  f"- {pr['steps']} steps: {pr['wall_ms_per_step']:.1f} ms per step under the profiler, "
+                  f"{pr['clock']} busy {pr['busy_ms_per_step']:.1f} ms of it ({100 * pr['busy_share']:.0f}%)", "",
+                  "| operator | calls / step | ms / step | share of busy time |", "| --- | ---: | ---: | ---: |",
+                  *pr["rows"], ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    print(f"[train_throughput] profile -> {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
