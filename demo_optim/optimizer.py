@@ -75,6 +75,7 @@ class DeMo(torch.optim.Optimizer):
         self.skipped_steps = 0  # steps this worker sent nothing (non-finite gradients)
         self.rejected_payloads = 0  # peer payloads left out of the mean
         self.last_contributors = 0
+        self._rejected_now: list[tuple[int, Any]] = []  # (rank, reason) of the payloads the last mean left out
         self.contribute = True  # the trainer clears it for one step when it found non-finite gradients
         self.grads_checked = False  # the trainer sets it when it already checked the gradients this step
         self._layouts: dict[tuple[str, torch.device], _Layout] = {}
@@ -121,13 +122,43 @@ class DeMo(torch.optim.Optimizer):
         self.contribute, self.grads_checked = True, False
         payload = self._encode(entries, chain) if contribute else wire.pack(b"", torch.float32, (0,), chain)
         payloads = self.transport.all_gather_bytes(payload)
-        sums, counts = self._aggregate(payloads, plans, chain)
+        agg = self._mean(payloads, plans, chain)
         if entries:
-            agg = sums.flat.div_(counts.flat.clamp_(min=1))  # the mean; 0 where nobody sent (the sum is 0 there)
-            order = sums.layout.order
+            order = self._layout(plans, chain, self._device()).order
             kernels.decode_sign_many(agg, [entries[j][0] for j in order], [entries[j][1]["lr"] for j in order],
                                      [plans[j] for j in order])
         return loss
+
+    def _mean(self, payloads: list[bytes], plans: list[ChunkPlan], chain: str) -> torch.Tensor:
+        """The mean of the valid payloads per coefficient (0 where nobody sent), flat in wire order.
+
+        Simulated workers (``transport.shared_results``) receive the very same payload list: the first of them
+        validates and sums it, the others take that result (the same values, as they would compute them) and
+        replay its rejections in their own counters and log. The slot is freed once every worker had it.
+        """
+        device = self._device() if plans else torch.device("cpu")
+        key = (chain, device)
+        slot = _SHARED_MEAN
+        if slot.payloads is payloads and slot.key == key:
+            agg, contributors, rejected = slot.value
+            self._rejected_now = []
+            slot.left -= 1
+            if slot.left <= 0:
+                slot.clear()
+            self.last_contributors = contributors
+            for rank, reason in rejected:
+                self._reject(rank, reason)
+            return agg
+        sums, counts = self._aggregate(payloads, plans, chain)
+        agg = sums.flat.div_(counts.flat.clamp_(min=1))  # 0 where nobody sent: the sum is 0 there
+        if self.transport.shared_results and self.transport.world_size > 1:
+            slot.fill(payloads, key, (agg, self.last_contributors, self._rejected_now), self.transport.world_size - 1)
+        return agg
+
+    def _reject(self, rank: int, reason: Any) -> None:
+        self.rejected_payloads += 1
+        self._rejected_now.append((rank, reason))
+        log.warning("DeMo worker %d: left worker %d's payload out of the mean: %s", self.transport.rank, rank, reason)
 
     def _grads_finite(self, entries) -> bool:
         grads = [p.grad for p, _, _ in entries if p.grad is not None]
@@ -198,6 +229,7 @@ class DeMo(torch.optim.Optimizer):
         ``(num_chunks, chunk_size)`` block. A fixed number of tensor ops and one host sync per payload."""
         device = self._device() if plans else torch.device("cpu")
         layout = self._layout(plans, chain, device)
+        self._rejected_now: list[tuple[int, Any]] = []
         sums = torch.zeros(layout.total, device=device)
         counts = torch.zeros(layout.total, device=device)
         bodies: list[Any] = []  # per rank: a CorruptPayload, None (nothing sent) or the body's (start, end)
@@ -231,9 +263,7 @@ class DeMo(torch.optim.Optimizer):
                     sums.scatter_add_(0, pos, values)
                     counts.scatter_add_(0, pos, layout.ones)
             if isinstance(body, CorruptPayload):
-                self.rejected_payloads += 1
-                log.warning("DeMo worker %d: left worker %d's payload out of the mean: %s", self.transport.rank, rank,
-                            body)
+                self._reject(rank, body)
         self.last_contributors = contributors
         return _Views(sums, layout), _Views(counts, layout)
 
@@ -340,6 +370,25 @@ class _Layout:
         self.limit = (torch.cat(limit) if limit else empty).to(device)
         self.inner = (torch.cat(inner)[1:] if inner else empty.bool()).to(device)
         self.ones = torch.ones(self.sent, device=device)
+
+
+class _SharedMeanSlot:
+    """One payload list's mean, kept for the other simulated workers of the step that received the same list."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.payloads: Optional[list[bytes]] = None  # held, so that the identity check cannot meet a reused id
+        self.key: Any = None
+        self.value: Any = None
+        self.left = 0
+
+    def fill(self, payloads: list[bytes], key: Any, value: Any, left: int) -> None:
+        self.payloads, self.key, self.value, self.left = payloads, key, value, left
+
+
+_SHARED_MEAN = _SharedMeanSlot()
 
 
 class _Views(Sequence):

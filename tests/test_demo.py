@@ -398,8 +398,47 @@ def _aggregate_cost(n_layers: int, world: int, monkeypatch) -> tuple[int, int, i
         return opt.last_contributors
 
     assert run_workers(InProcessGroup(world), body) == [world] * world
-    assert len(set(seen.values())) == 1, seen  # every worker does the same work
-    return seen[0]
+    assert len(seen) == 1, seen  # simulated workers share one aggregation of the payload list they all received
+    return next(iter(seen.values()))
+
+
+@pytest.mark.parametrize("bad_rank", [None, 1])
+def test_simulated_workers_share_one_mean_and_end_as_if_each_computed_it(bad_rank, caplog):
+    """The workers of an InProcessGroup get the very same payload list; DeMo validates and sums it once, and the
+    others take that mean. Parameters, contributor counts and rejections equal those of workers that each
+    computed their own (shared_results off)."""
+    def run(shared: bool):
+        calls = []
+
+        def body(rank, transport):
+            transport.shared_results = shared
+            model = _tiny(2)
+            opt = DeMo(model.parameters(), lr=1e-3, transport=transport, sign_values=rank == bad_rank)
+            aggregate = opt._aggregate
+
+            def counted(*a, **kw):
+                calls.append(rank)
+                return aggregate(*a, **kw)
+
+            opt._aggregate = counted
+            for step in range(2):
+                for i, p in enumerate(model.parameters()):
+                    p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * rank + 10 * step + i))
+                opt.step()
+            return [p.detach().clone() for p in model.parameters()], opt.last_contributors, opt.rejected_payloads
+
+        return run_workers(InProcessGroup(3), body), calls
+
+    with caplog.at_level(logging.WARNING, logger="demo_optim"):
+        shared, shared_calls = run(True)
+        alone, alone_calls = run(False)
+    assert len(alone_calls) == 6
+    assert len(shared_calls) == (2 if bad_rank is None else 4), shared_calls  # the odd worker computes its own
+    for (ps, cs, rs), (pa, ca, ra) in zip(shared, alone):
+        assert (cs, rs) == (ca, ra)
+        assert all(torch.equal(a, b) for a, b in zip(ps, pa))
+    if bad_rank is not None:
+        assert shared[0][2] == 2 and shared[2][2] == 2  # worker 1's payload left out by 0 and 2, at both steps
 
 
 def _step_cost(n_layers: int) -> tuple[int, int, int]:

@@ -68,6 +68,9 @@ class Transport(ABC):
     #: True where a stop signal reaches every process of the run at once (torchrun passes SIGTERM on to every
     #: rank) and ``broadcast_object`` spans them all, so the processes can agree to stop and save at one step
     shared_stop: bool = False
+    #: True where every worker of the group runs in this process and a byte collective hands each of them the
+    #: very same result object (the simulator): a consumer may then compute from it once for all of them
+    shared_results: bool = False
 
     def __init__(self) -> None:
         self.stats = CommStats()

@@ -241,6 +241,8 @@ class _VirtualHandle(Handle):
 class InProcessTransport(Transport):
     """Rank ``rank`` of an :class:`InProcessGroup`."""
 
+    shared_results = True  # every worker's all_gather_bytes returns the one list rendezvous combined
+
     def __init__(self, group: InProcessGroup, rank: int) -> None:
         super().__init__()
         self.group, self.rank, self.world_size = group, rank, group.world
