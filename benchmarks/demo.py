@@ -101,6 +101,69 @@ def encode_times(model_size: str, device: torch.device, repeats: int, topk: int 
     return out
 
 
+def decode_times(model_size: str, device: torch.device, repeats: int, workers: int = 4,
+                 topk: int = 32) -> dict[str, float]:
+    """One worker's decode of ``workers`` payloads as ``DeMo.step`` runs it: validate each payload and sum it
+    into the flat buffers (``_aggregate``), divide, and apply sign(IDCT(mean)) to every parameter
+    (``decode_sign_many``). Returns the median seconds, the dense bytes that pass writes (the sum and count
+    buffers, the mean, the parameters) and one payload's size."""
+    from demo_optim import DeMo, kernels
+    from launch.models import SIZES, Transformer
+
+    with torch.device("meta"):
+        shapes = [p.shape for p in Transformer(replace(SIZES[model_size], vocab_size=256, max_seq_len=128)).parameters()]
+    params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
+    opt = DeMo(params, lr=1e-3, compression_topk=topk)
+    entries = opt._entries()
+    plans = [plan for _, _, plan in entries]
+    chain = opt._chain(plans)
+    payloads = []
+    for w in range(workers):  # each "worker" encodes its own random gradients
+        for p in params:
+            p.grad = torch.randn(p.shape, device=device)
+        payloads.append(opt._encode(entries, chain))
+    layout = opt._layout(plans, chain, device)
+    order = layout.order
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    @torch.no_grad()
+    def decode():
+        sums, counts = opt._aggregate(payloads, plans, chain)
+        agg = sums.flat.div_(counts.flat.clamp_(min=1))
+        kernels.decode_sign_many(agg, [params[j] for j in order], [1e-3] * len(order), [plans[j] for j in order])
+
+    decode()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        decode()
+        sync()
+        times.append(time.perf_counter() - t)
+    n_params = sum(p.numel() for p in params)
+    return {"decode": statistics.median(times), "dense_bytes": 4 * (3 * layout.total + n_params),
+            "payload_bytes": len(payloads[0]), "workers": workers}
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> float:
+    """Bytes read plus written per second by one large device copy (median of 5)."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    return 2 * nbytes / statistics.median(times[1:])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny")
@@ -189,6 +252,7 @@ def main() -> None:
 def encode_report(args) -> None:
     """``--encode-only``: the encode table for every model of ``--encode-models``."""
     from benchmarks.simulator import device_name
+    from launch.metrics import human_bytes
     from launch.models import SIZES, Transformer, count_params
     from launch.trainer import resolve_device
 
@@ -207,19 +271,29 @@ def encode_report(args) -> None:
         f"plain per-parameter einsum + torch.topk + scatter like the published one; median of {args.repeats} after "
         f"one warm-up",
         f"- `python benchmarks/demo.py {' '.join(sys.argv[1:])}`", "",
-        "| model | parameters | loco encode | plain einsum+topk | plain / loco |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        f"- decode: one worker's decode of {args.workers} payloads as `DeMo.step` runs it (validate and sum each "
+        f"into flat buffers, the mean, sign(IDCT) applied to every parameter); dense bytes written: the sum, "
+        f"count and mean buffers and the parameters; against one large device copy (bytes read + written per s)",
+        "",
+        "| model | parameters | payload / worker | loco encode | plain einsum+topk | plain / loco | decode of "
+        f"{args.workers} | decode dense GB/s | decode / copy |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    copy = copy_bandwidth(device)
     for m in models:
         t = encode_times(m, device, args.repeats)
+        d = decode_times(m, device, args.repeats, args.workers)
         with torch.device("meta"):
             n = count_params(Transformer(replace(SIZES[m], vocab_size=256, max_seq_len=128)))
-        print(f"[demo] encode {m}: loco {t['loco'] * 1e3:.1f} ms, plain {t['plain'] * 1e3:.1f} ms",
-              file=sys.stderr, flush=True)
-        lines.append(f"| {m} | {n / 1e6:.1f}M | {t['loco'] * 1e3:.1f} ms | {t['plain'] * 1e3:.1f} ms | "
-                     f"{t['plain'] / t['loco']:.2f}x |")
+        rate = d["dense_bytes"] / d["decode"]
+        print(f"[demo] {m}: encode loco {t['loco'] * 1e3:.1f} ms, plain {t['plain'] * 1e3:.1f} ms; decode "
+              f"{d['decode'] * 1e3:.1f} ms ({rate / 1e9:.1f} GB/s)", file=sys.stderr, flush=True)
+        lines.append(f"| {m} | {n / 1e6:.1f}M | {human_bytes(d['payload_bytes'])} | {t['loco'] * 1e3:.1f} ms | "
+                     f"{t['plain'] * 1e3:.1f} ms | {t['plain'] / t['loco']:.2f}x | {d['decode'] * 1e3:.1f} ms | "
+                     f"{rate / 1e9:.1f} | {100 * rate / copy:.0f}% |")
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    lines += ["", f"Device copy: {copy / 1e9:.1f} GB/s (bytes read + written)."]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
