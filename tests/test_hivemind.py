@@ -523,7 +523,9 @@ def test_peers_at_different_speeds_and_start_times_meet_every_round_and_end_on_o
     try:
         procs["a"] = start_peer(tmp_path, "a", "--address-file", str(tmp_path / "a.addr"), "--max-steps", "100000")
         wait_for(lambda: len(rounds(tmp_path, "a")) >= 2, "two rounds of a alone", procs)
-        budget = (max(r["epoch"] for r in rounds(tmp_path, "a")) + 12) * 10  # the run's steps: 10 a round
+        # the run's steps, 10 a round: enough rounds left that a (training on alone meanwhile) cannot reach the
+        # budget while b and c start up on a loaded machine (their first round would then be past it)
+        budget = (max(r["epoch"] for r in rounds(tmp_path, "a")) + 20) * 10
         join = ["--peers", (tmp_path / "a.addr").read_text().split()[0], "--max-steps", str(budget)]
         procs["b"] = start_peer(tmp_path, "b", *join)
         procs["c"] = start_peer(tmp_path, "c", *join, "--set", "run.batch_size=12", "--set", "run.grad_accum=3")
