@@ -489,11 +489,14 @@ class Trainer:
         self.saved_step = self.step
         if not self.leader:
             return None
+        before = STOP.signum
         path = save_waiting_for_it(self.ckpt_dir, self.step, state, keep=self.cfg.run.keep_checkpoints)
-        if STOP.signum is not None and STOP.listening == 0:  # a signal during a save outside the loop (the final one)
+        if before is None and STOP.signum is not None and STOP.listening == 0:
+            # a first signal came during a save outside the loop (the final one): it waited, and stops here
             self.metrics.info(f"stopped by {signal.Signals(STOP.signum).name}: saved {path}; continue with --resume "
                               f"--run-dir {self.run_dir}", self.step)
-            raise Interrupted(STOP.signum, path)
+            self.metrics.close()
+            raise Interrupted(STOP.signum, path, clean=True)
         return path
 
     # ---- the loop ---------------------------------------------------------------------------

@@ -189,3 +189,28 @@ def test_a_signal_in_the_middle_of_a_checkpoint_write(tmp_path, count):
         assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001.pt"]
         assert not list(tmp_path.glob(".step_*")), "the partial file stays behind"
     assert STOP.signum is None and STOP.writing == 0
+
+
+def test_a_signal_during_the_final_checkpoint_stops_after_it_is_written(tmp_path, monkeypatch):
+    """SIGTERM while the last checkpoint is written (after the loop): the write completes, the run stops with
+    Interrupted naming it, and the checkpoint loads."""
+    from launch.config import load_config
+    from launch.trainer import Interrupted, Trainer, stop_signals, train
+
+    state_dict = Trainer.state_dict
+
+    def with_a_signal(self):
+        state = state_dict(self)
+        if self.step == 4:  # only the final save's state carries it
+            state["extra"] = _Signals(1)
+        return state
+
+    monkeypatch.setattr(Trainer, "state_dict", with_a_signal)
+    cfg, _ = load_config([TINY], [*FAST, "run.max_steps=4", "run.checkpoint_every=0", "run.eval_every=0",
+                                  f"run.dir={tmp_path / 'run'}", "log.plot=false"])
+    with stop_signals():
+        with pytest.raises(Interrupted) as info:
+            train(cfg)
+    assert info.value.signum == signal.SIGTERM and info.value.clean
+    assert info.value.saved is not None and info.value.saved.name == "step_00000004.pt"
+    assert load_checkpoint(info.value.saved)["step"] == 4
