@@ -21,6 +21,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from diloco.compress.codec import CodecSpecError, parse_chain
+from diloco.sim.network import parse_duration  # noqa: F401  (also part of this module's API)
 
 
 class ConfigError(ValueError):
@@ -217,22 +218,6 @@ class Config:
 
 
 SECTIONS: dict[str, type] = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)}
-
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|sec|m|min|h|hr|d)?\s*$")
-_UNIT_S = {None: 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0, "hr": 3600.0, "d": 86400.0}
-
-
-def parse_duration(value: Any) -> float:
-    """'90s' -> 90.0, '30m' -> 1800.0, '24h' -> 86400.0, 12 -> 12.0 (seconds)."""
-    if isinstance(value, bool):
-        raise ValueError("a duration, not a boolean")
-    if isinstance(value, (int, float)):
-        return float(value)
-    m = _DURATION.match(str(value))
-    if not m:
-        raise ValueError(f"{value!r} is not a duration (examples: 90s, 30m, 24h, 1.5h, 500ms)")
-    return float(m.group(1)) * _UNIT_S[m.group(2)]
-
 
 def format_duration(seconds: float) -> str:
     for unit, size in (("h", 3600.0), ("m", 60.0)):

@@ -23,7 +23,6 @@ import math
 import re
 import tempfile
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from diloco.sim import NetworkModel
@@ -194,17 +193,9 @@ def count_label(n: float) -> str:
 # ---- the collectives, as the transports and the simulator count them ---------------------------------------
 def _buckets(sizes: Sequence[int], limit_bytes: int = BUCKET_BYTES, itemsize: int = 4) -> list[int]:
     """Element counts of the flat buckets ``diloco.comm.base.buckets`` makes of fp32 tensors of ``sizes``."""
-    out: list[int] = []
-    size = 0
-    for n in sizes:
-        nbytes = n * itemsize
-        if out and size + nbytes <= limit_bytes:
-            out[-1] += n
-            size += nbytes
-        else:
-            out.append(n)
-            size = nbytes
-    return out
+    from diloco.comm.base import bucket_groups
+
+    return [sum(sizes[i] for i in g) for g in bucket_groups([n * itemsize for n in sizes], limit_bytes)]
 
 
 @dataclass(frozen=True)

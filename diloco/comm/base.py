@@ -278,16 +278,26 @@ def unflatten_into(bucket: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
         offset += t.numel()
 
 
-def buckets(tensors: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    """Group tensors of one dtype and device into buckets of at most ``limit`` bytes (or one tensor)."""
-    out: list[list[torch.Tensor]] = []
+def bucket_groups(sizes: Sequence[int], limit: int, joins: Optional[Callable[[int], bool]] = None) -> list[list[int]]:
+    """The bucketing rule, on byte sizes: consecutive items share a bucket while it stays within ``limit`` bytes
+    (an item larger than that is a bucket of its own) and ``joins(i)`` allows item i to follow item i-1.
+    Returns each bucket's item indices. :func:`buckets` groups tensors by it; ``loco plan`` predicts with it."""
+    out: list[list[int]] = []
     size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if out and size + nbytes <= limit and out[-1][0].dtype == t.dtype and out[-1][0].device == t.device:
-            out[-1].append(t)
+    for i, nbytes in enumerate(sizes):
+        if out and size + nbytes <= limit and (joins is None or joins(i)):
+            out[-1].append(i)
             size += nbytes
         else:
-            out.append([t])
+            out.append([i])
             size = nbytes
     return out
+
+
+def buckets(tensors: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Group tensors of one dtype and device into buckets of at most ``limit`` bytes (or one tensor)."""
+    def joins(i: int) -> bool:
+        return tensors[i].dtype == tensors[i - 1].dtype and tensors[i].device == tensors[i - 1].device
+
+    groups = bucket_groups([t.numel() * t.element_size() for t in tensors], limit, joins)
+    return [[tensors[i] for i in g] for g in groups]

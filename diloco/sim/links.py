@@ -16,36 +16,17 @@ import bisect
 import csv
 import io
 import math
-import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from diloco.sim.network import parse_bandwidth
+from diloco.sim.network import parse_bandwidth, parse_duration
 
-_DURATION = re.compile(r"^([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*(ms|s|m|min|h|d)?$")
-_UNITS = {None: 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 class LinkTraceError(ValueError):
     """A link trace that cannot be read; the message names the file and the row."""
-
-
-def parse_seconds(value: Any) -> float:
-    """``40ms`` -> 0.04, ``6h`` -> 21600.0, ``90`` -> 90.0 (seconds)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a duration")
-    if isinstance(value, (int, float)):
-        out = float(value)
-    else:
-        m = _DURATION.match(str(value).strip())
-        if not m:
-            raise ValueError(f"{value!r} is not a duration (examples: 0, 90s, 6h, 40ms)")
-        out = float(m.group(1)) * _UNITS[m.group(2)]
-    if not math.isfinite(out) or out < 0:
-        raise ValueError(f"{value!r} must be a duration >= 0")
-    return out
 
 
 @dataclass(frozen=True)
@@ -105,8 +86,8 @@ class LinkTrace:
             worker = None if worker is None or str(worker).strip() == "*" else int(str(worker).strip())
             if worker is not None and worker < 0:
                 raise ValueError(f"worker {worker} must be >= 0 or *")
-            return LinkRow(parse_seconds(r.get("time")), worker, parse_bandwidth(r.get("bandwidth")),
-                           parse_seconds(r.get("latency")))
+            return LinkRow(parse_duration(r.get("time")), worker, parse_bandwidth(r.get("bandwidth")),
+                           parse_duration(r.get("latency")))
         except (TypeError, ValueError) as e:
             raise LinkTraceError(f"{path}, row {line}: {e}") from None
 
