@@ -11,10 +11,12 @@
 # Stages (each a script of benchmarks/, each report stamped with the device name and the torch,
 # triton and CUDA versions right under its title):
 #   1 throughput   train_throughput.py: small, 150m, 1b at batch 16 x 1024   -> train_throughput_gpu.md
+#                  and a torch.profiler summary of each model's step       -> train_profile_gpu.md
 #   2 codecs       codecs.py on a 150m pseudo-gradient                        -> codecs_gpu.md
 #   3 simulator    simulator.py: small and 150m with 8 workers (and, when
 #                  asked for, 1b with 4 workers and --offload)                -> simulator_gpu.md
-#   4 demo         demo.py --encode-only: DeMo encode on small, 150m, 1b      -> demo_gpu.md
+#   4 demo         demo.py --encode-only: DeMo encode and the decode of 4
+#                  payloads on small, 150m, 1b                             -> demo_gpu.md
 #   5 convergence  convergence.py: ddp, diloco-h50, single on small           -> convergence_gpu.{md,json,png}
 # and a record of the commands and the stage times                           -> gpu_sh_gpu.md
 #
@@ -166,7 +168,7 @@ one_report() {
     stamp "$out" "stage $name, ${TIMES[-1]#* } s"
 }
 
-one_report throughput 1 train_throughput train_throughput.py "${TP_ARGS[@]}"
+one_report throughput 1 train_throughput train_throughput.py "${TP_ARGS[@]}" --profile "$RESULTS/train_profile_$SUFFIX.md"
 one_report codecs 2 codecs codecs.py "${CODEC_ARGS[@]}"
 
 if wanted simulator; then
