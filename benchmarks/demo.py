@@ -63,42 +63,58 @@ def plain_encode(delta: torch.Tensor, chunk: int, topk: int, dct) -> tuple[torch
     return idx, val
 
 
-def encode_times(model_size: str, device: torch.device, repeats: int, topk: int = 32) -> dict[str, float]:
-    from demo_optim import kernels
-    from demo_optim.transform import plan_for
-    from diloco.compress.dct import dct_basis
-    from launch.models import SIZES, Transformer
-
-    with torch.device("meta"):  # only the shapes are needed: no initialisation, no copy to the device
-        model = Transformer(replace(SIZES[model_size], vocab_size=256, max_seq_len=128))
-    deltas = [torch.randn(p.shape, dtype=torch.float32, device=device) for p in model.parameters()]
-    plans = [plan_for(d.shape, 64, topk, "divisor") for d in deltas]
-
+def median_time(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after one warm-up, the device synchronised around each."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    order = sorted(range(len(plans)), key=lambda j: (plans[j].s1, plans[j].s2, plans[j].k, j))
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
-    def loco():  # as DeMo.step runs it: one call, parameters with the same block batched on the reference path
-        kernels.encode_many([deltas[j] for j in order], [plans[j] for j in order])
+
+def model_demo(model_size: str, device: torch.device, topk: int = 32):
+    """DeMo over random parameters shaped like the model's (built on the meta device: nothing initialised), with
+    its entries, plans, chain and layout: what its step works on, in its own wire order."""
+    from demo_optim import DeMo
+    from launch.models import SIZES, Transformer
+
+    with torch.device("meta"):
+        shapes = [p.shape for p in Transformer(replace(SIZES[model_size], vocab_size=256, max_seq_len=128)).parameters()]
+    params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
+    opt = DeMo(params, lr=1e-3, compression_topk=topk, chunk_rule="divisor")
+    entries = opt._entries()
+    plans = [plan for _, _, plan in entries]
+    chain = opt._chain(plans)
+    return opt, params, entries, plans, chain, opt._layout(plans, chain, device)
+
+
+def encode_times(model_size: str, device: torch.device, repeats: int, topk: int = 32) -> dict[str, float]:
+    from demo_optim import kernels
+    from diloco.compress.dct import dct_basis
+
+    opt, params, entries, plans, chain, layout = model_demo(model_size, device, topk)
+    opt._stack_momenta(entries, layout)  # the momenta as DeMo keeps them: same-shaped ones in one buffer
+    order = layout.order
+    deltas = [opt.state[params[j]]["delta"] for j in order]
+    for d in deltas:
+        d.copy_(torch.randn(d.shape, device=device))
+
+    def loco():  # as DeMo.step runs it: one call over the momenta in wire order
+        kernels.encode_many(deltas, [plans[j] for j in order])
 
     def plain():
         for d in deltas:
             plain_encode(d, 64, topk, lambda n: dct_basis(n, device))
 
-    out = {}
-    for name, fn in (("loco", loco), ("plain", plain)):
-        fn()
-        times = []
-        for _ in range(repeats):
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t)
-        out[name] = statistics.median(times)
-    return out
+    return {"loco": median_time(loco, device, repeats), "plain": median_time(plain, device, repeats)}
 
 
 def decode_times(model_size: str, device: torch.device, repeats: int, workers: int = 4,
@@ -107,27 +123,15 @@ def decode_times(model_size: str, device: torch.device, repeats: int, workers: i
     into the flat buffers (``_aggregate``), divide, and apply sign(IDCT(mean)) to every parameter
     (``decode_sign_many``). Returns the median seconds, the dense bytes that pass writes (the sum and count
     buffers, the mean, the parameters) and one payload's size."""
-    from demo_optim import DeMo, kernels
-    from launch.models import SIZES, Transformer
+    from demo_optim import kernels
 
-    with torch.device("meta"):
-        shapes = [p.shape for p in Transformer(replace(SIZES[model_size], vocab_size=256, max_seq_len=128)).parameters()]
-    params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
-    opt = DeMo(params, lr=1e-3, compression_topk=topk)
-    entries = opt._entries()
-    plans = [plan for _, _, plan in entries]
-    chain = opt._chain(plans)
+    opt, params, entries, plans, chain, layout = model_demo(model_size, device, topk)
     payloads = []
-    for w in range(workers):  # each "worker" encodes its own random gradients
+    for _ in range(workers):  # each "worker" encodes its own random gradients
         for p in params:
             p.grad = torch.randn(p.shape, device=device)
         payloads.append(opt._encode(entries, chain))
-    layout = opt._layout(plans, chain, device)
     order = layout.order
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
     @torch.no_grad()
     def decode():
@@ -135,16 +139,8 @@ def decode_times(model_size: str, device: torch.device, repeats: int, workers: i
         agg = sums.flat.div_(counts.flat.clamp_(min=1))
         kernels.decode_sign_many(agg, [params[j] for j in order], [1e-3] * len(order), [plans[j] for j in order])
 
-    decode()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        decode()
-        sync()
-        times.append(time.perf_counter() - t)
     n_params = sum(p.numel() for p in params)
-    return {"decode": statistics.median(times), "dense_bytes": 4 * (3 * layout.total + n_params),
+    return {"decode": median_time(decode, device, repeats), "dense_bytes": 4 * (3 * layout.total + n_params),
             "payload_bytes": len(payloads[0]), "workers": workers}
 
 
@@ -152,16 +148,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> float:
     """Bytes read plus written per second by one large device copy (median of 5)."""
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(6):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t)
-    return 2 * nbytes / statistics.median(times[1:])
+    return 2 * nbytes / median_time(lambda: dst.copy_(src), device, 5)
 
 
 def main() -> None:
