@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 from diloco.sim import NetworkModel
-from launch.metrics import human_bytes
+from launch.metrics import count_label, human_bytes
 
 BUCKET_BYTES = 32 << 20  # diloco.comm.base.Transport.bucket_bytes: one all-reduce per bucket
 WEIGHT_BYTES = 8  # each compressed message starts with its weight (diloco.compress.collective.WEIGHT)
@@ -181,13 +181,6 @@ def _piece_numel(params: list, entry: Any) -> int:
     i, start, stop = entry
     row = params[i].numel() // params[i].shape[0]
     return (stop - start) * row
-
-
-def count_label(n: float) -> str:
-    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if n >= div:
-            return f"{n / div:.3g}{suffix}"
-    return f"{n:.0f}"
 
 
 # ---- the collectives, as the transports and the simulator count them ---------------------------------------
