@@ -25,6 +25,7 @@ to the last, and the report says so.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 import tempfile
@@ -101,11 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for m in methods:
             print(f"[swarm] {m} ...", file=sys.stderr, flush=True)
-            r = conv.run_one(args, m, args.seed, data, step_time, Path(tmp))
-            import json
-            summary = json.loads((Path(tmp) / f"{m}-seed{args.seed}" / "summary.json").read_text())
-            r["summary"] = summary
-            results[m] = r
+            r = results[m] = conv.run_one(args, m, args.seed, data, step_time, Path(tmp))
+            r["summary"] = json.loads((Path(tmp) / f"{m}-seed{args.seed}" / "summary.json").read_text())
             print(f"[swarm] {m}: val {r['val_loss']:.4f}, {r['virtual_s']:.0f} virtual s, "
                   f"{r['real_s']:.0f} s real", file=sys.stderr, flush=True)
 
