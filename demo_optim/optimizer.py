@@ -151,8 +151,8 @@ class DeMo(torch.optim.Optimizer):
             return agg
         sums, counts = self._aggregate(payloads, plans, chain)
         agg = sums.flat.div_(counts.flat.clamp_(min=1))  # 0 where nobody sent: the sum is 0 there
-        if self.transport.shared_results and self.transport.world_size > 1:
-            slot.fill(payloads, key, (agg, self.last_contributors, self._rejected_now), self.transport.world_size - 1)
+        if self.transport.shared_results and len(payloads) > 1:  # every member got this list (fewer under churn)
+            slot.fill(payloads, key, (agg, self.last_contributors, self._rejected_now), len(payloads) - 1)
         return agg
 
     def _reject(self, rank: int, reason: Any) -> None:

@@ -338,6 +338,16 @@ class DDP(Algorithm):
             if collective.all_reduce_compressed_(self.transport, grads, self.codec, 0.0, key="grads") == 0:
                 grads[0].fill_(float("nan"))
 
+    def shared_state(self) -> dict[str, Any]:
+        """Also the optimizer's state: DDP's workers hold one replica, moments included, so a worker that joins
+        takes them too (with fresh moments its replica would drift from the others')."""
+        return {**super().shared_state(), "optimizer": self.optimizer.state_dict()}
+
+    def load_shared_state(self, state: dict[str, Any]) -> None:
+        super().load_shared_state(state)
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self.codec is not None:

@@ -26,7 +26,8 @@ EXAMPLES = {
   loco simulate --workers 8 --set algo.inner_steps=50 --bandwidth 100Mbit --latency 50ms
   loco simulate --speeds 1,1,0.5,0.25 --set sync.mode=time --set sync.time_budget_s=5s
   loco simulate --config tiny --set algo.name=streaming --set algo.fragments=4 --baseline none
-  loco simulate --links configs/links-home-uplink.csv --step-time 30   # home uplinks through a day""",
+  loco simulate --links configs/links-home-uplink.csv --step-time 30   # home uplinks through a day
+  loco simulate --workers 8 --step-time 2 --churn poisson:mtbf=10m,rejoin=2m   # workers leave and come back""",
     "join": """examples:
   loco join --config tiny --port 31337                       # start a run; prints the line others paste
   loco join --config tiny --peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
@@ -115,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--links", metavar="FILE",
                    help="replay per-worker bandwidth and latency over virtual time from a trace (sim.links), "
                         "e.g. --links configs/links-home-uplink.csv")
+    g.add_argument("--churn", metavar="SPEC",
+                   help="workers leave and come back (sim.churn): a trace file (time or round, worker, leave|join) "
+                        "or a distribution, e.g. --churn poisson:mtbf=30m,rejoin=5m")
     g.add_argument("--offload", action="store_true", default=None,
                    help="keep idle workers' state off the accelerator (sim.offload)")
     g.add_argument("--baseline", choices=["ddp", "none"],
@@ -219,7 +223,8 @@ def _load(args: argparse.Namespace):
             extra[key] = (value, "--" + flag.replace("_", "-"))
     for flag, key in (("workers", "sim.workers"), ("speeds", "sim.speeds"), ("speed_dist", "sim.speed_dist"),
                       ("bandwidth", "sim.bandwidth"), ("latency", "sim.latency"), ("step_time", "sim.step_time"),
-                      ("offload", "sim.offload"), ("baseline", "sim.baseline"), ("links", "sim.links")):
+                      ("offload", "sim.offload"), ("baseline", "sim.baseline"), ("links", "sim.links"),
+                      ("churn", "sim.churn")):
         value = getattr(args, flag, None)
         if value is not None:
             extra[key] = (value, "--" + flag.replace("_", "-"))

@@ -140,6 +140,9 @@ class SimConfig:
     links: Optional[str] = _f(None, "A link trace (CSV or YAML: time, worker or *, bandwidth, latency) replayed over "
                                     "virtual time instead of sim.bandwidth and sim.latency, e.g. "
                                     "configs/links-home-uplink.csv (--links).")
+    churn: Optional[str] = _f(None, "Workers leaving and coming back: a trace (CSV or YAML: time or round, worker, "
+                                    "leave|join) or poisson:mtbf=DURATION,rejoin=DURATION, e.g. poisson:mtbf=30m,"
+                                    "rejoin=5m (--churn); worker 0 stays.")
     offload: bool = _f(False, "Keep idle workers' model and optimizer state off the accelerator.")
     baseline: Literal["ddp", "none"] = _f("ddp", "Also simulate DDP on the same tokens and compare (ignored when algo.name is ddp).")
 
@@ -487,6 +490,16 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
             LinkTrace.load(sim.links).check_workers(sim.workers)
         except (OSError, LinkTraceError) as e:
             fail("sim.links", str(e))
+    if sim.churn:
+        from diloco.sim.churn import ChurnError, ChurnSchedule
+
+        try:
+            ChurnSchedule.parse(sim.churn, sim.workers, cfg.run.seed)
+        except (OSError, ChurnError) as e:
+            fail("sim.churn", str(e))
+        if cfg.algo.name == "streaming" and cfg.algo.overlap_steps > 0:
+            fail("sim.churn", "Streaming DiLoCo with algo.overlap_steps > 0 has exchanges in flight that a joining "
+                              "worker cannot take over; use algo.overlap_steps=0 with churn")
 
 
 def resolve_config_path(name: str) -> str:

@@ -20,7 +20,6 @@ loop:
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import random
@@ -29,8 +28,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
-
-import torch
 
 from diloco.comm import check_run_name, fingerprint, make_transport, merge_ledgers, read_swarm
 from launch.config import Config
@@ -172,22 +169,15 @@ class Peer:
         return fingerprint(self.trainer.algo.global_parameters())
 
     def state_blob(self) -> bytes:
-        buf = io.BytesIO()
-        torch.save({"schema": self.schema, "epoch": self.transport.epoch, **self.trainer.algo.shared_state()}, buf)
-        return buf.getvalue()
+        return self.trainer.shared_state_blob(schema=self.schema, epoch=self.transport.epoch)
 
     def load_state(self, blob: bytes, source: str = "a peer") -> None:
-        try:
-            state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise RunError(f"the state from {source} does not load: {e}") from None
-        if state.get("schema") != self.schema:
-            raise RunError(f"{source} trains another model or algorithm than this config ({state.get('schema')} "
-                           f"vs {self.schema}): join with the run's --config")
-        try:
-            self.trainer.algo.load_shared_state(state)
-        except (ValueError, KeyError) as e:
-            raise RunError(f"the state from {source} does not fit this model: {e}") from None
+        def same_run(state: dict[str, Any]) -> None:
+            if state.get("schema") != self.schema:
+                raise RunError(f"{source} trains another model or algorithm than this config "
+                               f"({state.get('schema')} vs {self.schema}): join with the run's --config")
+
+        state = self.trainer.load_shared_blob(blob, source, check=same_run)
         self.transport.epoch = int(state["epoch"])
         self.transport.stale = False
 

@@ -8,7 +8,11 @@ summary.json adds ``bytes_sent_per_worker``, ``virtual_wall_s``,
 time went (``virtual_compute_s_per_worker``, ``virtual_wait_s_per_worker``,
 ``virtual_send_s_per_worker``) and the virtual step time with where it came
 from (``virtual_step_time_s``: ``sim.step_time``, or the median of the run's
-measured steps). ``sim.links`` replays a trace of per-worker links. Unless told otherwise
+measured steps). ``sim.links`` replays a trace of per-worker links. ``sim.churn`` takes workers out
+of the run and back (:mod:`diloco.sim.churn`): a worker that comes back builds a new Trainer and takes the
+run's state as a ``loco join`` peer does (:meth:`Trainer.shared_state_blob` / :meth:`Trainer.join_at`, the
+bytes timed on its link); ``rounds.jsonl`` then records each round's members, their weights, who left during
+it and who joins after it, and the summary each worker's time away. Unless told otherwise
 (``sim.baseline: none``), a DDP run on the same tokens follows in
 ``RUN/baseline-ddp``, on the same virtual step time, and a table compares the two.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -24,6 +29,8 @@ from typing import Any, Optional
 import torch
 
 from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers
+from diloco.sim.churn import ChurnError, ChurnSchedule
+from diloco.sim.group import WorkerLeft
 from launch.config import Config, ConfigError
 from launch.data import TokenData, load_data
 from launch.metrics import equal_time_comparison, human_bytes, plot_runs
@@ -48,9 +55,77 @@ def network_of(cfg: Config) -> NetworkModel:
     return NetworkModel(parse_bandwidth(sim.bandwidth) if sim.bandwidth else None, sim.latency, links)
 
 
+def churn_of(cfg: Config) -> Optional[ChurnSchedule]:
+    """``sim.churn`` as a schedule (None: every worker stays for the whole run)."""
+    if not cfg.sim.churn:
+        return None
+    if cfg.run.resume:
+        raise ConfigError("sim.churn: a simulation with churn cannot be resumed (its members change from round to "
+                          "round); run it again with --restart, or without --churn")
+    try:
+        return ChurnSchedule.parse(cfg.sim.churn, cfg.sim.workers, cfg.run.seed)
+    except (OSError, ChurnError) as e:
+        raise ConfigError(f"sim.churn: {e}") from None
+
+
 def move_worker_state(trainer: Trainer, device: torch.device) -> None:
     """Move a worker's model and every state its algorithm keeps to ``device`` (``algo.offload_outer`` stays put)."""
     trainer.algo.to(device)
+
+
+class Membership:
+    """Rank 0's view of a run with churn: at each round boundary (each step for DDP) it records the round's
+    members in ``rounds.jsonl`` and lets the workers whose time to come back has come join the next round."""
+
+    def __init__(self, group: InProcessGroup, churn: ChurnSchedule) -> None:
+        self.group, self.churn = group, churn
+        self.rounds = 0
+        self.present_sum = 0
+        self.fewest: Optional[int] = None
+        self.path: Optional[Path] = None
+        # what joiners admitted at the latest boundary take: worker 0's state then, its step and run folder (taken
+        # at the boundary: by the time a joiner runs, worker 0 may have begun its next step, and DeMo's weight
+        # decay, for one, changes the parameters before the step's exchange)
+        self.snapshot: Optional[tuple[bytes, int, Path]] = None
+
+    def start(self, trainer: Trainer) -> None:
+        self.path = trainer.run_dir / "rounds.jsonl"
+        self.path.write_text("")  # this run's rounds only
+
+    def watch(self, rank: int, trainer: Trainer) -> None:
+        trainer.on_step_end = lambda synced, info: self.boundary(rank, trainer, synced, info)
+
+    def boundary(self, rank: int, trainer: Trainer, synced: bool, info: dict[str, Any]) -> None:
+        """The end of a step of ``rank``: at a round boundary (an exchange: DiLoCo's rounds, Streaming's fragment
+        syncs, DDP's steps) it counts the worker's round; worker 0 also records the round and admits joiners."""
+        g = self.group
+        if trainer.algo.round_based and not synced:
+            return
+        g.rounds[rank] += 1
+        if rank != 0:
+            return
+        members = list(g.last_members)
+        weights = g.contributions if g.contributions is not None else {str(m): 1.0 for m in members}
+        g.contributions = None
+        now = g.clock[0]
+        joining = [w for w in g.parked() if self.churn.joins_now(w, g.seconds(now), g.rounds[0])]
+        if joining:
+            self.snapshot = (trainer.shared_state_blob(), trainer.step, trainer.run_dir)
+        for w in joining:
+            g.admit(w, now)
+        rec = {"round": g.rounds[0] - 1, "step": trainer.step, "virtual_s": round(g.seconds(now), 4),
+               "members": members, "weights": {k: float(v) for k, v in weights.items()},
+               "left": sorted(g.left_now), "joining": joining}
+        g.left_now = []
+        self.rounds += 1
+        self.present_sum += len(members)
+        self.fewest = len(members) if self.fewest is None else min(self.fewest, len(members))
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def summary(self) -> dict[str, Any]:
+        return {"rounds": self.rounds, "mean_members": self.present_sum / self.rounds if self.rounds else None,
+                "fewest_members": self.fewest}
 
 
 def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool = False) -> dict[str, Any]:
@@ -61,9 +136,11 @@ def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool =
     :class:`Interrupted` is raised, and ``--resume`` continues the run as if it had not stopped.
     """
     sim = cfg.sim
+    churn = churn_of(cfg)
     data = data or load_data(cfg.data)
     speeds = resolve_speeds(sim.workers, sim.speeds, sim.speed_dist, cfg.run.seed)
-    group = InProcessGroup(sim.workers, speeds, network_of(cfg), sim.step_time)
+    group = InProcessGroup(sim.workers, speeds, network_of(cfg), sim.step_time, churn=churn)
+    membership = Membership(group, churn) if churn is not None else None
     trainers: list[Optional[Trainer]] = [None] * sim.workers
     if sim.offload:
         def park(rank: int) -> None:
@@ -76,15 +153,35 @@ def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool =
 
         group.on_release, group.on_acquire = park, unpark
 
+    def come_back(rank: int, transport) -> Trainer:
+        """A worker that left joins again: a new Trainer on the run's state, downloaded from worker 0."""
+        blob, step, run_dir = membership.snapshot
+        group.download(rank, len(blob))
+        trainer = Trainer(cfg, transport=transport, data=data, join_run=run_dir)
+        trainer.join_at(blob, step, "worker 0")
+        return trainer
+
     def worker(rank: int, transport) -> Any:
-        trainers[rank] = Trainer(cfg, transport=transport, data=data, restart=restart)
-        trainers[rank].stop_on_request = True  # every worker checks the stop request at the same points
+        trainer = Trainer(cfg, transport=transport, data=data, restart=restart)
+        if membership is not None and rank == 0:
+            membership.start(trainer)
         try:
-            return trainers[rank].fit()
-        except Interrupted as e:
-            if not e.clean:
-                raise
-            return e  # every worker stops here; raised once they all have (rank 0 may still be saving)
+            while True:
+                trainers[rank] = trainer
+                if membership is not None:
+                    membership.watch(rank, trainer)
+                trainer.stop_on_request = True  # every worker checks the stop request at the same points
+                try:
+                    return trainer.fit()
+                except WorkerLeft:
+                    trainers[rank] = trainer = None
+                    if not group.wait_to_join(rank):
+                        return None  # the run ended while this worker was away
+                    trainer = come_back(rank, transport)
+                except Interrupted as e:
+                    if not e.clean:
+                        raise
+                    return e  # every worker stops here; raised once they all have (rank 0 may still be saving)
         finally:
             trainers[rank] = None  # free the worker's memory as soon as it is done
 
@@ -92,7 +189,14 @@ def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool =
     stopped = [r for r in results if isinstance(r, Interrupted)]
     if stopped:
         raise stopped[0]  # rank 0's first: it names the checkpoint
-    return results[0]
+    summary = results[0]
+    if membership is not None:
+        summary["membership"] = membership.summary()
+        path = Path(summary["run_dir"]) / "summary.json"
+        tmp = path.with_name(".summary.json.tmp")
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, path)
+    return summary
 
 
 def baseline_config(cfg: Config, run_dir: Path) -> Config:
@@ -194,22 +298,24 @@ def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel) 
             lines.extend(_equal_time_lines(name, equal))
         lines.append(f"plot: {Path(a['run_dir']) / 'compare.png'}")
     for label, s in rows:
+        lines.extend(_churn_lines(label, s))
         lines.extend(_time_split_lines(label, s))
     return "\n".join(lines)
 
 
 def _time_split_lines(label: str, s: dict[str, Any], most: int = 8) -> list[str]:
-    """Where each worker's virtual time went: ``worker 0: compute 80.1%, waiting 2.3%, sending 17.6%``; with
-    more than ``most`` workers, the least and the most computing ones and the mean."""
+    """Where each worker's virtual time went: ``worker 0: compute 80.1%, waiting 2.3%, sending 17.6%`` (and
+    ``away`` under churn); with more than ``most`` workers, the least and the most computing ones and the mean."""
     compute, wait, send = (s.get(k) for k in ("virtual_compute_s_per_worker", "virtual_wait_s_per_worker",
                                                 "virtual_send_s_per_worker"))
+    away = s.get("virtual_away_s_per_worker")
     wall = s.get("virtual_wall_s")
     if not (compute and wait and send and wall):
         return []
+    parts = [("compute", compute), ("waiting", wait), ("sending", send)] + ([("away", away)] if away else [])
 
     def share(i: int) -> str:
-        return (f"compute {100 * compute[i] / wall:.1f}%, waiting {100 * wait[i] / wall:.1f}%, "
-                f"sending {100 * send[i] / wall:.1f}%")
+        return ", ".join(f"{name} {100 * values[i] / wall:.1f}%" for name, values in parts)
 
     if len({share(i) for i in range(len(compute))}) == 1:
         return [f"{label}, every worker's virtual time: {share(0)}"]
@@ -219,10 +325,21 @@ def _time_split_lines(label: str, s: dict[str, Any], most: int = 8) -> list[str]
         lo, hi = min(order, key=lambda i: compute[i]), max(order, key=lambda i: compute[i])
         order = [lo, hi]
         n = len(compute)
-        lines.append(f"  mean of {n}: compute {100 * sum(compute) / n / wall:.1f}%, waiting "
-                     f"{100 * sum(wait) / n / wall:.1f}%, sending {100 * sum(send) / n / wall:.1f}%")
+        lines.append(f"  mean of {n}: " + ", ".join(f"{name} {100 * sum(values) / n / wall:.1f}%"
+                                                     for name, values in parts))
     lines.extend(f"  worker {i}: {share(i)}" for i in order)
     return lines
+
+
+def _churn_lines(label: str, s: dict[str, Any]) -> list[str]:
+    """``diloco x8 (H=50): churn poisson:...: 5 leaves, 4 joins; 6.9 of 8 workers per round on average (fewest 5)``"""
+    m = s.get("membership")
+    if not s.get("churn") or not m:
+        return []
+    mean = f"{m['mean_members']:.1f}" if m.get("mean_members") is not None else "n/a"
+    return [f"{label}: churn {s['churn']}: {sum(s.get('leaves_per_worker', []))} leaves, "
+            f"{sum(s.get('joins_per_worker', []))} joins; {mean} of {len(s.get('leaves_per_worker', []))} workers per "
+            f"round on average (fewest {m.get('fewest_members')}); compute util counts the time in the run only"]
 
 
 def _equal_time_lines(name: str, equal: dict[str, Any]) -> list[str]:

@@ -23,6 +23,7 @@ Python API::
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -283,12 +284,18 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     def __init__(self, cfg: Config, model: Optional[nn.Module] = None, transport: Optional[Transport] = None,
                  data: Optional[TokenData] = None, on_step: Optional[Callable[[int, dict], None]] = None,
-                 restart: bool = False) -> None:
-        """``restart``: start over from step 0 in ``run.dir``, moving its checkpoints and metrics aside."""
+                 restart: bool = False, join_run: Optional[Path] = None) -> None:
+        """``restart``: start over from step 0 in ``run.dir``, moving its checkpoints and metrics aside.
+        ``join_run``: the folder of a run in progress that this worker joins (a simulated worker coming back):
+        it starts without the start-up collectives, and the caller loads the run's state (:meth:`join_at`)."""
         self.cfg = cfg
         self.restart = restart
+        self.joining = join_run
         self.on_step = on_step
         self.on_round: Optional[Callable[[dict], None]] = None  # called after every round's sync (loco join)
+        # called at the end of every step with whether it synced, where every worker's next collective is the
+        # same (the simulator admits joining workers there)
+        self.on_step_end: Optional[Callable[[bool, dict], None]] = None
         run = cfg.run
         if run.threads:
             torch.set_num_threads(run.threads)
@@ -318,7 +325,7 @@ class Trainer:
         self._compile()
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, transport=self.transport, cfg=cfg)
         self.tokens_per_step = run.batch_size * procs * cfg.data.seq_len  # per worker
-        if self.world > 1:  # every worker starts from rank 0's parameters (also the global copy of DiLoCo)
+        if self.world > 1 and join_run is None:  # every worker starts from rank 0's parameters (and DiLoCo's copy)
             with torch.no_grad():
                 self.transport.broadcast_tensors_([p.data for p in self.model.parameters()], 0)
         self.algo = build_algorithm(cfg, self.model, self.optimizer, self.transport, self.tokens_per_step, self.inner)
@@ -361,6 +368,8 @@ class Trainer:
 
     def _prepare_run_dir(self) -> Path:
         run = self.cfg.run
+        if self.joining is not None:
+            return Path(self.joining)
         if self.restart:  # starts over, whatever the run's config.yaml says (a resume attempt wrote resume: true)
             run.resume = False
         if self.elastic_restart() and not run.resume:
@@ -398,7 +407,7 @@ class Trainer:
             os.replace(tmp, self.run_dir / "config.yaml")
 
     def _maybe_resume(self) -> Optional[Path]:
-        if not self.cfg.run.resume:
+        if not self.cfg.run.resume or self.joining is not None:
             return None
         found = None
         if self.leader:
@@ -482,6 +491,33 @@ class Trainer:
         self.transport.stats.bytes_sent = int(comm.get("bytes_sent", 0))
         self.transport.stats.bytes_received = int(comm.get("bytes_received", 0))
         self.transport.stats.peak_bytes = int(comm.get("peak_bytes", 0))
+
+    def shared_state_blob(self, **extra: Any) -> bytes:
+        """What every worker shares (:meth:`Algorithm.shared_state`) and ``extra``, as the bytes a joining worker
+        downloads (``loco join``, and a simulated worker that comes back)."""
+        buf = io.BytesIO()
+        torch.save({**extra, **self.algo.shared_state()}, buf)
+        return buf.getvalue()
+
+    def load_shared_blob(self, blob: bytes, source: str = "a peer",
+                         check: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
+        """Take a :meth:`shared_state_blob`; ``check(state)`` may refuse it with a RunError first. Returns it."""
+        try:
+            state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise RunError(f"the state from {source} does not load: {e}") from None
+        if check is not None:
+            check(state)
+        try:
+            self.algo.load_shared_state(state)
+        except (ValueError, KeyError) as e:
+            raise RunError(f"the state from {source} does not fit this model: {e}") from None
+        return state
+
+    def join_at(self, blob: bytes, step: int, source: str) -> None:
+        """A worker joining a run in progress (``join_run``): the run's state, at the run's step."""
+        self.load_shared_blob(blob, source)
+        self.step = self.start_step = self.algo.steps = step  # schedules keyed by step (Streaming's) follow the run
 
     def save(self) -> Optional[Path]:
         """Rank 0 writes; algorithms whose workers differ first gather every worker's state (a collective)."""
@@ -618,7 +654,8 @@ class Trainer:
         if listening:
             STOP.listening += 1
         try:
-            synced = False
+            # a worker that joins does so where the others' last step synced (round-based) or at any step (DDP)
+            synced = self.joining is not None and self.algo.round_based
             while not self._should_stop(synced):
                 lr = self._set_lr()
                 step_loss = None  # stays on the device: read back only at log steps (no host sync per step)
@@ -653,6 +690,8 @@ class Trainer:
                     window_t = time.perf_counter()
                 if self._checkpoint_due(synced):
                     self.save()
+                if self.on_step_end is not None:
+                    self.on_step_end(synced, info)
         except KeyboardInterrupt as e:
             # a plain KeyboardInterrupt (the Python API without stop_signals) saves at this step; an Interrupted
             # here is a second signal, or one the loop could not wait for (torchrun): it stops without saving
@@ -730,6 +769,9 @@ class Trainer:
         """Tokens trained by all workers (with time-budgeted rounds: as agreed at the last sync)."""
         if self.time_rounds:
             return int(self.algo.tokens_agreed)
+        steps = self.transport.steps_trained()
+        if steps is not None:  # the members changed (a simulation with churn)
+            return steps * self.tokens_per_step
         return self.step * self.tokens_per_step * self.world
 
     def _finish(self) -> dict[str, Any]:
@@ -753,8 +795,11 @@ class Trainer:
         mine = {"worker": self.rank, "tokens": self.step * self.tokens_per_step, "bytes_sent": stats.bytes_sent,
                 "bytes_received": stats.bytes_received, "val_loss": val, "steps": self.step}
         workers = self.transport.all_gather_object(mine)
+        tokens = sum(w["tokens"] for w in workers)
+        if self.transport.steps_trained() is not None:  # also what workers away at the end trained
+            tokens = self.tokens_seen()
         summary = {
-            "val_loss": val, "steps": self.step, "tokens": sum(w["tokens"] for w in workers),
+            "val_loss": val, "steps": self.step, "tokens": tokens,
             "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "wall_s": self.wall_s(),
             "peak_bytes_per_exchange": stats.peak_bytes, "algorithm": self.cfg.algo.name, "workers": workers,
             "num_workers": self.world, "codec": self.cfg.compress.codec, **self._codec_summary(),

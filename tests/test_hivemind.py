@@ -509,6 +509,46 @@ def test_peers_train_together_survive_a_crash_and_a_late_joiner_starts_from_the_
     # the ledger of a survivor credits the crashed peer for its rounds
     ledger = json.loads((tmp_path / "a" / "ledger.json").read_text())["peers"]
     assert len(ledger) == 4 and all(v["tokens"] > 0 for v in ledger.values())
+    # the simulator replays this swarm's churn (c killed, d joining in its place) with the same members and
+    # weights per round
+    simulated_churn_matches(tmp_path)
+
+
+def simulated_churn_matches(tmp: Path) -> None:
+    """From the first round of a, b and c to d's last: each round's members as a saw them, with c and d as one
+    worker slot (a peer killed and another started in its place, as a restart is), become a churn trace; a
+    simulation of 3 workers on that trace must record the same members per round, each weighted by the tokens
+    of a full round, as the peers' rounds did."""
+    from launch.config import load_config
+    from launch.simulate import simulate_once
+
+    ids = {json.loads((tmp / n / "ledger.json").read_text())["observer"]: n for n in "abcd"}
+    slot = {"a": 0, "b": 1, "c": 2, "d": 2}
+    a = sorted(rounds(tmp, "a"), key=lambda r: r["epoch"])
+    first = next(r["epoch"] for r in a if {ids.get(m) for m in r["members"]} >= {"a", "b", "c"})
+    last = rounds(tmp, "d")[-1]["epoch"]
+    window = [r for r in a if first <= r["epoch"] <= last]
+    assert [r["epoch"] for r in window] == list(range(first, last + 1)), "a skipped an epoch"
+    seen = [sorted(slot[ids[m]] for m in r["members"]) for r in window]
+    events, present = [], {0, 1, 2}
+    for k, members in enumerate(seen):
+        for w in (1, 2):
+            if (w in members) != (w in present):
+                events.append(f"{k},{w},{'join' if w in members else 'leave'}")
+        present = set(members)
+    assert any(e.endswith(",2,leave") for e in events) and any(e.endswith(",2,join") for e in events), seen
+    trace = tmp / "churn.csv"
+    trace.write_text("round,worker,event\n" + "".join(e + "\n" for e in events))
+    sets = [kv for kv in PEER[PEER.index("--set"):] if kv != "--set"]
+    cfg, _ = load_config([TINY], [*sets, "algo.name=diloco", "sim.workers=3", "sim.baseline=none",
+                                  "sim.step_time=1", "run.eval_every=0", f"run.max_steps={10 * len(window)}",
+                                  f"sim.churn={trace}", f"run.dir={tmp / 'sim'}"])
+    simulate_once(cfg)
+    sim = [json.loads(l) for l in (tmp / "sim" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["members"] for r in sim] == seen
+    full = 10 * 4 * 64  # a round's tokens: H steps of batch 4 x 64
+    assert all(set(r["weights"].values()) == {float(full)} for r in sim)
+    assert [r["total_weight"] for r in window] == [full * len(m) for m in seen]
 
 
 def summary(tmp: Path, name: str) -> dict:

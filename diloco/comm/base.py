@@ -147,6 +147,11 @@ class Transport(ABC):
     def advance_compute(self, seconds: float) -> None:
         """The loop reports each step's compute time; the simulator turns it into virtual time."""
 
+    def steps_trained(self) -> Optional[int]:
+        """Steps all workers trained together, where the members change (the simulator under churn); None where
+        every worker trains every step (then it is ``world_size x step``)."""
+        return None
+
     def metrics(self) -> dict[str, Any]:
         """Extra per-log-line metrics of this transport (virtual time in the simulator)."""
         return {}

@@ -30,6 +30,15 @@ decisions that read a clock (which worker arrives last, a time-budgeted round's
 end) use the median of the steps measured so far. With ``step_time`` given,
 the virtual times depend on the bytes and step counts only: the same settings
 give the same times on any machine, however loaded.
+
+Churn (a :class:`diloco.sim.churn.ChurnSchedule`) makes membership change. A
+worker that leaves (checked after each of its steps) is dropped from the
+group at once, as a killed peer would be: the collective in progress goes on
+with the others, and its greenlet parks until it is admitted again at a round
+boundary (:meth:`InProcessGroup.admit`). Collectives then combine the present
+members only, and the endpoints behave like ``loco join`` peers: no fixed
+ranks, so averages travel with their weights and are validated
+(``fixed_ranks = False``). Time away counts neither as compute nor as waiting.
 """
 
 from __future__ import annotations
@@ -88,7 +97,7 @@ class VirtualTime:
 
 class InProcessGroup:
     def __init__(self, world: int, speeds: Optional[Sequence[float]] = None, network: Optional[NetworkModel] = None,
-                 step_time: Optional[float] = None) -> None:
+                 step_time: Optional[float] = None, churn: Optional["ChurnSchedule"] = None) -> None:
         if world < 1:
             raise ValueError(f"the number of workers must be >= 1, got {world}")
         self.world = world
@@ -112,33 +121,94 @@ class InProcessGroup:
         self.sending = [VirtualTime()] * world
         self.link_free_at = VirtualTime()
         self.measured = RunningMedian()  # every step's measured compute seconds, all workers
+        # membership: who is in the run now; under churn, away workers park until admitted again
+        self.churn = churn
+        self.up = [True] * world
+        self.away = [VirtualTime()] * world  # virtual time each worker spent out of the run
+        self.steps_done = [0] * world  # steps each worker trained, over all the times it was in the run
+        self.leaves = [0] * world
+        self.joins = [0] * world
+        self.rounds = [0] * world  # the round each worker is in (its round boundaries so far; a joiner: worker 0's)
+        self.left_now: list[int] = []  # workers that left since the last round boundary
+        self.run_over = False  # every member finished: parked workers are let go
+        self.last_members: list[int] = list(range(world))  # whose values the latest collective combined
+        self.contributions: Optional[dict[str, float]] = None  # the latest robust mean's weight per member
+        self._combine: Optional[Callable[[list[Any]], Any]] = None
+        self._comm_s: Optional[Callable[[list[Any], float], float]] = None
         self.endpoints = [InProcessTransport(self, r) for r in range(world)]
 
     # ---- the one rendezvous everything is built on -------------------------------------------
     def rendezvous(self, rank: int, value: Any, combine: Callable[[list[Any]], Any],
                    comm_s: Callable[[list[Any], float], float] | None = None) -> tuple[Any, VirtualTime, VirtualTime]:
         """Every worker brings ``value``; returns ``combine(values in rank order)`` and the virtual end and start
-        times. ``comm_s(values, at)``: how long the collective takes if it starts at ``at`` virtual seconds."""
+        times. ``comm_s(values, at)``: how long the collective takes if it starts at ``at`` virtual seconds.
+        Under churn, "every worker" is every member present now (:attr:`last_members` says who)."""
         self._values[rank] = value
         self._present[rank] = True
-        if all(self._present):
-            values = self._values
-            result = combine(values)
-            start = self.latest(self.clock)
-            seconds = 0.0
-            if comm_s:
-                on_link = self.latest([start, self.link_free_at])  # when the link can take it
-                seconds = comm_s(values, self.seconds(on_link))
-                if seconds > 0:
-                    start = on_link
-                    self.link_free_at = start.plus(seconds)
-            self._result = (result, start.plus(seconds), start)
-            self._values = [None] * self.world
-            self._present = [False] * self.world
-            self.runnable.extend(r for r in range(self.world) if r != rank)  # everyone else may go on
+        self._combine, self._comm_s = combine, comm_s
+        if self._complete_if_ready(rank):
             return self._result
         self._yield(rank)
         return self._result  # valid: the next collective cannot complete before this worker joins it
+
+    def _complete_if_ready(self, caller: int) -> bool:
+        """Combine the values once every member has brought one; wake the members but ``caller``."""
+        members = [r for r in range(self.world) if self.up[r]]
+        if not members or not all(self._present[r] for r in members):
+            return False
+        self.last_members = members
+        values = [self._values[r] for r in members]
+        result = self._combine(values)
+        start = self.latest(self.clock[r] for r in members)
+        seconds = 0.0
+        if self._comm_s:
+            on_link = self.latest([start, self.link_free_at])  # when the link can take it
+            seconds = self._comm_s(values, self.seconds(on_link))
+            if seconds > 0:
+                start = on_link
+                self.link_free_at = start.plus(seconds)
+        self._result = (result, start.plus(seconds), start)
+        self._values = [None] * self.world
+        self._present = [False] * self.world
+        self.runnable.extend(r for r in members if r != caller)  # everyone else may go on
+        return True
+
+    # ---- churn ------------------------------------------------------------------------------
+    def leave(self, rank: int) -> None:
+        """``rank`` drops out now (it is computing, so it waits in no collective); a collective that only
+        lacked it completes without it."""
+        self.up[rank] = False
+        self.leaves[rank] += 1
+        self.left_now.append(rank)
+        if any(self._present):
+            self._complete_if_ready(rank)
+
+    def wait_to_join(self, rank: int) -> bool:
+        """Park the away worker ``rank`` until :meth:`admit` lets it in (True) or the run is over (False)."""
+        self._yield(rank)
+        return not self.run_over
+
+    def admit(self, rank: int, at: VirtualTime) -> None:
+        """Let the away worker ``rank`` back in at virtual time ``at`` (a round boundary on rank 0's clock)."""
+        if self.seconds(at) > self.seconds(self.clock[rank]):
+            self.away[rank] = _add(self.away[rank], at, self.clock[rank])
+            self.clock[rank] = at
+        self.up[rank] = True
+        self.rounds[rank] = self.rounds[0]
+        self.joins[rank] += 1
+        self.runnable.append(rank)
+
+    def parked(self) -> list[int]:
+        return [r for r in range(self.world) if not self.up[r]]
+
+    def download(self, rank: int, nbytes: int) -> float:
+        """A joiner fetches ``nbytes`` of the run's state over its link: its clock moves on by the transfer, which
+        counts as time on the wire (``sending``) and as bytes received."""
+        seconds = self.network.transfer_s(rank, nbytes, self.seconds(self.clock[rank]))
+        start = self.clock[rank]
+        self.advance_to(rank, start, start.plus(seconds))
+        self.endpoints[rank].stats.bytes_received += nbytes
+        return seconds
 
     def _yield(self, rank: int) -> None:
         """Give the device to the next worker until this one is runnable again."""
@@ -154,6 +224,11 @@ class InProcessGroup:
 
     def waiting(self) -> list[int]:
         return [r for r, here in enumerate(self._present) if here]
+
+    def end(self) -> None:
+        """Every member finished: let the parked workers go (their :meth:`wait_to_join` returns False)."""
+        self.run_over = True
+        self.runnable.extend(self.parked())
 
     # ---- virtual time -----------------------------------------------------------------------
     def step_time_s(self) -> float:
@@ -188,23 +263,36 @@ class InProcessGroup:
         self.clock[rank] = end
 
     # ---- reporting --------------------------------------------------------------------------
+    def _tails(self) -> tuple[float, list[float], list[float]]:
+        """The wall time, and each worker's away seconds and idle tail (from its clock to the wall) at the end;
+        a worker away at the end spends its tail away."""
+        wall = max(self.seconds(c) for c in self.clock)
+        away = [self.seconds(a) for a in self.away]
+        tail = [wall - self.seconds(c) for c in self.clock]
+        for r in range(self.world):
+            if not self.up[r]:
+                away[r] += tail[r]
+                tail[r] = 0.0
+        return wall, away, tail
+
     def time_split(self) -> dict[str, list[float]]:
         """Virtual seconds of each worker computing, waiting (for the others at a collective, for the link, and
-        at the end for the last worker to finish) and sending (a collective's time on the wire that the
-        worker waited for; what Streaming DiLoCo overlaps with compute is not counted)."""
-        wall = max(self.seconds(c) for c in self.clock)
-        compute = self.compute_s
-        waited = [self.seconds(w) + wall - self.seconds(c) for w, c in zip(self.waited, self.clock)]
-        return {"compute": compute, "waiting": waited, "sending": [self.seconds(s) for s in self.sending]}
+        at the end for the last worker to finish), sending (a collective's time on the wire that the
+        worker waited for; what Streaming DiLoCo overlaps with compute is not counted) and away (churn)."""
+        _, away, tail = self._tails()
+        waited = [self.seconds(w) + t for w, t in zip(self.waited, tail)]
+        return {"compute": self.compute_s, "waiting": waited, "sending": [self.seconds(s) for s in self.sending],
+                "away": away}
 
     def summary(self) -> dict[str, Any]:
-        wall = max(self.seconds(c) for c in self.clock)
+        wall, away, _ = self._tails()
         compute = self.compute_s
         measured = self.measured.median()
         split = self.time_split()
-        return {
+        present = self.world * wall - sum(away)  # worker-seconds in the run: what compute could have filled
+        out = {
             "virtual_wall_s": wall,
-            "compute_utilization": (sum(compute) / (self.world * wall)) if wall > 0 else None,
+            "compute_utilization": (sum(compute) / present) if present > 0 else None,
             "bytes_sent_per_worker": [e.stats.bytes_sent for e in self.endpoints],
             "bytes_received_per_worker": [e.stats.bytes_received for e in self.endpoints],
             "virtual_compute_s_per_worker": compute,
@@ -218,6 +306,11 @@ class InProcessGroup:
             "speeds": list(self.speeds),
             "network": self.network.describe(),
         }
+        if self.churn is not None:
+            out.update({"churn": self.churn.source, "virtual_away_s_per_worker": away,
+                        "steps_per_worker": list(self.steps_done), "leaves_per_worker": list(self.leaves),
+                        "joins_per_worker": list(self.joins)})
+        return out
 
 
 def _add(total: VirtualTime, end: VirtualTime, begin: VirtualTime) -> VirtualTime:
@@ -238,6 +331,14 @@ class _VirtualHandle(Handle):
         return self.result
 
 
+class WorkerLeft(Exception):
+    """Raised in a simulated worker's loop when the churn schedule takes it out of the run."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"worker {rank} left the run")
+        self.rank = rank
+
+
 class InProcessTransport(Transport):
     """Rank ``rank`` of an :class:`InProcessGroup`."""
 
@@ -246,6 +347,8 @@ class InProcessTransport(Transport):
     def __init__(self, group: InProcessGroup, rank: int) -> None:
         super().__init__()
         self.group, self.rank, self.world_size = group, rank, group.world
+        # under churn the members change: averages go the way of peers without fixed ranks (loco join's)
+        self.fixed_ranks = group.churn is None
         self._deferred: Optional[list[tuple[VirtualTime, VirtualTime]]] = None
 
     def _finish(self, done: VirtualTime, start: VirtualTime) -> None:
@@ -292,15 +395,33 @@ class InProcessTransport(Transport):
     def all_gather_object(self, obj: Any) -> list[Any]:
         return self.group.rendezvous(self.rank, obj, list)[0]
 
+    def all_reduce_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
+        if self.fixed_ranks:
+            return super().all_reduce_(tensors, op)
+        from diloco.compress.collective import robust_all_reduce_
+
+        robust_all_reduce_(self, tensors, op)  # over the members present, as a loco join peer averages
+
     def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
-        net = self.group.network
-        result, done, start = self.group.rendezvous(
+        g = self.group
+        result, done, start = g.rendezvous(
             self.rank, bytes(payload), list,
-            lambda values, at: net.all_gather_at([sum(len(v) for v in values) - len(v) for v in values], at))
+            lambda values, at: g.network.all_gather_at([sum(len(v) for v in values) - len(v) for v in values], at,
+                                                       g.last_members))
         self._finish(done, start)
         return result
 
+    def member_names(self) -> list[str]:
+        return [str(r) for r in self.group.last_members]
+
+    def record_contributions(self, accepted: dict[str, float], rejected: dict[str, str],
+                             clipped: dict[str, float]) -> None:
+        self.group.contributions = dict(accepted)  # every member computes the same; rounds.jsonl reads it
+
     def _all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
+        if not self.fixed_ranks:
+            raise TransportError("a simulation with churn has no fixed ranks: it averages with all_reduce_* and "
+                                 "all_gather_bytes")
         net, w, me = self.group.network, self.world_size, self.rank
 
         def seconds(values: list[list[bytes]], at: float) -> float:
@@ -323,6 +444,15 @@ class InProcessTransport(Transport):
         steps = 1.0 / g.speeds[self.rank]
         g.clock[self.rank] = g.clock[self.rank].plus(steps=steps)
         g.compute_steps[self.rank] += steps
+        g.steps_done[self.rank] += 1
+        if g.churn is not None and g.churn.leaves_now(self.rank, self.now(), g.rounds[self.rank]):
+            g.leave(self.rank)
+            raise WorkerLeft(self.rank)
+
+    def steps_trained(self) -> Optional[int]:
+        """Under churn, the steps all workers computed, those lost with a worker that left included (``world x
+        step`` would count the time away too); else None."""
+        return sum(self.group.steps_done) if self.group.churn is not None else None
 
     def metrics(self) -> dict[str, Any]:
         """``virtual_s``: this worker's clock with the step time known so far; ``virtual_net_s`` and
@@ -356,9 +486,12 @@ def run_workers(group: InProcessGroup, fn: Callable[[int, Transport], Any]) -> l
     failure: Optional[tuple[int, Exception]] = None
     try:
         while not all(done):
+            if not group.runnable and group.churn is not None and not group.run_over and \
+                    all(done[r] or not group.up[r] for r in range(group.world)):
+                group.end()  # every member finished: the workers still away are let go
             if not group.runnable:
                 waiting = group.waiting()
-                missing = [r for r in range(group.world) if r not in waiting]
+                missing = [r for r in range(group.world) if r not in waiting and group.up[r]]
                 raise TransportError(f"workers {missing} did not reach a collective that workers {waiting} wait in "
                                      f"(they finished or failed first)")
             rank = group.runnable.popleft()

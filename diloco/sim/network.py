@@ -111,14 +111,20 @@ class NetworkModel:
         wire = 2 * (world - 1) * nbytes / world
         return max(self._on(*self.link(r, at), 2 * (world - 1), wire) for r in range(world))
 
-    def all_gather_at(self, received: Sequence[int], at: float) -> float:
-        """An all-gather in which worker r receives ``received[r]`` bytes, on the links at time ``at``."""
+    def all_gather_at(self, received: Sequence[int], at: float, ranks: Optional[Sequence[int]] = None) -> float:
+        """An all-gather in which the i-th member receives ``received[i]`` bytes, on the links at time ``at``;
+        ``ranks``: whose links those are (default: workers 0, 1, ...; fewer under churn)."""
         world = len(received)
         if world <= 1:
             return 0.0
         if self.links is None:
             return max(self.all_gather_s(n, world) for n in received)
-        return max(self._on(*self.link(r, at), world - 1, n) for r, n in enumerate(received))
+        ranks = range(world) if ranks is None else ranks
+        return max(self._on(*self.link(r, at), world - 1, n) for r, n in zip(ranks, received))
+
+    def transfer_s(self, rank: int, nbytes: int, at: float) -> float:
+        """One download of ``nbytes`` onto ``rank``'s link starting at ``at`` (a joiner fetching the run's state)."""
+        return self._on(*self.link(rank, at), 1, nbytes)
 
     def all_to_all_at(self, sent: Sequence[int], received: Sequence[int], at: float) -> float:
         """An all-to-all in which worker r sends ``sent[r]`` and receives ``received[r]`` bytes."""

@@ -1,0 +1,225 @@
+"""Churn in the simulator: schedules (files and distributions), membership per round, joiners taking the run's
+state, and the errors a user sees for a bad schedule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import FAST, TINY, run_cli
+from diloco.sim import InProcessGroup, run_workers
+from diloco.sim.churn import ChurnError, ChurnEvent, ChurnSchedule
+from diloco.sim.group import WorkerLeft
+from launch.config import ConfigError, load_config
+from launch.simulate import simulate_once
+
+QUICK = [*FAST, "run.batch_size=4", "run.eval_every=0", "run.checkpoint_every=0", "sim.baseline=none",
+         "sim.step_time=1"]
+
+TRACE = """# round-keyed: worker 1 misses rounds 1 and 2, worker 2 misses round 2 and is away at the end
+round,worker,event
+1,1,leave
+3,1,join
+2,2,leave
+"""
+
+
+def _rounds(run_dir) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "rounds.jsonl").read_text().splitlines()]
+
+
+# ---- schedules --------------------------------------------------------------------------------------
+def test_a_trace_reads_from_csv_and_yaml_alike(tmp_path):
+    (tmp_path / "c.csv").write_text(TRACE)
+    (tmp_path / "c.yaml").write_text("churn:\n  - {round: 1, worker: 1, event: leave}\n"
+                                     "  - {round: 3, worker: 1, event: join}\n  - {round: 2, worker: 2, event: leave}\n")
+    a, b = ChurnSchedule.parse(str(tmp_path / "c.csv"), 3), ChurnSchedule.parse(str(tmp_path / "c.yaml"), 3)
+    assert [e.describe() for e in a.events] == [e.describe() for e in b.events] == [
+        "worker 1 leaves at round 1", "worker 1 joins at round 3", "worker 2 leaves at round 2"]
+    # replay: a leave is due from its round on, once; a join only once the worker is away
+    assert not a.leaves_now(1, 0.0, 0) and a.leaves_now(1, 0.0, 1) and not a.leaves_now(1, 0.0, 1)
+    assert not a.joins_now(1, 0.0, 2) and a.joins_now(1, 0.0, 3)
+    assert not a.leaves_now(0, 99.0, 99)  # worker 0 has no events
+    timed = tmp_path / "t.csv"
+    timed.write_text("time,worker,event\n90s,2,leave\n2m,2,join\n")
+    t = ChurnSchedule.parse(str(timed), 3)
+    assert not t.leaves_now(2, 89.9, 5) and t.leaves_now(2, 90.0, 0) and not t.joins_now(2, 119.0, 9)
+    assert t.joins_now(2, 120.0, 0)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("round,worker,event\n1,0,leave\n", "worker 0 keeps the run's log"),
+    ("round,worker,event\n1,5,leave\n", "an event for worker 5, but there are 3 workers"),
+    ("round,worker,event\n1,1,leave\n2,1,leave\n", "worker 1 leaves at round 2, but it is already away"),
+    ("round,worker,event\n1,1,join\n", "worker 1 joins at round 1, but it is already in the run"),
+    ("round,worker,event\n1,1,vanish\n", "row 2: event 'vanish' must be leave or join"),
+    ("round,worker,event\n-1,1,leave\n", "row 2: round '-1' must be an integer >= 0"),
+    ("time,worker,event\nsoon,1,leave\n", "row 2: time:"),
+    ("worker,event\n1,leave\n", "the header must name worker, event and time or round"),
+    ("round,time,worker,event\n1,5s,1,leave\n", "row 2: give either a time or a round"),
+    ("round,worker,event\n", "no events"),
+])
+def test_a_bad_trace_names_its_file_and_row(tmp_path, text, expected):
+    path = tmp_path / "churn.csv"
+    path.write_text(text)
+    with pytest.raises(ChurnError) as e:
+        ChurnSchedule.parse(str(path), 3)
+    assert expected in str(e.value) and str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("poisson:mtbf=0s", "mtbf"),
+    ("poisson:rejoin=5m", "mtbf"),
+    ("poisson:mtbf=2h,every=5", "expected poisson:mtbf=DURATION"),
+    ("poisson:mtbf=later", "mtbf"),
+    ("nowhere.csv", "no such file"),
+])
+def test_a_bad_distribution_or_missing_file_says_what_it_expects(spec, expected):
+    with pytest.raises(ChurnError, match=expected):
+        ChurnSchedule.parse(spec, 4)
+
+
+def test_a_distribution_is_seeded_per_worker_and_spares_worker_0():
+    def replay(seed):
+        s = ChurnSchedule.parse("poisson:mtbf=10s,rejoin=5s", 4, seed)
+        seen, away = [], {w: False for w in range(4)}
+        for t in range(0, 200):
+            for w in range(4):
+                if not away[w] and s.leaves_now(w, float(t), 0):
+                    seen.append((t, w, "leave"))
+                    away[w] = True
+                elif away[w] and s.joins_now(w, float(t), 0):
+                    seen.append((t, w, "join"))
+                    away[w] = False
+        return seen
+
+    a = replay(1)
+    assert a == replay(1) and a != replay(2)
+    assert all(w != 0 for _, w, _ in a)
+    leaves = [e for e in a if e[2] == "leave"]
+    assert 20 <= len(leaves) <= 80  # 3 workers, about 200 / 15 cycles each
+    # up-times follow the mean: an exponential of mean 10 s, measured from each (re)join
+    assert {w for _, w, _ in a} == {1, 2, 3}
+
+
+# ---- the group: a collective goes on without a worker that left ---------------------------------------
+def test_a_worker_that_leaves_while_the_others_wait_completes_their_collective():
+    sched = ChurnSchedule([ChurnEvent(2, "leave", round=1), ChurnEvent(2, "join", round=3)], "test")
+    group = InProcessGroup(3, churn=sched, step_time=1.0)
+    seen: dict[int, list] = {0: [], 1: [], 2: []}
+
+    def body(rank, transport):
+        rnd = 0
+        while rnd < 5:
+            group.rounds[rank] = rnd  # what a round boundary does in a run
+            if rank == 0:
+                for w in group.parked():
+                    if sched.joins_now(w, transport.now(), rnd):
+                        group.admit(w, group.clock[0])
+            try:
+                transport.advance_compute(0.0)
+            except WorkerLeft:
+                if not group.wait_to_join(rank):
+                    return "away at the end"
+                rnd = group.rounds[rank]  # back in the run: the round the others are in
+                continue
+            got = transport.all_gather_bytes(bytes([rank]))
+            seen[rank].append((rnd, sorted(b[0] for b in got)))
+            rnd += 1
+        return "done"
+
+    results = run_workers(group, body)
+    assert results == ["done", "done", "done"]
+    # worker 2 left in round 1 (its collective went on without it) and came back for round 3
+    assert seen[0] == [(0, [0, 1, 2]), (1, [0, 1]), (2, [0, 1]), (3, [0, 1, 2]), (4, [0, 1, 2])]
+    assert seen[2] == [(0, [0, 1, 2]), (3, [0, 1, 2]), (4, [0, 1, 2])]
+    assert group.leaves == [0, 0, 1] and group.joins == [0, 0, 1]
+    assert group.summary()["virtual_away_s_per_worker"][2] > 0
+
+
+# ---- whole runs -----------------------------------------------------------------------------------------
+def test_diloco_with_a_scripted_trace_records_its_members_and_joiners_take_the_state(tmp_path):
+    trace = tmp_path / "churn.csv"
+    trace.write_text(TRACE)
+    cfg, _ = load_config([TINY], [*QUICK, "run.max_steps=40", "sim.workers=3", "algo.name=diloco",
+                                  "algo.inner_steps=10", f"sim.churn={trace}", f"run.dir={tmp_path / 'run'}"])
+    summary = simulate_once(cfg)
+    rounds = _rounds(tmp_path / "run")
+    assert [r["members"] for r in rounds] == [[0, 1, 2], [0, 2], [0], [0, 1]]
+    assert [r["left"] for r in rounds] == [[], [1], [2], []]
+    assert [r["joining"] for r in rounds] == [[], [], [1], []]
+    tokens_per_round = 10 * 4 * cfg.data.seq_len  # H steps of batch 4: every member's weight in a full round
+    assert all(set(r["weights"].values()) == {float(tokens_per_round)} for r in rounds)
+    assert summary["leaves_per_worker"] == [0, 1, 1] and summary["joins_per_worker"] == [0, 1, 0]
+    assert summary["membership"] == {"rounds": 4, "mean_members": 2.0, "fewest_members": 1}
+    # steps: worker 1 trained round 0, one step of round 1 (lost), rounds 3; worker 2 rounds 0, 1 and a step of 2
+    assert summary["steps_per_worker"] == [40, 21, 21]
+    assert summary["tokens"] == 82 * 4 * cfg.data.seq_len
+    away = summary["virtual_away_s_per_worker"]
+    assert away[0] == 0 and away[1] > 0 and away[2] > away[1]  # worker 2 is still away at the end
+    # the joiner took the run's state: at the end it evaluates the very model worker 0 holds
+    losses = {w["worker"]: w["val_loss"] for w in summary["workers"]}
+    assert sorted(losses) == [0, 1] and losses[0] == losses[1]
+    assert torch.isfinite(torch.tensor(summary["val_loss"]))
+    # the joiner downloaded the state over its link: bytes received, time not counted as compute
+    assert summary["bytes_received_per_worker"][1] > summary["bytes_received_per_worker"][2]
+
+
+def test_ddp_with_churn_keeps_one_replica_and_a_time_keyed_trace(tmp_path):
+    trace = tmp_path / "churn.csv"
+    trace.write_text("time,worker,event\n3s,1,leave\n6s,1,join\n")
+    cfg, _ = load_config([TINY], [*QUICK, "run.max_steps=12", "sim.workers=2", "algo.name=ddp",
+                                  f"sim.churn={trace}", "sim.bandwidth=null", "sim.latency=0",
+                                  f"run.dir={tmp_path / 'run'}"])
+    summary = simulate_once(cfg)
+    members = [r["members"] for r in _rounds(tmp_path / "run")]
+    # one step a virtual second: worker 1 leaves after its 3rd step (lost) and is back from step 7 on
+    assert members == [[0, 1]] * 2 + [[0]] * 4 + [[0, 1]] * 6
+    losses = [w["val_loss"] for w in summary["workers"]]
+    assert len(losses) == 2 and losses[0] == losses[1]  # the joiner took the weights and the AdamW moments
+
+
+def test_poisson_churn_runs_to_the_end_and_the_table_says_so(tmp_path):
+    res = run_cli(["simulate", "--config", TINY, *[a for kv in QUICK for a in ("--set", kv)], "--max-steps", "40",
+                   "--workers", "4", "--set", "algo.name=diloco", "--set", "algo.inner_steps=5",
+                   "--churn", "poisson:mtbf=6s,rejoin=4s", "--run-dir", str(tmp_path / "run")])
+    assert res.returncode == 0, res.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert sum(summary["leaves_per_worker"]) >= 2 and summary["leaves_per_worker"][0] == 0
+    assert summary["membership"]["fewest_members"] < 4
+    assert "churn poisson:mtbf=6s,rejoin=4s:" in res.stdout and "away" in res.stdout
+    assert len(_rounds(tmp_path / "run")) == 8
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--churn", "nowhere.csv"], "nowhere.csv: no such file"),
+    (["--churn", "poisson:mtbf=soon"], "sim.churn"),
+    (["--churn", "poisson:mtbf=1h", "--set", "algo.name=streaming", "--set", "algo.overlap_steps=2"],
+     "algo.overlap_steps=0"),
+])
+def test_a_bad_churn_setting_is_one_line_before_training(args, expected):
+    res = run_cli(["simulate", "--config", TINY, "--workers", "3", *args], timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert expected in res.stderr and "Traceback" not in res.stderr and "[worker" not in res.stderr
+
+
+def test_a_run_with_churn_is_not_resumed(tmp_path):
+    cfg, _ = load_config([TINY], [*QUICK, "sim.churn=poisson:mtbf=1h", "run.resume=true",
+                                  f"run.dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="cannot be resumed"):
+        simulate_once(cfg)
+
+
+def test_demo_with_churn_keeps_every_worker_on_one_model(tmp_path):
+    """A DeMo joiner takes the parameters worker 0 held at the boundary (DeMo's weight decay changes them at the
+    start of the next step, before its exchange), so every worker ends on the same model."""
+    trace = tmp_path / "churn.csv"
+    trace.write_text("round,worker,event\n3,1,leave\n6,1,join\n")
+    cfg, _ = load_config([TINY], [*QUICK, "run.max_steps=10", "sim.workers=3", "algo.name=demo",
+                                  f"sim.churn={trace}", f"run.dir={tmp_path / 'run'}"])
+    summary = simulate_once(cfg)
+    assert [r["members"] for r in _rounds(tmp_path / "run")][2:7] == [[0, 1, 2], [0, 2], [0, 2], [0, 2], [0, 1, 2]]
+    losses = [w["val_loss"] for w in summary["workers"]]
+    assert len(losses) == 3 and len(set(losses)) == 1, losses
