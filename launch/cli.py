@@ -143,10 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not use libp2p circuit relays to reach peers behind NAT")
     g.add_argument("--auto-relay", action="store_true", help="find and use relays automatically when behind NAT")
     g.add_argument("--upnp", action="store_true", help="ask the router to forward a port (UPnP / NAT-PMP)")
-    g.add_argument("--matchmaking-time", type=float, default=5.0, metavar="SECONDS",
-                   help="how long the first peer at a round waits for the others, e.g. --matchmaking-time 10")
-    g.add_argument("--round-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="how long a round waits for members' updates before going on without them")
+    g.add_argument("--matchmaking-time", default="5", metavar="SECONDS|auto",
+                   help="how long the first peer at a round waits for the others, e.g. --matchmaking-time 10; "
+                        "auto: 3x how long recent groups took to form, 5-60 s")
+    g.add_argument("--round-timeout", default="auto", metavar="SECONDS|auto",
+                   help="how long a round waits for members' updates before going on without them; auto (the "
+                        "default): 3x the time the round's bytes take at this peer's measured rate, 10-600 s "
+                        "(60 s until it has measured one), e.g. --round-timeout 120 to fix it")
     g.add_argument("--norm-clip", type=float, default=10.0, metavar="X",
                    help="an update whose norm is above X times the median of the others' is clipped (0: off)")
     g.add_argument("--clip-action", choices=["clip", "drop"], default="clip",
@@ -204,6 +207,21 @@ def _add_restart_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart", action="store_true",
                    help="start the run in --run-dir over from step 0 with its config.yaml; its checkpoints and "
                         "metrics are moved to RUN_DIR/discarded-<time>/ (e.g. when none of them can be read)")
+
+
+def _seconds_or_auto(flag: str, text: Any) -> Optional[float]:
+    """A deadline flag's value: positive seconds, or None for ``auto`` (the peer derives it from what it
+    measures). Checked before the config loads, so a typo costs one line and no start-up."""
+    if str(text).strip().lower() == "auto":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not (0 < seconds < float("inf")):
+        raise UserError(f"{flag} {text}: expected a positive number of seconds or 'auto' "
+                        f"(e.g. {flag} 120 or {flag} auto)")
+    return seconds
 
 
 def _add_swarm_flags(g) -> None:
@@ -267,13 +285,15 @@ def cmd_join(args: argparse.Namespace) -> int:
     from diloco.extras import require
     from launch.join import JoinOptions, join, read_run_key
 
+    matchmaking_time = _seconds_or_auto("--matchmaking-time", args.matchmaking_time)
+    round_timeout = _seconds_or_auto("--round-timeout", args.round_timeout)
     cfg = _load(args)
     require("hivemind", "loco join")
     opts = JoinOptions(peers=args.peers, run=args.run, address_file=args.address_file,
                        run_key=read_run_key(args.run_key, args.run_key_file), host=args.host, port=args.port,
                        announce=args.announce, identity=args.identity, use_relay=args.use_relay,
-                       auto_relay=args.auto_relay, upnp=args.upnp, matchmaking_time=args.matchmaking_time,
-                       round_timeout=args.round_timeout, norm_clip=args.norm_clip, clip_action=args.clip_action)
+                       auto_relay=args.auto_relay, upnp=args.upnp, matchmaking_time=matchmaking_time,
+                       round_timeout=round_timeout, norm_clip=args.norm_clip, clip_action=args.clip_action)
     join(cfg, opts)
     return 0
 

@@ -10,7 +10,7 @@ loop:
   finds after a round that its state differs from the majority's;
 * a data stream per peer, seeded by its peer id, so no two peers train on the
   same sequence of batches;
-* per round: ``rounds.jsonl`` (group, members, fingerprints, bytes, seconds),
+* per round: ``rounds.jsonl`` (group, members, fingerprints, bytes, seconds, the deadline it waited at most),
   ``ledger.json`` (who contributed what, as every member saw it) and a
   heartbeat in the DHT that ``loco status`` reads;
 * a clean exit on Ctrl-C or SIGTERM: a local checkpoint, the swarm left, no
@@ -27,7 +27,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from diloco.comm import check_run_name, fingerprint, make_transport, merge_ledgers, read_swarm
 from launch.config import Config
@@ -51,8 +51,9 @@ class JoinOptions:
     use_relay: bool = True
     auto_relay: bool = False
     upnp: bool = False
-    matchmaking_time: float = 5.0
-    round_timeout: float = 60.0
+    # seconds fix a deadline; None (or "auto") derives it from what the peer measures (diloco.comm.hivemind.framing)
+    matchmaking_time: Union[float, str, None] = 5.0
+    round_timeout: Union[float, str, None] = None
     norm_clip: float = 10.0
     clip_action: str = "clip"
     extra: dict = field(default_factory=dict)
@@ -207,8 +208,10 @@ class Peer:
         elif t.last is not None:
             sent = rec.get("bytes_sent", 0) - (t.history[-2]["bytes_sent"] if len(t.history) > 1 else 0)
             m.info(f"round {t.last.epoch}: group {t.last.group} of {len(t.last.members)} peers, sent "
-                   f"{human_bytes(sent)} in {t.last.seconds:.1f}s (matchmaking {t.last.matchmaking_s:.1f}s)"
-                   + "".join(f"; {n}" for n in t.last.notes), tr.step)
+                   f"{human_bytes(sent)} in {t.last.seconds:.1f}s (matchmaking {t.last.matchmaking_s:.1f}s, "
+                   f"deadline {t.last.deadline_s:.0f}s)" + "".join(f"; {n}" for n in t.last.notes), tr.step)
+        if t.last is not None:
+            rec["deadline_s"] = round(t.last.deadline_s, 1)
         if t.resync_from:
             got = t.download_state(t.resync_from, min_epoch=t.epoch)
             if got is not None:

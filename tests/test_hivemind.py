@@ -637,3 +637,75 @@ def test_the_ledger_merges_observers_by_median():
             "ledger": {k: v.as_dict() for k, v in merged.items()}}
     text = format_status(info)
     assert "1 live peer" in text and "1,234" in text and "median over 3 observer(s)" in text
+
+
+# ---- adaptive deadlines -----------------------------------------------------------------------------------------
+def test_deadlines_follow_the_measured_rate_within_their_bounds():
+    from diloco.comm.hivemind import framing as f
+
+    # no measurement yet: the exchange keeps the old constant; a state download assumes a slow link
+    assert f.exchange_deadline(1e9, None, 3) == f.EXCHANGE_DEFAULT_S == 60.0
+    assert f.state_timeout(1e6, None) == f.STATE_FLOOR_S
+    # margin x (bytes / rate + latency per member), clamped
+    assert f.exchange_deadline(100e6, 10e6, 2) == pytest.approx(f.EXCHANGE_MARGIN * (10 + 2 * f.LATENCY_PER_MEMBER_S))
+    assert f.exchange_deadline(1e3, 1e9, 2) == f.EXCHANGE_FLOOR_S  # a fast link: the floor
+    assert f.exchange_deadline(1e12, 1e6, 2) == f.EXCHANGE_CEILING_S  # a hopeless one: the ceiling
+    assert f.exchange_deadline(100e6, 5e6, 2) > f.exchange_deadline(100e6, 10e6, 2)  # slower link, more time
+    # a 4 GB state over an unmeasured (1 MB/s) link, or a measured 2 MB/s both ways: far beyond the old 120 s
+    assert f.state_timeout(4e9, None) == f.STATE_CEILING_S
+    assert f.state_timeout(4e9, 2e6) == f.STATE_CEILING_S
+    assert f.state_timeout(100e6, 2e6) == pytest.approx(f.STATE_MARGIN * 100)  # one way: half the measured rate
+    assert f.state_timeout(10e6, 1e9) == f.STATE_FLOOR_S
+    assert f.matchmaking_window(None) == f.MATCHMAKING_FLOOR_S == 5.0
+    assert f.matchmaking_window(4.0) == 12.0 and f.matchmaking_window(600.0) == f.MATCHMAKING_CEILING_S
+    pace = f.Pace()
+    for v in (1.0, 100.0, 2.0, 0.0, float("nan"), 3.0):  # nonsense is not a measurement; one outlier moves nothing
+        pace.add(v)
+    assert pace.median() == 2.5 and f.Pace().median() is None
+    assert [f.seconds_or_auto(v, "x") for v in ("auto", None, "AUTO", 30, "7.5")] == [None, None, None, 30.0, 7.5]
+    for bad in ("soon", 0, -1, "inf"):
+        with pytest.raises(ValueError, match="x must be"):
+            f.seconds_or_auto(bad, "x")
+
+
+def test_an_adaptive_peer_sets_its_deadline_from_measured_exchanges(swarm):
+    """The fixture's peers have fixed deadlines; made adaptive, a few rounds of 256 KiB payloads give each a
+    measured rate and a deadline from it, within the bounds (on one machine: the floor, far below 60 s)."""
+    from diloco.comm.hivemind import framing as f
+
+    payload = os.urandom(256 << 10)
+    fixed = [(t.fixed_exchange_timeout, t.exchange_timeout) for t in swarm]
+    try:
+        for t in swarm:
+            t.fixed_exchange_timeout = None
+        out = run_together(swarm, lambda i, t: [t.exchange(payload) for _ in range(3)])
+        for i, t in enumerate(swarm):
+            assert all(len(r.members) == 3 for r in out[i]), [r.notes for r in out[i]]
+            assert t.rate.median() is not None and t.rate.median() > 0
+            last = out[i][-1]
+            assert f.EXCHANGE_FLOOR_S <= last.deadline_s <= f.EXCHANGE_CEILING_S
+            assert last.deadline_s < f.EXCHANGE_DEFAULT_S and last.deadline_s == t.exchange_timeout
+            assert last.exchange_s > 0 and last.sent_bytes == last.received_bytes == 2 * len(payload)
+            assert t.state_timeout(4 << 30) > f.STATE_FLOOR_S
+    finally:
+        for t, (setting, current) in zip(swarm, fixed):
+            t.fixed_exchange_timeout, t.exchange_timeout = setting, current
+    assert all(t.exchange_timeout == 20 for t in swarm)
+
+
+def test_round_timeout_takes_auto_or_seconds_and_names_the_flag_otherwise():
+    from conftest import run_cli
+    from launch.cli import _seconds_or_auto, build_parser
+
+    args = build_parser().parse_args(["join", "--round-timeout", "auto", "--matchmaking-time", "auto"])
+    assert _seconds_or_auto("--round-timeout", args.round_timeout) is None
+    assert _seconds_or_auto("--matchmaking-time", args.matchmaking_time) is None
+    default = build_parser().parse_args(["join"])
+    assert _seconds_or_auto("--round-timeout", default.round_timeout) is None  # adaptive unless told otherwise
+    assert _seconds_or_auto("--matchmaking-time", default.matchmaking_time) == 5.0
+    assert _seconds_or_auto("--round-timeout", "90") == 90.0
+    res = run_cli(["join", "--config", TINY, "--round-timeout", "soon"], timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("loco join: error: --round-timeout soon:"), res.stderr

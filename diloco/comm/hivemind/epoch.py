@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 from diloco.comm.hivemind.auth import mac
-from diloco.comm.hivemind.framing import FAIL, OK, _now, _read_body, _read_header, _write_framed, log
+from diloco.comm.hivemind.framing import (FAIL, MIN_MEASURED_BYTES, OK, _now, _read_body, _read_header,
+                                          _write_framed, exchange_deadline, log, matchmaking_window)
 from diloco.comm.hivemind.limits import ACK_MAX, PUSH_HEADER_MAX, Window, inbox_cap, payload_sizes
 from diloco.comm.hivemind.state import same_state
 
@@ -59,6 +60,8 @@ class EpochResult:
     notes: list = field(default_factory=list)
     sent_bytes: int = 0  # payload bytes this peer delivered to other members
     received_bytes: int = 0  # payload bytes it took from the members it kept
+    exchange_s: float = 0.0  # seconds from the group's forming to the last payload delivered and received
+    deadline_s: float = 0.0  # how long this peer waited at most for the members' payloads (exchange_timeout)
 
 
 class EpochMixin:
@@ -68,6 +71,7 @@ class EpochMixin:
         """Run one epoch: form a group, send ``payload`` to every member, agree on who delivered."""
         fp = self.fingerprint_fn() if self.fingerprint_fn is not None else b""
         compute_s = time.perf_counter() - self._round_start
+        self._pace_deadlines(len(payload))
         # how long this peer waits for slower peers announced at this epoch: a few of its own rounds
         wait_cap = max(self.matchmaking_time, self.wait_rounds * compute_s)
         try:
@@ -79,7 +83,7 @@ class EpochMixin:
                         self.epoch, why)
             result = EpochResult(self.epoch, "", [self.peer_id], {self.peer_id: payload},
                                  {self.peer_id: {"fp": fp, "stale": self.stale, "g": self.last_group}}, alone=True,
-                                 notes=[f"the exchange failed ({why})"])
+                                 notes=[f"the exchange failed ({why})"], deadline_s=self.exchange_timeout)
         self._after_epoch(result, fp)
         # the next round starts now: announce when this peer expects to reach the next epoch
         self.round_s = compute_s
@@ -90,6 +94,25 @@ class EpochMixin:
         except Exception as e:
             log.info("peer %s: heartbeat failed: %s", self.me[-8:], e)
         return result
+
+    def _pace_deadlines(self, nbytes: int) -> None:
+        """Before an epoch: the deadlines that are not fixed follow this peer's measurements. The exchange
+        deadline assumes the largest group this epoch can have (every live peer of the last rendezvous), an
+        upper bound until the group is known (:meth:`_deadline_for` then sets it from the members)."""
+        if self.fixed_matchmaking_time is None:
+            self.matchmaking_time = matchmaking_window(self.forming.median())
+        others = max(self.last_group - 1, self._live_seen, 1)
+        self._deadline_for(2 * nbytes * others, others)
+
+    def _deadline_for(self, expected_bytes: int, others: int) -> None:
+        """An adaptive peer's exchange deadline for ``expected_bytes`` (sent and received) with ``others``."""
+        if self.fixed_exchange_timeout is None:
+            self.exchange_timeout = exchange_deadline(expected_bytes, self.rate.median(), others)
+
+    def _measure(self, moved: int, seconds: float) -> None:
+        """One exchange in which every member delivered: its rate counts (when it moved enough bytes)."""
+        if moved >= MIN_MEASURED_BYTES and seconds > 0:
+            self.rate.add(moved / seconds)
 
     def _expects(self, entry: dict, now: float, waited: float) -> bool:
         """Whether a peer that has not reached this epoch yet is still worth waiting for: always for the first
@@ -230,7 +253,10 @@ class EpochMixin:
         notes: list = []
         self.phase, self.eta = "wait", _now()
         here, others = await self._rendezvous(wait_cap, notes)
+        self._live_seen = others
         e = self.epoch
+        # pushes may come before the group is known: meanwhile, the deadline of a group of everyone waiting here
+        self._deadline_for(2 * len(payload) * max(len(here), 1), max(len(here), 1))
         window = self._open_window(e, payload, 1 + len(here))
         try:
             return await self._grouped(payload, fp, e, here, others, window, start, notes)
@@ -259,15 +285,19 @@ class EpochMixin:
                                data_for_gather=MSGPackSerializer.dumps(mine))
             step.attach(MPFuture(), MPFuture())
             step.allow_allreduce()
+            forming = time.perf_counter()
             try:
                 group = await self.mm.look_for_group(step)
             finally:
                 if not step.done():
                     step.set_result(None)
+            if group is not None and len(group.peer_ids) == expected:  # a group short of someone waited it out
+                self.forming.add(time.perf_counter() - forming)
         mm_s = time.perf_counter() - start
         if group is None:
             return EpochResult(e, "", [self.peer_id], {self.peer_id: payload}, {self.peer_id: mine}, alone=True,
                                seconds=time.perf_counter() - start, matchmaking_s=mm_s,
+                               deadline_s=self.exchange_timeout,
                                notes=notes + [f"no other peer reached epoch {e} within {mm_s:.0f}s"
                                               if others else "no other live peer in the run"])
         members, meta = [], {}
@@ -290,11 +320,17 @@ class EpochMixin:
         gid = group.group_id
         self._know_group(window, gid, {p: meta[p]["n"] for p in members})
         others = [p for p in members if p != self.peer_id]
-        deadline = time.perf_counter() + self.exchange_timeout
+        # the members and their payload sizes are known: what this peer sends and receives in this epoch
+        self._deadline_for(len(payload) * len(others) + sum(meta[p]["n"] for p in others), len(others))
+        began = time.perf_counter()
+        deadline = began + self.exchange_timeout
         sent = await asyncio.gather(*[self._push(p, gid, "ag", payload) for p in others])
         unreachable = {p for p, r in zip(others, sent) if r != "ok"}
         refusers = {p for p, r in zip(others, sent) if r == "refused"}  # alive, but turned this peer's payload away
         got = await self._collect(gid, "ag", {p for p in others if p not in unreachable}, deadline, e)
+        exchange_s = time.perf_counter() - began
+        if others and not unreachable and len(got) == len(others):  # a round that waited out a member measures it
+            self._measure(len(payload) * len(others) + sum(len(d) for d in got.values()), exchange_s)
         for p in others:
             if (p, "ag") in window.refused and p not in got:
                 notes.append(f"peer {p.to_base58()[-8:]}: its payload was refused ({window.refused[(p, 'ag')]})")
@@ -327,7 +363,8 @@ class EpochMixin:
         return EpochResult(e, gid.hex()[:12], ordered, {p: received[p] for p in ordered}, {p: meta[p] for p in ordered},
                            alone=len(ordered) == 1, seconds=time.perf_counter() - start, matchmaking_s=mm_s,
                            notes=notes, sent_bytes=len(payload) * sum(1 for r in sent if r == "ok"),
-                           received_bytes=sum(len(d) for p, d in received.items() if p != self.peer_id))
+                           received_bytes=sum(len(d) for p, d in received.items() if p != self.peer_id),
+                           exchange_s=exchange_s, deadline_s=self.exchange_timeout)
 
     def _after_epoch(self, result: EpochResult, fp: bytes) -> None:
         """A member whose state differs from the group's canonical one takes it after this epoch.

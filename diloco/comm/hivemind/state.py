@@ -11,11 +11,17 @@ from typing import Any, Optional, Sequence
 import torch
 
 from diloco.comm.hivemind.auth import mac
-from diloco.comm.hivemind.framing import _read_framed, _write_framed, log
+from diloco.comm.hivemind.framing import STATE_CEILING_S, _read_framed, _write_framed, log, state_timeout
 
 
 class StateMixin:
     """State serving and download of :class:`~diloco.comm.hivemind.HivemindTransport`."""
+
+    def state_timeout(self, nbytes: int) -> float:
+        """How long a download of a ``nbytes`` state may take: from this peer's measured exchange rate, or an
+        assumed slow link before it has one (:func:`~diloco.comm.hivemind.framing.state_timeout`). The size is
+        read from the reply's header, before its body: a 4 GB state is given the time 4 GB needs."""
+        return state_timeout(nbytes, self.rate.median())
 
     def publish_state(self, blob: bytes) -> None:
         """Serve ``blob`` (this peer's state after its latest epoch) to peers that ask for it."""
@@ -39,7 +45,8 @@ class StateMixin:
             epoch, blob, sha = self._snapshot
             await _write_framed(writer, {"e": epoch, "n": len(blob), "sha": sha, "m": mac(
                 self.key, b"state-reply", self.peer_id.to_bytes(), sender.to_bytes(), str(epoch).encode(), sha)}, blob)
-            await asyncio.wait_for(reader.read(1), 60)
+            # the reader closes when it has it all: over a slow link, long after the last byte left this peer
+            await asyncio.wait_for(reader.read(1), self.state_timeout(len(blob)))
         except Exception as e:
             log.info("peer %s: state request from %s failed: %s: %s", self.me[-8:], sender.to_base58()[-8:],
                      type(e).__name__, e)
@@ -54,7 +61,7 @@ class StateMixin:
         _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(peer, f"{self.run}.state"), 10)
         try:
             await _write_framed(writer, head, body)
-            header, blob = await _read_framed(reader, self.max_payload_bytes, 120)
+            header, blob = await _read_framed(reader, self.max_payload_bytes, self.state_timeout)
             sha = hashlib.sha256(blob).digest()
             if sha != header["sha"] or not hmac.compare_digest(header["m"], mac(
                     self.key, b"state-reply", peer.to_bytes(), self.peer_id.to_bytes(), str(header["e"]).encode(), sha)):
@@ -79,7 +86,9 @@ class StateMixin:
             min_epoch = int(live[order[0]].get("epoch", 0)) if min_epoch is None else min_epoch
         for peer in peers:
             try:
-                return self._call(self._fetch_state(peer, min_epoch or 0), 180)
+                # the body's own timeout (state_timeout, at most STATE_CEILING_S) bounds the download; this only
+                # catches a stream that hangs elsewhere (opening it: 10 s; the header: 10 s a read)
+                return self._call(self._fetch_state(peer, min_epoch or 0), STATE_CEILING_S + 60)
             except Exception as e:
                 log.warning("peer %s: could not download the state from %s: %s: %s", self.me[-8:],
                             peer.to_base58()[-8:], type(e).__name__, e)

@@ -13,14 +13,14 @@ import socket
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 from diloco.comm.base import Transport, TransportError, die_with_parent
 from diloco.comm.hivemind.auth import _make_authorizer, check_run_name
 from diloco.comm.hivemind.epoch import EpochMixin, EpochResult, _servicer_class
-from diloco.comm.hivemind.framing import _now, log
+from diloco.comm.hivemind.framing import EXCHANGE_DEFAULT_S, Pace, _now, log, matchmaking_window, seconds_or_auto
 from diloco.comm.hivemind.ledger import LedgerMixin, PeerRecord
 from diloco.comm.hivemind.state import StateMixin
 
@@ -106,8 +106,11 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
     """One peer of a swarm named ``run``. See the package docstring (:mod:`diloco.comm.hivemind`).
 
     ``initial_peers``: multiaddrs of peers already in the run (none: this peer starts it).
-    ``matchmaking_time``: how long the first peer of an epoch waits for the others.
-    ``exchange_timeout``: how long to wait for members' payloads once the group is formed.
+    ``matchmaking_time``: how long the first peer of an epoch waits for the others; ``"auto"`` (or None):
+    3 x how long recent complete groups took to form, 5 to 60 s.
+    ``exchange_timeout``: how long to wait for members' payloads once the group is formed; ``"auto"`` (or
+    None, the default): from the bytes the group moves and this peer's measured exchange rate (60 s until it
+    has measured one; see :func:`~diloco.comm.hivemind.framing.exchange_deadline`). Seconds fix either.
     ``wait_rounds``: a peer that reaches an epoch first waits for the peers announced there until their
     announced arrival, at most this many of its own rounds (so peers up to that much slower still meet it).
     ``norm_clip`` / ``clip_action``: contributions above ``norm_clip`` x the median norm of the other
@@ -121,8 +124,9 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
     def __init__(self, run: str = "loco", *, initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = (),
                  announce_maddrs: Sequence[str] = (), identity_path: Optional[str] = None,
                  run_key: Optional[bytes] = None, use_relay: bool = True, use_auto_relay: bool = False,
-                 nat_port_map: bool = False, client_mode: bool = False, matchmaking_time: float = 5.0,
-                 exchange_timeout: float = 60.0, heartbeat_ttl: float = 60.0, norm_clip: float = 10.0,
+                 nat_port_map: bool = False, client_mode: bool = False,
+                 matchmaking_time: Union[float, str, None] = 5.0, exchange_timeout: Union[float, str, None] = None,
+                 heartbeat_ttl: float = 60.0, norm_clip: float = 10.0,
                  clip_action: str = "clip", schema: str = "", max_payload_bytes: int = 4 << 30,
                  startup_timeout: float = 30.0, observer: bool = False, wait_rounds: float = 4.0) -> None:
         super().__init__()
@@ -132,7 +136,17 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         if not norm_clip >= 0:
             raise ValueError(f"norm_clip must be >= 0, got {norm_clip}")
         self.key = run_key or b""
-        self.matchmaking_time, self.exchange_timeout = float(matchmaking_time), float(exchange_timeout)
+        # the deadlines: fixed (seconds given) or None, adaptive; the current ones are matchmaking_time and
+        # exchange_timeout, which an adaptive peer resets every epoch from its measurements (rate, forming)
+        self.fixed_matchmaking_time = seconds_or_auto(matchmaking_time, "matchmaking_time")
+        self.fixed_exchange_timeout = seconds_or_auto(exchange_timeout, "exchange_timeout")
+        self.matchmaking_time = (self.fixed_matchmaking_time if self.fixed_matchmaking_time is not None
+                                 else matchmaking_window(None))
+        self.exchange_timeout = (self.fixed_exchange_timeout if self.fixed_exchange_timeout is not None
+                                 else EXCHANGE_DEFAULT_S)
+        self.rate = Pace()  # bytes/s (sent + received) of this peer's recent complete exchanges
+        self.forming = Pace()  # seconds its recent complete groups took to form
+        self._live_seen = 0  # how many other live peers its latest rendezvous found (bounds the next group)
         self.heartbeat_ttl, self.norm_clip, self.clip_action = heartbeat_ttl, float(norm_clip), clip_action
         self.max_payload_bytes, self.client_mode = max_payload_bytes, client_mode
         self.schema = hashlib.sha256(f"loco-swarm-v2|{run}|{schema}".encode()).digest()
