@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from diloco.comm.base import Transport
+from diloco.comm.base import SharedResult, Transport
 from diloco.comm.local import LocalTransport
 from diloco.compress import (RULES, ChunkPlan, CorruptPayload, bits_for, pack_bits, packed_size, plan_for,
                              tensor_bytes, unpack_bits, wire)
@@ -138,13 +138,10 @@ class DeMo(torch.optim.Optimizer):
         """
         device = self._device() if plans else torch.device("cpu")
         key = (chain, device)
-        slot = _SHARED_MEAN
-        if slot.payloads is payloads and slot.key == key:
-            agg, contributors, rejected = slot.value
+        shared = _SHARED_MEAN.take(payloads, key)
+        if shared is not None:
+            agg, contributors, rejected = shared
             self._rejected_now = []
-            slot.left -= 1
-            if slot.left <= 0:
-                slot.clear()
             self.last_contributors = contributors
             for rank, reason in rejected:
                 self._reject(rank, reason)
@@ -152,7 +149,7 @@ class DeMo(torch.optim.Optimizer):
         sums, counts = self._aggregate(payloads, plans, chain)
         agg = sums.flat.div_(counts.flat.clamp_(min=1))  # 0 where nobody sent: the sum is 0 there
         if self.transport.shared_results and len(payloads) > 1:  # every member got this list (fewer under churn)
-            slot.fill(payloads, key, (agg, self.last_contributors, self._rejected_now), len(payloads) - 1)
+            _SHARED_MEAN.fill(payloads, key, (agg, self.last_contributors, self._rejected_now), len(payloads) - 1)
         return agg
 
     def _reject(self, rank: int, reason: Any) -> None:
@@ -372,23 +369,7 @@ class _Layout:
         self.ones = torch.ones(self.sent, device=device)
 
 
-class _SharedMeanSlot:
-    """One payload list's mean, kept for the other simulated workers of the step that received the same list."""
-
-    def __init__(self) -> None:
-        self.clear()
-
-    def clear(self) -> None:
-        self.payloads: Optional[list[bytes]] = None  # held, so that the identity check cannot meet a reused id
-        self.key: Any = None
-        self.value: Any = None
-        self.left = 0
-
-    def fill(self, payloads: list[bytes], key: Any, value: Any, left: int) -> None:
-        self.payloads, self.key, self.value, self.left = payloads, key, value, left
-
-
-_SHARED_MEAN = _SharedMeanSlot()
+_SHARED_MEAN = SharedResult()  # one step's mean, for the other simulated workers that received the same list
 
 
 class _Views(Sequence):

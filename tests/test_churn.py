@@ -49,6 +49,15 @@ def test_a_trace_reads_from_csv_and_yaml_alike(tmp_path):
     assert t.joins_now(2, 120.0, 0)
 
 
+def test_the_shipped_example_trace_reads():
+    from conftest import ROOT
+
+    sched = ChurnSchedule.parse(str(ROOT / "configs" / "churn-example.csv"), 8)
+    assert len(sched.events) == 6 and sched.leaves_now(3, 120.0, 0) and sched.joins_now(3, 360.0, 0)
+    with pytest.raises(ChurnError, match="worker 7"):
+        ChurnSchedule.parse(str(ROOT / "configs" / "churn-example.csv"), 6)
+
+
 @pytest.mark.parametrize("text, expected", [
     ("round,worker,event\n1,0,leave\n", "worker 0 keeps the run's log"),
     ("round,worker,event\n1,5,leave\n", "an event for worker 5, but there are 3 workers"),

@@ -256,6 +256,35 @@ class Transport(ABC):
         return collective.all_reduce_compressed_async_(self, tensors, codec, weight, key)
 
 
+class SharedResult:
+    """A result computed once from the list a byte collective returned, for the other workers that received the
+    very same list object (``Transport.shared_results``: the simulator); freed once each of them took it."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.payloads: Optional[list] = None  # held, so that the identity check cannot meet a reused id
+        self.key: Any = None
+        self.value: Any = None
+        self.left = 0
+
+    def take(self, payloads: list, key: Any) -> Any:
+        """The value filled for ``payloads`` (this very list) and ``key``, or None."""
+        if self.payloads is not payloads or self.key != key:
+            return None
+        value = self.value
+        self.left -= 1
+        if self.left <= 0:
+            self.clear()
+        return value
+
+    def fill(self, payloads: list, key: Any, value: Any, others: int) -> None:
+        """Keep ``value`` for the ``others`` workers that will ask with the same list and key."""
+        if others > 0:
+            self.payloads, self.key, self.value, self.left = payloads, key, value, others
+
+
 def die_with_parent() -> None:
     """Linux: this process gets SIGKILL when its parent dies, so no child (a worker, a DHT process and its
     p2pd) outlives a killed run. Call it in the child (``preexec_fn``, or first thing in a forked process)."""

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 
 import torch
 
-from diloco.comm.base import Handle, Transport, TransportError, buckets, shard_bounds, unflatten_into
+from diloco.comm.base import Handle, SharedResult, Transport, TransportError, buckets, shard_bounds, unflatten_into
 from diloco.compress.wire import CorruptPayload
 
 if TYPE_CHECKING:
@@ -167,9 +167,8 @@ def robust_all_reduce_(transport: Transport, tensors: Sequence[torch.Tensor], op
         return
     flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
     result = robust_mean(transport, flat, make_codec("fp32"), None, key=None)
-    if op == "sum":
-        result.mean.mul_(result.total)
-    unflatten_into(list(tensors), result.mean.to(tensors[0].device))
+    mean = result.mean * result.total if op == "sum" else result.mean  # not in place: the result may be shared
+    unflatten_into(list(tensors), mean.to(tensors[0].device))
 
 
 # ---- sharded: reduce-scatter by shards ------------------------------------------------------------
@@ -246,6 +245,11 @@ def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight
         prefix = b"" if weight is None else pack_weight(weight)
         payloads = transport.all_gather_bytes(codec.encode(flat, key=key, prefix=prefix))
     names = transport.member_names()
+    shared_key = (codec.chain, flat.numel(), flat.device, weight is None, transport.norm_clip, transport.clip_action)
+    shared = _SHARED_ROBUST.take(payloads, shared_key) if transport.shared_results else None
+    if shared is not None:  # simulated members of one collective: the mean was computed once, from the same bytes
+        transport.record_contributions(shared.accepted, shared.rejected, shared.clipped)
+        return shared
     result = RobustResult(torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device), 0.0)
     # pass 1: validate every member's update and measure its norm (one decoded vector alive at a time)
     rows: list[tuple[str, memoryview, float, float]] = []  # (member, body, weight, norm)
@@ -284,8 +288,14 @@ def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight
         for name, body, w, _ in rows:
             codec.decode_accumulate_(body, result.mean, w / result.total * scale.get(name, 1.0))
     result.accepted = {r[0]: r[2] for r in rows}
+    if transport.shared_results:
+        _SHARED_ROBUST.fill(payloads, shared_key, result, len(payloads) - 1)
     transport.record_contributions(result.accepted, result.rejected, result.clipped)
     return result
+
+
+# one robust mean, for the other simulated workers that received the same payload list (read only: callers copy it)
+_SHARED_ROBUST = SharedResult()
 
 
 __all__ = ["RobustResult", "WEIGHT", "all_reduce_compressed_", "all_reduce_compressed_async_", "pack_weight",
