@@ -129,6 +129,13 @@ class StreamingDiLoCo(DiLoCo):
         H = self.policy.inner_steps
         return [p for p, off in enumerate(self.offsets) if step >= max(off, 1) and (step - off) % H == 0]
 
+    def _unsent(self, p: int) -> int:
+        """Steps since fragment ``p``'s last scheduled send, by the schedule alone: every worker counts alike,
+        also one that joined the run in the middle (its own ``fragment_steps`` only count what it trained)."""
+        H, off, s = self.policy.inner_steps, self.offsets[p], self.steps
+        last = s - (s - off) % H
+        return s if last < max(off, 1) else s - last
+
     def _after_step(self) -> dict[str, Any]:
         step = self.steps
         self.round_steps += 1
@@ -171,13 +178,13 @@ class StreamingDiLoCo(DiLoCo):
     def sync(self) -> dict[str, Any]:
         """End of training: apply the exchanges still in flight, then exchange every fragment's unsent steps."""
         info = self._apply_due(math.inf)
-        for p, n in enumerate(self.fragment_steps):
-            if n > 0:
+        for p in range(len(self.fragments)):  # every worker sends the same fragments (a joiner's weight may be 0)
+            if self._unsent(p) > 0:
                 self._send(p, apply_at=self.steps)
         return self._apply_due(self.steps, alpha=0.0) or info
 
     def finalize(self) -> None:
-        if self.pending or any(self.fragment_steps):
+        if self.pending or any(self._unsent(p) for p in range(len(self.fragments))):
             self.sync()
 
     def state_dict(self) -> dict[str, Any]:

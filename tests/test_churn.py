@@ -232,3 +232,20 @@ def test_demo_with_churn_keeps_every_worker_on_one_model(tmp_path):
     assert [r["members"] for r in _rounds(tmp_path / "run")][2:7] == [[0, 1, 2], [0, 2], [0, 2], [0, 2], [0, 1, 2]]
     losses = [w["val_loss"] for w in summary["workers"]]
     assert len(losses) == 3 and len(set(losses)) == 1, losses
+
+
+def test_streaming_with_a_joiner_at_the_last_boundary_finishes_in_step(tmp_path):
+    """Streaming DiLoCo's last exchange sends the fragments with unsent steps; a worker admitted at the very end
+    has trained none, and still takes part (weight 0): which fragments go follows the schedule, not its own
+    counters, so every worker makes the same collectives."""
+    trace = tmp_path / "churn.csv"
+    trace.write_text("round,worker,event\n1,1,leave\n4,1,join\n")
+    cfg, _ = load_config([TINY], [*QUICK, "run.max_steps=20", "sim.workers=3", "algo.name=streaming",
+                                  "algo.inner_steps=10", "algo.fragments=2", f"sim.churn={trace}",
+                                  f"run.dir={tmp_path / 'run'}"])
+    summary = simulate_once(cfg)
+    rounds = _rounds(tmp_path / "run")
+    assert [r["members"] for r in rounds] == [[0, 1, 2], [0, 2], [0, 2], [0, 2]]
+    assert rounds[-1]["joining"] == [1]
+    losses = [w["val_loss"] for w in summary["workers"]]
+    assert len(losses) == 3 and len(set(losses)) == 1, losses
