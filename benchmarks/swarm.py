@@ -4,22 +4,27 @@ Every method runs in ``loco simulate``'s engine with the same workers, tokens an
 - ``--workers`` workers (default 16) whose speeds are drawn from ``--speed-dist`` (default ``lognormal:0.5``,
   fastest = 1), so every collective waits for the slowest;
 - each worker's link replayed from ``--links`` (default the shipped diurnal home uplink, 20-100 Mbit/s);
-- virtual compute per step fixed (``--step-time``, default: measured once here), so the methods compare.
+- virtual compute per step fixed (``--step-time``, default: measured once here), so the methods compare;
+- churn (``--churn``, default ``poisson:mtbf=30m,rejoin=5m``): every worker but worker 0 leaves after an up-time
+  of mean 30 virtual minutes, losing its round, and comes back after a mean 5 minutes with the run's state;
+  ``--churn none`` keeps every worker for the whole run.
 
 Methods: ``ddp``, ``diloco-h50``, ``streaming-h50-p4`` (4 fragments) and ``diloco-time`` (rounds of the median
 worker's 50 steps in virtual time, so fast workers do more steps; averages weighted by tokens).
 
 Reported per method: final validation loss and its gap to DDP, bytes sent per worker, virtual wall-clock,
-compute utilization (the share of the workers' virtual time spent computing) with the mean split into
-compute, waiting for the others and sending, and the virtual time to reach ``--target`` (default: the worst
+compute utilization (the share of the workers' virtual time in the run spent computing) with the mean split
+into compute, waiting for the others, sending and away (churn), leaves and joins, the mean number of members
+per round, and the virtual time to reach ``--target`` (default: the worst
 final loss of the methods, so every method gets there; interpolated between evaluations). Writes a Markdown
 table (``--out``) and a plot beside it (loss against virtual time, and the time split).
 
     python benchmarks/swarm.py                                     # tiny, 16 workers, 300 steps
     python benchmarks/swarm.py --steps 100 --workers 8 --out /tmp/swarm.md
 
-Churn (workers leaving and joining mid-run) is not simulated yet: every worker stays from the first step
-to the last, and the report says so.
+The churn is drawn per worker from the seed, but when a worker leaves depends on each method's virtual clock,
+so the methods see the same rates, not the same events. Under churn every method averages as ``loco join``
+peers do (an all-gather of weighted payloads rather than a ring all-reduce), which the bytes include.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--links", default="configs/links-home-uplink.csv", help="a link trace (sim.links)")
     p.add_argument("--step-time", type=float, default=None,
                    help="virtual compute seconds per step at speed 1 (default: measured once here)")
+    p.add_argument("--churn", default="poisson:mtbf=30m,rejoin=5m",
+                   help="sim.churn: poisson:mtbf=DURATION,rejoin=DURATION, a trace file, or none")
     p.add_argument("--methods", default=",".join(SWARM_METHODS))
     p.add_argument("--target", type=float, default=None,
                    help="loss whose virtual time to reach is reported (default: the worst final loss)")
@@ -88,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     # what convergence's helpers read; the network comes from the link trace, not from bandwidth/latency
     args.bandwidth, args.latency = "1Gbit", "80ms"
     args.set = [f"sim.speed_dist={args.speed_dist}", f"sim.links={links}"]
+    churn = None if args.churn in ("", "none") else args.churn
+    if churn:
+        args.set.append(f"sim.churn={churn}")
     cfg, _ = load_config([], conv._base(args, args.seed))
     data = load_data(cfg.data)
     step_time = args.step_time or conv.measure_step_time(args, data)
@@ -118,12 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         f"- worker speeds `{args.speed_dist}` (fastest 1): {min(speeds):.2f} to {max(speeds):.2f}, median "
         f"{sorted(speeds)[len(speeds) // 2]:.2f}; virtual compute {step_time * 1e3:.1f} ms per step at speed 1",
         f"- links: `{links}` replayed per worker over virtual time",
-        "- churn: not simulated (every worker stays for the whole run)",
+        (f"- churn: `{churn}` (worker 0 stays; a worker that leaves loses its round and comes back with the run's "
+         f"state)" if churn else "- churn: none (every worker stays for the whole run)"),
         f"- diloco-time: rounds of {budget:.1f} virtual s (the median worker's 50 steps)",
         f"- `python benchmarks/swarm.py {' '.join(sys.argv[1:] if argv is None else argv)}`", "",
         f"| method | val loss | vs DDP | tokens | bytes sent / worker | virtual wall | compute util | mean split: "
-        f"compute / waiting / sending | virtual time to loss {target:.4f} |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        f"compute / waiting / sending / away | leaves / joins | members per round | virtual time to loss {target:.4f} |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     splits = {}
     for m, r in results.items():
@@ -132,8 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         comp = s.get("virtual_compute_s_per_worker") or []
         wait = s.get("virtual_wait_s_per_worker") or []
         send = s.get("virtual_send_s_per_worker") or []
+        away = s.get("virtual_away_s_per_worker") or [0.0] * len(comp)
         n = max(len(comp), 1)
-        split = [sum(x) / n / wall if wall else 0.0 for x in (comp, wait, send)]
+        split = [sum(x) / n / wall if wall else 0.0 for x in (comp, wait, send, away)]
+        member = s.get("membership") or {}
+        mean_members = member.get("mean_members")
         splits[m] = split
         util = s.get("compute_utilization")
         gap = f"{100 * (r['val_loss'] / ddp['val_loss'] - 1):+.1f}%" if ddp else ""
@@ -143,11 +157,20 @@ def main(argv: list[str] | None = None) -> int:
                      f"{human_bytes(r['bytes'])} | {wall:,.0f} s | "
                      f"{'' if util is None else f'{100 * util:.1f}%'} | "
                      f"{' / '.join(f'{100 * x:.1f}%' for x in split)} | "
+                     f"{sum(s.get('leaves_per_worker') or [0])} / {sum(s.get('joins_per_worker') or [0])} | "
+                     f"{'' if mean_members is None else f'{mean_members:.1f} of {args.workers}'} | "
                      f"{'not reached' if reach is None else f'{reach:,.0f} s'} |")
-    lines += ["", "Compute utilization counts every worker's virtual time, the slow ones' too: a worker at speed "
+    lines += ["", "Compute utilization counts every worker's virtual time in the run (time away excluded), the slow "
+              "ones' too: a worker at speed "
               "0.4 computes for 2.5x as long per step, and the others wait for it at every collective. "
               "With `sync.mode=time` the workers do different numbers of steps, so its token count differs from "
               "the others' (the tokens column says by how much)."]
+    if churn:
+        lines += ["", "Under churn the workers average the way `loco join` peers do, since the members change: every "
+                  "worker receives every member's payload with its weight (an all-gather) and takes a validated mean, "
+                  "where a fixed group runs a ring all-reduce. The bytes and the sending time include that, in "
+                  "every method and even in rounds where nobody left; compare with `--churn none` for the fixed "
+                  "group."]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
@@ -176,7 +199,8 @@ def plot(results: dict, splits: dict, target: float, path: Path) -> None:
     ax.legend()
     names = list(splits)
     bottom = [0.0] * len(names)
-    for i, (part, color) in enumerate(zip(("compute", "waiting", "sending"), ("tab:green", "tab:orange", "tab:red"))):
+    parts = ("compute", "waiting", "sending", "away")
+    for i, (part, color) in enumerate(zip(parts, ("tab:green", "tab:orange", "tab:red", "tab:gray"))):
         vals = [100 * splits[m][i] for m in names]
         bx.bar(names, vals, bottom=bottom, label=part, color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]
