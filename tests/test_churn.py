@@ -202,16 +202,21 @@ def test_poisson_churn_runs_to_the_end_and_the_table_says_so(tmp_path):
     assert len(_rounds(tmp_path / "run")) == 8
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--churn", "nowhere.csv"], "nowhere.csv: no such file"),
-    (["--churn", "poisson:mtbf=soon"], "sim.churn"),
-    (["--churn", "poisson:mtbf=1h", "--set", "algo.name=streaming", "--set", "algo.overlap_steps=2"],
-     "algo.overlap_steps=0"),
-])
-def test_a_bad_churn_setting_is_one_line_before_training(args, expected):
-    res = run_cli(["simulate", "--config", TINY, "--workers", "3", *args], timeout=60)
+def test_a_bad_churn_setting_is_one_line_before_training():
+    res = run_cli(["simulate", "--config", TINY, "--workers", "3", "--churn", "nowhere.csv"], timeout=60)
     assert res.returncode == 2, res.stderr
-    assert expected in res.stderr and "Traceback" not in res.stderr and "[worker" not in res.stderr
+    assert "sim.churn" in res.stderr and "nowhere.csv: no such file" in res.stderr
+    assert "Traceback" not in res.stderr and "[worker" not in res.stderr
+
+
+@pytest.mark.parametrize("sets, expected", [
+    (["sim.churn=poisson:mtbf=soon"], "sim.churn: churn 'poisson:mtbf=soon': mtbf"),
+    (["sim.churn=poisson:mtbf=1h", "algo.name=streaming", "algo.overlap_steps=2"], "algo.overlap_steps=0"),
+])
+def test_the_config_check_refuses_a_bad_churn_setting(sets, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config([TINY], ["sim.workers=3", *sets])
+    assert expected in str(e.value)
 
 
 def test_a_run_with_churn_is_not_resumed(tmp_path):
