@@ -709,3 +709,24 @@ def test_round_timeout_takes_auto_or_seconds_and_names_the_flag_otherwise():
     assert "Traceback" not in res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("loco join: error: --round-timeout soon:"), res.stderr
+
+
+def test_a_state_reply_held_back_for_a_newer_epoch_is_waited_for():
+    """A peer asked for a state newer than it holds waits up to STATE_WAIT_S before it answers, so the asker
+    reads the reply's header with a timeout of its own (STATE_WAIT_S + 10; the fixed 10 s gave up first)."""
+    import asyncio
+
+    from diloco.comm.hivemind.framing import _read_framed
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    head = MSGPackSerializer.dumps({"n": 3})
+    message = len(head).to_bytes(8, "big") + head + (3).to_bytes(8, "big") + b"abc"
+
+    async def read_after(delay: float, header_timeout: float):
+        reader = asyncio.StreamReader()
+        asyncio.get_running_loop().call_later(delay, lambda: (reader.feed_data(message), reader.feed_eof()))
+        return await _read_framed(reader, 1 << 10, 5, header_timeout=header_timeout)
+
+    assert asyncio.run(read_after(0.3, 1.0)) == ({"n": 3}, b"abc")
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(read_after(0.3, 0.1))

@@ -54,12 +54,14 @@ async def _read_body(reader, n: int, timeout: float) -> bytes:
     return await asyncio.wait_for(reader.readexactly(n), timeout)
 
 
-async def _read_framed(reader, limit: int, timeout: Union[float, Callable[[int], float]]) -> tuple[dict, bytes]:
+async def _read_framed(reader, limit: int, timeout: Union[float, Callable[[int], float]],
+                       header_timeout: float = 10) -> tuple[dict, bytes]:
     """One message that :func:`_write_framed` wrote: (header, data), the data at most ``limit`` bytes.
 
     ``timeout`` bounds the body's read; a function of the body's size (read from the header first) lets a
-    large body take longer than a small one."""
-    header, n = await _read_header(reader)
+    large body take longer than a small one. ``header_timeout`` bounds each read of the header (a reply the
+    sender may hold back while it waits for something has to allow for that wait)."""
+    header, n = await _read_header(reader, timeout=header_timeout)
     if n > limit:
         raise ValueError(f"payload of {n} bytes (limit {limit})")
     return header, await _read_body(reader, n, timeout(n) if callable(timeout) else timeout)

@@ -14,6 +14,11 @@ from diloco.comm.hivemind.auth import mac
 from diloco.comm.hivemind.framing import STATE_CEILING_S, _read_framed, _write_framed, log, state_timeout
 
 
+# how long a peer asked for a state of a newer epoch than it holds waits for that epoch before refusing (a peer
+# that resyncs right after a round asks before the others have published it); the asker waits as long, and more
+STATE_WAIT_S = 30.0
+
+
 class StateMixin:
     """State serving and download of :class:`~diloco.comm.hivemind.HivemindTransport`."""
 
@@ -37,7 +42,7 @@ class StateMixin:
                                                                   self.peer_id.to_bytes(), body)):
                 raise PermissionError("bad MAC (no or another run key)")
             want = int(MSGPackSerializer.loads(body)["min_epoch"])
-            end = time.perf_counter() + 30
+            end = time.perf_counter() + STATE_WAIT_S
             while (self._snapshot is None or self._snapshot[0] < want) and time.perf_counter() < end:
                 await asyncio.sleep(0.1)
             if self._snapshot is None or self._snapshot[0] < want:
@@ -61,7 +66,9 @@ class StateMixin:
         _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(peer, f"{self.run}.state"), 10)
         try:
             await _write_framed(writer, head, body)
-            header, blob = await _read_framed(reader, self.max_payload_bytes, self.state_timeout)
+            # the reply's header may come only once the peer has the epoch asked for: up to STATE_WAIT_S
+            header, blob = await _read_framed(reader, self.max_payload_bytes, self.state_timeout,
+                                              header_timeout=STATE_WAIT_S + 10)
             sha = hashlib.sha256(blob).digest()
             if sha != header["sha"] or not hmac.compare_digest(header["m"], mac(
                     self.key, b"state-reply", peer.to_bytes(), self.peer_id.to_bytes(), str(header["e"]).encode(), sha)):
