@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -79,9 +78,6 @@ class Membership:
 
     def __init__(self, group: InProcessGroup, churn: ChurnSchedule) -> None:
         self.group, self.churn = group, churn
-        self.rounds = 0
-        self.present_sum = 0
-        self.fewest: Optional[int] = None
         self.path: Optional[Path] = None
         # what joiners admitted at the latest boundary take: worker 0's state then, its step and run folder (taken
         # at the boundary: by the time a joiner runs, worker 0 may have begun its next step, and DeMo's weight
@@ -117,15 +113,9 @@ class Membership:
                "members": members, "weights": {k: float(v) for k, v in weights.items()},
                "left": sorted(g.left_now), "joining": joining}
         g.left_now = []
-        self.rounds += 1
-        self.present_sum += len(members)
-        self.fewest = len(members) if self.fewest is None else min(self.fewest, len(members))
+        g.members_per_round.append(len(members))
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-
-    def summary(self) -> dict[str, Any]:
-        return {"rounds": self.rounds, "mean_members": self.present_sum / self.rounds if self.rounds else None,
-                "fewest_members": self.fewest}
 
 
 def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool = False) -> dict[str, Any]:
@@ -189,14 +179,7 @@ def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool =
     stopped = [r for r in results if isinstance(r, Interrupted)]
     if stopped:
         raise stopped[0]  # rank 0's first: it names the checkpoint
-    summary = results[0]
-    if membership is not None:
-        summary["membership"] = membership.summary()
-        path = Path(summary["run_dir"]) / "summary.json"
-        tmp = path.with_name(".summary.json.tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, path)
-    return summary
+    return results[0]
 
 
 def baseline_config(cfg: Config, run_dir: Path) -> Config:

@@ -17,14 +17,13 @@ up-times drawn from an exponential distribution of mean ``mtbf`` and down-times 
 
 from __future__ import annotations
 
-import csv
-import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
+from diloco.sim.links import read_rows
 from diloco.sim.network import parse_duration
 
 
@@ -112,28 +111,12 @@ class ChurnSchedule:
         if not path.is_file():
             raise ChurnError(f"churn: {path}: no such file (expected a CSV or YAML trace, or "
                              f"poisson:mtbf=DURATION,rejoin=DURATION)")
-        text = path.read_text()
-        if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            try:
-                data = yaml.safe_load(text)
-            except yaml.YAMLError as e:
-                raise ChurnError(f"{path}: not valid YAML: {e}") from None
-            if isinstance(data, dict):
-                data = data.get("churn")
-            if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-                raise ChurnError(f"{path}: expected a list of rows with worker, event and time or round")
-            records = [(i + 1, r) for i, r in enumerate(data)]
-        else:
-            lines = [l for l in text.splitlines() if l.strip() and not l.lstrip().startswith("#")]
-            reader = csv.DictReader(io.StringIO("\n".join(lines)), skipinitialspace=True)
-            fields = set(reader.fieldnames or [])
-            missing = {"worker", "event"} - fields
-            if missing or not ({"time", "round"} & fields):
+        def header(fields: set[str]) -> None:
+            if {"worker", "event"} - fields or not ({"time", "round"} & fields):
                 raise ChurnError(f"{path}: the header must name worker, event and time or round "
-                                 f"(e.g. round,worker,event), it has {', '.join(reader.fieldnames or []) or 'nothing'}")
-            records = [(i + 2, r) for i, r in enumerate(reader)]
+                                 f"(e.g. round,worker,event), it has {', '.join(sorted(fields)) or 'nothing'}")
+
+        records = read_rows(path, "churn", ChurnError, "worker, event and time or round", header)
         events = [cls._row(path, line, r) for line, r in records]
         if not events:
             raise ChurnError(f"{path}: no events")
@@ -186,37 +169,30 @@ class ChurnSchedule:
                 up = not up
 
     # ---- replaying ----------------------------------------------------------------------------------
-    def _next(self, worker: int, t: float) -> Optional[ChurnEvent]:
+    def _take(self, worker: int, kind: str, t: float, round_: int) -> bool:
+        """Consume ``worker``'s next event if it is a ``kind`` that is due at virtual time ``t`` in ``round_``."""
         mine = self._pending.get(worker)
         if mine is None:
-            return None
+            return False
         if not mine and self._draw is not None:
             self._draw_next(worker)
-        return mine[0] if mine else None
-
-    def _consume(self, worker: int, t: float) -> None:
-        self._pending[worker].pop(0)
+        e = mine[0] if mine else None
+        if e is None or e.kind != kind:
+            return False
+        if not ((e.round is not None and round_ >= e.round) or (e.time is not None and t >= e.time)):
+            return False
+        mine.pop(0)
         self._last_time[worker] = t
-        self._away[worker] = not self._away.get(worker, False)
-
-    def _due(self, e: ChurnEvent, t: float, round_: int) -> bool:
-        return (e.round is not None and round_ >= e.round) or (e.time is not None and t >= e.time)
+        self._away[worker] = kind == "leave"
+        return True
 
     def leaves_now(self, worker: int, t: float, round_: int) -> bool:
         """Whether ``worker``, having just ended a step at virtual time ``t`` in round ``round_``, leaves now."""
-        e = self._next(worker, t)
-        if e is None or e.kind != "leave" or not self._due(e, t, round_):
-            return False
-        self._consume(worker, t)
-        return True
+        return self._take(worker, "leave", t, round_)
 
     def joins_now(self, worker: int, t: float, round_: int) -> bool:
         """Whether the away ``worker`` joins at a round boundary at virtual time ``t`` before round ``round_``."""
-        e = self._next(worker, t)
-        if e is None or e.kind != "join" or not self._due(e, t, round_):
-            return False
-        self._consume(worker, t)
-        return True
+        return self._take(worker, "join", t, round_)
 
     def describe(self) -> str:
         if self._draw is not None:

@@ -46,13 +46,16 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import greenlet
 import torch
 
 from diloco.comm.base import Handle, Transport, TransportError
 from diloco.sim.network import NetworkModel
+
+if TYPE_CHECKING:
+    from diloco.sim.churn import ChurnSchedule
 
 
 class RunningMedian:
@@ -130,6 +133,7 @@ class InProcessGroup:
         self.joins = [0] * world
         self.rounds = [0] * world  # the round each worker is in (its round boundaries so far; a joiner: worker 0's)
         self.left_now: list[int] = []  # workers that left since the last round boundary
+        self.members_per_round: list[int] = []  # how many members each round had (worker 0's boundaries record it)
         self.run_over = False  # every member finished: parked workers are let go
         self.last_members: list[int] = list(range(world))  # whose values the latest collective combined
         self.contributions: Optional[dict[str, float]] = None  # the latest robust mean's weight per member
@@ -307,9 +311,12 @@ class InProcessGroup:
             "network": self.network.describe(),
         }
         if self.churn is not None:
+            n = self.members_per_round
             out.update({"churn": self.churn.source, "virtual_away_s_per_worker": away,
                         "steps_per_worker": list(self.steps_done), "leaves_per_worker": list(self.leaves),
-                        "joins_per_worker": list(self.joins)})
+                        "joins_per_worker": list(self.joins),
+                        "membership": {"rounds": len(n), "mean_members": sum(n) / len(n) if n else None,
+                                       "fewest_members": min(n) if n else None}})
         return out
 
 

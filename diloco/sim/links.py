@@ -19,10 +19,34 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from diloco.sim.network import parse_bandwidth, parse_duration
 
+
+def read_rows(path: Path, key: str, error: type[Exception], fields: str,
+              check_header: Callable[[set[str]], None]) -> list[tuple[int, dict[str, Any]]]:
+    """The rows of a trace file, each with the line (CSV) or entry (YAML) it came from: a YAML list of mappings
+    (or a mapping whose ``key`` holds it), or CSV under a header that ``check_header`` accepts (it raises), with
+    ``#`` comment lines and blank lines skipped. ``error`` is raised for a file that is neither; ``fields``
+    names the keys a row has, for that message."""
+    text = path.read_text()
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise error(f"{path}: not valid YAML: {e}") from None
+        if isinstance(data, dict):
+            data = data.get(key)
+        if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+            raise error(f"{path}: expected a list of rows with {fields}")
+        return [(i + 1, r) for i, r in enumerate(data)]
+    lines = [l for l in text.splitlines() if l.strip() and not l.lstrip().startswith("#")]
+    reader = csv.DictReader(io.StringIO("\n".join(lines)), skipinitialspace=True)
+    check_header(set(reader.fieldnames or []))
+    return [(i + 2, r) for i, r in enumerate(reader)]
 
 
 class LinkTraceError(ValueError):
@@ -56,27 +80,14 @@ class LinkTrace:
         path = Path(path)
         if not path.is_file():
             raise LinkTraceError(f"{path}: no such file")
-        text = path.read_text()
-        if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
 
-            try:
-                data = yaml.safe_load(text)
-            except yaml.YAMLError as e:
-                raise LinkTraceError(f"{path}: not valid YAML: {e}") from None
-            if isinstance(data, dict):
-                data = data.get("links")
-            if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-                raise LinkTraceError(f"{path}: expected a list of rows with time, worker, bandwidth, latency")
-            records = [(i + 1, r) for i, r in enumerate(data)]
-        else:
-            lines = [l for l in text.splitlines() if l.strip() and not l.lstrip().startswith("#")]
-            reader = csv.DictReader(io.StringIO("\n".join(lines)), skipinitialspace=True)
-            missing = {"time", "worker", "bandwidth", "latency"} - set(reader.fieldnames or [])
+        def header(fields: set[str]) -> None:
+            missing = {"time", "worker", "bandwidth", "latency"} - fields
             if missing:
                 raise LinkTraceError(f"{path}: the header lacks {', '.join(sorted(missing))} "
                                      f"(expected: time,worker,bandwidth,latency)")
-            records = [(i + 2, r) for i, r in enumerate(reader)]
+
+        records = read_rows(path, "links", LinkTraceError, "time, worker, bandwidth, latency", header)
         return cls([cls._row(path, line, r) for line, r in records], str(path))
 
     @staticmethod
