@@ -138,7 +138,7 @@ def zstd_rows(x: torch.Tensor, chains: list[str], repeats: int) -> list[dict]:
     import zstandard
 
     from diloco.compress import make_codec, wire
-    from diloco.compress.codec import ZSTD_THREADS_ABOVE
+    from diloco.compress.codec import ZSTD_JOB_BYTES, ZSTD_THREADS_ABOVE, threaded_zstd
 
     rows = []
     for chain in chains:
@@ -151,7 +151,7 @@ def zstd_rows(x: torch.Tensor, chains: list[str], repeats: int) -> list[dict]:
         raw = memoryview(payload)[wire.parse_header(payload, stem.max_numel).offset:]
         modes = [("1 thread", zstandard.ZstdCompressor(level=level))]
         if len(raw) > ZSTD_THREADS_ABOVE:
-            modes.append(("all cores (threads=-1)", zstandard.ZstdCompressor(level=level, threads=-1)))
+            modes.append((f"all cores, {ZSTD_JOB_BYTES >> 20} MiB jobs", threaded_zstd(level)))
         for mode, zc in modes:
             comp = zc.compress(raw)
             zd = zstandard.ZstdDecompressor()

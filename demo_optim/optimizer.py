@@ -25,6 +25,13 @@ buffers that hold every parameter's chunks back to back (flat position = the chu
 applies the same update. A payload that fails validation is left out of the mean and logged;
 a worker whose gradients are not finite sends nothing that step (``nonfinite="skip"``) or
 raises (``"raise"``) and still applies the others' update, so the replicas stay equal.
+
+Transports that move tensors where they lie (``Transport.device_gather``: the simulator, NCCL)
+skip the host: the payload is one uint8 tensor on the parameters' device, the size of the wire
+payload, with a first byte that says whether a body follows instead of the header (the
+members of such a group are trusted, and the transport checks its own transfer); the
+payloads are unpacked and checked together, as rows, with one host sync for all of them,
+and then summed in rank order as above. The sums are the same as the byte path's.
 """
 
 from __future__ import annotations
@@ -120,8 +127,13 @@ class DeMo(torch.optim.Optimizer):
             self._layout(plans, chain, self._device())  # built once, outside the per-step work
         contribute = self.contribute and (self.grads_checked or self._grads_finite(entries))
         self.contribute, self.grads_checked = True, False
-        payload = self._encode(entries, chain) if contribute else wire.pack(b"", torch.float32, (0,), chain)
-        payloads = self.transport.all_gather_bytes(payload)
+        if entries and self.transport.device_gather:  # the payloads stay where they are made
+            layout = self._layout(plans, chain, self._device())
+            data = self._encode_device(entries, chain, layout) if contribute else layout.silent(chain)
+            payloads = self.transport.all_gather_tensor(data)
+        else:
+            payload = self._encode(entries, chain) if contribute else wire.pack(b"", torch.float32, (0,), chain)
+            payloads = self.transport.all_gather_bytes(payload)
         agg = self._mean(payloads, plans, chain)
         if entries:
             order = self._layout(plans, chain, self._device()).order
@@ -146,7 +158,10 @@ class DeMo(torch.optim.Optimizer):
             for rank, reason in rejected:
                 self._reject(rank, reason)
             return agg
-        sums, counts = self._aggregate(payloads, plans, chain)
+        if payloads and isinstance(payloads[0], torch.Tensor):
+            sums, counts = self._aggregate_device(payloads, plans, chain)
+        else:
+            sums, counts = self._aggregate(payloads, plans, chain)
         agg = sums.flat.div_(counts.flat.clamp_(min=1))  # 0 where nobody sent: the sum is 0 there
         if self.transport.shared_results and len(payloads) > 1:  # every member got this list (fewer under churn)
             _SHARED_MEAN.fill(payloads, key, (agg, self.last_contributors, self._rejected_now), len(payloads) - 1)
@@ -169,9 +184,21 @@ class DeMo(torch.optim.Optimizer):
         return finite
 
     def _encode(self, entries, chain: str) -> bytes:
+        """The wire payload (header + body) of this step's momenta: see the module's docstring."""
         if not entries:
             return wire.pack(b"", torch.float32, (0,), chain)
         layout = self._layout([plan for _, _, plan in entries], chain, self._device())
+        body = torch.cat(self._sections(entries, layout))
+        return wire.pack(tensor_bytes(body), torch.float32, (layout.sent,), chain)
+
+    def _encode_device(self, entries, chain: str, layout: "_Layout") -> torch.Tensor:
+        """The payload as one uint8 tensor on the parameters' device, for transports that move it there: a
+        prefix of the wire header's size whose first byte says "sent" (1), then the body of :meth:`_encode`. The
+        same bytes on the network as the wire payload; no header is needed between trusted members."""
+        return torch.cat([layout.prefix(chain, sent=True), *self._sections(entries, layout)])
+
+    def _sections(self, entries, layout: "_Layout") -> list[torch.Tensor]:
+        """Momentum update and DCT + top-k of every parameter: the body's sections (uint8 tensors, in order)."""
         self._stack_momenta(entries, layout)
         deltas, groups = [], {}
         for p, group, plan in entries:
@@ -196,7 +223,7 @@ class DeMo(torch.optim.Optimizer):
         for width, count, _ in layout.stream_sizes:  # one bit stream per index width
             sections.append(pack_bits(idx[at:at + count], width))
             at += count
-        return wire.pack(tensor_bytes(torch.cat(sections)), torch.float32, (flat.numel(),), chain)
+        return sections
 
     def _stack_momenta(self, entries, layout: "_Layout") -> None:
         """Keep the momenta of each run of same-shaped parameters (in wire order) back to back in one buffer,
@@ -240,13 +267,16 @@ class DeMo(torch.optim.Optimizer):
             if body is None:
                 bodies.append(None)
                 continue
-            pad = -at % 8  # every body starts aligned, so its fp32 values can be viewed in place
-            chunks += [bytes(pad), body]
-            bodies.append((at + pad, at + pad + len(body)))
-            at += pad + len(body)
+            at += -at % 8  # every body starts aligned, so its fp32 values can be viewed in place
+            chunks.append((at, body))
+            bodies.append((at, at + len(body)))
+            at += len(body)
         data = None
-        if at:  # all bodies reach the device in one transfer
-            data = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).to(device)
+        if at:  # all bodies copied once into one (pinned, on CUDA) host buffer, then one transfer to the device
+            host = torch.empty(at, dtype=torch.uint8, pin_memory=device.type == "cuda")  # pads never read
+            for start, body in chunks:
+                host[start:start + len(body)].copy_(wire.tensor_view(body))
+            data = host.to(device, non_blocking=True)
         contributors = 0
         for rank, body in enumerate(bodies):  # rank order: the same sums on every worker
             if isinstance(body, tuple):
@@ -263,6 +293,79 @@ class DeMo(torch.optim.Optimizer):
                 self._reject(rank, body)
         self.last_contributors = contributors
         return _Views(sums, layout), _Views(counts, layout)
+
+    def _aggregate_device(self, payloads: list[torch.Tensor], plans: list[ChunkPlan],
+                          chain: str) -> tuple["_Views", "_Views"]:
+        """:meth:`_aggregate` of payloads made by :meth:`_encode_device`: every payload unpacked and checked
+        together (rows of one tensor), one host sync for all of them, then each valid one summed in rank order
+        (the same sums as the byte path gives)."""
+        device = self._device()
+        layout = self._layout(plans, chain, device)
+        self._rejected_now = []
+        sums = torch.zeros(layout.total, device=device)
+        counts = torch.zeros(layout.total, device=device)
+        head = wire.header_size(1, chain)
+        size = head + layout.value_bytes + layout.index_bytes
+        fits = [p.dtype == torch.uint8 and p.dim() == 1 and p.numel() == size for p in payloads]
+        ranks = [r for r, ok in enumerate(fits) if ok]
+        state: list[list[int]] = [[], [], []]
+        if ranks:
+            rows = torch.stack([payloads[r].to(device) for r in ranks])
+            body = rows[:, head:]
+            vb = layout.value_bytes
+            if self.sign_values:
+                values = unpack_bits(body[:, :vb], 1, layout.sent).float() * 2 - 1
+            else:
+                values = body[:, :vb].contiguous().view(torch.float32)
+            streams, b = [], vb
+            for width, count, nbytes in layout.stream_sizes:
+                streams.append(unpack_bits(body[:, b:b + nbytes], width, count))
+                b += nbytes
+            idx = torch.cat(streams, dim=1) if len(streams) > 1 else streams[0]
+            bad = idx >= layout.limit
+            bad[:, 1:] |= (idx[:, 1:] <= idx[:, :-1]) & layout.inner
+            row_bad = bad.any(dim=1)
+            if not self.sign_values:
+                row_bad |= ~torch.isfinite(values).all(dim=1)
+            mine = layout.prefix(chain, sent=True)
+            other = (rows[:, 1:head] != mine[1:]).any(dim=1)  # settings or model differ (or a forged prefix)
+            state = torch.stack([rows[:, 0].to(torch.int64), row_bad.to(torch.int64),
+                                 other.to(torch.int64)]).tolist()  # the one host sync
+        contributors = 0
+        row = {r: i for i, r in enumerate(ranks)}
+        for rank in range(len(payloads)):  # rank order: the same sums on every worker
+            i = row.get(rank)
+            if i is None:
+                self._reject(rank, CorruptPayload(f"settings or model differ: payload of {payloads[rank].numel()} "
+                                                  f"elements of {payloads[rank].dtype}, expected {size} bytes"))
+                continue
+            flag, is_bad, other = state[0][i], state[1][i], state[2][i]
+            if other:
+                self._reject(rank, CorruptPayload("settings or model differ: the payload's fingerprint "
+                                                  f"{bytes(rows[i, 4:8].tolist()).hex()} is not this worker's "
+                                                  f"{layout.fingerprint(chain).hex()}"))
+                continue
+            if flag == 0:  # this worker sent nothing (non-finite gradients)
+                continue
+            if flag != 1 or is_bad:
+                self._reject(rank, self._why(flag, values[i], bad[i], layout))
+                continue
+            contributors += 1
+            pos = layout.base + idx[i]
+            sums.scatter_add_(0, pos, values[i])
+            counts.scatter_add_(0, pos, layout.ones)
+        self.last_contributors = contributors
+        return _Views(sums, layout), _Views(counts, layout)
+
+    def _why(self, flag: int, values: torch.Tensor, bad: torch.Tensor, layout: "_Layout") -> CorruptPayload:
+        """Why a payload was refused, in the words of the byte path (reading it back: only for a refused one)."""
+        if flag != 1:
+            return CorruptPayload(f"payload flag {flag} (1: sent, 0: nothing sent)")
+        if not self.sign_values and not bool(torch.isfinite(values).all()):
+            return CorruptPayload("payload holds NaN or Inf values")
+        first = int(bad.nonzero()[0, 0])
+        plan = layout.plans[layout.owner(first)]
+        return CorruptPayload(f"indices of parameter {tuple(plan.shape)} out of range or not increasing")
 
     def _check_header(self, payload: bytes, chain: str, layout: "_Layout") -> Optional[memoryview]:
         """The payload's body, or None for "nothing sent"; CorruptPayload when the header does not fit."""
@@ -347,6 +450,32 @@ class _Layout:
         self.wire_ends = list(accumulate(plans[j].sent for j in self.order))
         if device is not None:
             self._tensors(torch.device(device))
+
+    def prefix(self, chain: str, sent: bool) -> torch.Tensor:
+        """The device payload's first bytes (the wire header's size): byte 0 says whether a body follows, bytes 4-7
+        are the :meth:`fingerprint` of the chain (settings and model layout), the rest zeros."""
+        cache = self.__dict__.setdefault("_prefixes", {})
+        key = (chain, sent)
+        if key not in cache:
+            head = bytearray(wire.header_size(1, chain))
+            head[0] = int(sent)
+            head[4:8] = self.fingerprint(chain)
+            cache[key] = torch.tensor(list(head), dtype=torch.uint8, device=self.ones.device)
+        return cache[key]
+
+    @staticmethod
+    def fingerprint(chain: str) -> bytes:
+        """4 bytes of the device payload's prefix (bytes 4-7) that stand for the settings and the model layout."""
+        return zlib.crc32(chain.encode()).to_bytes(4, "little")
+
+    def silent(self, chain: str) -> torch.Tensor:
+        """The device payload of a worker that sends nothing this step: the prefix says so, the body is zeros."""
+        cache = self.__dict__.setdefault("_silent", {})
+        if chain not in cache:
+            cache[chain] = torch.cat([self.prefix(chain, sent=False),
+                                      torch.zeros(self.value_bytes + self.index_bytes, dtype=torch.uint8,
+                                                  device=self.ones.device)])
+        return cache[chain]
 
     def owner(self, element: int) -> int:
         """The parameter (index in parameter order) of the element-th sent coefficient of a payload."""

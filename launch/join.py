@@ -157,8 +157,10 @@ class Peer:
                 epoch, blob = got
                 self.load_state(blob)
                 self._align_step()
-                m.info(f"downloaded the run's state (round {epoch}, {len(blob) / 1e6:.1f} MB); training from there "
-                       f"at the run's step {tr.step}", tr.step)
+                sources = len(t.state_sources)
+                m.info(f"downloaded the run's state (round {epoch}, {len(blob) / 1e6:.1f} MB"
+                       + (f", in stripes from {sources} peers" if sources > 1 else "")
+                       + f"); training from there at the run's step {tr.step}", tr.step)
                 if self.cfg.run.max_steps and tr.step >= self.cfg.run.max_steps:
                     m.info(f"the run is past --max-steps {self.cfg.run.max_steps} already: nothing to train "
                            f"(raise --max-steps to take part)", tr.step)

@@ -17,7 +17,7 @@ import zstandard
 
 from conftest import ROOT, child_env
 from diloco.compress import CodecSpecError, CorruptPayload, make_codec, wire
-from diloco.compress.codec import ZSTD_FREE_BYTES, ZSTD_MAX_RATIO, zstd_min_bytes
+from diloco.compress.codec import ZSTD_FREE_BYTES, ZSTD_MAX_RATIO, ZSTD_THREADS_ABOVE, threaded_zstd, zstd_min_bytes
 from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
 from diloco.compress.dct import dct_basis, dct_blocks, dct_chunks, idct_blocks, idct_chunks
 
@@ -140,6 +140,10 @@ def test_pack_bits_round_trip_and_layout(width):
         # value i sits at bits [i*width, (i+1)*width), least significant first
         stream = sum(int(v) << (i * width) for i, v in enumerate(values.tolist()))
         assert packed.numpy().tobytes() == stream.to_bytes(packed.numel(), "little")
+        # rows of streams (one per payload) unpack as each row alone, also from a slice of a wider tensor
+        rows = torch.stack([packed, pack_bits(values.flip(0), width), pack_bits(values // 2, width)])
+        wide = torch.cat([torch.full((3, 5), 0xFF, dtype=torch.uint8), rows], dim=1)[:, 5:]
+        assert torch.equal(unpack_bits(wide, width, count), torch.stack([values, values.flip(0), values // 2]))
 
 
 def test_bits_helpers():
@@ -474,7 +478,9 @@ def test_a_payload_beyond_the_bomb_bound_decodes_only_with_its_size(chain, numel
         header = wire.parse_header(payload, codec.max_numel)
         body = payload[header.offset:]
         raw = zstandard.ZstdDecompressor().decompress(body)
-        assert len(raw) == need and zstandard.ZstdCompressor(level=codec.spec.zstd_level).compress(raw) == body
+        level = codec.spec.zstd_level
+        zc = threaded_zstd(level) if need > ZSTD_THREADS_ABOVE else zstandard.ZstdCompressor(level=level)
+        assert len(raw) == need and zc.compress(raw) == body
         sized = codec.decode(payload, expect_numel=numel)
         assert bool(torch.isfinite(sized).all())
         if len(body) >= zstd_min_bytes(need):
@@ -570,7 +576,7 @@ def test_encode_of_finite_values_decodes_or_raises_value_error(chain, value):
 
 
 # ---- one buffer: header, prefix, reuse, checksum ----------------------------------------------------
-def test_header_is_aligned_and_checksummed_with_xxh3():
+def test_header_is_aligned_and_checksummed_with_xxh3_of_the_header_and_the_piece_digests():
     import xxhash
 
     data = wire.pack(b"\x01\x02\x03", torch.float32, (3, 1), "fp32")
@@ -578,11 +584,34 @@ def test_header_is_aligned_and_checksummed_with_xxh3():
     assert header.offset % wire.ALIGN == 0 and header.offset == wire.header_size(2, "fp32")
     tail = header.offset - 16
     (crc,) = struct.unpack_from("<Q", data, tail + 8)
-    assert crc == xxhash.xxh3_64_intdigest(bytes(data[:tail + 8]) + b"\x01\x02\x03")
+    assert crc == xxhash.xxh3_64_intdigest(bytes(data[:tail + 8]) + xxhash.xxh3_64_digest(b"\x01\x02\x03"))
     padded = bytearray(data)
     padded[wire._FIXED.size + 16 + len("fp32")] = 1  # a padding byte that is not zero
     with pytest.raises(CorruptPayload, match="padding|checksum"):
         wire.parse_header(padded, 100)
+
+
+def test_checksum_is_the_same_however_the_payload_is_fed(monkeypatch):
+    """Pieces of HASH_PIECE bytes, each hashed alone (several at once on threads): feeding the payload in any
+    split gives the checksum of the definition, and a change in any piece changes it."""
+    import xxhash
+
+    monkeypatch.setattr(wire, "HASH_PIECE", 64)
+    data = random.Random(0).randbytes(64 * 9 + 17)
+    want = xxhash.xxh3_64_intdigest(b"head" + b"".join(xxhash.xxh3_64_digest(data[a:a + 64])
+                                                       for a in range(0, len(data), 64)))
+    assert wire.checksum(memoryview(b"head"), memoryview(data)) == want
+    for cuts in ([5, 64, 200, 201, 600], [64 * 4], [1] * 70, [63, 66, 64 * 5]):
+        h = wire.Checksum(b"head")
+        at = 0
+        for c in cuts + [len(data)]:
+            h.update(memoryview(data)[at:max(at, min(c + at, len(data)))])
+            at = max(at, min(c + at, len(data)))
+        assert at == len(data) and h.intdigest() == want
+    changed = bytearray(data)
+    changed[64 * 5 + 3] ^= 1
+    assert wire.checksum(memoryview(b"head"), memoryview(changed)) != want
+    assert wire.checksum(memoryview(b"head"), memoryview(b"")) == xxhash.xxh3_64_intdigest(b"head")
 
 
 @pytest.mark.parametrize("chain", CHAINS)

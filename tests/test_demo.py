@@ -364,17 +364,19 @@ def _tiny(n_layers: int) -> torch.nn.Module:
     return Transformer(replace(SIZES["tiny"], n_layers=n_layers, max_seq_len=16))
 
 
-def _aggregate_cost(n_layers: int, world: int, monkeypatch) -> tuple[int, int, int, int]:
-    """(parameter tensors, ops, host syncs, payloads) of one worker's ``_aggregate`` in one DeMo step."""
+def _aggregate_cost(n_layers: int, world: int, monkeypatch, on_device: bool) -> tuple[int, int, int, int]:
+    """(parameter tensors, ops, host syncs, payloads) of one worker's aggregation in one DeMo step: of the wire
+    payloads (``_aggregate``), or of device payloads (``_aggregate_device``)."""
     seen = {}
     tolist = torch.Tensor.tolist
 
     def body(rank, transport):
+        transport.device_gather = on_device
         model = _tiny(n_layers)
         opt = DeMo(model.parameters(), lr=1e-3, transport=transport)
         for i, p in enumerate(model.parameters()):
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * rank + i))
-        aggregate = opt._aggregate
+        aggregate = opt._aggregate_device if on_device else opt._aggregate
 
         def counted(payloads, *a, **kw):  # runs between two collectives: no other worker's ops interleave
             counter = _CountOps()
@@ -393,7 +395,10 @@ def _aggregate_cost(n_layers: int, world: int, monkeypatch) -> tuple[int, int, i
             seen[rank] = (len(list(model.parameters())), counter.ops, counter.syncs + calls[0], len(payloads))
             return out
 
-        opt._aggregate = counted
+        if on_device:
+            opt._aggregate_device = counted
+        else:
+            opt._aggregate = counted
         opt.step()
         return opt.last_contributors
 
@@ -414,13 +419,13 @@ def test_simulated_workers_share_one_mean_and_end_as_if_each_computed_it(bad_ran
             transport.shared_results = shared
             model = _tiny(2)
             opt = DeMo(model.parameters(), lr=1e-3, transport=transport, sign_values=rank == bad_rank)
-            aggregate = opt._aggregate
+            def counted(aggregate):
+                def wrapper(*a, **kw):
+                    calls.append(rank)
+                    return aggregate(*a, **kw)
+                return wrapper
 
-            def counted(*a, **kw):
-                calls.append(rank)
-                return aggregate(*a, **kw)
-
-            opt._aggregate = counted
+            opt._aggregate, opt._aggregate_device = counted(opt._aggregate), counted(opt._aggregate_device)
             for step in range(2):
                 for i, p in enumerate(model.parameters()):
                     p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * rank + 10 * step + i))
@@ -441,6 +446,68 @@ def test_simulated_workers_share_one_mean_and_end_as_if_each_computed_it(bad_ran
         assert shared[0][2] == 2 and shared[2][2] == 2  # worker 1's payload left out by 0 and 2, at both steps
 
 
+@pytest.mark.parametrize("sign_values", [False, True])
+def test_device_payloads_give_the_same_steps_as_wire_payloads(sign_values):
+    """Simulated workers move their payloads as device tensors (Transport.device_gather); the same run through
+    wire payloads and host bytes gives the same parameters, contributors and skipped steps, bit for bit, also
+    when a worker sits a step out."""
+    def run(on_device: bool):
+        def body(rank, transport):
+            transport.device_gather = on_device
+            model = _tiny(2)
+            opt = DeMo(model.parameters(), lr=1e-3, weight_decay=0.1, transport=transport, sign_values=sign_values)
+            seen = []
+            for step in range(3):
+                for i, p in enumerate(model.parameters()):
+                    g = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * rank + 10 * step + i))
+                    p.grad = g if (rank, step) != (1, 1) else torch.full(p.shape, math.nan)
+                opt.step()
+                seen.append(opt.last_contributors)
+            return [p.detach().clone() for p in model.parameters()], seen, opt.skipped_steps
+
+        return run_workers(InProcessGroup(3), body)
+
+    device, wire_path = run(True), run(False)
+    for (pd, cd, sd), (pw, cw, sw) in zip(device, wire_path):
+        assert (cd, sd) == (cw, sw) and cd == [3, 2, 3]
+        assert all(torch.equal(a, b) for a, b in zip(pd, pw))
+    assert [s for _, _, s in device] == [0, 1, 0]
+
+
+def test_forged_device_payloads_are_refused_and_logged(caplog):
+    """A device payload with NaN values, disordered indices, an unknown flag, another fingerprint or another size
+    is left out of the mean and logged with its rank; the honest one is kept; all of it in one host sync."""
+    from diloco.comm.local import LocalTransport
+    from diloco.compress import wire
+
+    class Forging(LocalTransport):
+        device_gather = True
+        world_size = 6
+
+        def _all_gather_tensor(self, t):
+            head = wire.header_size(1, chain)
+            nan, disordered, flag, other = (t.clone() for _ in range(4))
+            nan[head:head + 4] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)  # a float32 NaN
+            disordered[head + layout.value_bytes:] = 0  # every index 0: not increasing within a chunk
+            flag[0] = 7
+            other[5] ^= 1
+            return [t, nan, disordered, flag, other, t[:-1]]
+
+    p = torch.nn.Parameter(torch.zeros(64, 64))
+    opt = DeMo([p], lr=0.01, transport=Forging())
+    p.grad = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    plans = [plan for _, _, plan in opt._entries()]
+    chain = opt._chain(plans)
+    layout = opt._layout(plans, chain, torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="demo_optim"):
+        opt.step()
+    assert opt.rejected_payloads == 5 and opt.last_contributors == 1
+    for rank, why in [(1, "payload holds NaN or Inf"), (2, "indices of parameter (64, 64) out of range or not "
+                      "increasing"), (3, "payload flag 7"), (4, "settings or model differ: the payload's fingerprint"),
+                      (5, "settings or model differ")]:
+        assert f"left worker {rank}'s payload out of the mean: {why}" in caplog.text
+
+
 def _step_cost(n_layers: int) -> tuple[int, int, int]:
     """(parameter tensors, ops, host syncs) of a whole DeMo step (the second) of one worker on its own."""
     model = _tiny(n_layers)
@@ -455,11 +522,16 @@ def _step_cost(n_layers: int) -> tuple[int, int, int]:
 
 
 def test_aggregate_cost_is_flat_in_the_number_of_parameter_tensors(monkeypatch):
-    params2, ops2, syncs2, payloads = _aggregate_cost(2, 3, monkeypatch)
-    params4, ops4, syncs4, _ = _aggregate_cost(4, 3, monkeypatch)
+    params2, ops2, syncs2, payloads = _aggregate_cost(2, 3, monkeypatch, on_device=False)
+    params4, ops4, syncs4, _ = _aggregate_cost(4, 3, monkeypatch, on_device=False)
     assert params4 >= params2 + 10  # the 4-layer model has many more parameter tensors
     assert ops4 - ops2 <= 4, (ops2, ops4)  # validation and accumulation: a fixed number of ops per payload
     assert syncs2 <= payloads and syncs4 <= payloads, (syncs2, syncs4)  # one accept/reject decision per payload
+    # payloads that stay on the device: checked as rows of one tensor, one decision for all of them
+    _, dops2, dsyncs2, _ = _aggregate_cost(2, 3, monkeypatch, on_device=True)
+    _, dops4, dsyncs4, _ = _aggregate_cost(4, 3, monkeypatch, on_device=True)
+    assert dops4 - dops2 <= 4, (dops2, dops4)
+    assert dsyncs2 == 1 and dsyncs4 == 1, (dsyncs2, dsyncs4)
     # the whole step: the gradient check and the payload are one sync each; what still runs per parameter tensor
     # (encode's blocks in and out, decode's update) is a few ops each (v1: ~140 ops and ~3 syncs per tensor)
     params2, ops2, syncs2 = _step_cost(2)

@@ -114,3 +114,35 @@ def test_a_node_with_fewer_gpus_than_processes_is_named_with_the_ways_out():
     assert "this node starts 4 processes but has 1 GPU(s)" in msg
     for way in ("--nproc-per-node 1", "loco simulate --workers 4", "run.device=cpu", "transport.dist_backend=gloo"):
         assert way in msg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chain", ["fp32", "bf16", "fp16", "int8", "int4", "topk:0.02+2bit+zstd", "fp32+zstd"])
+def test_codecs_on_cuda_decode_all_of_a_payload_larger_than_a_piece_as_the_cpu_does(chain):
+    """On a GPU the payload goes to the device once and is checked in one piece: every value must arrive,
+    the same as the CPU's piece-by-piece path gives, and a bad value refuses the whole payload before any add."""
+    from diloco.compress import CorruptPayload, make_codec, wire
+    from diloco.compress.codec import PIECE
+
+    n = 3 * PIECE + 5
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    payload = bytes(make_codec(chain).encode(x.cuda()))
+    assert payload == bytes(make_codec(chain).encode(x))  # the same bytes from either device
+    codec = make_codec(chain)
+    want = codec.decode(payload, expect_numel=n)
+    assert torch.equal(codec.decode(payload, expect_numel=n, device="cuda").cpu(), want)
+    acc = torch.ones(n, device="cuda")
+    codec.decode_accumulate_(payload, acc, 0.5)
+    ref = torch.ones(n)
+    codec.decode_accumulate_(payload, ref, 0.5)
+    assert torch.equal(acc.cpu(), ref)
+    if chain in ("fp32", "bf16", "fp16"):  # a NaN in the last value: refused, nothing added
+        body = bytearray(payload[wire.parse_header(payload, n).offset:])
+        size = len(body) // n
+        body[-size:] = torch.tensor([math.nan], dtype={2: torch.bfloat16 if chain == "bf16" else torch.float16,
+                                                        4: torch.float32}[size]).view(torch.uint8).numpy().tobytes()
+        bad = wire.pack(body, torch.float32, (n,), codec.chain)
+        before = acc.clone()
+        with pytest.raises(CorruptPayload, match="NaN or Inf"):
+            codec.decode_accumulate_(bad, acc, 0.5)
+        assert torch.equal(acc, before)

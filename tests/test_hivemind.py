@@ -730,3 +730,52 @@ def test_a_state_reply_held_back_for_a_newer_epoch_is_waited_for():
     assert asyncio.run(read_after(0.3, 1.0)) == ({"n": 3}, b"abc")
     with pytest.raises(asyncio.TimeoutError):
         asyncio.run(read_after(0.3, 0.1))
+
+
+def test_a_state_download_is_striped_over_its_holders_and_finishes_when_one_fails_or_moves_on(swarm, monkeypatch,
+                                                                                               caplog):
+    """Peers b and c serve the same state: a downloads it in stripes from both. Then c fails after one stripe
+    (its stripes come from b instead), and b publishes a newer state in the middle of the download (the one
+    the download began from stays served): a still gets exactly the state it started, each stripe once."""
+    import logging
+
+    from diloco.comm.hivemind import state as st
+
+    monkeypatch.setattr(st, "STRIPE_BYTES", 64 << 10)
+    a, b, c = swarm
+    kept = [(p.epoch, p._snapshot, dict(p._pinned)) for p in swarm]
+    blob = os.urandom((1 << 20) + 123)  # 17 stripes, the last one short
+    try:
+        for p in (b, c):
+            p.epoch = 1000
+            p.publish_state(blob)
+        epoch, got = a.download_state([b.peer_id, c.peer_id], min_epoch=1000)
+        assert (epoch, bytes(got)) == (1000, blob)
+        assert set(a.state_sources) == {b.me, c.me} and sum(a.state_sources.values()) == len(blob)
+
+        served_b, served_c = b._served, c._served
+        calls = {"b": 0, "c": 0}
+
+        def b_moves_on(want, sha):
+            calls["b"] += 1
+            if calls["b"] == 3:  # a round ends on b in the middle of the download
+                b.epoch = 1001
+                b.publish_state(os.urandom(1000))
+            return served_b(want, sha)
+
+        def c_fails(want, sha):
+            calls["c"] += 1
+            return served_c(want, sha) if calls["c"] == 1 else None
+
+        monkeypatch.setattr(b, "_served", b_moves_on)
+        monkeypatch.setattr(c, "_served", c_fails)
+        with caplog.at_level(logging.WARNING, logger="diloco.comm.hivemind"):
+            epoch, got = a.download_state([b.peer_id, c.peer_id], min_epoch=1000)
+        assert (epoch, bytes(got)) == (1000, blob)
+        assert set(a.state_sources) == {b.me, c.me} and sum(a.state_sources.values()) == len(blob)
+        assert 0 < a.state_sources[c.me] <= 64 << 10  # one stripe from c, every other one from b
+        assert f"could not download the state from {c.me[-8:]}" in caplog.text
+        assert calls["b"] > 3
+    finally:
+        for p, (e, snap, pinned) in zip(swarm, kept):
+            p.epoch, p._snapshot, p._pinned = e, snap, pinned

@@ -153,6 +153,25 @@ def _modules(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
 
 
+def test_all_gather_tensor_hands_over_the_tensors_and_counts_what_bytes_would():
+    """The simulator's device all-gather passes each worker's tensor itself; through bytes (no device_gather) the
+    same values arrive, and both count the same bytes."""
+    from diloco.sim import InProcessGroup, run_workers
+
+    def body(rank, transport):
+        t = torch.arange(10, dtype=torch.uint8) + 10 * rank
+        direct = transport.all_gather_tensor(t)
+        sent = transport.stats.bytes_sent
+        transport.device_gather = False
+        via_bytes = transport.all_gather_tensor(t)
+        return direct, via_bytes, sent, transport.stats.bytes_sent - sent, direct[rank] is t
+
+    for direct, via_bytes, sent, sent_again, same in run_workers(InProcessGroup(3), body):
+        assert same and sent == sent_again == 20  # 10 bytes to each of the 2 others
+        assert [x.tolist() for x in direct] == [x.tolist() for x in via_bytes] == [list(range(10 * r, 10 * r + 10))
+                                                                                  for r in range(3)]
+
+
 def test_layers_import_downwards_only():
     for path in _modules("diloco") + _modules("demo_optim"):
         assert not any(m.split(".")[0] == "launch" for m in _imports(path)), f"{path} imports launch/"

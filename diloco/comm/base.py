@@ -71,6 +71,10 @@ class Transport(ABC):
     #: True where every worker of the group runs in this process and a byte collective hands each of them the
     #: very same result object (the simulator): a consumer may then compute from it once for all of them
     shared_results: bool = False
+    #: True where :meth:`all_gather_tensor` moves tensors where they lie, without a trip through host bytes
+    #: (the simulator; NCCL), for payloads that need no wire header: the members are trusted and the transfer
+    #: is checked by the transport itself
+    device_gather: bool = False
 
     def __init__(self) -> None:
         self.stats = CommStats()
@@ -202,6 +206,20 @@ class Transport(ABC):
         out = self._all_gather_bytes(payload)
         self._count(*self._moved("all_gather", [payload], out))
         return out
+
+    def all_gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every worker's 1-D uint8 tensor of ``t``'s size, indexed by rank, on ``t``'s device (counted as the
+        same bytes by :meth:`all_gather_bytes`). Without ``device_gather`` it goes through host bytes."""
+        if not self.device_gather:
+            got = self.all_gather_bytes(t.detach().cpu().numpy().tobytes())
+            return [torch.frombuffer(bytearray(p), dtype=torch.uint8).to(t.device) for p in got]
+        out = self._all_gather_tensor(t)
+        mine = t.numel()
+        self._count(mine * (len(out) - 1), sum(o.numel() for o in out) - mine)
+        return out
+
+    def _all_gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} has no device all-gather")
 
     def all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
         """Send ``payloads[j]`` to worker j; returns what each worker sent this one, indexed by rank."""

@@ -143,6 +143,7 @@ class TorchDistTransport(Transport):
         self.global_rank = dist.get_rank()
         self._lanes = threading.local()  # .groups in the background thread: its own process groups
         self._background: Optional[_Lane] = None
+        self._gather_sizes: set[int] = set()  # tensor sizes all ranks agreed on (all_gather_tensor)
 
     # ---- lanes: the training thread's process groups, or the background thread's -----------------
     def _g(self, name: str = "group") -> Any:
@@ -243,6 +244,22 @@ class TorchDistTransport(Transport):
                   group=self._g())
         return self._host_views(recv, [(i * width, n) for i, n in enumerate(lengths)])
 
+    @property
+    def device_gather(self) -> bool:  # type: ignore[override]
+        return self.backend == "nccl"  # gloo gathers host memory: through bytes
+
+    def _all_gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
+        if t.numel() not in self._gather_sizes:  # once per size: every rank must bring one of the same size
+            sizes = self.all_gather_object(t.numel())
+            if len(set(sizes)) > 1:
+                raise TransportError(f"rank {self.global_rank}: the workers' payloads differ in size "
+                                     f"({', '.join(map(str, sizes))} bytes by rank): do they train the same model "
+                                     "with the same settings?")
+            self._gather_sizes.add(t.numel())
+        out = list(torch.empty((self.world_size, t.numel()), dtype=t.dtype, device=t.device).unbind(0))
+        self._run("all_gather(tensor)", dist.all_gather, out, t.contiguous(), group=self._g())
+        return out
+
     def _all_to_all_bytes(self, payloads: Sequence[bytes | bytearray | memoryview]) -> list[memoryview]:
         send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=self.device)
         recv_sizes = torch.empty_like(send_sizes)
@@ -290,6 +307,8 @@ class NodeMeshTransport(TorchDistTransport):
     rank 0 as the source, so the processes of a node always agree. Byte counters hold what this
     process put on the inter-node links (its 1/G share); intra-node traffic is not counted.
     """
+
+    device_gather = False  # gloo between the nodes: payloads go through bytes
 
     def __init__(self, backend: str = "auto", timeout: float = 300.0, device: Optional[torch.device] = None,
                  per_node: Optional[int] = None) -> None:

@@ -46,24 +46,27 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def unpack_bits(data: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """The ``count`` values (int64) packed in ``data`` (uint8) by :func:`pack_bits`."""
-    if data.numel() != packed_size(count, width):
-        raise ValueError(f"{data.numel()} bytes cannot hold exactly {count} values of {width} bits")
+    """The ``count`` values (int64) packed in ``data`` (uint8) by :func:`pack_bits`; a 2-D ``data`` holds one
+    packed stream per row and gives one row of values each."""
+    lead = tuple(data.shape[:-1])
+    if data.dim() not in (1, 2) or data.shape[-1] != packed_size(count, width):
+        raise ValueError(f"{data.shape[-1] if data.dim() else 0} bytes cannot hold exactly {count} values of "
+                         f"{width} bits")
     if width == 0 or count == 0:
-        return torch.zeros(count, dtype=torch.int64, device=data.device)
+        return torch.zeros(*lead, count, dtype=torch.int64, device=data.device)
     if width == 8:
         return data.to(torch.int64)
     d = data.to(torch.int64)
     if width == 16:
-        d = d.view(-1, 2)
-        return d[:, 0] | (d[:, 1] << 8)
+        d = d.view(*lead, -1, 2)
+        return d[..., 0] | (d[..., 1] << 8)
     if width == 12:
         if count % 2:
-            d = torch.cat([d, d.new_zeros(1)])
-        d = d.view(-1, 3)
-        a = d[:, 0] | ((d[:, 1] & 0xF) << 8)
-        b = (d[:, 1] >> 4) | (d[:, 2] << 4)
-        return torch.stack([a, b], dim=1).reshape(-1)[:count]
+            d = torch.cat([d, d.new_zeros(*lead, 1)], dim=-1)
+        d = d.view(*lead, -1, 3)
+        a = d[..., 0] | ((d[..., 1] & 0xF) << 8)
+        b = (d[..., 1] >> 4) | (d[..., 2] << 4)
+        return torch.stack([a, b], dim=-1).reshape(*lead, -1)[..., :count]
     shifts = torch.arange(8, device=data.device, dtype=torch.int64)
-    bits = ((d[:, None] >> shifts) & 1).reshape(-1)[: count * width].view(count, width)
-    return (bits << torch.arange(width, device=data.device, dtype=torch.int64)).sum(dim=1)
+    bits = ((d[..., None] >> shifts) & 1).reshape(*lead, -1)[..., : count * width].reshape(*lead, count, width)
+    return (bits << torch.arange(width, device=data.device, dtype=torch.int64)).sum(dim=-1)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import math
 import sys
 import threading
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
@@ -66,10 +65,17 @@ _CODE_MAX = {"int8": 128.0, "int4": 8.0, "fp4": 1.0, "2bit": 1.5}  # the largest
 STAGE_NAMES = ("dct", "topk", *VALUE_FORMATS, "zstd")
 ZSTD_MAX_RATIO = 256  # a zstd section of unvouched size may inflate at most this many times ...
 ZSTD_FREE_BYTES = 1 << 20  # ... once it inflates to more than this
-ZSTD_THREADS_ABOVE = 4 << 20  # zstd compresses sections larger than this on all cores (its multithreaded mode)
+ZSTD_THREADS_ABOVE = 2 << 20  # zstd compresses sections larger than this on all cores (its multithreaded mode),
+ZSTD_JOB_BYTES = 1 << 20  # in jobs of this size (zstd's default job is larger than most sections)
 PIECE = 1 << 17  # values per piece where a copy, its check and its checksum run piece by piece, in cache
 POOL_MIN = 1 << 20  # encode reuses released output buffers of at least this many bytes ...
 POOL_KEEP = 4  # ... and keeps at most this many of them
+
+
+def threaded_zstd(level: int) -> zstandard.ZstdCompressor:
+    """zstd on all cores, in jobs of ZSTD_JOB_BYTES (one frame, its size declared, as single-threaded)."""
+    params = zstandard.ZstdCompressionParameters.from_level(level, threads=-1, job_size=ZSTD_JOB_BYTES)
+    return zstandard.ZstdCompressor(compression_params=params)
 
 
 def zstd_min_bytes(inflated: int) -> int:
@@ -213,16 +219,16 @@ def _check_topk(chunk: int, k: Optional[int] = None) -> None:
         raise CodecSpecError(f"codec stage 'topk': {e}") from None
 
 
-def _view(buf: Any, start: int, stop: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """``buf[start:stop]`` as a tensor of ``dtype`` over the same memory (no copy; read-only buffers too)."""
-    mv = memoryview(buf)[start:stop]
-    if not len(mv):
-        return torch.empty(0, dtype=dtype)
-    if mv.readonly:  # never written through: only read
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(mv, dtype=dtype)
-    return torch.frombuffer(mv, dtype=dtype)
+def _staged(body: bytes | memoryview, device: torch.device) -> torch.Tensor:
+    """``body`` on ``device`` as uint8: copied once into pinned host memory (torch's copy runs on several
+    threads), from there by one asynchronous transfer. A transfer from pageable memory would be staged through
+    a small pinned buffer by the driver, at a fraction of the bus's speed."""
+    src = wire.tensor_view(body, 0, len(body))
+    if device.type != "cuda" or len(body) < POOL_MIN:
+        return src.to(device)
+    host = torch.empty(len(body), dtype=torch.uint8, pin_memory=True)
+    host.copy_(src)
+    return host.to(device, non_blocking=True)  # the caching host allocator keeps ``host`` until the copy is done
 
 
 def _magnitude(t: torch.Tensor) -> float:
@@ -378,7 +384,7 @@ class Codec:
             zc = self._zc
             if raw > ZSTD_THREADS_ABOVE:
                 if self._zc_threads is None:
-                    self._zc_threads = zstandard.ZstdCompressor(level=s.zstd_level, threads=-1)
+                    self._zc_threads = threaded_zstd(s.zstd_level)
                 zc = self._zc_threads
             comp = zc.compress(mem[:raw])
             del mem, buf  # a pooled scratch buffer is free again
@@ -431,8 +437,8 @@ class Codec:
                 packed, scales = q.quantize(values, s.block, s.value)
                 late += [(0, scales), (4 * nb, packed)]
             else:  # the reference writes codes and scales into the output
-                scales = _view(mem, base, base + 4 * nb, torch.float32)
-                packed = _view(mem, base + 4 * nb, base + value_bytes)
+                scales = wire.tensor_view(mem, base, base + 4 * nb, torch.float32)
+                packed = wire.tensor_view(mem, base + 4 * nb, base + value_bytes)
                 q.quantize_ref(values, s.block, s.value, packed=packed, scales=scales)
             if nb:
                 top = float(scales.max())
@@ -463,7 +469,8 @@ class Codec:
         else:
             for at, t in late:
                 if t.numel():
-                    _view(mem, base + at, base + at + t.numel() * t.element_size()).copy_(t.reshape(-1).view(torch.uint8))
+                    dst = wire.tensor_view(mem, base + at, base + at + t.numel() * t.element_size())
+                    dst.copy_(t.reshape(-1).view(torch.uint8))
 
     def _put_floats(self, x: torch.Tensor, mem: memoryview, base: int, value: str, h: Any) -> None:
         """``x`` cast to ``value`` at ``mem[base:]``, piece by piece: each piece checked finite and, with ``h``,
@@ -475,7 +482,7 @@ class Codec:
         for a in range(0, n, PIECE):
             b = min(a + PIECE, n)
             src = x[a:b]
-            dst = _view(mem, base + size * a, base + size * b, dtype)
+            dst = wire.tensor_view(mem, base + size * a, base + size * b, dtype)
             if limit is None:
                 dst.copy_(src)
                 ok = _finite(dst)
@@ -569,9 +576,10 @@ class Codec:
         numel = header.numel
         dense, count, index_bytes, value_bytes = self._layout(numel)
 
+        staged = _staged(body, out.device) if out.device.type != "cpu" else None
+
         def section(a: int, b: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-            t = _view(body, a, b, dtype)
-            return t.to(out.device) if out.device.type != "cpu" else t
+            return wire.tensor_view(body, a, b, dtype) if staged is None else staged[a:b].view(dtype)
 
         flat = None
         if s.topk_chunk:
@@ -626,10 +634,12 @@ class Codec:
     @staticmethod
     def _add_checked(values: torch.Tensor, out: torch.Tensor, weight: float) -> None:
         """``out += weight * values`` piece by piece, each piece checked finite while it is in cache (a NaN or Inf
-        raises CorruptPayload, with the pieces before it added), and the sum checked where it could overflow."""
+        raises CorruptPayload, with the pieces before it added), and the sum checked where it could overflow.
+        On a GPU in one piece: the values are checked before anything is added (one host sync)."""
         n = values.numel()
-        for a in range(0, n, PIECE):
-            b = min(a + PIECE, n)
+        piece = PIECE if values.device.type == "cpu" else max(n, 1)
+        for a in range(0, n, piece):
+            b = min(a + piece, n)
             src, dst = values[a:b], out[a:b]
             top = _magnitude(src)
             if not math.isfinite(top):
@@ -640,10 +650,11 @@ class Codec:
 
     @staticmethod
     def _copy_checked(values: torch.Tensor, out: torch.Tensor) -> None:
-        """``out <- values`` piece by piece, each piece checked finite while it is in cache."""
+        """``out <- values`` piece by piece, each piece checked finite while it is in cache (on a GPU: at once)."""
         n = values.numel()
-        for a in range(0, n, PIECE):
-            b = min(a + PIECE, n)
+        piece = PIECE if values.device.type == "cpu" else max(n, 1)
+        for a in range(0, n, piece):
+            b = min(a + piece, n)
             dst = out[a:b]
             dst.copy_(values[a:b])
             if not _finite(dst):

@@ -350,6 +350,7 @@ class InProcessTransport(Transport):
     """Rank ``rank`` of an :class:`InProcessGroup`."""
 
     shared_results = True  # every worker's all_gather_bytes returns the one list rendezvous combined
+    device_gather = True  # all_gather_tensor hands the workers each other's tensors, where they lie
 
     def __init__(self, group: InProcessGroup, rank: int) -> None:
         super().__init__()
@@ -409,14 +410,23 @@ class InProcessTransport(Transport):
 
         robust_all_reduce_(self, tensors, op)  # over the members present, as a loco join peer averages
 
-    def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
+    def _gather(self, value: Any, size: Callable[[Any], int]) -> list[Any]:
+        """Every member's ``value``, in the time the network model gives an all-gather of their sizes."""
         g = self.group
-        result, done, start = g.rendezvous(
-            self.rank, bytes(payload), list,
-            lambda values, at: g.network.all_gather_at([sum(len(v) for v in values) - len(v) for v in values], at,
-                                                       g.last_members))
+
+        def seconds(values: list[Any], at: float) -> float:
+            total = sum(size(v) for v in values)
+            return g.network.all_gather_at([total - size(v) for v in values], at, g.last_members)
+
+        result, done, start = g.rendezvous(self.rank, value, list, seconds)
         self._finish(done, start)
         return result
+
+    def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        return self._gather(bytes(payload), len)
+
+    def _all_gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return self._gather(t, torch.Tensor.numel)
 
     def member_names(self) -> list[str]:
         return [str(r) for r in self.group.last_members]

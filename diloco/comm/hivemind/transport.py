@@ -171,6 +171,8 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self._window = None  # what this peer accepts during its current exchange (limits.Window); None between
         self._linked: set[str] = set()  # peers libp2p has shown connected to this one (base58)
         self._snapshot: Optional[tuple[int, bytes, bytes]] = None  # (epoch, blob, sha256)
+        self._pinned: dict[bytes, tuple[int, bytes, bytes, float]] = {}  # sha -> snapshot, last request: in use
+        self.state_sources: dict[str, int] = {}  # the last downloaded state: bytes from each peer (base58)
         self._closed = False
         self.observer = observer  # only reads the DHT (loco status): no heartbeat, no handlers
 

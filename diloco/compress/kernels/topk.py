@@ -117,6 +117,9 @@ if HAVE_TRITON:
             tl.store(res_ptr + base + offs, tl.where(sel, 0.0, acc), mask=m)
 
 
+TOPK_WARPS = 2  # warps per chunk's program: 2 was the fastest of 1-32 on an H100 (benchmarks/results/codecs_gpu.md)
+
+
 def topk_chunks_triton(x: torch.Tensor, chunk: int, k: int, residual: Optional[torch.Tensor] = None,
                        decay: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     require_triton(x)
@@ -130,7 +133,7 @@ def topk_chunks_triton(x: torch.Tensor, chunk: int, k: int, residual: Optional[t
             raise ValueError("the residual must be contiguous")
         _topk_kernel[(-(-n // chunk),)](x, residual if residual is not None else x, idx, values, n, float(decay),
                                         CHUNK=chunk, K=min(k, chunk), HAS_RES=residual is not None,
-                                        DECAY_ONE=decay == 1.0, enable_fp_fusion=False)
+                                        DECAY_ONE=decay == 1.0, enable_fp_fusion=False, num_warps=TOPK_WARPS)
     return idx, values
 
 
