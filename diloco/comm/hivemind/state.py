@@ -47,8 +47,9 @@ class StateMixin:
         now = time.monotonic()
         if old is not None and old[2] in pinned:  # a download of the old one is under way: keep serving it
             pinned[old[2]] = (*old, pinned[old[2]][3])
-        for sha in [k for k, v in pinned.items() if now - v[3] > PINNED_S or k == self._snapshot[2]]:
-            del pinned[sha]
+        for sha, entry in list(pinned.items()):  # a copy: the event loop's thread adds to it meanwhile
+            if now - entry[3] > PINNED_S or sha == self._snapshot[2]:
+                pinned.pop(sha, None)
 
     def _served(self, want: int, sha: Optional[bytes]) -> Optional[tuple[int, bytes, bytes]]:
         """The snapshot a request asks for: the one whose SHA-256 it names (pinned while it is asked for), or the
@@ -59,9 +60,10 @@ class StateMixin:
             if snap is not None and snap[2] == sha:
                 pinned[sha] = (*snap, time.monotonic())
                 return snap
-            if sha in pinned:
-                pinned[sha] = (*pinned[sha][:3], time.monotonic())
-                return pinned[sha][:3]
+            entry = pinned.get(sha)  # one lookup: publish_state may drop it from the training thread
+            if entry is not None:
+                pinned[sha] = (*entry[:3], time.monotonic())
+                return entry[:3]
             return None
         if snap is not None and snap[0] >= want:
             pinned[snap[2]] = (*snap, time.monotonic())
