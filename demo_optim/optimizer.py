@@ -311,22 +311,7 @@ class DeMo(torch.optim.Optimizer):
         state: list[list[int]] = [[], [], []]
         if ranks:
             rows = torch.stack([payloads[r].to(device) for r in ranks])
-            body = rows[:, head:]
-            vb = layout.value_bytes
-            if self.sign_values:
-                values = unpack_bits(body[:, :vb], 1, layout.sent).float() * 2 - 1
-            else:
-                values = body[:, :vb].contiguous().view(torch.float32)
-            streams, b = [], vb
-            for width, count, nbytes in layout.stream_sizes:
-                streams.append(unpack_bits(body[:, b:b + nbytes], width, count))
-                b += nbytes
-            idx = torch.cat(streams, dim=1) if len(streams) > 1 else streams[0]
-            bad = idx >= layout.limit
-            bad[:, 1:] |= (idx[:, 1:] <= idx[:, :-1]) & layout.inner
-            row_bad = bad.any(dim=1)
-            if not self.sign_values:
-                row_bad |= ~torch.isfinite(values).all(dim=1)
+            values, idx, bad, row_bad = self._check_rows(rows[:, head:], layout)
             mine = layout.prefix(chain, sent=True)
             other = (rows[:, 1:head] != mine[1:]).any(dim=1)  # settings or model differ (or a forged prefix)
             state = torch.stack([rows[:, 0].to(torch.int64), row_bad.to(torch.int64),
@@ -347,8 +332,11 @@ class DeMo(torch.optim.Optimizer):
                 continue
             if flag == 0:  # this worker sent nothing (non-finite gradients)
                 continue
-            if flag != 1 or is_bad:
-                self._reject(rank, self._why(flag, values[i], bad[i], layout))
+            if flag != 1:
+                self._reject(rank, CorruptPayload(f"payload flag {flag} (1: sent, 0: nothing sent)"))
+                continue
+            if is_bad:
+                self._reject(rank, self._why(values[i], bad[i], layout))
                 continue
             contributors += 1
             pos = layout.base + idx[i]
@@ -356,16 +344,6 @@ class DeMo(torch.optim.Optimizer):
             counts.scatter_add_(0, pos, layout.ones)
         self.last_contributors = contributors
         return _Views(sums, layout), _Views(counts, layout)
-
-    def _why(self, flag: int, values: torch.Tensor, bad: torch.Tensor, layout: "_Layout") -> CorruptPayload:
-        """Why a payload was refused, in the words of the byte path (reading it back: only for a refused one)."""
-        if flag != 1:
-            return CorruptPayload(f"payload flag {flag} (1: sent, 0: nothing sent)")
-        if not self.sign_values and not bool(torch.isfinite(values).all()):
-            return CorruptPayload("payload holds NaN or Inf values")
-        first = int(bad.nonzero()[0, 0])
-        plan = layout.plans[layout.owner(first)]
-        return CorruptPayload(f"indices of parameter {tuple(plan.shape)} out of range or not increasing")
 
     def _check_header(self, payload: bytes, chain: str, layout: "_Layout") -> Optional[memoryview]:
         """The payload's body, or None for "nothing sent"; CorruptPayload when the header does not fit."""
@@ -383,28 +361,38 @@ class DeMo(torch.optim.Optimizer):
     def _decode(self, data: torch.Tensor, layout: "_Layout") -> tuple[torch.Tensor, torch.Tensor]:
         """(indices int64, values fp32) of one body, in wire order; CorruptPayload unless every index lies in its
         chunk and increases strictly within it and every value is finite: one vectorised check, one host sync."""
+        values, idx, bad, row_bad = self._check_rows(data[None], layout)
+        if bool(row_bad[0]):  # the one host sync per payload; the rest runs only to word the rejection
+            raise self._why(values[0], bad[0], layout)
+        return idx[0], values[0]
+
+    def _check_rows(self, body: torch.Tensor, layout: "_Layout") -> tuple[torch.Tensor, ...]:
+        """Bodies as rows (uint8, one payload each): (values, indices, bad index, bad row), a row bad when one
+        of its indices leaves its chunk or does not increase strictly within it, or a value is not finite."""
         vb = layout.value_bytes
         if self.sign_values:
-            values = unpack_bits(data[:vb], 1, layout.sent).float() * 2 - 1
+            values = unpack_bits(body[:, :vb], 1, layout.sent).float() * 2 - 1
         else:
-            values = data[:vb].view(torch.float32)
+            values = body[:, :vb].reshape(-1).view(torch.float32).view(len(body), -1)  # one row: no copy
         streams, b = [], vb
         for width, count, nbytes in layout.stream_sizes:
-            streams.append(unpack_bits(data[b:b + nbytes], width, count))
+            streams.append(unpack_bits(body[:, b:b + nbytes], width, count))
             b += nbytes
-        idx = torch.cat(streams) if len(streams) > 1 else streams[0]
+        idx = torch.cat(streams, dim=1) if len(streams) > 1 else streams[0]
         bad = idx >= layout.limit
-        bad[1:] |= (idx[1:] <= idx[:-1]) & layout.inner
-        flag = bad.any()
+        bad[:, 1:] |= (idx[:, 1:] <= idx[:, :-1]) & layout.inner
+        row_bad = bad.any(dim=1)
         if not self.sign_values:
-            flag = flag | ~torch.isfinite(values).all()
-        if bool(flag):  # the one host sync per payload; the rest runs only to word the rejection
-            if not self.sign_values and not bool(torch.isfinite(values).all()):
-                raise CorruptPayload("payload holds NaN or Inf values")
-            first = int(bad.nonzero()[0, 0])
-            plan = layout.plans[layout.owner(first)]
-            raise CorruptPayload(f"indices of parameter {tuple(plan.shape)} out of range or not increasing")
-        return idx, values
+            row_bad |= ~torch.isfinite(values).all(dim=1)
+        return values, idx, bad, row_bad
+
+    def _why(self, values: torch.Tensor, bad: torch.Tensor, layout: "_Layout") -> CorruptPayload:
+        """Why a payload's row failed :meth:`_check_rows` (reading it back: only for a refused one)."""
+        if not self.sign_values and not bool(torch.isfinite(values).all()):
+            return CorruptPayload("payload holds NaN or Inf values")
+        first = int(bad.nonzero()[0, 0])
+        plan = layout.plans[layout.owner(first)]
+        return CorruptPayload(f"indices of parameter {tuple(plan.shape)} out of range or not increasing")
 
     def bytes_per_step(self) -> int:
         """Exact payload bytes one worker sends per step (header included)."""
@@ -448,13 +436,15 @@ class _Layout:
             self.offsets[j] = start
         self.total = sum(sizes)
         self.wire_ends = list(accumulate(plans[j].sent for j in self.order))
+        self._prefixes: dict[tuple[str, bool], torch.Tensor] = {}  # device payloads' prefixes, made at first use
+        self._silent: dict[str, torch.Tensor] = {}  # the device payload of a worker that sends nothing
         if device is not None:
             self._tensors(torch.device(device))
 
     def prefix(self, chain: str, sent: bool) -> torch.Tensor:
         """The device payload's first bytes (the wire header's size): byte 0 says whether a body follows, bytes 4-7
         are the :meth:`fingerprint` of the chain (settings and model layout), the rest zeros."""
-        cache = self.__dict__.setdefault("_prefixes", {})
+        cache = self._prefixes
         key = (chain, sent)
         if key not in cache:
             head = bytearray(wire.header_size(1, chain))
@@ -470,7 +460,7 @@ class _Layout:
 
     def silent(self, chain: str) -> torch.Tensor:
         """The device payload of a worker that sends nothing this step: the prefix says so, the body is zeros."""
-        cache = self.__dict__.setdefault("_silent", {})
+        cache = self._silent
         if chain not in cache:
             cache[chain] = torch.cat([self.prefix(chain, sent=False),
                                       torch.zeros(self.value_bytes + self.index_bytes, dtype=torch.uint8,

@@ -214,8 +214,7 @@ class Transport(ABC):
             got = self.all_gather_bytes(t.detach().cpu().numpy().tobytes())
             return [torch.frombuffer(bytearray(p), dtype=torch.uint8).to(t.device) for p in got]
         out = self._all_gather_tensor(t)
-        mine = t.numel()
-        self._count(mine * (len(out) - 1), sum(o.numel() for o in out) - mine)
+        self._count(*self._moved("all_gather", [t], out))  # len() of a 1-D uint8 tensor: its bytes
         return out
 
     def _all_gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
