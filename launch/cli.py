@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not use libp2p circuit relays to reach peers behind NAT")
     g.add_argument("--auto-relay", action="store_true", help="find and use relays automatically when behind NAT")
     g.add_argument("--upnp", action="store_true", help="ask the router to forward a port (UPnP / NAT-PMP)")
+    g.add_argument("--client-mode", action="store_true",
+                   help="this peer takes no incoming connections (behind NAT, no port forward): it joins groups "
+                        "that a reachable peer leads, and its updates reach other such peers through a member")
     g.add_argument("--matchmaking-time", default="5", metavar="SECONDS|auto",
                    help="how long the first peer at a round waits for the others, e.g. --matchmaking-time 10; "
                         "auto: 3x how long recent groups took to form, 5-60 s")
@@ -292,7 +295,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     opts = JoinOptions(peers=args.peers, run=args.run, address_file=args.address_file,
                        run_key=read_run_key(args.run_key, args.run_key_file), host=args.host, port=args.port,
                        announce=args.announce, identity=args.identity, use_relay=args.use_relay,
-                       auto_relay=args.auto_relay, upnp=args.upnp, matchmaking_time=matchmaking_time,
+                       auto_relay=args.auto_relay, upnp=args.upnp, client_mode=args.client_mode,
+                       matchmaking_time=matchmaking_time,
                        round_timeout=round_timeout, norm_clip=args.norm_clip, clip_action=args.clip_action)
     join(cfg, opts)
     return 0

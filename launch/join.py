@@ -51,6 +51,9 @@ class JoinOptions:
     use_relay: bool = True
     auto_relay: bool = False
     upnp: bool = False
+    # this peer takes no incoming connections (behind NAT, no port forward): it never leads a group, and its
+    # pushes reach other such peers through a member both reach
+    client_mode: bool = False
     # seconds fix a deadline; None (or "auto") derives it from what the peer measures (diloco.comm.hivemind.framing)
     matchmaking_time: Union[float, str, None] = 5.0
     round_timeout: Union[float, str, None] = None
@@ -113,6 +116,7 @@ class Peer:
             "hivemind", run=opts.run, initial_peers=list(opts.peers), host_maddrs=host_maddrs(opts.host, opts.port),
             announce_maddrs=list(opts.announce), identity_path=str(identity), run_key=opts.run_key,
             use_relay=opts.use_relay, use_auto_relay=opts.auto_relay, nat_port_map=opts.upnp,
+            client_mode=opts.client_mode,
             matchmaking_time=opts.matchmaking_time, exchange_timeout=opts.round_timeout, norm_clip=opts.norm_clip,
             clip_action=opts.clip_action, schema=self.schema)
         try:

@@ -11,11 +11,14 @@ from typing import AsyncIterator, Optional
 
 from diloco.comm.hivemind.auth import mac
 from diloco.comm.hivemind.framing import (FAIL, MIN_MEASURED_BYTES, OK, _now, _read_body, _read_header,
-                                          _write_framed, exchange_deadline, log, matchmaking_window)
+                                          _write_framed, _write_head, exchange_deadline, log,
+                                          matchmaking_window)
 from diloco.comm.hivemind.limits import ACK_MAX, PUSH_HEADER_MAX, Window, inbox_cap, payload_sizes
 from diloco.comm.hivemind.state import same_state
 
 KINDS = ("ag", "ack")  # a member's payload, then its list of whom it holds payloads from
+UNREACHABLE_S = 600.0  # a member no push reached directly is reached through another member for this long
+FORWARD_PIECE = 1 << 20  # a relaying member streams a push through in pieces of this many bytes
 
 
 def _push_mac(key: bytes, gid: bytes, kind: str, epoch: int, sender: bytes, receiver: bytes, n: int,
@@ -72,8 +75,10 @@ class EpochMixin:
         fp = self.fingerprint_fn() if self.fingerprint_fn is not None else b""
         compute_s = time.perf_counter() - self._round_start
         self._pace_deadlines(len(payload))
-        # how long this peer waits for slower peers announced at this epoch: a few of its own rounds
-        wait_cap = max(self.matchmaking_time, self.wait_rounds * compute_s)
+        # how long this peer waits for slower peers announced at this epoch: a few of its own rounds, each its
+        # training and its last exchange (on a slow link the exchange is most of a round)
+        last_exchange = self.last.seconds if self.last is not None and not self.last.alone else 0.0
+        wait_cap = max(self.matchmaking_time, self.wait_rounds * (compute_s + last_exchange))
         try:
             result = self._call(self._epoch(payload, fp, wait_cap),
                                 wait_cap + self.matchmaking_time * 4 + self.exchange_timeout * 3 + 60)
@@ -117,8 +122,9 @@ class EpochMixin:
     def _expects(self, entry: dict, now: float, waited: float) -> bool:
         """Whether a peer that has not reached this epoch yet is still worth waiting for: always for the first
         ``matchmaking_time`` seconds, then until its announced arrival time, with slack for a round that runs
-        longer than the last one."""
-        if waited < self.matchmaking_time:
+        longer than the last one. A peer still in the exchange of an earlier epoch (its arrival time is that
+        of the epoch it is finishing) is waited for within the caller's cap."""
+        if waited < self.matchmaking_time or entry.get("phase") in ("wait", "group"):
             return True
         eta = entry.get("eta")
         if eta is None:  # its first round: no estimate yet (the caller's cap bounds the wait)
@@ -201,7 +207,10 @@ class EpochMixin:
         return self._window
 
     def _close_window(self) -> None:
-        """The epoch is over: nothing more is accepted for it, and what it left in the inbox goes."""
+        """The epoch is over: nothing more is accepted for it, and what it left in the inbox goes. Its group
+        is kept, for the members still relaying their last messages through this peer (:meth:`_forward`)."""
+        if self._window is not None and self._window.gid is not None:
+            self._ended = self._window
         self._window = None
         self._inbox.clear()
 
@@ -219,9 +228,9 @@ class EpochMixin:
                 del box[sender]
                 w.held.pop((sender, key[1]), None)
 
-    def _admit(self, w: Optional[Window], sender, header: dict, n: int) -> Optional[str]:
-        """Why a push whose header is ``header`` (announcing ``n`` body bytes) is refused, or None: checked
-        before any of the body is read."""
+    def _admit(self, w: Optional[Window], sender, header: dict, n: int, receiver=None) -> Optional[str]:
+        """Why a push whose header is ``header`` (announcing ``n`` body bytes) to ``receiver`` (this peer, or
+        a member it forwards to) is refused, or None: checked before any of the body is read."""
         if w is None:
             return "this peer is not in an exchange"
         g, kind, e, sha, m = (header.get(f) for f in ("g", "k", "e", "sha", "m"))
@@ -230,8 +239,8 @@ class EpochMixin:
             return "a malformed header"
         if e != w.epoch:
             return f"a push for epoch {e}; this peer is at epoch {w.epoch}"
-        if not hmac.compare_digest(m, _push_mac(self.key, g, kind, e, sender.to_bytes(), self.peer_id.to_bytes(),
-                                                n, sha)):
+        if not hmac.compare_digest(m, _push_mac(self.key, g, kind, e, sender.to_bytes(),
+                                                (receiver or self.peer_id).to_bytes(), n, sha)):
             return "bad MAC (no or another run key)"
         if (sender, kind) in w.reading:
             return "a second push of one kind while the first is being read"
@@ -324,7 +333,8 @@ class EpochMixin:
         self._deadline_for(len(payload) * len(others) + sum(meta[p]["n"] for p in others), len(others))
         began = time.perf_counter()
         deadline = began + self.exchange_timeout
-        sent = await asyncio.gather(*[self._push(p, gid, "ag", payload) for p in others])
+        self._relayed = set()
+        sent = await self._push_all(others, gid, "ag", payload)
         unreachable = {p for p, r in zip(others, sent) if r != "ok"}
         refusers = {p for p, r in zip(others, sent) if r == "refused"}  # alive, but turned this peer's payload away
         got = await self._collect(gid, "ag", {p for p in others if p not in unreachable}, deadline, e)
@@ -342,7 +352,7 @@ class EpochMixin:
                 notes.append(f"peer {p.to_base58()[-8:]}: payload does not match its announced hash: left out")
         # commit: tell every member whom we hold a payload from; keep those every answering member holds
         body = MSGPackSerializer.dumps(sorted(p.to_bytes() for p in received))
-        await asyncio.gather(*[self._push(p, gid, "ack", body) for p in others])
+        await self._push_all(others, gid, "ack", body)
         acks = await self._collect(gid, "ack", set(others) - refusers,
                                    time.perf_counter() + min(10.0, self.exchange_timeout), e)
         final = set(received) & ({self.peer_id} | set(acks))
@@ -389,28 +399,60 @@ class EpochMixin:
         for note in result.notes:
             log.info("peer %s | epoch %d: %s", self.me[-8:], result.epoch, note)
 
-    async def _push(self, peer, gid: bytes, kind: str, data: bytes) -> str:
-        """Send ``data`` to ``peer``: "ok" (it took it), "refused" (it answered, or dropped the stream while
-        connected: it is alive and turned the push away) or "failed" (no answer in time, or libp2p lost it)."""
+    async def _push_all(self, peers: list, gid: bytes, kind: str, data: bytes) -> list[str]:
+        """:meth:`_push` to every one of ``peers``. A peer this one cannot reach (both behind NAT, say) is sent
+        ``data`` through another member that took this peer's push directly (:meth:`_forward` there); such a
+        peer is remembered for ``UNREACHABLE_S`` and then reached through a member at once."""
+        now = _now()
+        known = {p for p in peers if now - self._unreachable.get(p.to_base58(), -UNREACHABLE_S) < UNREACHABLE_S}
+        direct = [p for p in peers if p not in known]
+        sent = dict(zip(direct, await asyncio.gather(*[self._push(p, gid, kind, data) for p in direct])))
+        via = [p for p in direct if sent[p] == "ok"]
+        for p in direct:
+            if sent[p] == "failed":
+                self._unreachable[p.to_base58()] = now
+            else:
+                self._unreachable.pop(p.to_base58(), None)
+
+        async def around(peer) -> str:
+            relays = [v for v in via if v != peer]
+            for relay in relays:
+                r = await self._push(peer, gid, kind, data, relay=relay)
+                if r != "failed":
+                    if r == "ok":
+                        self._relayed.add(peer)
+                    return r
+            return "failed" if relays or peer not in known else await self._push(peer, gid, kind, data)
+
+        rest = [p for p in peers if p in known or sent[p] == "failed"]
+        sent.update(zip(rest, await asyncio.gather(*[around(p) for p in rest])))
+        return [sent[p] for p in peers]
+
+    async def _push(self, peer, gid: bytes, kind: str, data: bytes, relay=None) -> str:
+        """Send ``data`` to ``peer`` (through the member ``relay`` when given): "ok" (it took it), "refused" (it
+        answered, or dropped the stream while connected: it is alive and turned the push away) or "failed" (no
+        answer in time, or libp2p lost it). The header names sender and receiver ("f", "t"), under the MAC."""
         sha = hashlib.sha256(data).digest()
-        header = {"g": gid, "k": kind, "e": self.epoch, "n": len(data), "sha": sha,
+        header = {"g": gid, "k": kind, "e": self.epoch, "n": len(data), "sha": sha, "f": self.peer_id.to_bytes(),
+                  "t": peer.to_bytes(),
                   "m": _push_mac(self.key, gid, kind, self.epoch, self.peer_id.to_bytes(), peer.to_bytes(), len(data),
                                  sha)}
+        hop = relay or peer
         for attempt in range(2):
             writer = None
             try:
                 _, reader, writer = await asyncio.wait_for(
-                    self.p2p.call_binary_stream_handler(peer, f"{self.run}.push"), 10)
+                    self.p2p.call_binary_stream_handler(hop, f"{self.run}.push"), 10)
                 await _write_framed(writer, header, data)
                 answer = await asyncio.wait_for(reader.readexactly(1), self.exchange_timeout)
                 return "ok" if answer == OK else "refused"
             except Exception as e:
                 connected = {info.peer_id for info in await self.p2p.list_peers()}
-                if attempt == 1 or peer not in connected:
-                    log.info("peer %s: sending %s to %s failed: %s: %s", self.me[-8:], kind, peer.to_base58()[-8:],
-                             type(e).__name__, e)
+                if attempt == 1 or hop not in connected:
+                    log.info("peer %s: sending %s to %s%s failed: %s: %s", self.me[-8:], kind, peer.to_base58()[-8:],
+                             f" through {relay.to_base58()[-8:]}" if relay else "", type(e).__name__, e)
                     timed_out = isinstance(e, asyncio.TimeoutError)
-                    return "refused" if peer in connected and not timed_out else "failed"
+                    return "refused" if hop in connected and not timed_out and not relay else "failed"
             finally:
                 if writer is not None:
                     writer.close()
@@ -425,6 +467,15 @@ class EpochMixin:
         try:
             header, n = await _read_header(reader, PUSH_HEADER_MAX)
             w = self._window
+            to, frm = header.get("t", self.peer_id.to_bytes()), header.get("f", sender.to_bytes())
+            if to != self.peer_id.to_bytes() and frm == sender.to_bytes():
+                return await self._forward(w, sender, header, n, reader, writer)
+            if frm != sender.to_bytes():  # brought by a member that relays for the sender
+                await self._await_group(w)
+                why = self._relay_refused(w, sender, "a push for this peer")
+                if why is not None:
+                    raise PermissionError(why)
+                sender = type(sender)(frm)
             why = self._admit(w, sender, header, n)
             if why is None:
                 slot = (sender, header["k"])
@@ -468,6 +519,70 @@ class EpochMixin:
                     w.held.pop(slot, None)
             writer.close()
 
+    async def _await_group(self, w: Optional[Window]) -> None:
+        """Until this peer knows the group of window ``w`` (members that learnt it first may already relay),
+        at most a few seconds."""
+        end = time.perf_counter() + min(5.0, self.matchmaking_time)
+        while w is not None and w.gid is None and self._window is w and time.perf_counter() < end:
+            await asyncio.sleep(0.05)
+
+    def _relay_refused(self, w: Optional[Window], relay, what: str) -> Optional[str]:
+        """Why ``relay`` may not carry ``what`` between two members (None: it may): only a member of this
+        peer's known group relays."""
+        if w is None:
+            return f"{what} through {relay.to_base58()[-8:]}, while this peer is not in an exchange"
+        if w.gid is None:
+            return f"{what} through {relay.to_base58()[-8:]}, before this peer knows its group"
+        if relay not in w.sizes:
+            return f"{what} through {relay.to_base58()[-8:]}, which is not a member of this epoch's group"
+        return None
+
+    async def _forward(self, w: Optional[Window], sender, header: dict, n: int, reader, writer) -> None:
+        """Carry a member's push to another member that the sender cannot reach: the header is checked as the
+        receiver will check it (the MAC binds sender and receiver, so a relay can neither forge nor redirect
+        it in a keyed run), the body is streamed through in pieces (never held whole), and the receiver's
+        answer goes back to the sender."""
+        from hivemind.p2p import PeerID
+
+        out = None
+        answer = FAIL
+        try:
+            to = PeerID(header["t"]) if isinstance(header.get("t"), bytes) and len(header["t"]) <= 64 else None
+            await self._await_group(w)
+            ended = self._ended
+            if (w is None or w.gid != header.get("g")) and ended is not None and ended.gid == header.get("g"):
+                w = ended  # this peer's part of the epoch is done; the others' still goes through it
+            why = "a malformed header" if to is None else self._relay_refused(w, sender, "a push")
+            if why is None and (to not in w.sizes or sender not in w.sizes):
+                why = "a push between peers that are not both members of this epoch's group"
+            if why is None:
+                why = self._admit(w, sender, header, n, receiver=to)
+            if why is not None:
+                raise PermissionError(why)
+            _, back, out = await asyncio.wait_for(self.p2p.call_binary_stream_handler(to, f"{self.run}.push"), 10)
+            _write_head(out, header, n)
+            left = n
+            while left:
+                piece = await asyncio.wait_for(reader.readexactly(min(left, FORWARD_PIECE)), self.exchange_timeout)
+                out.write(piece)
+                await out.drain()
+                left -= len(piece)
+            answer = await asyncio.wait_for(back.readexactly(1), self.exchange_timeout)
+        except Exception as e:
+            log.info("peer %s: did not forward a push from %s: %s: %s", self.me[-8:], sender.to_base58()[-8:],
+                     type(e).__name__, e)
+        finally:
+            if out is not None:
+                out.close()
+        try:
+            writer.write(answer)
+            await writer.drain()
+            await asyncio.wait_for(reader.read(1), 10)
+        except Exception:
+            pass
+        finally:
+            writer.close()
+
     def _drop_held(self, w: Window, slot: tuple) -> None:
         """Forget what ``slot`` (sender, kind) pushed earlier in this epoch."""
         sender, kind = slot
@@ -496,7 +611,8 @@ class EpochMixin:
             if time.perf_counter() - last_check > 0.5:  # a peer libp2p lost is not waited for
                 last_check = time.perf_counter()
                 connected = {i.peer_id for i in await self.p2p.list_peers()}
-                lost = {p for p in missing - connected if p not in self._inbox.get((gid, kind, epoch), {})}
+                lost = {p for p in missing - connected - self._relayed
+                        if p not in self._inbox.get((gid, kind, epoch), {})}
                 if lost:
                     senders = senders - lost
                     continue

@@ -22,12 +22,17 @@ OK, FAIL = b"\x01", b"\x00"
 MAX_HEADER = 64 << 10
 
 
-async def _write_framed(writer, header: dict, data: bytes) -> None:
-    """``u64 len | msgpack header | u64 len | data``, the data in 1 MiB slices (what ``_read_framed`` reads)."""
+def _write_head(writer, header: dict, n: int) -> None:
+    """The start of a frame: ``u64 len | msgpack header | u64 n``; ``n`` body bytes follow."""
     from hivemind.utils.serializer import MSGPackSerializer
 
     head = MSGPackSerializer.dumps(header)
-    writer.write(len(head).to_bytes(8, "big") + head + len(data).to_bytes(8, "big"))
+    writer.write(len(head).to_bytes(8, "big") + head + n.to_bytes(8, "big"))
+
+
+async def _write_framed(writer, header: dict, data: bytes) -> None:
+    """``u64 len | msgpack header | u64 len | data``, the data in 1 MiB slices (what ``_read_framed`` reads)."""
+    _write_head(writer, header, len(data))
     view = memoryview(data)
     for off in range(0, len(view), 1 << 20):
         writer.write(view[off:off + (1 << 20)])

@@ -169,7 +169,10 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self.suspects: dict[str, float] = {}  # peer -> when it last failed us; forgiven once it heartbeats again
         self._inbox: dict = {}  # (group id, kind, epoch) -> {sender: bytes}: this epoch's pushes, purged at its end
         self._window = None  # what this peer accepts during its current exchange (limits.Window); None between
+        self._ended = None  # the last exchange's window: members may still relay through this peer in it
         self._linked: set[str] = set()  # peers libp2p has shown connected to this one (base58)
+        self._relayed: set = set()  # members this epoch's pushes reached only through another member
+        self._unreachable: dict[str, float] = {}  # base58 -> when a direct push to it last failed
         self._snapshot: Optional[tuple[int, bytes, bytes]] = None  # (epoch, blob, sha256)
         self._pinned: dict[bytes, tuple[int, bytes, bytes, float]] = {}  # sha -> snapshot, last request: in use
         self.state_sources: dict[str, int] = {}  # the last downloaded state: bytes from each peer (base58)
@@ -262,6 +265,12 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
                 self._thread.join(5)
         finally:
             self.dht.shutdown()
+            # hivemind's fallback is SIGTERM, which this DHT process ignores (see _dht_class); it holds nothing
+            # to save, so a DHT process still busy (with peers that no longer answer) is killed
+            self.dht.join(5)
+            if self.dht.is_alive():
+                os.kill(self.dht.pid, signal.SIGKILL)
+                self.dht.join(5)
             _remove_sockets(self._sockets)
 
     def _abandon_dht(self) -> None:
@@ -307,8 +316,15 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         return self._call(self._registry(), 30)
 
     def heartbeat(self, **status: Any) -> None:
+        """Announce ``status`` in the registry. A heartbeat that fails (the DHT unreachable for a while, as
+        after this machine was suspended or cut off) is logged, and the next one announces the same: training
+        goes on."""
         self.status.update(status)
-        self._call(self._heartbeat(), 30)
+        try:
+            self._call(self._heartbeat(), 30)
+        except Exception as e:
+            log.warning("peer %s: heartbeat failed (%s); the next round announces this peer again", self.me[-8:],
+                        f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
 
     # ---- collectives ------------------------------------------------------------------------
     def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
