@@ -318,6 +318,64 @@ def test_a_push_header_is_refused_before_its_body_is_read(swarm):
     assert t._inbox == {} and t._window is None  # the end of the exchange purges the inbox
 
 
+def test_a_member_relays_a_push_it_can_neither_redirect_nor_carry_for_a_stranger(swarm):
+    """Three members of one group: the sender's push reaches the target through the relay, streamed through
+    and credited to the sender. A header whose MAC was made for the relay, pointed at the target, is refused by
+    the relay, and nothing reaches the target; so is a push for the target that names a sender other than the
+    member sending it."""
+    import asyncio
+    import hashlib
+
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from diloco.comm.hivemind.epoch import _push_mac
+    from diloco.compress.codec import make_codec
+
+    relay, sender, target = swarm
+    payload = bytes(make_codec("int8").encode(torch.randn(3000), prefix=struct.pack("<d", 1.0)))
+    sha = hashlib.sha256(payload).digest()
+    gid, e = b"r" * 8, max(t.epoch for t in swarm)
+    members = {t.peer_id: len(payload) for t in swarm}
+
+    async def opened(t):
+        t.epoch = e
+        t._know_group(t._open_window(e, payload, 3), gid, members)
+
+    async def closed(t):
+        t._close_window()
+
+    async def redirected(mac_for, claimed):
+        """A push for ``target`` whose MAC names ``mac_for`` as receiver and ``claimed`` as sender, sent to the
+        relay; the relay's answer."""
+        _, reader, writer = await sender.p2p.call_binary_stream_handler(relay.peer_id, "unit.push")
+        try:
+            head = MSGPackSerializer.dumps({"g": gid, "k": "ag", "e": e, "n": len(payload), "sha": sha,
+                                            "f": claimed.to_bytes(), "t": target.peer_id.to_bytes(),
+                                            "m": _push_mac(KEY, gid, "ag", e, claimed.to_bytes(), mac_for.to_bytes(),
+                                                           len(payload), sha)})
+            writer.write(len(head).to_bytes(8, "big") + head + len(payload).to_bytes(8, "big") + payload)
+            await writer.drain()
+            return await asyncio.wait_for(reader.readexactly(1), 10)
+        finally:
+            writer.close()
+
+    for t in swarm:
+        t._call(opened(t), 10)
+    try:
+        sent = sender._call(sender._push(target.peer_id, gid, "ag", payload, relay=relay.peer_id), 30)
+        held = dict(target._inbox.get((gid, "ag", e), {}))
+        target._inbox.clear()
+        target._window.held.clear()
+        forged = sender._call(redirected(relay.peer_id, sender.peer_id), 30)
+        stranger = sender._call(redirected(target.peer_id, type(sender.peer_id)(b"\x00" * 34)), 30)
+        after = dict(target._inbox.get((gid, "ag", e), {}))
+    finally:
+        for t in swarm:
+            t._call(closed(t), 10)
+    assert sent == "ok" and held == {sender.peer_id: payload}
+    assert forged == stranger == b"\x00" and after == {}
+
+
 def test_demo_steps_over_the_swarm_keep_peers_equal(swarm):
     from demo_optim import DeMo
 

@@ -122,9 +122,8 @@ class EpochMixin:
     def _expects(self, entry: dict, now: float, waited: float) -> bool:
         """Whether a peer that has not reached this epoch yet is still worth waiting for: always for the first
         ``matchmaking_time`` seconds, then until its announced arrival time, with slack for a round that runs
-        longer than the last one. A peer still in the exchange of an earlier epoch (its arrival time is that
-        of the epoch it is finishing) is waited for within the caller's cap."""
-        if waited < self.matchmaking_time or entry.get("phase") in ("wait", "group"):
+        longer than the last one."""
+        if waited < self.matchmaking_time:
             return True
         eta = entry.get("eta")
         if eta is None:  # its first round: no estimate yet (the caller's cap bounds the wait)
@@ -468,7 +467,9 @@ class EpochMixin:
             header, n = await _read_header(reader, PUSH_HEADER_MAX)
             w = self._window
             to, frm = header.get("t", self.peer_id.to_bytes()), header.get("f", sender.to_bytes())
-            if to != self.peer_id.to_bytes() and frm == sender.to_bytes():
+            if to != self.peer_id.to_bytes():
+                if frm != sender.to_bytes():
+                    raise PermissionError("a push for another peer that its sender did not send")
                 return await self._forward(w, sender, header, n, reader, writer)
             if frm != sender.to_bytes():  # brought by a member that relays for the sender
                 await self._await_group(w)
