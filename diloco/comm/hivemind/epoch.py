@@ -554,8 +554,8 @@ class EpochMixin:
             if (w is None or w.gid != header.get("g")) and ended is not None and ended.gid == header.get("g"):
                 w = ended  # this peer's part of the epoch is done; the others' still goes through it
             why = "a malformed header" if to is None else self._relay_refused(w, sender, "a push")
-            if why is None and (to not in w.sizes or sender not in w.sizes):
-                why = "a push between peers that are not both members of this epoch's group"
+            if why is None and to not in w.sizes:
+                why = "a push for a peer that is not a member of this epoch's group"
             if why is None:
                 why = self._admit(w, sender, header, n, receiver=to)
             if why is not None:

@@ -265,20 +265,20 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
                 self._thread.join(5)
         finally:
             self.dht.shutdown()
-            # hivemind's fallback is SIGTERM, which this DHT process ignores (see _dht_class); it holds nothing
-            # to save, so a DHT process still busy (with peers that no longer answer) is killed
-            self.dht.join(5)
-            if self.dht.is_alive():
-                os.kill(self.dht.pid, signal.SIGKILL)
-                self.dht.join(5)
+            self._reap_dht(5)
             _remove_sockets(self._sockets)
+
+    def _reap_dht(self, wait: float) -> None:
+        """Wait up to ``wait`` s for the DHT process to end, then kill it: hivemind's fallback is SIGTERM, which
+        this process ignores (see _dht_class), and it holds nothing to save."""
+        self.dht.join(wait)
+        if self.dht.is_alive():
+            os.kill(self.dht.pid, signal.SIGKILL)
+            self.dht.join(5)
 
     def _abandon_dht(self) -> None:
         """After a failed start: stop the DHT process (and its p2pd) and remove the sockets they made."""
-        self.dht.join(self.dht.shutdown_timeout)
-        if self.dht.is_alive():
-            self.dht.terminate()
-            self.dht.join(5)
+        self._reap_dht(self.dht.shutdown_timeout)
         _remove_sockets(self._sockets)
 
     async def _shutdown(self) -> None:
