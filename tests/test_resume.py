@@ -20,7 +20,7 @@ from launch.checkpoint import latest_checkpoint, list_checkpoints
 from launch.metrics import read_metrics
 from launch.trainer import RunError, train
 
-STEPS = 60
+STEPS = 40
 ARGS = ["train", "--config", TINY, "--max-steps", str(STEPS), *[a for s in FAST for a in ("--set", s)],
         "--set", "log.every=5", "--set", "run.eval_every=20", "--set", "run.checkpoint_every=10"]
 COMPARED = ("step", "tokens", "loss", "lr", "val_loss", "grad_norm")
