@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 from diloco.comm.hivemind.auth import mac
-from diloco.comm.hivemind.framing import (FAIL, MIN_MEASURED_BYTES, OK, _now, _read_body, _read_header,
-                                          _write_framed, _write_head, exchange_deadline, log,
+from diloco.comm.hivemind.framing import (FAIL, MIN_MEASURED_BYTES, OK, UNREACHED, _now, _read_body,
+                                          _read_header, _write_framed, _write_head, exchange_deadline, log,
                                           matchmaking_window)
 from diloco.comm.hivemind.limits import ACK_MAX, PUSH_HEADER_MAX, Window, inbox_cap, payload_sizes
 from diloco.comm.hivemind.state import same_state
@@ -100,6 +100,12 @@ class EpochMixin:
             log.info("peer %s: heartbeat failed: %s", self.me[-8:], e)
         return result
 
+    async def _phase(self, name: str, data):
+        """The start of a phase of an epoch ("push": this peer's payload, "ack": its commit) or of serving a
+        state stripe ("state"): ``on_phase`` may act there (the fault tests stop or kill this peer's daemon,
+        or corrupt what it sends) and returns what is sent."""
+        return data if self.on_phase is None else await self.on_phase(name, data)
+
     def _pace_deadlines(self, nbytes: int) -> None:
         """Before an epoch: the deadlines that are not fixed follow this peer's measurements. The exchange
         deadline assumes the largest group this epoch can have (every live peer of the last rendezvous), an
@@ -121,9 +127,9 @@ class EpochMixin:
 
     def _expects(self, entry: dict, now: float, waited: float) -> bool:
         """Whether a peer that has not reached this epoch yet is still worth waiting for: always for the first
-        ``matchmaking_time`` seconds, then until its announced arrival time, with slack for a round that runs
-        longer than the last one."""
-        if waited < self.matchmaking_time:
+        ``matchmaking_time`` seconds and while it downloads the group's state, then until its announced arrival
+        time, with slack for a round that runs longer than the last one."""
+        if waited < self.matchmaking_time or entry.get("phase") == "resync":  # (a download: the cap bounds it)
             return True
         eta = entry.get("eta")
         if eta is None:  # its first round: no estimate yet (the caller's cap bounds the wait)
@@ -163,7 +169,8 @@ class EpochMixin:
             if announced != (e, self.phase):
                 await self._heartbeat()
                 announced = (e, self.phase)
-            here = {pid: v for pid, v in live.items() if int(v.get("epoch", -1)) == e and v.get("phase") != "train"}
+            here = {pid: v for pid, v in live.items()
+                    if int(v.get("epoch", -1)) == e and v.get("phase") not in ("train", "resync")}
             now = _now()
             pending = [pid for pid, v in live.items() if pid not in here and int(v.get("epoch", -1)) <= e
                        and self._expects(v, now, time.perf_counter() - begin)]
@@ -333,7 +340,7 @@ class EpochMixin:
         began = time.perf_counter()
         deadline = began + self.exchange_timeout
         self._relayed = set()
-        sent = await self._push_all(others, gid, "ag", payload)
+        sent = await self._push_all(others, gid, "ag", await self._phase("push", payload), deadline)
         unreachable = {p for p, r in zip(others, sent) if r != "ok"}
         refusers = {p for p, r in zip(others, sent) if r == "refused"}  # alive, but turned this peer's payload away
         got = await self._collect(gid, "ag", {p for p in others if p not in unreachable}, deadline, e)
@@ -351,9 +358,9 @@ class EpochMixin:
                 notes.append(f"peer {p.to_base58()[-8:]}: payload does not match its announced hash: left out")
         # commit: tell every member whom we hold a payload from; keep those every answering member holds
         body = MSGPackSerializer.dumps(sorted(p.to_bytes() for p in received))
-        await self._push_all(others, gid, "ack", body)
-        acks = await self._collect(gid, "ack", set(others) - refusers,
-                                   time.perf_counter() + min(10.0, self.exchange_timeout), e)
+        committing = time.perf_counter() + min(10.0, self.exchange_timeout)
+        await self._push_all(others, gid, "ack", await self._phase("ack", body), committing)
+        acks = await self._collect(gid, "ack", set(others) - refusers, committing, e)
         final = set(received) & ({self.peer_id} | set(acks))
         for p, blob in acks.items():
             try:
@@ -398,14 +405,15 @@ class EpochMixin:
         for note in result.notes:
             log.info("peer %s | epoch %d: %s", self.me[-8:], result.epoch, note)
 
-    async def _push_all(self, peers: list, gid: bytes, kind: str, data: bytes) -> list[str]:
-        """:meth:`_push` to every one of ``peers``. A peer this one cannot reach (both behind NAT, say) is sent
-        ``data`` through another member that took this peer's push directly (:meth:`_forward` there); such a
-        peer is remembered for ``UNREACHABLE_S`` and then reached through a member at once."""
+    async def _push_all(self, peers: list, gid: bytes, kind: str, data: bytes, deadline: float) -> list[str]:
+        """:meth:`_push` to every one of ``peers`` by ``deadline`` (``time.perf_counter()``). A peer this one
+        cannot reach (both behind NAT, say) is sent ``data`` through another member that took this peer's push
+        directly (:meth:`_forward` there); such a peer is remembered for ``UNREACHABLE_S`` and then reached
+        through a member at once."""
         now = _now()
         known = {p for p in peers if now - self._unreachable.get(p.to_base58(), -UNREACHABLE_S) < UNREACHABLE_S}
         direct = [p for p in peers if p not in known]
-        sent = dict(zip(direct, await asyncio.gather(*[self._push(p, gid, kind, data) for p in direct])))
+        sent = dict(zip(direct, await asyncio.gather(*[self._push(p, gid, kind, data, deadline) for p in direct])))
         via = [p for p in direct if sent[p] == "ok"]
         for p in direct:
             if sent[p] == "failed":
@@ -416,38 +424,50 @@ class EpochMixin:
         async def around(peer) -> str:
             relays = [v for v in via if v != peer]
             for relay in relays:
-                r = await self._push(peer, gid, kind, data, relay=relay)
+                r = await self._push(peer, gid, kind, data, deadline, relay=relay)
                 if r != "failed":
                     if r == "ok":
                         self._relayed.add(peer)
                     return r
-            return "failed" if relays or peer not in known else await self._push(peer, gid, kind, data)
+            return "failed" if relays or peer not in known else await self._push(peer, gid, kind, data, deadline)
 
         rest = [p for p in peers if p in known or sent[p] == "failed"]
         sent.update(zip(rest, await asyncio.gather(*[around(p) for p in rest])))
         return [sent[p] for p in peers]
 
-    async def _push(self, peer, gid: bytes, kind: str, data: bytes, relay=None) -> str:
+    async def _push(self, peer, gid: bytes, kind: str, data: bytes, deadline: float, relay=None) -> str:
         """Send ``data`` to ``peer`` (through the member ``relay`` when given): "ok" (it took it), "refused" (it
         answered, or dropped the stream while connected: it is alive and turned the push away) or "failed" (no
-        answer in time, or libp2p lost it). The header names sender and receiver ("f", "t"), under the MAC."""
+        answer by ``deadline``, libp2p lost it, or the relay could not reach it: a stopped or cut-off peer
+        costs the others no more than the deadline). The header names sender and receiver ("f", "t"), under
+        the MAC."""
         sha = hashlib.sha256(data).digest()
         header = {"g": gid, "k": kind, "e": self.epoch, "n": len(data), "sha": sha, "f": self.peer_id.to_bytes(),
                   "t": peer.to_bytes(),
                   "m": _push_mac(self.key, gid, kind, self.epoch, self.peer_id.to_bytes(), peer.to_bytes(), len(data),
                                  sha)}
         hop = relay or peer
+
+        def left() -> float:
+            return max(0.05, deadline - time.perf_counter())
+
         for attempt in range(2):
             writer = None
             try:
+                if deadline - time.perf_counter() <= 0:
+                    raise asyncio.TimeoutError("the exchange's deadline passed")
                 _, reader, writer = await asyncio.wait_for(
-                    self.p2p.call_binary_stream_handler(hop, f"{self.run}.push"), 10)
-                await _write_framed(writer, header, data)
-                answer = await asyncio.wait_for(reader.readexactly(1), self.exchange_timeout)
+                    self.p2p.call_binary_stream_handler(hop, f"{self.run}.push"), min(10.0, left()))
+                await asyncio.wait_for(_write_framed(writer, header, data), left())
+                answer = await asyncio.wait_for(reader.readexactly(1), left())
+                if answer == UNREACHED:
+                    log.info("peer %s: %s could not reach %s with this peer's %s", self.me[-8:],
+                             hop.to_base58()[-8:], peer.to_base58()[-8:], kind)
+                    return "failed"
                 return "ok" if answer == OK else "refused"
             except Exception as e:
                 connected = {info.peer_id for info in await self.p2p.list_peers()}
-                if attempt == 1 or hop not in connected:
+                if attempt == 1 or hop not in connected or deadline - time.perf_counter() < 1.0:
                     log.info("peer %s: sending %s to %s%s failed: %s: %s", self.me[-8:], kind, peer.to_base58()[-8:],
                              f" through {relay.to_base58()[-8:]}" if relay else "", type(e).__name__, e)
                     timed_out = isinstance(e, asyncio.TimeoutError)
@@ -560,6 +580,7 @@ class EpochMixin:
                 why = self._admit(w, sender, header, n, receiver=to)
             if why is not None:
                 raise PermissionError(why)
+            answer = UNREACHED  # from here on, a failure is the receiver's or the link's, not a refusal
             _, back, out = await asyncio.wait_for(self.p2p.call_binary_stream_handler(to, f"{self.run}.push"), 10)
             _write_head(out, header, n)
             left = n

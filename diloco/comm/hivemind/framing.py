@@ -19,6 +19,7 @@ from typing import Callable, Optional, Union
 log = logging.getLogger("loco.hivemind")
 
 OK, FAIL = b"\x01", b"\x00"
+UNREACHED = b"\x02"  # a relaying member's answer when it could not reach the receiver (FAIL: it refused)
 MAX_HEADER = 64 << 10
 
 

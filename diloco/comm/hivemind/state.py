@@ -1,10 +1,16 @@
 """A peer's state for new and out-of-step peers: served on request, downloaded, compared by sketches.
 
+A serving peer cuts its state into stripes and publishes a manifest with it: the stripe size and the SHA-256 of
+every stripe. The state's SHA-256 is the manifest's, and it is what the run key's MAC signs.
+
 A download is striped over the peers that hold the newest state: the first stripe, from the first peer that
-answers, fixes the epoch, the size and the SHA-256 of the state; then every such peer takes the next missing
+answers, fixes the epoch, the size and the manifest of the state; then every such peer takes the next missing
 stripe as soon as it has sent its last one (a fast peer sends more of them), and a peer that fails or serves
-another state is dropped, its stripe fetched again from the others: nothing received is fetched twice. The
-assembled state must match the SHA-256 that the serving peers signed (with the run key's MAC). A serving peer
+another state or a stripe that does not match the manifest is dropped, its stripe fetched again from the
+others. A stripe is asked of a second peer only
+when its first one is far slower than the rest (:data:`HEDGE_S`; a holder that hangs or a link that stalls),
+and the first answer counts: a stopped or cut-off holder delays a download by seconds, not its timeout. A
+serving peer
 keeps the snapshot a download began from (:data:`PINNED_S` after its last request) even after it publishes a
 newer one, so a download that spans several rounds still finishes.
 """
@@ -20,14 +26,16 @@ from typing import Any, Optional, Sequence
 import torch
 
 from diloco.comm.hivemind.auth import mac
-from diloco.comm.hivemind.framing import STATE_CEILING_S, _read_framed, _write_framed, log, state_timeout
+from diloco.comm.hivemind.framing import STATE_CEILING_S, _now, _read_framed, _write_framed, log, state_timeout
 
 
 # how long a peer asked for a state of a newer epoch than it holds waits for that epoch before refusing (a peer
 # that resyncs right after a round asks before the others have published it); the asker waits as long, and more
 STATE_WAIT_S = 30.0
-STRIPE_BYTES = 16 << 20  # a download asks each peer for this much at a time
+STRIPE_BYTES = 16 << 20  # a download asks each peer for this much at a time (larger for a state of 1024+ stripes)
+MAX_STRIPES = 1024  # the manifest (32 bytes a stripe) fits a reply's header
 PINNED_S = 120.0  # a replaced snapshot stays served this long after the last request for it
+HEDGE_S = 2.0  # a stripe out this long (and 4x the typical stripe's time) is asked of an idle peer as well
 
 
 class StateMixin:
@@ -42,16 +50,17 @@ class StateMixin:
     def publish_state(self, blob: bytes) -> None:
         """Serve ``blob`` (this peer's state after its latest epoch) to peers that ask for it."""
         old = self._snapshot
-        self._snapshot = (self.epoch, blob, hashlib.sha256(blob).digest())
+        man = manifest(blob)
+        self._snapshot = (self.epoch, blob, hashlib.sha256(man).digest(), man)
         pinned = self._pinned
         now = time.monotonic()
         if old is not None and old[2] in pinned:  # a download of the old one is under way: keep serving it
-            pinned[old[2]] = (*old, pinned[old[2]][3])
+            pinned[old[2]] = (*old, pinned[old[2]][4])
         for sha, entry in list(pinned.items()):  # a copy: the event loop's thread adds to it meanwhile
-            if now - entry[3] > PINNED_S or sha == self._snapshot[2]:
+            if now - entry[4] > PINNED_S or sha == self._snapshot[2]:
                 pinned.pop(sha, None)
 
-    def _served(self, want: int, sha: Optional[bytes]) -> Optional[tuple[int, bytes, bytes]]:
+    def _served(self, want: int, sha: Optional[bytes]) -> Optional[tuple[int, bytes, bytes, bytes]]:
         """The snapshot a request asks for: the one whose SHA-256 it names (pinned while it is asked for), or the
         current one when it names none and is of epoch ``want`` or newer."""
         snap = self._snapshot
@@ -62,8 +71,8 @@ class StateMixin:
                 return snap
             entry = pinned.get(sha)  # one lookup: publish_state may drop it from the training thread
             if entry is not None:
-                pinned[sha] = (*entry[:3], time.monotonic())
-                return entry[:3]
+                pinned[sha] = (*entry[:4], time.monotonic())
+                return entry[:4]
             return None
         if snap is not None and snap[0] >= want:
             pinned[snap[2]] = (*snap, time.monotonic())
@@ -87,15 +96,17 @@ class StateMixin:
             if served is None:
                 raise TimeoutError(f"no state of epoch >= {want} here" if asked is None else
                                    "the state asked for is no longer here")
-            epoch, blob, sha = served
-            start = int(request.get("off", 0))
-            stop = len(blob) if request.get("len") is None else min(len(blob), start + int(request["len"]))
-            if not 0 <= start <= stop:
-                raise ValueError(f"a stripe at {start} of a {len(blob)}-byte state")
-            piece = memoryview(blob)[start:stop]
-            await _write_framed(writer, {"e": epoch, "n": len(piece), "total": len(blob), "off": start, "sha": sha,
-                                         "m": mac(self.key, b"state-reply", self.peer_id.to_bytes(), sender.to_bytes(),
-                                                  str(epoch).encode(), sha)}, piece)
+            epoch, blob, sha, man = served
+            stripe, start = int.from_bytes(man[:8], "big"), int(request.get("off", 0))
+            if not (0 <= start < max(len(blob), 1) and start % stripe == 0):
+                raise ValueError(f"a stripe at {start} of a {len(blob)}-byte state in stripes of {stripe}")
+            piece = await self._phase("state", memoryview(blob)[start:start + stripe])
+            reply = {"e": epoch, "n": len(piece), "total": len(blob), "off": start, "sha": sha,
+                     "m": mac(self.key, b"state-reply", self.peer_id.to_bytes(), sender.to_bytes(),
+                              str(epoch).encode(), sha)}
+            if start == 0:  # the first stripe brings the manifest (its SHA-256 is the signed one)
+                reply["man"] = man
+            await _write_framed(writer, reply, piece)
             # the reader closes when it has it all: over a slow link, long after the last byte left this peer
             await asyncio.wait_for(reader.read(1), self.state_timeout(len(piece)))
         except Exception as e:
@@ -104,14 +115,15 @@ class StateMixin:
         finally:
             writer.close()
 
-    async def _fetch_state(self, peer, min_epoch: int, off: int = 0, length: Optional[int] = None,
-                           sha: Optional[bytes] = None) -> tuple[int, bytes, int, bytes]:
-        """One stripe of ``peer``'s state: (epoch, SHA-256 of the whole state, its size, the stripe's bytes).
-        ``sha``: the state wanted (a stripe of another one is refused by the peer); else its newest, if of epoch
-        ``min_epoch`` or later. The reply's MAC (run key) covers the epoch and the hash."""
+    async def _fetch_state(self, peer, min_epoch: int, off: int = 0,
+                           sha: Optional[bytes] = None) -> tuple[int, bytes, int, bytes, Optional[bytes]]:
+        """The stripe at ``off`` of ``peer``'s state: (epoch, SHA-256 of the state, its size, the stripe's bytes,
+        the manifest (with the first stripe; else None)). ``sha``: the state wanted (a stripe of another one is
+        refused by the peer); else its newest, if of epoch ``min_epoch`` or later. The reply's MAC (run key)
+        covers the epoch and the hash, and the hash covers the manifest."""
         from hivemind.utils.serializer import MSGPackSerializer
 
-        body = MSGPackSerializer.dumps({"min_epoch": min_epoch, "off": off, "len": length, "sha": sha})
+        body = MSGPackSerializer.dumps({"min_epoch": min_epoch, "off": off, "sha": sha})
         head = {"n": len(body), "m": mac(self.key, b"state", self.peer_id.to_bytes(), peer.to_bytes(), body)}
         _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(peer, f"{self.run}.state"), 10)
         try:
@@ -123,62 +135,88 @@ class StateMixin:
             if not hmac.compare_digest(header["m"], mac(self.key, b"state-reply", peer.to_bytes(),
                                                         self.peer_id.to_bytes(), str(epoch).encode(), digest)):
                 raise PermissionError("the state's MAC does not check (no or another run key)")
-            want = min(total - off, length if length is not None else total)
-            if int(header.get("off", 0)) != off or len(piece) != want or total > self.max_payload_bytes:
-                raise ValueError(f"a stripe of {len(piece)} bytes at {header.get('off', 0)} of {total}, asked for "
-                                 f"{want} at {off}")
-            return epoch, digest, total, piece
+            if int(header.get("off", 0)) != off or total > self.max_payload_bytes:
+                raise ValueError(f"a stripe at {header.get('off', 0)} of {total} bytes, asked for one at {off}")
+            man = header.get("man")
+            if off == 0 and not (isinstance(man, bytes) and hashlib.sha256(man).digest() == digest):
+                raise ValueError("the state's manifest does not match its signed hash")
+            return epoch, digest, total, piece, man
         finally:
             writer.close()
 
     async def _striped(self, peers: Sequence[Any], min_epoch: int) -> Optional[tuple[int, bytearray]]:
         """The state, in stripes from every peer of ``peers`` that holds it (see the module's docstring)."""
         first = None
+        began = time.perf_counter()
         for i, peer in enumerate(peers):
             try:
-                first = await self._fetch_state(peer, min_epoch, 0, STRIPE_BYTES)
+                first = await self._fetch_state(peer, min_epoch, 0)
+                stripe, hashes = _check_manifest(first[4], first[2])
+                _check_stripe(first[3], 0, stripe, hashes, first[2])
                 break
             except Exception as e:
+                first = None
                 self._failed_download(peer, e)
         if first is None:
             return None
-        epoch, sha, total, head = first
+        epoch, sha, total, head, _ = first
         blob = bytearray(total)  # the stripes land in place: one copy of the state in memory
         blob[:len(head)] = head
-        todo = list(range(len(head), total, STRIPE_BYTES))[::-1]  # offsets, the next one last
-        busy = [0]
+        todo = list(range(stripe, total, stripe))[::-1]  # offsets, the next one last
+        stripes = len(todo)
+        done: set = set()
+        flying: dict = {}  # offset -> [when its first request went out, how many requests are out]
+        took = [time.perf_counter() - began]  # seconds each stripe took
         served = {peers[i].to_base58(): len(head)}
+
+        def overdue() -> Optional[int]:
+            """A stripe asked of one peer long ago (a holder that hangs, a link that stalls): an idle peer asks
+            for it too, and the first answer counts."""
+            now, typical = time.perf_counter(), sorted(took)[len(took) // 2]
+            late = [(t0, off) for off, (t0, n) in flying.items() if n == 1 and now - t0 > max(HEDGE_S, 4 * typical)]
+            return min(late)[1] if late else None
 
         async def pull(peer) -> None:
             name = peer.to_base58()
-            while todo or busy[0]:
-                if not todo:  # the rest is in flight: take a stripe over if its peer fails
+            while len(done) < stripes:
+                off = todo.pop() if todo else overdue()
+                if off is None:  # the rest is in flight: take a stripe over if its peer fails or hangs
                     await asyncio.sleep(0.05)
                     continue
-                off = todo.pop()
-                busy[0] += 1
+                out = flying.setdefault(off, [time.perf_counter(), 0])
+                out[1] += 1
+                t0 = time.perf_counter()
                 try:
-                    got = await self._fetch_state(peer, epoch, off, STRIPE_BYTES, sha)
+                    got = await self._fetch_state(peer, epoch, off, sha)
                     if got[:3] != (epoch, sha, total):
                         raise ValueError(f"serves another state (epoch {got[0]}, {got[2]} bytes)")
-                    blob[off:off + len(got[3])] = got[3]
-                    served[name] = served.get(name, 0) + len(got[3])
+                    _check_stripe(got[3], off, stripe, hashes, total)
+                    took.append(time.perf_counter() - t0)
+                    if off not in done:
+                        blob[off:off + len(got[3])] = got[3]
+                        served[name] = served.get(name, 0) + len(got[3])
+                        done.add(off)
                 except Exception as e:
-                    todo.append(off)  # another peer fetches it
+                    if off not in done and out[1] == 1:
+                        todo.append(off)  # another peer fetches it
                     self._failed_download(peer, e)
                     return
                 finally:
-                    busy[0] -= 1
+                    out[1] -= 1
+                    if not out[1]:
+                        flying.pop(off, None)
 
-        await asyncio.gather(*(pull(p) for p in peers[i:]))
-        if todo:
+        tasks = [asyncio.ensure_future(pull(p)) for p in peers[i:]]
+        while len(done) < stripes and not all(t.done() for t in tasks):
+            await asyncio.wait(tasks, timeout=0.2)
+        for t in tasks:  # a request still out to a hung peer is given up: its stripe came from another
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if len(done) < stripes:
             log.warning("peer %s: every peer that held the state failed before the download finished",
                         self.me[-8:])
             return None
-        if hashlib.sha256(blob).digest() != sha:
-            log.warning("peer %s: the state assembled from %d peers fails its hash; nothing is loaded",
-                        self.me[-8:], len(served))
-            return None
+        # every stripe matched the manifest, whose hash the serving peers signed: the state is theirs
         self.state_sources = served
         if len(served) > 1:
             log.info("peer %s: downloaded the state (%d bytes) from %d peers: %s", self.me[-8:], total, len(served),
@@ -205,6 +243,10 @@ class StateMixin:
             order = sorted(live, key=lambda pid: -int(live[pid].get("epoch", 0)))
             peers = [PeerID.from_base58(pid) for pid in order]
             min_epoch = int(live[order[0]].get("epoch", 0)) if min_epoch is None else min_epoch
+        # the registry says this peer is downloading: peers reaching the next epoch first wait for it (within
+        # their cap) rather than for an arrival time that did not count the download
+        self.phase = "resync"
+        self.heartbeat()
         # each stripe's own timeout (state_timeout of its size) bounds the download; this only catches a hang
         # elsewhere (opening a stream: 10 s; a header: STATE_WAIT_S + 10 s)
         try:
@@ -212,6 +254,36 @@ class StateMixin:
         except Exception as e:
             log.warning("peer %s: the state download failed: %s: %s", self.me[-8:], type(e).__name__, e)
             return None
+        finally:  # its round starts now
+            self._round_start = time.perf_counter()
+            self.phase, self.eta = "train", (_now() + self.round_s if self.round_s else None)
+            self.heartbeat()
+
+
+def manifest(blob: bytes) -> bytes:
+    """A state's manifest: its stripe size (u64) and the SHA-256 of each stripe. Stripes are ``STRIPE_BYTES``,
+    or larger for a state that would have more than ``MAX_STRIPES`` of them."""
+    mib = 1 << 20
+    per = -(-len(blob) // MAX_STRIPES)
+    stripe = STRIPE_BYTES if per <= STRIPE_BYTES else -(-per // mib) * mib
+    view = memoryview(blob)
+    return stripe.to_bytes(8, "big") + b"".join(hashlib.sha256(view[o:o + stripe]).digest()
+                                                for o in range(0, max(len(view), 1), stripe))
+
+
+def _check_manifest(man: bytes, total: int) -> tuple[int, bytes]:
+    """(stripe size, the stripes' hashes) of a manifest whose own hash was checked, if it describes a state of
+    ``total`` bytes."""
+    stripe = int.from_bytes(man[:8], "big")
+    if stripe <= 0 or len(man) - 8 != 32 * max(1, -(-total // stripe)):
+        raise ValueError(f"a manifest of {len(man)} bytes for a {total}-byte state in stripes of {stripe}")
+    return stripe, man[8:]
+
+
+def _check_stripe(piece: bytes, off: int, stripe: int, hashes: bytes, total: int) -> None:
+    k = off // stripe
+    if len(piece) != min(stripe, total - off) or hashlib.sha256(piece).digest() != hashes[32 * k:32 * k + 32]:
+        raise ValueError(f"the stripe at {off} ({len(piece)} bytes) does not match the state's manifest")
 
 
 def fingerprint(tensors: Sequence[torch.Tensor], per_tensor: int = 8) -> bytes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import glob
 import hashlib
 import itertools
@@ -40,6 +41,35 @@ def _dht_class():
 
 
 _TAGS = itertools.count()
+MEND_S = 10.0  # how often a peer redials the run's peers it lost (a partition that healed, a link that came back)
+SEEN_S = 600.0  # a peer seen in the registry this recently is redialled when it is no longer connected
+
+
+async def _redial(maddrs: list, pids: list, dht, node) -> int:
+    """In the DHT process: dial the bootstrap addresses ``maddrs`` and the peers ``pids`` (base58, at the
+    addresses libp2p knows for them), and ping each one that answers, so that both DHT nodes put the other back in
+    their routing tables (a long partition empties them, and nothing refills them by itself). How many answered."""
+    from hivemind.p2p import PeerID
+    from multiaddr import Multiaddr
+
+    targets: dict = {}
+    for m in maddrs:
+        try:
+            ma = Multiaddr(m)
+            targets[PeerID.from_base58(ma["p2p"])] = [ma.decapsulate(Multiaddr(f"/p2p/{ma['p2p']}"))]
+        except Exception:
+            continue
+    for pid in pids:
+        targets.setdefault(PeerID.from_base58(pid), [])
+
+    async def one(pid, addrs) -> bool:
+        try:
+            await asyncio.wait_for(node.p2p._client.connect(pid, addrs), 5)
+            return await asyncio.wait_for(node.protocol.call_ping(pid), 5) is not None
+        except Exception:
+            return False
+
+    return sum(await asyncio.gather(*(one(p, a) for p, a in targets.items())))
 
 
 def _socket_tag() -> str:
@@ -155,12 +185,13 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self.fingerprint_fn: Optional[Callable[[], bytes]] = None
         # what the registry announces besides the epoch: "train" (with the time this peer expects to reach the
         # next epoch, eta, from its last round's length round_s), "wait" (at the epoch, waiting for the peers
-        # announced there) or "group" (forming the group)
+        # announced there), "group" (forming the group) or "resync" (downloading the group's state)
         self.wait_rounds = float(wait_rounds)
         self.phase, self.eta, self.round_s = "train", None, None
         self._round_start = time.perf_counter()
         self.last_group = 1  # how many peers averaged the state this peer holds (its latest epoch's group)
         self.stop_requested: Optional[Callable[[], bool]] = None  # true: stop waiting for late peers (a signal)
+        self.on_phase: Optional[Callable[[str, Any], Any]] = None  # async (phase, data) -> data: see _phase
         self.resync_from: list = []  # peers holding the majority state, set when this peer's state differs
         self.ledger: dict[str, PeerRecord] = {}
         self.history: list[dict] = []  # one record per epoch (also written by the driver)
@@ -171,10 +202,14 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self._window = None  # what this peer accepts during its current exchange (limits.Window); None between
         self._ended = None  # the last exchange's window: members may still relay through this peer in it
         self._linked: set[str] = set()  # peers libp2p has shown connected to this one (base58)
+        self._seen: dict[str, float] = {}  # base58 -> when the registry last listed it (see _mend)
+        self._ever: set[str] = set()  # peers libp2p had connected to this one at some _mend
+        self._mended = 0.0  # when _mend last redialled
+        self.initial_peers = [str(m) for m in initial_peers]
         self._relayed: set = set()  # members this epoch's pushes reached only through another member
         self._unreachable: dict[str, float] = {}  # base58 -> when a direct push to it last failed
-        self._snapshot: Optional[tuple[int, bytes, bytes]] = None  # (epoch, blob, sha256)
-        self._pinned: dict[bytes, tuple[int, bytes, bytes, float]] = {}  # sha -> snapshot, last request: in use
+        self._snapshot: Optional[tuple[int, bytes, bytes, bytes]] = None  # (epoch, blob, sha256, manifest)
+        self._pinned: dict[bytes, tuple] = {}  # sha -> (*snapshot, last request): in use by a download
         self.state_sources: dict[str, int] = {}  # the last downloaded state: bytes from each peer (base58)
         self._closed = False
         self.observer = observer  # only reads the DHT (loco status): no heartbeat, no handlers
@@ -237,6 +272,7 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         await self.p2p.add_binary_stream_handler(f"{self.run}.state", self._on_state_request)
         await self._heartbeat()
         self._beats = asyncio.create_task(self._beat_forever())
+        self._mending = asyncio.create_task(self._mend_forever())
 
     async def _beat_forever(self) -> None:
         """Keep this peer's registry entry fresh through rounds longer than its time to live."""
@@ -246,6 +282,35 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
                 await self._heartbeat()
             except Exception as e:
                 log.info("peer %s: heartbeat failed: %s", self.me[-8:], e)
+
+    async def _mend_forever(self) -> None:
+        while True:
+            await asyncio.sleep(MEND_S)
+            try:
+                await self._mend()
+            except Exception as e:
+                log.info("peer %s: redialling lost peers failed: %s", self.me[-8:], e)
+
+    async def _mend(self) -> None:
+        """Redial the peers of this run that libp2p was connected to and no longer is (if seen in the registry
+        within ``SEEN_S``; the bootstrap peers too when none is connected), at most every ``MEND_S``. After a
+        partition heals, this is what joins the two sides again: their DHT nodes dropped each other meanwhile.
+        Peers never connected (both behind NAT, say) are not dialled: they reach each other through members."""
+        now = time.monotonic()
+        if now - self._mended < MEND_S:
+            return
+        self._mended = now
+        connected = {i.peer_id.to_base58() for i in await self.p2p.list_peers()}
+        self._ever |= connected & set(self._seen)
+        lost = sorted((pid for pid, t in self._seen.items()
+                       if pid in self._ever and pid not in connected and now - t < SEEN_S),
+                      key=lambda pid: -self._seen[pid])[:16]
+        boot = self.initial_peers if not (connected & set(self._seen)) else []
+        if not lost and not boot:
+            return
+        found = await self.dht.run_coroutine(functools.partial(_redial, boot, lost), return_future=True)
+        if found:
+            log.info("peer %s: redialled %d peer(s) of the run it had lost", self.me[-8:], found)
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
@@ -265,7 +330,7 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
                 self._thread.join(5)
         finally:
             self.dht.shutdown()
-            self._reap_dht(5)
+            self._reap_dht(0.5)  # shutdown() waited its grace period: what is left ignores SIGTERM
             _remove_sockets(self._sockets)
 
     def _reap_dht(self, wait: float) -> None:
@@ -283,9 +348,9 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
 
     async def _shutdown(self) -> None:
         if not self.observer:
-            try:  # leave the registry now rather than when the entry expires
-                await self.dht.store(f"{self.run}.peers", subkey=self.me, value=None,
-                                     expiration_time=_now() + 1, return_future=True)
+            try:  # leave the registry now rather than when the entry expires (a dead daemon cannot)
+                await asyncio.wait_for(self.dht.store(f"{self.run}.peers", subkey=self.me, value=None,
+                                                      expiration_time=_now() + 1, return_future=True), 3)
             except Exception:
                 pass
         await self.p2p.shutdown()
@@ -309,7 +374,12 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         return {k: v.value for k, v in res.value.items() if isinstance(getattr(v, "value", None), dict)}
 
     async def _registry(self) -> dict[str, dict]:
-        return await self._subkeys(f"{self.run}.peers")
+        reg = await self._subkeys(f"{self.run}.peers")
+        now = time.monotonic()
+        for pid in reg:
+            if pid != getattr(self, "me", None):
+                self._seen[pid] = now
+        return reg
 
     def peers(self) -> dict[str, dict]:
         """The run's live peers from the DHT registry: peer id -> {epoch, time, throughput, ...}."""
