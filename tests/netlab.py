@@ -168,6 +168,13 @@ class Lab:
         self.hosts[host] = addr
         return addr
 
+    def shape(self, host: str, rate_bps: float) -> None:
+        """Limit a host on the switch to ``rate_bps`` each way (token buckets on both ends of its cable)."""
+        burst = max(int(rate_bps / 8 / 250), 64 << 10)  # 4 ms of the rate
+        for ns, dev in ((self.ns(host), "eth0"), (self.switch, self.ports[host])):
+            _in(ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(rate_bps)}bit", "burst",
+                str(burst), "latency", "20ms")
+
     # ---- faults -----------------------------------------------------------------------------------
     def cut(self, host: str) -> None:
         """Partition: the host's link to the switch goes dark (packets are dropped, connections stall)."""
