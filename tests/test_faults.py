@@ -226,3 +226,37 @@ def test_a_state_holder_serving_bad_stripes_is_dropped_and_the_download_ends_rig
     assert c.state_sources == {a.me: len(blob)}  # the first stripe came from a, and b's were all refused
     why = "does not match the state's manifest" if fault == "corrupt" else "MAC does not check"
     assert f"could not download the state from {b.me[-8:]}" in caplog.text and why in caplog.text
+
+
+def test_a_download_every_holder_drops_part_way_goes_on_from_what_it_got(trio, monkeypatch, caplog):
+    """kill x state transfer, every holder at once: both refuse after some stripes, so the download fails.
+    The stripes received are kept, and the next download of the same state asks only for the rest (and the
+    first stripe again, which names the newest state)."""
+    from diloco.comm.hivemind import state as st
+
+    monkeypatch.setattr(st, "STRIPE_BYTES", 64 << 10)
+    a, b, c = trio
+    blob = os.urandom((1 << 20) + 9)  # 17 stripes
+    serve((a, b), blob)
+    asked = {a.me: 0, b.me: 0}
+    dropping = [True]
+
+    def holder(t):
+        async def count(name, data):
+            asked[t.me] += 1
+            if dropping[0] and asked[t.me] > 4:
+                raise ConnectionResetError("the holder's link dropped")
+            return data
+        return count
+
+    a.on_phase, b.on_phase = holder(a), holder(b)
+    with caplog.at_level(logging.WARNING, logger="loco.hivemind"):
+        assert c.download_state([a.peer_id, b.peer_id], min_epoch=1000) is None
+    assert "stripes are kept for the next try" in caplog.text
+    first = dict(asked)
+    dropping[0] = False
+    epoch, got = c.download_state([a.peer_id, b.peer_id], min_epoch=1000)
+    assert (epoch, bytes(got)) == (1000, blob)
+    again = sum(asked.values()) - sum(first.values())
+    kept = sum(min(n, 4) for n in first.values())  # stripes served before the drop (the first one among them)
+    assert again == 17 - kept + 1, (first, asked)

@@ -7,7 +7,8 @@ A download is striped over the peers that hold the newest state: the first strip
 answers, fixes the epoch, the size and the manifest of the state; then every such peer takes the next missing
 stripe as soon as it has sent its last one (a fast peer sends more of them), and a peer that fails or serves
 another state or a stripe that does not match the manifest is dropped, its stripe fetched again from the
-others. A stripe is asked of a second peer only
+others. When every holder fails part-way, the stripes received are kept: the next download of the same state
+(the holders' newest still) fetches only the rest. A stripe is asked of a second peer only
 when its first one is far slower than the rest (:data:`HEDGE_S`; a holder that hangs or a link that stalls),
 and the first answer counts: a stopped or cut-off holder delays a download by seconds, not its timeout. A
 serving peer
@@ -160,11 +161,15 @@ class StateMixin:
         if first is None:
             return None
         epoch, sha, total, head, _ = first
-        blob = bytearray(total)  # the stripes land in place: one copy of the state in memory
+        kept, self._partial = self._partial, None
+        if kept is not None and kept[0] == sha:  # a download of this same state failed part-way: go on from it
+            blob, done = kept[1], kept[2]
+        else:
+            blob, done = bytearray(total), set()  # the stripes land in place: one copy of the state in memory
+        resumed = len(done)
         blob[:len(head)] = head
-        todo = list(range(stripe, total, stripe))[::-1]  # offsets, the next one last
-        stripes = len(todo)
-        done: set = set()
+        stripes = len(range(stripe, total, stripe))
+        todo = [off for off in range(stripe, total, stripe) if off not in done][::-1]  # offsets, the next one last
         flying: dict = {}  # offset -> [when its first request went out, how many requests are out]
         took = [time.perf_counter() - began]  # seconds each stripe took
         served = {peers[i].to_base58(): len(head)}
@@ -213,9 +218,12 @@ class StateMixin:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if len(done) < stripes:
-            log.warning("peer %s: every peer that held the state failed before the download finished",
-                        self.me[-8:])
+            self._partial = (sha, blob, done)
+            log.warning("peer %s: every peer that held the state failed before the download finished; %d of %d "
+                        "stripes are kept for the next try", self.me[-8:], len(done) + 1, stripes + 1)
             return None
+        if resumed:
+            log.info("peer %s: the download went on from %d stripes an earlier try left", self.me[-8:], resumed)
         # every stripe matched the manifest, whose hash the serving peers signed: the state is theirs
         self.state_sources = served
         if len(served) > 1:

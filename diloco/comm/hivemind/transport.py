@@ -211,6 +211,7 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self._snapshot: Optional[tuple[int, bytes, bytes, bytes]] = None  # (epoch, blob, sha256, manifest)
         self._pinned: dict[bytes, tuple] = {}  # sha -> (*snapshot, last request): in use by a download
         self.state_sources: dict[str, int] = {}  # the last downloaded state: bytes from each peer (base58)
+        self._partial = None  # (sha, blob, offsets received) of a download every holder failed part-way
         self._closed = False
         self.observer = observer  # only reads the DHT (loco status): no heartbeat, no handlers
 
