@@ -10,8 +10,14 @@ The lab (``tests/netlab.py``) is made of network namespaces: it needs root and i
 joiner is this script re-invoked (``--role``) inside its host; all of them share this machine's cores, so a
 small machine measures its own CPU (p2pd's encryption, copies through its unix socket) as much as the links.
 
+With ``--peer-start``, the holders are `loco join` peers of ``--model``'s preset (built as `loco join` builds
+them, with their state published, not training) and the joiner is the `loco join` command itself: the time is
+from its start to its first training step (imports, the model, the DHT, the download, loading the state). The
+data is a slice of the standard library's source (byte-level): ``150m`` has 121M parameters then, not 150M.
+
     sudo python benchmarks/state_download.py                              # 150m, 4 holders at 1 Gbit/s
     python benchmarks/state_download.py --model small --tries 3 --out benchmarks/results/state_download.md
+    python benchmarks/state_download.py --peer-start --tries 2            # a 150m loco join, start to step
 """
 
 from __future__ import annotations
@@ -67,6 +73,32 @@ def serve(ip: str, size: int, addr_file: str, peers: list[str]) -> None:
         time.sleep(3600)
 
 
+def join_args(model: str) -> list[str]:
+    """`loco join` arguments of the --peer-start runs: the model's preset on a slice of the standard library,
+    one short sequence a step, a log line every step, no evaluation, no checkpoints."""
+    sets = ["data.source=stdlib", "data.max_docs=40", "data.seq_len=64", "run.batch_size=1", "run.grad_accum=1",
+            "log.every=1", "log.progress=plain", "log.plot=false", "run.eval_every=0", "run.checkpoint_every=0",
+            "run.device=cpu", "run.compile=false"]
+    return ["--config", str(ROOT / "configs" / f"{model}.yaml"), "--run-key", KEY.decode(),
+            *[a for kv in sets for a in ("--set", kv)]]
+
+
+def serve_peer(ip: str, model: str, addr_file: str, peers: list[str], run_dir: str) -> None:
+    """A holder built as `loco join` builds a peer (it downloads the run's state when it has --peers, and
+    publishes its own), serving until killed without training."""
+    from launch.cli import _load, build_parser
+    from launch.join import JoinOptions, Peer
+
+    cfg = _load(build_parser().parse_args(["join", *join_args(model), "--run-dir", run_dir]))
+    peer = Peer(cfg, JoinOptions(peers=peers, run_key=KEY, host=ip))
+    peer.transport.heartbeat(holder=True)
+    tmp = addr_file + ".tmp"
+    Path(tmp).write_text("\n".join(a for a in peer.transport.visible_maddrs() if f"/ip4/{ip}/" in a))
+    os.replace(tmp, addr_file)
+    while True:
+        time.sleep(3600)
+
+
 def fetch(ip: str, size: int, peers: list[str], holders: int) -> None:
     """The joiner: wait for every holder in the registry, download, print one JSON line."""
     import hashlib
@@ -98,20 +130,22 @@ def one_try(args, size: int) -> dict:
             lab.shape(f"h{k}", args.rate)
         if args.joiner_rate:
             lab.shape("j", args.joiner_rate)
-        me = [sys.executable, os.path.abspath(__file__), "--size", str(size)]
+        me = [sys.executable, os.path.abspath(__file__), "--size", str(size), "--model", args.model]
+        role = "serve-peer" if args.peer_start else "serve"
         first: list[str] = []
         for k, ip in enumerate(ips):
             addr = os.path.join(tmp, f"h{k}.addr")
             peers = [a for p in first for a in ("--peer", p)]
-            lab.run(f"h{k}", [*me, "--role", "serve", "--ip", ip, "--addr-file", addr, *peers],
+            lab.run(f"h{k}", [*me, "--role", role, "--ip", ip, "--addr-file", addr, "--run-dir",
+                              os.path.join(tmp, f"h{k}"), *peers],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-            end = time.time() + 180
-            while not os.path.exists(addr):
-                if time.time() > end:
-                    raise SystemExit(f"holder h{k} did not start within 180 s")
-                time.sleep(0.2)
+            if k == 0 or k == args.holders - 1:  # the first one's address is the others'; then all of them
+                for j in range(k + 1):
+                    wait_file(os.path.join(tmp, f"h{j}.addr"), f"holder h{j}")
             if not first:
                 first = Path(addr).read_text().split()[:1]
+        if args.peer_start:
+            return start_to_step(lab, args, joiner, first, tmp)
         p = lab.run("j", [*me, "--role", "fetch", "--ip", joiner, "--holders", str(args.holders),
                           *[a for p in first for a in ("--peer", p)]], stdout=subprocess.PIPE, text=True, cwd=ROOT)
         out, _ = p.communicate(timeout=900)
@@ -119,6 +153,58 @@ def one_try(args, size: int) -> dict:
         if not line:
             raise SystemExit(f"the joiner printed no result (exit {p.returncode})")
         return json.loads(line[-1])
+
+
+def wait_file(path: str, what: str, timeout: float = 600) -> None:
+    end = time.time() + timeout
+    while not os.path.exists(path):
+        if time.time() > end:
+            raise SystemExit(f"{what} did not start within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def start_to_step(lab, args, joiner: str, first: list[str], tmp: str) -> dict:
+    """`loco join` in the joiner's host, timed from its start to its state download and its first step."""
+    cmd = [sys.executable, "-m", "launch.cli", "join", *join_args(args.model), "--host", joiner, "--max-steps", "1",
+           "--run-dir", os.path.join(tmp, "joiner"), *[a for p in first for a in ("--peers", p)]]
+    t0 = time.perf_counter()
+    p = lab.run("j", cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    marks: dict = {}
+    for line in p.stdout:
+        now = time.perf_counter() - t0
+        if "downloaded the run's state" in line:
+            marks["download_done_s"] = now
+        elif "loss" in line and "download_done_s" in marks and "first_step_s" not in marks:
+            marks["first_step_s"] = now
+            break
+    p.kill()
+    if "first_step_s" not in marks:
+        raise SystemExit(f"the joiner did not reach a training step: {marks}")
+    return {"seconds": marks["first_step_s"], "ok": True, "sources": {}, **marks}
+
+
+def report_peer_start(args, size: int) -> None:
+    rows = []
+    for k in range(args.tries):
+        r = one_try(args, size)
+        rows.append((r["download_done_s"], r["first_step_s"]))
+        print(f"try {k + 1}: state downloaded {r['download_done_s']:.1f} s after the start, first step at "
+              f"{r['first_step_s']:.1f} s", flush=True)
+    joiner = f"{args.joiner_rate / 1e9:g} Gbit/s" if args.joiner_rate else "unshaped"
+    lines = [f"# `loco join` of `{args.model}` (standard-library data), {args.holders} holders at "
+             f"{args.rate / 1e9:g} Gbit/s each, joiner {joiner}: from the command's start",
+             "",
+             f"{datetime.now(timezone.utc):%Y-%m-%d}, {platform.node() or 'this machine'}: {os.cpu_count()} cores, "
+             f"Python {platform.python_version()}; every holder and the joiner on this one machine.",
+             "",
+             "| try | state downloaded (s) | first training step (s) |",
+             "| --- | --- | --- |",
+             *[f"| {k + 1} | {d:.1f} | {f:.1f} |" for k, (d, f) in enumerate(rows)],
+             "",
+             f"Median first step: {statistics.median(f for _, f in rows):.1f} s after `loco join` started."]
+    print("\n".join(lines))
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -129,14 +215,19 @@ def main() -> None:
     ap.add_argument("--joiner-rate", type=float, default=0, help="the joiner's link, bit/s (0: unshaped)")
     ap.add_argument("--tries", type=int, default=1, help="labs built and downloads timed (default 1)")
     ap.add_argument("--out", help="also write the table to this markdown file")
-    ap.add_argument("--role", choices=("serve", "fetch"), help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=("serve", "serve-peer", "fetch"), help=argparse.SUPPRESS)
     ap.add_argument("--ip", help=argparse.SUPPRESS)
     ap.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--peer-start", action="store_true",
+                    help="time a real `loco join` from its start to its first step (holders: loco join peers)")
     ap.add_argument("--addr-file", help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     ap.add_argument("--peer", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "serve":
         return serve(args.ip, args.size, args.addr_file, args.peer)
+    if args.role == "serve-peer":
+        return serve_peer(args.ip, args.model, args.addr_file, args.peer, args.run_dir)
     if args.role == "fetch":
         return fetch(args.ip, args.size, args.peer, args.holders)
 
@@ -146,6 +237,8 @@ def main() -> None:
     if why:
         raise SystemExit(f"no network lab here: {why}")
     size = state_bytes(args.model)
+    if args.peer_start:
+        return report_peer_start(args, size)
     rows = []
     for k in range(args.tries):
         r = one_try(args, size)
