@@ -505,8 +505,8 @@ def test_peers_train_together_survive_a_crash_and_a_late_joiner_starts_from_the_
         join = ["--peers", addrs[0]]
         procs["b"] = start_peer(tmp_path, "b", *join, "--max-steps", "100000")
         procs["c"] = start_peer(tmp_path, "c", *join, "--max-steps", "100000")
-        three = lambda: sum(len(r["members"]) == 3 for r in rounds(tmp_path, "b")) >= 3  # noqa: E731
-        wait_for(three, "three rounds of all three peers", procs, timeout=180)
+        three = lambda: sum(len(r["members"]) == 3 for r in rounds(tmp_path, "b")) >= 2  # noqa: E731
+        wait_for(three, "two rounds of all three peers", procs, timeout=180)
 
         # a crash: only c's main process dies; its DHT process and p2pd must follow it
         os.kill(procs["c"].pid, signal.SIGKILL)
@@ -519,8 +519,9 @@ def test_peers_train_together_survive_a_crash_and_a_late_joiner_starts_from_the_
         assert group_alive(procs["c"].pid) == [], "the killed peer left processes behind"
 
         # a late joiner downloads the run's state and joins at the current round; its step budget counts the
-        # run's steps (10 per round), so it trains up to 8 rounds from here
-        budget = (max(r["epoch"] for r in rounds(tmp_path, "a")) + 8) * 10
+        # run's steps (10 per round), so it trains up to 12 rounds from here (fewer when its start is slow: a and
+        # b go on meanwhile)
+        budget = (max(r["epoch"] for r in rounds(tmp_path, "a")) + 12) * 10
         procs["d"] = start_peer(tmp_path, "d", *join, "--max-steps", str(budget))
         assert procs["d"].wait(180) == 0, (tmp_path / "d.log").read_text()[-3000:]
         d_log = (tmp_path / "d.log").read_text()

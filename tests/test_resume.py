@@ -21,7 +21,8 @@ from launch.metrics import read_metrics
 from launch.trainer import RunError, train
 
 STEPS = 40
-ARGS = ["train", "--config", TINY, "--max-steps", str(STEPS), *[a for s in FAST for a in ("--set", s)],
+SHORT = ["run.batch_size=4", "data.seq_len=64"]  # exactness does not need a full batch: a step is 8x cheaper
+ARGS = ["train", "--config", TINY, "--max-steps", str(STEPS), *[a for s in FAST + SHORT for a in ("--set", s)],
         "--set", "log.every=5", "--set", "run.eval_every=20", "--set", "run.checkpoint_every=10"]
 COMPARED = ("step", "tokens", "loss", "lr", "val_loss", "grad_norm")
 
@@ -57,7 +58,7 @@ def test_killed_run_resumes_exactly(reference, tmp_path):
 
 def test_ctrl_c_saves_and_resumes_exactly(reference, tmp_path, tiny_cfg):
     run_dir = tmp_path / "interrupted"
-    extra = ["log.every=5", "run.eval_every=20", "run.checkpoint_every=10", f"run.max_steps={STEPS}"]
+    extra = [*SHORT, "log.every=5", "run.eval_every=20", "run.checkpoint_every=10", f"run.max_steps={STEPS}"]
 
     def interrupt(step, record):
         if step == 25:
@@ -154,7 +155,7 @@ def test_unreadable_checkpoints_refuse_resume_and_restart_starts_over(tmp_path):
 
 def test_resumed_max_time_run_gets_a_fresh_budget(tmp_path):
     run_dir = tmp_path / "timed"
-    timed = ["train", "--config", TINY, *[a for s in FAST for a in ("--set", s)], "--max-steps", "100000",
+    timed = ["train", "--config", TINY, *[a for s in FAST + SHORT for a in ("--set", s)], "--max-steps", "100000",
              "--max-time", "2s", "--set", "log.every=1", "--set", "run.eval_every=0", "--run-dir", str(run_dir)]
     res = run_cli(timed)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -171,8 +172,8 @@ def test_resumed_max_time_run_gets_a_fresh_budget(tmp_path):
     assert len(lines) == len(set(lines)), "no duplicate metrics lines"
 
 
-SIM = ["simulate", "--config", TINY, *[a for s in FAST for a in ("--set", s)], "--workers", "2", "--baseline", "none",
-       "--max-steps", "30", "--set", "algo.name=diloco", "--set", "algo.inner_steps=5", "--set", "run.batch_size=8",
+SIM = ["simulate", "--config", TINY, *[a for s in FAST + SHORT for a in ("--set", s)], "--workers", "2",
+       "--baseline", "none", "--max-steps", "30", "--set", "algo.name=diloco", "--set", "algo.inner_steps=5",
        "--set", "log.every=5", "--set", "run.eval_every=10", "--set", "run.checkpoint_every=100"]
 
 

@@ -254,7 +254,7 @@ class StateMixin:
         # the registry says this peer is downloading: peers reaching the next epoch first wait for it (within
         # their cap) rather than for an arrival time that did not count the download
         self.phase = "resync"
-        self.heartbeat()
+        self.announce()
         # each stripe's own timeout (state_timeout of its size) bounds the download; this only catches a hang
         # elsewhere (opening a stream: 10 s; a header: STATE_WAIT_S + 10 s)
         try:
@@ -265,7 +265,7 @@ class StateMixin:
         finally:  # its round starts now
             self._round_start = time.perf_counter()
             self.phase, self.eta = "train", (_now() + self.round_s if self.round_s else None)
-            self.heartbeat()
+            self.announce()
 
 
 def manifest(blob: bytes) -> bytes:

@@ -397,6 +397,17 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
             log.warning("peer %s: heartbeat failed (%s); the next round announces this peer again", self.me[-8:],
                         f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
 
+    def announce(self) -> None:
+        """Heartbeat in the background: a change of phase that must not hold the caller up (a DHT store waits
+        on every node it stores to, a hung one included)."""
+        async def beat() -> None:
+            try:
+                await self._heartbeat()
+            except Exception as e:
+                log.info("peer %s: heartbeat failed: %s", self.me[-8:], e)
+
+        asyncio.run_coroutine_threadsafe(beat(), self._loop)
+
     # ---- collectives ------------------------------------------------------------------------
     def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
         """Every member's payload (this peer's included) in canonical order (:meth:`member_names`)."""
