@@ -155,7 +155,11 @@ class Peer:
             m.info(f"all addresses of this peer: {' '.join(addrs)}", 0)
         if self.opts.peers:
             got = t.download_state()
-            if got is None:
+            if got is None and t.resumable:
+                m.info("the run's state could not be downloaded: every peer serving it failed part-way; starting "
+                       "from this peer's own initialisation, and the next round takes the group's state (going on "
+                       "from the stripes already here while the run's state is the same)", 0)
+            elif got is None:
                 m.info("no peer serves a state yet: starting from this peer's own initialisation", 0)
             else:
                 epoch, blob = got

@@ -231,6 +231,11 @@ class StateMixin:
                      ", ".join(f"{k[-8:]} {v} bytes" for k, v in served.items()))
         return epoch, blob
 
+    @property
+    def resumable(self) -> bool:
+        """Whether a download failed part-way and the next one of the same state goes on from its stripes."""
+        return self._partial is not None
+
     def _failed_download(self, peer, e: Exception) -> None:
         log.warning("peer %s: could not download the state from %s: %s: %s", self.me[-8:], peer.to_base58()[-8:],
                     type(e).__name__, e)
