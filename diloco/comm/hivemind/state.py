@@ -7,13 +7,12 @@ A download is striped over the peers that hold the newest state: the first strip
 answers, fixes the epoch, the size and the manifest of the state; then every such peer takes the next missing
 stripe as soon as it has sent its last one (a fast peer sends more of them), and a peer that fails or serves
 another state or a stripe that does not match the manifest is dropped, its stripe fetched again from the
-others. When every holder fails part-way, the stripes received are kept: the next download of the same state
-(the holders' newest still) fetches only the rest. A stripe is asked of a second peer only
-when its first one is far slower than the rest (:data:`HEDGE_S`; a holder that hangs or a link that stalls),
-and the first answer counts: a stopped or cut-off holder delays a download by seconds, not its timeout. A
-serving peer
-keeps the snapshot a download began from (:data:`PINNED_S` after its last request) even after it publishes a
-newer one, so a download that spans several rounds still finishes.
+others. A stripe is asked of a second peer only when its first one is far slower than the rest (:data:`HEDGE_S`;
+a holder that hangs or a link that stalls), and the first answer counts: a stopped or cut-off holder delays a
+download by seconds, not by its timeout. When every holder fails part-way, the stripes received are kept: the
+next download of the same state (the holders' newest still) fetches only the rest. A serving peer keeps the
+snapshot a download began from (:data:`PINNED_S` after its last request) even after it publishes a newer one,
+so a download that spans several rounds still finishes.
 """
 
 from __future__ import annotations
