@@ -705,6 +705,24 @@ def test_the_ledger_merges_observers_by_median():
 
 
 # ---- adaptive deadlines -----------------------------------------------------------------------------------------
+def test_a_peer_downloading_the_state_is_waited_for_two_of_its_rounds():
+    """The rendezvous waits for a peer that announced its arrival until then (with slack); for one that
+    announced a download of the group's state (not in its arrival time) up to two of its rounds from the
+    download's start; for any peer, the first matchmaking window."""
+    from types import SimpleNamespace
+
+    from diloco.comm.hivemind.epoch import EpochMixin
+
+    me = SimpleNamespace(matchmaking_time=3.0)
+    expects = lambda entry, now, waited=10.0: EpochMixin._expects(me, entry, now, waited)  # noqa: E731
+    training = {"phase": "train", "time": 100.0, "eta": 110.0, "round_s": 10.0}
+    assert expects(training, 114.0) and not expects(training, 116.0)  # eta + max(3, 0.5 x 10)
+    resync = {"phase": "resync", "time": 100.0, "eta": 101.0, "round_s": 10.0}
+    assert expects(resync, 124.0) and not expects(resync, 126.0)  # time + 2 x 10 + 5
+    assert expects(resync, 300.0, waited=1.0)  # within the first window, anyone is waited for
+    assert not expects({"phase": "resync", "time": 100.0, "round_s": None}, 104.0)  # a joiner: no rounds yet
+
+
 def test_deadlines_follow_the_measured_rate_within_their_bounds():
     from diloco.comm.hivemind import framing as f
 

@@ -127,14 +127,17 @@ class EpochMixin:
 
     def _expects(self, entry: dict, now: float, waited: float) -> bool:
         """Whether a peer that has not reached this epoch yet is still worth waiting for: always for the first
-        ``matchmaking_time`` seconds and while it downloads the group's state, then until its announced arrival
-        time, with slack for a round that runs longer than the last one."""
-        if waited < self.matchmaking_time or entry.get("phase") == "resync":  # (a download: the cap bounds it)
+        ``matchmaking_time`` seconds, then until its announced arrival time, with slack for a round that runs
+        longer than the last one. A peer downloading the group's state (its arrival time did not count the
+        download) is waited for up to two of its rounds from the download's start."""
+        if waited < self.matchmaking_time:
             return True
+        slack = max(self.matchmaking_time, 0.5 * float(entry.get("round_s") or 0.0))
+        if entry.get("phase") == "resync":  # its download, then a round of training: up to two of its rounds
+            return now <= float(entry.get("time", 0.0)) + 2 * float(entry.get("round_s") or 0.0) + slack
         eta = entry.get("eta")
         if eta is None:  # its first round: no estimate yet (the caller's cap bounds the wait)
             return True
-        slack = max(self.matchmaking_time, 0.5 * float(entry.get("round_s") or 0.0))
         return now <= float(eta) + slack
 
     async def _rendezvous(self, wait_cap: float, notes: list) -> tuple[dict, int]:
