@@ -33,6 +33,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 # run as a script, this file's folder would come first on sys.path, where benchmarks/hivemind.py shadows the
@@ -190,21 +191,30 @@ def report_peer_start(args, size: int) -> None:
         rows.append((r["download_done_s"], r["first_step_s"]))
         print(f"try {k + 1}: state downloaded {r['download_done_s']:.1f} s after the start, first step at "
               f"{r['first_step_s']:.1f} s", flush=True)
-    joiner = f"{args.joiner_rate / 1e9:g} Gbit/s" if args.joiner_rate else "unshaped"
-    lines = [f"# `loco join` of `{args.model}` (standard-library data), {args.holders} holders at "
-             f"{args.rate / 1e9:g} Gbit/s each, joiner {joiner}: from the command's start",
-             "",
-             f"{datetime.now(timezone.utc):%Y-%m-%d}, {platform.node() or 'this machine'}: {os.cpu_count()} cores, "
-             f"Python {platform.python_version()}; every holder and the joiner on this one machine.",
-             "",
+    lines = [*heading(args, f"`loco join` of `{args.model}` (standard-library data)", "from the command's start"),
              "| try | state downloaded (s) | first training step (s) |",
              "| --- | --- | --- |",
              *[f"| {k + 1} | {d:.1f} | {f:.1f} |" for k, (d, f) in enumerate(rows)],
              "",
              f"Median first step: {statistics.median(f for _, f in rows):.1f} s after `loco join` started."]
+    report(lines, args.out)
+
+
+def heading(args, what: str, after: str = "") -> list[str]:
+    """A report's title (what, the holders' and the joiner's links) and the machine it ran on."""
+    joiner = f"{args.joiner_rate / 1e9:g} Gbit/s" if args.joiner_rate else "unshaped"
+    return [f"# {what}, {args.holders} holders at {args.rate / 1e9:g} Gbit/s each, joiner {joiner}"
+            + (f": {after}" if after else ""),
+            "",
+            f"{datetime.now(timezone.utc):%Y-%m-%d}, {platform.node() or 'this machine'}: {os.cpu_count()} cores, "
+            f"Python {platform.python_version()}; every holder and the joiner on this one machine.",
+            ""]
+
+
+def report(lines: list[str], out: Optional[str]) -> None:
     print("\n".join(lines))
-    if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+    if out:
+        Path(out).write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -247,22 +257,14 @@ def main() -> None:
         print(f"try {k + 1}: {r['seconds']:.1f} s, {size / r['seconds'] / 1e6:.0f} MB/s, hash ok: {r['ok']}, "
               f"holders' shares: {shares}", flush=True)
     med = statistics.median(s for s, _, _ in rows)
-    joiner = f"{args.joiner_rate / 1e9:g} Gbit/s" if args.joiner_rate else "unshaped"
-    lines = [f"# State download: `{args.model}` state ({size / 1e9:.2f} GB), {args.holders} holders at "
-             f"{args.rate / 1e9:g} Gbit/s each, joiner {joiner}",
-             "",
-             f"{datetime.now(timezone.utc):%Y-%m-%d}, {platform.node() or 'this machine'}: {os.cpu_count()} cores, "
-             f"Python {platform.python_version()}; every holder and the joiner on this one machine.",
-             "",
+    lines = [*heading(args, f"State download: `{args.model}` state ({size / 1e9:.2f} GB)"),
              "| try | seconds | MB/s | hash ok | holders' shares |",
              "| --- | --- | --- | --- | --- |",
              *[f"| {k + 1} | {s:.1f} | {size / s / 1e6:.0f} | {ok} | {sh} |" for k, (s, ok, sh) in enumerate(rows)],
              "",
              f"Median: {med:.1f} s ({size / med / 1e6:.0f} MB/s); the links allow "
              f"{min(args.holders * args.rate, args.joiner_rate or float('inf')) / 8e6:.0f} MB/s."]
-    print("\n".join(lines))
-    if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+    report(lines, args.out)
 
 
 if __name__ == "__main__":

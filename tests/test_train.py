@@ -20,7 +20,8 @@ REQUIRED = {"step", "tokens", "loss", "lr", "tokens_per_s", "bytes_sent", "bytes
 def trained(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("trained")
     res = run_cli(["train", "--config", TINY, "--max-steps", "80", "--run-dir", str(run_dir),
-                   *[a for s in FAST for a in ("--set", s)], "--set", "run.eval_every=40", "--set", "log.plot=true"])
+                   *[a for s in FAST for a in ("--set", s)], "--set", "run.eval_every=40", "--set", "log.plot=true",
+                   "--set", "run.batch_size=8"])
     assert res.returncode == 0, res.stderr[-3000:]
     return run_dir, res
 
@@ -37,7 +38,7 @@ def test_run_folder_layout(trained):
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in ("val_loss", "tokens", "bytes_sent", "wall_s", "workers"):
         assert key in summary
-    assert summary["tokens"] == 80 * 16 * 128 and summary["workers"][0]["tokens"] == summary["tokens"]
+    assert summary["tokens"] == 80 * 8 * 128 and summary["workers"][0]["tokens"] == summary["tokens"]
     assert (run_dir / "checkpoints" / "step_00000080.pt").is_file()
     png = (run_dir / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
