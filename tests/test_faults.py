@@ -66,8 +66,8 @@ def trio():
 def payload(seed: int) -> bytes:
     from diloco.compress.codec import make_codec
 
-    torch.manual_seed(seed)
-    return bytes(make_codec("int8").encode(torch.randn(3000), prefix=struct.pack("<d", 1.0)))
+    values = torch.randn(3000, generator=torch.Generator().manual_seed(seed))
+    return bytes(make_codec("int8").encode(values, prefix=struct.pack("<d", 1.0)))
 
 
 def exchange_all(peers, payloads, faulty: int):
