@@ -66,6 +66,12 @@ def serve(ip: str, size: int, addr_file: str, peers: list[str]) -> None:
                           startup_timeout=60)
     t.epoch = 1
     t.publish_state(blob_of(size))
+    hold(t, ip, addr_file)
+
+
+def hold(t, ip: str, addr_file: str) -> None:
+    """A holder that serves: it says so in the registry, writes its address in the lab for the others, and
+    stays until killed."""
     t.heartbeat(holder=True)
     tmp = addr_file + ".tmp"
     Path(tmp).write_text("\n".join(a for a in t.visible_maddrs() if f"/ip4/{ip}/" in a))
@@ -91,13 +97,7 @@ def serve_peer(ip: str, model: str, addr_file: str, peers: list[str], run_dir: s
     from launch.join import JoinOptions, Peer
 
     cfg = _load(build_parser().parse_args(["join", *join_args(model), "--run-dir", run_dir]))
-    peer = Peer(cfg, JoinOptions(peers=peers, run_key=KEY, host=ip))
-    peer.transport.heartbeat(holder=True)
-    tmp = addr_file + ".tmp"
-    Path(tmp).write_text("\n".join(a for a in peer.transport.visible_maddrs() if f"/ip4/{ip}/" in a))
-    os.replace(tmp, addr_file)
-    while True:
-        time.sleep(3600)
+    hold(Peer(cfg, JoinOptions(peers=peers, run_key=KEY, host=ip)).transport, ip, addr_file)
 
 
 def fetch(ip: str, size: int, peers: list[str], holders: int) -> None:

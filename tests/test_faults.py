@@ -20,8 +20,9 @@ import time
 import pytest
 import torch
 
-hivemind_transport = pytest.importorskip("diloco.comm.hivemind")
-HivemindTransport = hivemind_transport.HivemindTransport
+pytest.importorskip("diloco.comm.hivemind")
+from test_hivemind import three_peers  # noqa: E402 (after the skip: it imports hivemind)
+
 KEY = b"fault-run-key"
 DEADLINE = 8.0  # the exchange deadline of these peers (seconds)
 
@@ -45,10 +46,7 @@ def daemon_of(t) -> int:
 @pytest.fixture
 def trio():
     """Three fresh peers (a fault may leave one of them dead); any stopped daemon is resumed before they close."""
-    peers = [HivemindTransport("faults", run_key=KEY, matchmaking_time=3, exchange_timeout=DEADLINE)]
-    addrs = peers[0].visible_maddrs()
-    peers += [HivemindTransport("faults", initial_peers=addrs, run_key=KEY, matchmaking_time=3,
-                                exchange_timeout=DEADLINE) for _ in range(2)]
+    peers = three_peers("faults", KEY, exchange_timeout=DEADLINE)
     daemons = [daemon_of(t) for t in peers]
     yield peers
     for pid in daemons:

@@ -42,12 +42,18 @@ def run_together(transports, fn, timeout=120):
     return out
 
 
+def three_peers(run: str, key: bytes, exchange_timeout: float) -> list:
+    """Three peers in this process: the first starts the run, the other two join through it."""
+    peers = [HivemindTransport(run, run_key=key, matchmaking_time=3, exchange_timeout=exchange_timeout)]
+    addrs = peers[0].visible_maddrs()
+    peers += [HivemindTransport(run, initial_peers=addrs, run_key=key, matchmaking_time=3,
+                                exchange_timeout=exchange_timeout) for _ in range(2)]
+    return peers
+
+
 @pytest.fixture(scope="module")
 def swarm():
-    peers = [HivemindTransport("unit", run_key=KEY, matchmaking_time=3, exchange_timeout=20)]
-    addrs = peers[0].visible_maddrs()
-    peers += [HivemindTransport("unit", initial_peers=addrs, run_key=KEY, matchmaking_time=3, exchange_timeout=20)
-              for _ in range(2)]
+    peers = three_peers("unit", KEY, exchange_timeout=20)
     yield peers
     for p in peers:
         p.close()

@@ -32,6 +32,7 @@ def test_bad_input_fails_before_training(args, key, capsys, monkeypatch):
     rc, err = simulate_in_process(args, capsys, monkeypatch)
     assert rc == 2, err
     assert key in err and "Traceback" not in err
+    assert "[worker" not in err, "training started before the config was checked"
 
 
 def simulate_in_process(args, capsys, monkeypatch) -> tuple[int, str]:
@@ -285,6 +286,7 @@ def test_a_bad_link_trace_fails_before_training(tmp_path, text, expected, capsys
     rc, err = simulate_in_process(["--workers", "2", "--links", str(path)], capsys, monkeypatch)
     assert rc == 2, err
     assert "sim.links" in err and expected in err and "Traceback" not in err
+    assert "[worker" not in err
 
 
 def test_links_change_over_virtual_time_and_the_slowest_link_bounds_a_collective(tmp_path):

@@ -204,7 +204,6 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self._linked: set[str] = set()  # peers libp2p has shown connected to this one (base58)
         self._seen: dict[str, float] = {}  # base58 -> when the registry last listed it (see _mend)
         self._ever: set[str] = set()  # peers libp2p had connected to this one at some _mend
-        self._mended = 0.0  # when _mend last redialled
         self.initial_peers = [str(m) for m in initial_peers]
         self._relayed: set = set()  # members this epoch's pushes reached only through another member
         self._unreachable: dict[str, float] = {}  # base58 -> when a direct push to it last failed
@@ -279,10 +278,14 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         """Keep this peer's registry entry fresh through rounds longer than its time to live."""
         while True:
             await asyncio.sleep(self.heartbeat_ttl / 3)
-            try:
-                await self._heartbeat()
-            except Exception as e:
-                log.info("peer %s: heartbeat failed: %s", self.me[-8:], e)
+            await self._heartbeat_or_log()
+
+    async def _heartbeat_or_log(self) -> None:
+        """A heartbeat whose failure is logged: the next one announces the same."""
+        try:
+            await self._heartbeat()
+        except Exception as e:
+            log.info("peer %s: heartbeat failed: %s", self.me[-8:], e)
 
     async def _mend_forever(self) -> None:
         while True:
@@ -294,13 +297,11 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
 
     async def _mend(self) -> None:
         """Redial the peers of this run that libp2p was connected to and no longer is (if seen in the registry
-        within ``SEEN_S``; the bootstrap peers too when none is connected), at most every ``MEND_S``. After a
-        partition heals, this is what joins the two sides again: their DHT nodes dropped each other meanwhile.
-        Peers never connected (both behind NAT, say) are not dialled: they reach each other through members."""
+        within ``SEEN_S``; the bootstrap peers too when none is connected); every ``MEND_S`` (_mend_forever).
+        After a partition heals, this is what joins the two sides again: their DHT nodes dropped each other
+        meanwhile. Peers never connected (both behind NAT, say) are not dialled: they reach each other through
+        members."""
         now = time.monotonic()
-        if now - self._mended < MEND_S:
-            return
-        self._mended = now
         connected = {i.peer_id.to_base58() for i in await self.p2p.list_peers()}
         self._ever |= connected & set(self._seen)
         lost = sorted((pid for pid, t in self._seen.items()
@@ -400,13 +401,7 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
     def announce(self) -> None:
         """Heartbeat in the background: a change of phase that must not hold the caller up (a DHT store waits
         on every node it stores to, a hung one included)."""
-        async def beat() -> None:
-            try:
-                await self._heartbeat()
-            except Exception as e:
-                log.info("peer %s: heartbeat failed: %s", self.me[-8:], e)
-
-        asyncio.run_coroutine_threadsafe(beat(), self._loop)
+        asyncio.run_coroutine_threadsafe(self._heartbeat_or_log(), self._loop)
 
     # ---- collectives ------------------------------------------------------------------------
     def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
