@@ -48,7 +48,8 @@ SEEN_S = 600.0  # a peer seen in the registry this recently is redialled when it
 async def _redial(maddrs: list, pids: list, dht, node) -> int:
     """In the DHT process: dial the bootstrap addresses ``maddrs`` and the peers ``pids`` (base58, at the
     addresses libp2p knows for them), and ping each one that answers, so that both DHT nodes put the other back in
-    their routing tables (a long partition empties them, and nothing refills them by itself). How many answered."""
+    their routing tables (a long partition empties them, and nothing refills them by itself) and this one lifts
+    its ban on it. How many answered."""
     from hivemind.p2p import PeerID
     from multiaddr import Multiaddr
 
@@ -65,9 +66,15 @@ async def _redial(maddrs: list, pids: list, dht, node) -> int:
     async def one(pid, addrs) -> bool:
         try:
             await asyncio.wait_for(node.p2p._client.connect(pid, addrs), 5)
-            return await asyncio.wait_for(node.protocol.call_ping(pid), 5) is not None
+            if await asyncio.wait_for(node.protocol.call_ping(pid), 5) is None:
+                return False
         except Exception:
             return False
+        try:  # its failures during the partition banned it from searches, for 5 s x 2^failures: it answers now
+            node.blacklist.register_success(pid)
+        except KeyError:
+            pass
+        return True
 
     return sum(await asyncio.gather(*(one(p, a) for p, a in targets.items())))
 
