@@ -654,6 +654,11 @@ def test_decode_into_writes_what_decode_returns(chain):
     out = torch.full((4099,), float("nan"))
     codec.decode_into_(payload, out)
     assert torch.equal(out, codec.decode(payload))
+    # with a weight: what zeros + decode_accumulate_ give, in one pass
+    codec.decode_into_(payload, out, 0.3)
+    acc = torch.zeros(4099)
+    codec.decode_accumulate_(payload, acc, 0.3)
+    assert torch.allclose(out, acc, rtol=1e-6, atol=0) and not torch.equal(out, codec.decode(payload))
 
 
 @pytest.mark.parametrize("chain", ["fp32", "bf16", "int8", "fp4"])

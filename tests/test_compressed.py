@@ -10,6 +10,7 @@ import torch
 
 from conftest import FAST, TINY, free_port, run_cli, simulate_and_torchrun
 from diloco.comm.base import TransportError, shard_bounds
+from diloco.comm.local import LocalTransport
 from diloco.compress import make_codec
 from diloco.sim import InProcessGroup, run_workers
 from launch.checkpoint import latest_checkpoint
@@ -139,7 +140,11 @@ WORKER = textwrap.dedent("""
     for _ in range(2):
         ts = [x.clone() for x in inputs(t.world_size)[t.rank]]
         total = t.all_reduce_compressed_(ts, codec, weights[t.rank], key="k")
-    torch.save({{"ts": ts, "total": total, "bytes": t.stats.bytes_sent}}, f"{out}/rank{{t.rank}}.pt")
+    sent = t.stats.bytes_sent
+    for _ in range(2):  # the dense mean, twice: the second reuses the kept concatenation buffer
+        dense = [x.clone() for x in inputs(t.world_size)[t.rank]]
+        t.all_reduce_(dense)
+    torch.save({{"ts": ts, "total": total, "bytes": sent, "dense": dense}}, f"{out}/rank{{t.rank}}.pt")
     t.close()
 """)
 
@@ -159,6 +164,25 @@ def test_gloo_processes_equal_the_simulator(tmp_path, chain):
         real = torch.load(tmp_path / f"rank{rank}.pt")
         assert all(torch.equal(a, b) for a, b in zip(real["ts"], ts))
         assert real["total"] == total and real["bytes"] == sent
+        mean = [sum(x[i] for x in inputs(3)) / 3 for i in range(len(SIZES))]
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(real["dense"], mean))
+
+
+def test_the_concatenation_buffer_is_kept_only_where_asked():
+    t = LocalTransport()
+    first = t.take_scratch(100, torch.device("cpu"))
+    t.give_scratch(first)
+    assert t.take_scratch(100, torch.device("cpu")).data_ptr() != first.data_ptr()  # keep_scratch is off here
+    t.keep_scratch = True
+    t.give_scratch(first)
+    again = t.take_scratch(50, torch.device("cpu"))
+    assert again.data_ptr() == first.data_ptr()
+    assert t.take_scratch(50, torch.device("cpu")).data_ptr() != first.data_ptr()  # taken: a second taker gets its own
+    t.give_scratch(again)
+    bigger = t.take_scratch(200, torch.device("cpu"))  # too small: a new one, kept in its place
+    assert bigger.numel() == 200
+    t.give_scratch(bigger)
+    assert t.take_scratch(150, torch.device("cpu")).data_ptr() == bigger.data_ptr()
 
 
 # ---- codecs inside the algorithms -----------------------------------------------------------------

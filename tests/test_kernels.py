@@ -73,6 +73,39 @@ def test_dequantize_kernel_matches_reference(fmt, block, device):
                                       weight=0.37, accumulate=True).cpu()
             ref = q.dequantize_ref(codes, scales, n, block, fmt, out=base.clone(), weight=0.37, accumulate=True)
             assert torch.allclose(acc, ref, rtol=1e-6, atol=1e-6), name
+            # written, not added, with the weight: both give weight x value, rounded once
+            full = torch.full((n,), float("nan"))
+            got = q.dequantize_triton(codes.to(device), scales.to(device), n, block, fmt, out=full.clone().to(device),
+                                      weight=0.37).cpu()
+            ref = q.dequantize_ref(codes, scales, n, block, fmt, out=full.clone(), weight=0.37)
+            assert torch.equal(got, ref), name
+            assert torch.equal(ref, q.dequantize_ref(codes, scales, n, block, fmt) * 0.37), name
+
+
+def _defined_value(fmt: str, code: int) -> float:
+    """The unscaled value of one code, from the module docstring's definition (plain Python)."""
+    if fmt == "int8":
+        return float(code - 256 if code >= 128 else code)
+    if fmt == "int4":
+        return float(code - 8)
+    if fmt == "2bit":
+        return code - 1.5
+    e, negative = code & 7, code >= 8  # fp4
+    mag = 2.0 ** (e - 7) if e else 0.0
+    return -mag if negative else mag
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_byte_decodes_to_its_defined_values(fmt):
+    _, bits, per = q.FORMATS[fmt]
+    codes = torch.arange(256, dtype=torch.uint8)
+    for scale in (1.0, 0.3, 7e-30):  # one block of 256 bytes, then the same bytes in blocks of 4 values
+        got = q.dequantize_ref(codes, torch.tensor([scale]), 256 * per, 256 * per, fmt)
+        want = [_defined_value(fmt, (b >> (i * bits)) & ((1 << bits) - 1)) for b in range(256) for i in range(per)]
+        want = torch.tensor(want, dtype=torch.float32) * torch.tensor(scale, dtype=torch.float32)
+        assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want)), (fmt, scale)
+        blocks = q.dequantize_ref(codes, torch.full((256 * per // 4,), scale), 256 * per, 4, fmt)
+        assert torch.equal(blocks, got)
 
 
 def _topk_inputs(chunk: int) -> dict[str, torch.Tensor]:

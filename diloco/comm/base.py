@@ -19,6 +19,7 @@ better, like hivemind's partial deliveries, says so through ``_moved``).
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -75,9 +76,30 @@ class Transport(ABC):
     #: (the simulator; NCCL), for payloads that need no wire header: the members are trusted and the transfer
     #: is checked by the transport itself
     device_gather: bool = False
+    #: keep the host buffer that buckets are concatenated into from one exchange to the next, so its pages are
+    #: faulted in once per run instead of once per exchange (the exchange's peak memory is the same; the buffer
+    #: is only not handed back between exchanges); off where many workers share one process (the simulator)
+    keep_scratch: bool = False
 
     def __init__(self) -> None:
         self.stats = CommStats()
+        self._scratch: Optional[torch.Tensor] = None
+        self._scratch_lock = threading.Lock()
+
+    def take_scratch(self, numel: int, device: torch.device) -> torch.Tensor:
+        """An fp32 buffer of at least ``numel`` values on ``device`` (its contents undefined), for one exchange's
+        concatenated buckets; hand it back with :meth:`give_scratch`. A concurrent taker gets a new one."""
+        with self._scratch_lock:
+            kept = getattr(self, "_scratch", None)
+            self._scratch = None
+        if kept is not None and kept.numel() >= numel and kept.device == torch.device(device):
+            return kept
+        return torch.empty(numel, dtype=torch.float32, device=device)
+
+    def give_scratch(self, scratch: Optional[torch.Tensor]) -> None:
+        if scratch is not None and self.keep_scratch and scratch.device.type == "cpu":
+            with self._scratch_lock:
+                self._scratch = scratch
 
     @property
     def is_leader(self) -> bool:
@@ -234,14 +256,28 @@ class Transport(ABC):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         if self.world_size == 1 or not tensors:
             return
+        scratch = None  # fp32 buckets are concatenated into one buffer (kept between exchanges where that pays)
         with self.exchange_scope():
             for bucket in buckets(tensors, self.bucket_bytes):
-                flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
+                n = sum(t.numel() for t in bucket)
+                if bucket[0].dtype == torch.float32:
+                    if scratch is None or scratch.numel() < n or scratch.device != bucket[0].device:
+                        self.give_scratch(scratch)
+                        scratch = self.take_scratch(max(n, _largest_bucket(tensors, self.bucket_bytes)),
+                                                    bucket[0].device)
+                    flat = scratch[:n]
+                    if len(bucket) > 1:
+                        torch.cat([t.reshape(-1) for t in bucket], out=flat)
+                    else:  # a copy all the same: a failed exchange leaves the tensor as it was
+                        flat.copy_(bucket[0].reshape(-1))
+                else:
+                    flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
                 self._all_reduce_sum_(flat)
                 self.count_all_reduce(flat.numel() * flat.element_size())
                 if op == "mean":
                     flat.div_(self.world_size)
                 unflatten_into(bucket, flat)
+        self.give_scratch(scratch)
 
     def start(self, fn: Callable[[], Any]) -> Handle:
         """Start the collectives ``fn`` runs; the handle's ``wait()`` returns ``fn``'s result once it may be used."""
@@ -319,6 +355,11 @@ def shard_bounds(n: int, world: int, align: int = 1) -> list[tuple[int, int]]:
     units = -(-n // align)
     per = -(-units // world) * align
     return [(min(j * per, n), min((j + 1) * per, n)) for j in range(world)]
+
+
+def _largest_bucket(tensors: Sequence[torch.Tensor], limit: int) -> int:
+    """The values in the largest of ``buckets(tensors, limit)``."""
+    return max(sum(t.numel() for t in bucket) for bucket in buckets(tensors, limit))
 
 
 def unflatten_into(bucket: Sequence[torch.Tensor], flat: torch.Tensor) -> None:

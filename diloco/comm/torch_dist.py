@@ -118,6 +118,7 @@ def _elastic_store(timeout: float) -> dict[str, Any]:
 
 class TorchDistTransport(Transport):
     shared_stop = True  # torchrun signals every rank; broadcast_object spans the whole process group
+    keep_scratch = True  # one worker per process
 
     def __init__(self, backend: str = "auto", timeout: float = 300.0, device: Optional[torch.device] = None,
                  group: Any = None) -> None:

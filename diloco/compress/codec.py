@@ -529,10 +529,11 @@ class Codec:
         header = self.check(payload, out.numel())
         self._accumulate(self._body(payload, header, vouched=True), header, out, weight)
 
-    def decode_into_(self, payload: bytes | bytearray | memoryview, out: torch.Tensor) -> None:
-        """``out <- decode(payload)`` (``out``: fp32, flat, of the payload's size), without a temporary."""
+    def decode_into_(self, payload: bytes | bytearray | memoryview, out: torch.Tensor, weight: float = 1.0) -> None:
+        """``out <- weight * decode(payload)`` (``out``: fp32, flat, of the payload's size), without a temporary:
+        what ``out.zero_()`` and ``decode_accumulate_`` would give, in one pass over ``out``."""
         header = self.check(payload, out.numel())
-        self._accumulate(self._body(payload, header, vouched=True), header, out, 1.0, fresh=True)
+        self._accumulate(self._body(payload, header, vouched=True), header, out, weight, fresh=True)
 
     def check(self, payload: bytes | bytearray | memoryview, expect_numel: Optional[int] = None) -> wire.Header:
         header = wire.parse_header(payload, self.max_numel)
@@ -595,20 +596,16 @@ class Codec:
                     raise CorruptPayload("quantization scales out of range (negative, non-finite or above 1e36)")
             packed = section(4 * nb, value_bytes)
             if direct:  # unpack + dequantize (+ weighted accumulate) in one kernel
-                if fresh:  # |code x scale| <= 127 x 1e36: always finite
-                    q.dequantize(packed, scales, count, s.block, s.value, out=out)
-                    if weight != 1.0:
-                        out.mul_(weight)
-                    return
-                q.dequantize(packed, scales, count, s.block, s.value, out=out, weight=weight, accumulate=True)
+                q.dequantize(packed, scales, count, s.block, s.value, out=out, weight=weight, accumulate=not fresh)
+                # fresh: |weight x code x scale| <= |weight| x 127 x 1e36, finite unless the weight is huge
                 if not _cannot_overflow(weight, _CODE_MAX[s.value] * hi) and not _finite(out):
                     raise CorruptPayload("decoded values overflow the accumulator")
                 return
             values = q.dequantize(packed, scales, count, s.block, s.value)
         else:
             values = section(0, value_bytes, _FLOAT_DTYPES[s.value])
-            if direct and fresh and weight == 1.0:
-                self._copy_checked(values, out)
+            if direct and fresh:
+                self._copy_checked(values, out, weight)
                 return
             if direct:
                 self._add_checked(values, out, weight)
@@ -625,9 +622,9 @@ class Codec:
         if not _finite(x):
             raise CorruptPayload("decoded values overflow")
         if fresh:
-            out.copy_(x)
-            if weight != 1.0:
-                out.mul_(weight)
+            torch.mul(x, weight, out=out) if weight != 1.0 else out.copy_(x)
+            if not abs(weight) <= 1.0 and not _finite(out):  # x is finite: only a weight above 1 can overflow
+                raise CorruptPayload("decoded values overflow")
         else:
             out.add_(x, alpha=weight)
 
@@ -649,14 +646,17 @@ class Codec:
                 raise CorruptPayload("decoded values overflow the accumulator")
 
     @staticmethod
-    def _copy_checked(values: torch.Tensor, out: torch.Tensor) -> None:
-        """``out <- values`` piece by piece, each piece checked finite while it is in cache (on a GPU: at once)."""
+    def _copy_checked(values: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
+        """``out <- weight * values`` piece by piece, each piece checked finite while it is in cache (on a GPU: at
+        once)."""
         n = values.numel()
         piece = PIECE if values.device.type == "cpu" else max(n, 1)
         for a in range(0, n, piece):
             b = min(a + piece, n)
             dst = out[a:b]
             dst.copy_(values[a:b])
+            if weight != 1.0:  # in fp32 (a product in the payload's own dtype would round to it)
+                dst.mul_(weight)
             if not _finite(dst):
                 raise CorruptPayload("payload holds NaN or Inf values")
 

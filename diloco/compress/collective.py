@@ -15,8 +15,9 @@ Three aggregators share one decode/accumulate core (:func:`split_weight`, then
 
   1. cut the flat buffer into one shard per worker (at multiples of the codec's
      chunk/block size), encode shard j and send it to worker j (all-to-all);
-  2. worker j decodes every worker's copy of its shard, accumulates the
-     weighted sum, divides by the total weight and re-encodes the mean;
+  2. worker j decodes every worker's copy of its shard into the weighted
+     mean (each weighted by its share of the total weight: the first written,
+     the others added, one pass each) and re-encodes the mean;
   3. all-gather the encoded means; everyone decodes every shard.
 
   Each worker sends about ``2 (W - 1) / W`` of the compressed size. Both
@@ -97,13 +98,13 @@ def _split_all(received: Sequence[bytes], me: int, what: str) -> list[tuple[floa
     return out
 
 
-def _decode_into(codec: "Codec", body: memoryview, out: torch.Tensor, scale: float | None, me: int, src: int,
+def _decode_into(codec: "Codec", body: memoryview, out: torch.Tensor, scale: float, fresh: bool, me: int, src: int,
                  what: str) -> None:
-    """``out += scale * decode(body)`` (``scale`` None: ``out <- decode(body)``); a bad payload is a
-    TransportError naming its sender."""
+    """``out += scale * decode(body)`` (``fresh``: ``out <- scale * decode(body)``, in the same one pass); a bad
+    payload is a TransportError naming its sender."""
     try:
-        if scale is None:
-            codec.decode_into_(body, out)
+        if fresh:
+            codec.decode_into_(body, out, scale)
         else:
             codec.decode_accumulate_(body, out, scale)
     except CorruptPayload as e:
@@ -130,25 +131,30 @@ def all_reduce_compressed_(transport: Transport, tensors: Sequence[torch.Tensor]
     with transport.exchange_scope():
         totals = []
         scratch = None  # one buffer for every bucket that is concatenated (its pages faulted in once)
-        for b, bucket in enumerate(buckets(tensors, transport.bucket_bytes)):
-            alone = len(bucket) == 1 and bucket[0].dtype == torch.float32 and bucket[0].is_contiguous()
+        groups = buckets(tensors, transport.bucket_bytes)
+        joined = [not _alone(bucket) for bucket in groups]
+        largest = max((sum(t.numel() for t in g) for g, j in zip(groups, joined) if j), default=0)
+        for b, bucket in enumerate(groups):
+            alone = not joined[b]
             if alone:  # reduced in place: every payload is encoded before the result is written back
                 flat = bucket[0].detach().reshape(-1)
             else:
                 n = sum(t.numel() for t in bucket)
                 if scratch is None or scratch.numel() < n or scratch.device != bucket[0].device:
-                    scratch = torch.empty(max(n, _largest_bucket(tensors, transport.bucket_bytes)),
-                                          dtype=torch.float32, device=bucket[0].device)
+                    transport.give_scratch(scratch)
+                    scratch = transport.take_scratch(largest, bucket[0].device)
                 flat = torch.cat([t.detach().reshape(-1) for t in bucket], out=scratch[:n])
             totals.append(transport.on_my_share(
                 flat, codec.align, (key, b), lambda share, k: mean_(transport, share, codec, float(weight), k)))
             if not alone:
                 unflatten_into(bucket, flat)
+        transport.give_scratch(scratch)
     return max(totals)
 
 
-def _largest_bucket(tensors: Sequence[torch.Tensor], limit: int) -> int:
-    return max(sum(t.numel() for t in bucket) for bucket in buckets(tensors, limit))
+def _alone(bucket: Sequence[torch.Tensor]) -> bool:
+    """A bucket of one contiguous fp32 tensor: reduced where it lies, not concatenated."""
+    return len(bucket) == 1 and bucket[0].dtype == torch.float32 and bucket[0].is_contiguous()
 
 
 def all_reduce_compressed_async_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "Codec",
@@ -180,20 +186,19 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
     sends = [codec.encode(flat[a:b], key=(key, "shard", j), prefix=prefix) for j, (a, b) in enumerate(bounds)]
     received = _split_all(transport.all_to_all_bytes(sends), me, f"payload for shard {me}")
     a, b = bounds[me]
-    acc = torch.zeros(b - a, dtype=torch.float32, device=flat.device)
-    for src, (wi, body) in enumerate(received):
-        _decode_into(codec, body, acc, wi, me, src, f"payload for shard {me}")
+    acc = torch.empty(b - a, dtype=torch.float32, device=flat.device)
     total = sum(wi for wi, _ in received)
-    if total > 0:
-        acc.div_(total)
-    else:
+    # the mean as sum_i (w_i / total) x_i: the first payload written, the others added, each in one pass
+    for src, (wi, body) in enumerate(received):
+        _decode_into(codec, body, acc, wi / total if total > 0 else 0.0, src == 0, me, src, f"payload for shard {me}")
+    if total <= 0:  # every payload is still checked; the mean of nothing is zero
         acc.zero_()
     del sends, received  # their buffers are free for the next encode
     means = _split_all(transport.all_gather_bytes(codec.encode(acc, key=(key, "mean"), prefix=pack_weight(total))), me,
                        "mean of shard {src}")
     for src, (_, body) in enumerate(means):
         a, b = bounds[src]
-        _decode_into(codec, body, flat[a:b], None, me, src, "mean of shard {src}")
+        _decode_into(codec, body, flat[a:b], 1.0, True, me, src, "mean of shard {src}")
     return max(wi for wi, _ in means)
 
 
@@ -203,11 +208,12 @@ def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", we
     me = transport.rank
     received = _split_all(transport.all_gather_bytes(codec.encode(flat, key=key, prefix=pack_weight(weight))), me,
                           "payload")
-    flat.zero_()
     total = sum(wi for wi, _ in received)
     if total > 0:
         for src, (wi, body) in enumerate(received):
-            _decode_into(codec, body, flat, wi / total, me, src, "payload")
+            _decode_into(codec, body, flat, wi / total, src == 0, me, src, "payload")
+    else:
+        flat.zero_()
     return total
 
 

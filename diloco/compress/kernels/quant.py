@@ -45,41 +45,42 @@ def check_block(block: int, fmt: str) -> None:
 # torch reference (also the CPU path): row blocks of about _PIECE values at a time, so every
 # temporary stays in cache and the codes and scales go straight into the caller's buffers
 # ---------------------------------------------------------------------------------------------
-_PIECE = 1 << 16
-_LUTS: dict[tuple[str, torch.device], torch.Tensor] = {}
+_PIECE = 1 << 19  # 2 MiB of fp32: per-op overheads fall below a tenth of the work, in L2/L3
 
 
-def _byte_lut(fmt: str, device: torch.device) -> torch.Tensor:
-    """(256, values per byte) fp32: the unscaled values each byte holds (fp4: +-2**(e-7), or zero)."""
-    key = (fmt, device)
-    lut = _LUTS.get(key)
-    if lut is None:
-        _, bits, per = FORMATS[fmt]
-        shifts = torch.arange(0, bits * per, bits, dtype=torch.int32)
-        c = (torch.arange(256, dtype=torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)
-        if fmt == "int8":
-            v = c.to(torch.int8).float()
-        elif fmt == "int4":
-            v = (c - 8).float()
-        elif fmt == "fp4":
-            e = c & 7
-            mag = torch.where(e > 0, ((e + 120) << 23).view(torch.float32), torch.zeros(()))
-            v = torch.where(c >= 8, -mag, mag)
-        else:
-            v = c.float() - 1.5
-        lut = _LUTS[key] = v.contiguous().to(device)
-    return lut
+class _Work:
+    """Temporaries of one quantize / dequantize call, made once and reused by each of its pieces: a few MiB
+    allocated and freed per piece can go back to the OS each time (glibc returns large blocks), and faulting
+    their pages in again cost several times the arithmetic."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self.bufs.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self.bufs[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel]
 
 
-def _quantize_rows(xb: torch.Tensor, fmt: str, packed: torch.Tensor, scales: torch.Tensor) -> None:
-    """Whole blocks ``xb`` (rows of one block each) -> their codes in ``packed`` and scales in ``scales``."""
+def _quantize_rows(xb: torch.Tensor, fmt: str, packed: torch.Tensor, scales: torch.Tensor,
+                   work: _Work | None = None) -> None:
+    """Whole blocks ``xb`` (rows of one block each) -> their codes in ``packed`` and scales in ``scales``.
+
+    ``work``: the call's temporaries (see :class:`_Work`), shared by its pieces.
+    """
     _, bits, per = FORMATS[fmt]
-    amax = xb.abs().amax(dim=1)
+    # max |x| of each row as max(max x, -min x): two reads and no |x| temporary (the same value, bit for bit;
+    # the + 0.0 turns the -0.0 of a row of zeros into the +0.0 that |x| gives; NaN propagates)
+    amax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_()).add_(0.0)
+    work = work or _Work(xb.device)
+    t = work.get("f32", xb.numel(), torch.float32).view_as(xb)
     if fmt in _QMAX:
         qmax = _QMAX[fmt]
         scale = torch.div(amax, qmax, out=scales)
         safe = torch.where(scale > 0, scale, 1.0)[:, None]
-        t = torch.div(xb, safe)
+        torch.div(xb, safe, out=t)
         t.add_(0.5).floor_().clamp_(-qmax, qmax)
         if fmt == "int8":
             packed.view(torch.int8).view_as(t).copy_(t)
@@ -88,9 +89,9 @@ def _quantize_rows(xb: torch.Tensor, fmt: str, packed: torch.Tensor, scales: tor
         codes = torch.add(t[:, 0], t[:, 1], alpha=16.0).add_(136.0)  # (lo + 8) | (hi + 8) << 4
     elif fmt == "fp4":
         scale = scales.copy_(amax)
-        a = xb.abs()
-        e = torch.zeros(xb.shape, dtype=torch.uint8, device=xb.device)
-        hit = torch.empty(xb.shape, dtype=torch.bool, device=xb.device)
+        a = torch.abs(xb, out=t)
+        e = work.get("u8", xb.numel(), torch.uint8).view_as(xb).zero_()
+        hit = work.get("b", xb.numel(), torch.bool).view_as(xb)
         for th in _FP4_T:
             e.add_(torch.ge(a, scale[:, None] * th, out=hit))
         e.add_((xb < 0).logical_and_(e > 0), alpha=8)
@@ -99,7 +100,7 @@ def _quantize_rows(xb: torch.Tensor, fmt: str, packed: torch.Tensor, scales: tor
     else:  # 2bit
         scale = torch.div(amax, 1.5, out=scales)
         safe = torch.where(scale > 0, scale, 1.0)[:, None]
-        t = torch.div(xb, safe).floor_().add_(2.0).clamp_(0.0, 3.0).view(-1, 4)
+        t = torch.div(xb, safe, out=t).floor_().add_(2.0).clamp_(0.0, 3.0).view(-1, 4)
         codes = torch.add(t[:, 0], t[:, 1], alpha=4.0)
         codes.add_(t[:, 2], alpha=16.0).add_(t[:, 3], alpha=64.0)
     packed.copy_(codes)
@@ -126,9 +127,11 @@ def quantize_ref(x: torch.Tensor, block: int, fmt: str, packed: torch.Tensor | N
     full = n // block
     rows = max(1, _PIECE // block)
     step = block // per  # code bytes of one block
+    work = _Work(x.device)  # temporaries made once, reused by every piece
     for r in range(0, full, rows):
         e = min(r + rows, full)
-        _quantize_rows(x[r * block:e * block].view(e - r, block), fmt, packed[r * step:e * step], scales[r:e])
+        _quantize_rows(x[r * block:e * block].view(e - r, block), fmt, packed[r * step:e * step], scales[r:e],
+                       work)
     if full < nb:  # the last block, padded with zeros
         tail = x.new_zeros(1, block)
         tail[0, :n - full * block] = x[full * block:]
@@ -138,26 +141,64 @@ def quantize_ref(x: torch.Tensor, block: int, fmt: str, packed: torch.Tensor | N
     return packed, scales
 
 
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _table(fmt: str, device: torch.device) -> torch.Tensor:
+    """fp4: the 16 values of a nibble, (16,); 2bit: the 4 values of each byte, (256, 4); unscaled, exact."""
+    key = (fmt, device)
+    table = _TABLES.get(key)
+    if table is None:
+        if fmt == "fp4":  # sign s (bit 3), exponent e (bits 0-2): (-1)^s 2^(e - 7), or a zero of sign s at e = 0
+            e = torch.arange(16) & 7
+            mag = torch.where(e > 0, torch.exp2((e - 7).double()), torch.zeros(()))
+            table = torch.where(torch.arange(16) >= 8, -mag, mag).float()
+        else:  # 2bit: level q - 1.5 for q = bits [2i, 2i + 2) of the byte
+            q = (torch.arange(256)[:, None] >> torch.arange(0, 8, 2)) & 3
+            table = q.float() - 1.5
+        table = _TABLES[key] = table.contiguous().to(device)
+    return table
+
+
+def _unscaled(codes: torch.Tensor, fmt: str, work: _Work) -> torch.Tensor:
+    """The values the bytes ``codes`` of an int4, fp4 or 2bit payload hold, before their scale, in value order,
+    as a tensor whose product with an fp32 scale rounds once, as the kernel's does (int8 for int4; fp32 for
+    fp4's signed powers of two and zeros and 2bit's levels). Bit operations and ``index_select`` with int32
+    indices into small tables: a gather with int64 indices (``table[codes.long()]``) ran 4-7x slower."""
+    m = codes.numel()
+    if fmt == "2bit":
+        idx = work.get("i32", m, torch.int32).copy_(codes)
+        return torch.index_select(_table(fmt, codes.device), 0, idx, out=work.get("f32", 4 * m, torch.float32).view(m, 4))
+    nib = work.get("u8", 2 * m, torch.uint8).view(m, 2)  # value 0 in the low bits
+    torch.bitwise_and(codes, 15, out=nib[:, 0])
+    torch.bitwise_right_shift(codes, 4, out=nib[:, 1])
+    nib = nib.view(-1)
+    if fmt == "int4":
+        return nib.view(torch.int8).sub_(8)
+    idx = work.get("i32", 2 * m, torch.int32).copy_(nib)
+    return torch.index_select(_table(fmt, codes.device), 0, idx, out=work.get("f32", 2 * m, torch.float32))
+
+
 def _dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, fmt: str, count: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, work: _Work | None = None) -> torch.Tensor:
     """The first ``count`` fp32 values of whole blocks (``codes``: their bytes, ``scale``: one per block);
-    written into ``out`` (of ``count`` values) when given and ``count`` fills the blocks."""
+    written into ``out`` (of ``count`` values) when given and ``count`` fills the blocks, else into a
+    temporary of ``work``."""
     rows = scale.numel()
-    whole = out is not None and count == codes.numel() * FORMATS[fmt][2]
+    total = codes.numel() * FORMATS[fmt][2]
+    work = work or _Work(codes.device)
     if fmt == "int8":
-        c = codes.view(torch.int8).view(rows, -1)
-        if whole:
-            return torch.mul(c, scale[:, None], out=out.view(rows, -1)).view(-1)
-        return torch.mul(c, scale[:, None]).view(-1)[:count]
-    values = _byte_lut(fmt, codes.device)[codes.long()].view(rows, -1)
-    if whole:
-        return torch.mul(values, scale[:, None], out=out.view(rows, -1)).view(-1)
-    return values.mul_(scale[:, None]).view(-1)[:count]
+        values = codes.view(torch.int8).view(rows, -1)
+    else:
+        values = _unscaled(codes, fmt, work).view(rows, -1)
+    whole = out is not None and count == total
+    target = out if whole else work.get("out", total, torch.float32)
+    return torch.mul(values, scale[:, None], out=target.view(rows, -1)).view(-1)[:count]
 
 
 def dequantize_ref(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int, fmt: str,
                    out: torch.Tensor | None = None, weight: float = 1.0, accumulate: bool = False) -> torch.Tensor:
-    """Codes -> fp32 values; with ``accumulate``, ``out += weight * values`` instead (``out`` given)."""
+    """Codes -> ``weight *`` fp32 values; with ``accumulate``, ``out += weight * values`` instead (``out`` given)."""
     _, bits, per = FORMATS[fmt]
     if accumulate and out is None:
         raise ValueError("accumulate needs an output tensor")
@@ -170,10 +211,13 @@ def dequantize_ref(packed: torch.Tensor, scales: torch.Tensor, n: int, block: in
     full, nb = n // block, num_blocks(n, block)
     rows = max(1, _PIECE // block)
     step = block // per
+    work = _Work(packed.device)
 
     def put(a: int, b: int, values: torch.Tensor) -> None:
         if accumulate:
             flat[a:b].add_(values, alpha=weight)
+        elif weight != 1.0:
+            torch.mul(values, weight, out=flat[a:b])
         else:
             flat[a:b].copy_(values)
 
@@ -181,14 +225,16 @@ def dequantize_ref(packed: torch.Tensor, scales: torch.Tensor, n: int, block: in
         e = min(r + rows, full)
         a, b = r * block, e * block
         if accumulate or not flat.is_contiguous():
-            put(a, b, _dequantize_rows(packed[r * step:e * step], scales[r:e], fmt, b - a))
-        else:  # written in place
-            _dequantize_rows(packed[r * step:e * step], scales[r:e], fmt, b - a, out=flat[a:b])
+            put(a, b, _dequantize_rows(packed[r * step:e * step], scales[r:e], fmt, b - a, work=work))
+        else:  # written in place (and weighted there, while in cache)
+            _dequantize_rows(packed[r * step:e * step], scales[r:e], fmt, b - a, out=flat[a:b], work=work)
+            if weight != 1.0:
+                flat[a:b].mul_(weight)
     if full < nb:  # the last block, its codes padded to a whole block
         codes = packed.new_zeros(step)
         rest = packed[full * step:]
         codes[:rest.numel()] = rest
-        put(full * block, n, _dequantize_rows(codes, scales[full:full + 1], fmt, n - full * block))
+        put(full * block, n, _dequantize_rows(codes, scales[full:full + 1], fmt, n - full * block, work=work))
     return out
 
 
@@ -295,6 +341,8 @@ if HAVE_TRITON:
         if ACC:
             o = tl.load(out_ptr + elem, mask=m, other=0.0)
             v = o + weight * v
+        else:
+            v = weight * v
         tl.store(out_ptr + elem, v, mask=m)
 
 
