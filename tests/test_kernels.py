@@ -202,6 +202,23 @@ def test_topk_ties_go_to_the_lowest_index():
     assert values.tolist() == [-2.0, 2.0, 2.0, 0.0]
 
 
+@pytest.mark.parametrize("n, chunk, k", [(640, 64, 9), (650, 64, 9), (70, 64, 20), (40, 64, 64)])
+def test_topk_selection_with_many_ties_matches_a_plain_ranking(n, chunk, k):
+    """Few distinct magnitudes (more tied at the k-th than a chunk keeps), zeros, and a short last chunk: each
+    chunk keeps its first min(k, L) entries ranked by (-|x|, index)."""
+    g = torch.Generator().manual_seed(n + k)
+    for x in (torch.randint(-2, 3, (n,), generator=g).float(), torch.zeros(n), torch.randn(n, generator=g)):
+        idx, values = tk.topk_chunks_ref(x, chunk, k)
+        want = []
+        for a in range(0, n, chunk):
+            part = x[a:a + chunk].tolist()
+            ranked = sorted(range(len(part)), key=lambda i: (-abs(part[i]), i))[:min(k, len(part))]
+            want += sorted(ranked)
+        assert idx.tolist() == want
+        starts = [a for a in range(0, n, chunk) for _ in range(min(k, len(x[a:a + chunk])))]
+        assert torch.equal(values, x[torch.tensor(starts) + idx.long()])
+
+
 @pytest.mark.parametrize("decay", [1.0, 0.9])
 def test_topk_error_feedback_conserves_mass(decay):
     g = torch.Generator().manual_seed(2)

@@ -80,18 +80,17 @@ class Transport(ABC):
     #: faulted in once per run instead of once per exchange (the exchange's peak memory is the same; the buffer
     #: is only not handed back between exchanges); off where many workers share one process (the simulator)
     keep_scratch: bool = False
+    _scratch: Optional[torch.Tensor] = None  # the kept buffer (set on the instance)
+    _scratch_lock = threading.Lock()  # one for every transport: held for a swap only
 
     def __init__(self) -> None:
         self.stats = CommStats()
-        self._scratch: Optional[torch.Tensor] = None
-        self._scratch_lock = threading.Lock()
 
     def take_scratch(self, numel: int, device: torch.device) -> torch.Tensor:
         """An fp32 buffer of at least ``numel`` values on ``device`` (its contents undefined), for one exchange's
         concatenated buckets; hand it back with :meth:`give_scratch`. A concurrent taker gets a new one."""
         with self._scratch_lock:
-            kept = getattr(self, "_scratch", None)
-            self._scratch = None
+            kept, self._scratch = self._scratch, None
         if kept is not None and kept.numel() >= numel and kept.device == torch.device(device):
             return kept
         return torch.empty(numel, dtype=torch.float32, device=device)

@@ -622,7 +622,10 @@ class Codec:
         if not _finite(x):
             raise CorruptPayload("decoded values overflow")
         if fresh:
-            torch.mul(x, weight, out=out) if weight != 1.0 else out.copy_(x)
+            if weight != 1.0:
+                torch.mul(x, weight, out=out)
+            else:
+                out.copy_(x)
             if not abs(weight) <= 1.0 and not _finite(out):  # x is finite: only a weight above 1 can overflow
                 raise CorruptPayload("decoded values overflow")
         else:

@@ -20,7 +20,6 @@ from typing import Optional
 import torch
 
 from diloco.compress.kernels import HAVE_TRITON, require_triton, use_triton
-from diloco.compress.bits import bits_for
 
 
 def check_chunk(chunk: int, k: Optional[int] = None) -> None:
@@ -53,15 +52,24 @@ def topk_chunks_ref(x: torch.Tensor, chunk: int, k: int, residual: Optional[torc
     if n == 0:
         return torch.zeros(0, dtype=torch.int32, device=x.device), acc[:0]
     nchunks = -(-n // chunk)
-    ib = bits_for(chunk)
-    keys = acc.abs().view(torch.int32).to(torch.int64)
+    mag = acc.abs().view(torch.int32)  # the bit patterns of |acc| order as the magnitudes do
     pad = nchunks * chunk - n
     if pad:
-        keys = torch.cat([keys, keys.new_full((pad,), -1)])
-    j = torch.arange(chunk, device=x.device, dtype=torch.int64)
-    keys = (keys.view(nchunks, chunk) << ib) | (chunk - 1 - j)
+        mag = torch.cat([mag, mag.new_full((pad,), -1)])  # below every magnitude: taken last
+    mag = mag.view(nchunks, chunk)
     kk = min(k, chunk)
-    idx = torch.topk(keys, kk, dim=1, sorted=False).indices.sort(dim=1).values
+    # the k-th largest magnitude of each chunk; everything at or above it is kept, unless a chunk has more
+    # entries equal to it than it has room for: then the lowest indices among those win (a cumulative count)
+    kth = torch.topk(mag, kk, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+    keep = mag >= kth
+    where = keep.nonzero()
+    if where.shape[0] != nchunks * kk:
+        above = mag > kth
+        tied = keep.logical_xor_(above)
+        room = kk - above.sum(dim=1, keepdim=True)
+        keep = above.logical_or_(tied.logical_and_(tied.cumsum(dim=1) <= room))
+        where = keep.nonzero()
+    idx = where[:, 1].view(nchunks, kk)  # ascending within each chunk (nonzero is in row-major order)
     flat = (idx + torch.arange(nchunks, device=x.device)[:, None] * chunk).reshape(-1)
     count = selected_count(n, chunk, k)
     idx, flat = idx.reshape(-1)[:count], flat[:count]
