@@ -59,15 +59,17 @@ def topk_chunks_ref(x: torch.Tensor, chunk: int, k: int, residual: Optional[torc
     mag = mag.view(nchunks, chunk)
     kk = min(k, chunk)
     # the k-th largest magnitude of each chunk; everything at or above it is kept, unless a chunk has more
-    # entries equal to it than it has room for: then the lowest indices among those win (a cumulative count)
+    # entries equal to it than it has room for: in those chunks alone the lowest indices among them win
     kth = torch.topk(mag, kk, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
     keep = mag >= kth
     where = keep.nonzero()
     if where.shape[0] != nchunks * kk:
-        above = mag > kth
-        tied = keep.logical_xor_(above)
+        over = (torch.bincount(where[:, 0], minlength=nchunks) > kk).nonzero().flatten()
+        part, limit = mag[over], kth[over]
+        above = part > limit
+        tied = part == limit
         room = kk - above.sum(dim=1, keepdim=True)
-        keep = above.logical_or_(tied.logical_and_(tied.cumsum(dim=1) <= room))
+        keep[over] = above.logical_or_(tied.logical_and_(tied.cumsum(dim=1) <= room))
         where = keep.nonzero()
     idx = where[:, 1].view(nchunks, kk)  # ascending within each chunk (nonzero is in row-major order)
     flat = (idx + torch.arange(nchunks, device=x.device)[:, None] * chunk).reshape(-1)
