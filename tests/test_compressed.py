@@ -183,6 +183,9 @@ def test_the_concatenation_buffer_is_kept_only_where_asked():
     assert bigger.numel() == 200
     t.give_scratch(bigger)
     assert t.take_scratch(150, torch.device("cpu")).data_ptr() == bigger.data_ptr()
+    t.give_scratch(bigger, "mean")  # slots are kept apart
+    assert t.take_scratch(10, torch.device("cpu")).data_ptr() != bigger.data_ptr()
+    assert t.take_scratch(10, torch.device("cpu"), "mean").data_ptr() == bigger.data_ptr()
 
 
 # ---- codecs inside the algorithms -----------------------------------------------------------------

@@ -19,6 +19,7 @@ better, like hivemind's partial deliveries, says so through ``_moved``).
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -43,6 +44,45 @@ class CommStats:
     def as_dict(self) -> dict[str, float]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "collectives": self.collectives, "comm_s": self.seconds, "peak_bytes": self.peak_bytes}
+
+
+class BufferPool:
+    """Large byte buffers, written again once nobody holds them: pages of a buffer this large come fresh from
+    the OS each time otherwise, and faulting them in cost more than the copy into them.
+
+    ``take(n)`` gives ``n`` bytes: a released buffer of exactly that size, or a view of the first ``n`` bytes
+    of a released one up to twice as large, or a new ``bytearray`` (kept in place of a released one when the
+    pool is full). A buffer counts as held while any variable, view or tensor refers to it, which its
+    reference count tells; below ``min_bytes`` every take is a new ``bytearray``.
+    """
+
+    def __init__(self, min_bytes: int = 1 << 20, keep: int = 4) -> None:
+        self.min_bytes, self.keep = min_bytes, keep
+        self._bufs: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def _free(self, i: int) -> bool:
+        return sys.getrefcount(self._bufs[i]) == 2  # the list's reference and getrefcount's argument
+
+    def take(self, n: int) -> bytearray | memoryview:
+        if n < self.min_bytes:
+            return bytearray(n)
+        with self._lock:
+            free = [i for i in range(len(self._bufs)) if self._free(i)]
+            fits = sorted((len(self._bufs[i]), i) for i in free if n <= len(self._bufs[i]) <= 2 * n)
+            if fits:
+                buf = self._bufs[fits[0][1]]
+                return buf if len(buf) == n else memoryview(buf)[:n]
+            buf = bytearray(n)
+            if len(self._bufs) >= self.keep and free:
+                del self._bufs[min(free, key=lambda i: len(self._bufs[i]))]
+            if len(self._bufs) < self.keep:
+                self._bufs.append(buf)
+            return buf
+
+    def clear(self) -> None:
+        with self._lock:
+            self._bufs.clear()
 
 
 class Handle:
@@ -80,25 +120,28 @@ class Transport(ABC):
     #: faulted in once per run instead of once per exchange (the exchange's peak memory is the same; the buffer
     #: is only not handed back between exchanges); off where many workers share one process (the simulator)
     keep_scratch: bool = False
-    _scratch: Optional[torch.Tensor] = None  # the kept buffer (set on the instance)
+    _scratch: Optional[dict] = None  # slot -> the kept buffer (a dict made on the instance)
     _scratch_lock = threading.Lock()  # one for every transport: held for a swap only
 
     def __init__(self) -> None:
         self.stats = CommStats()
 
-    def take_scratch(self, numel: int, device: torch.device) -> torch.Tensor:
-        """An fp32 buffer of at least ``numel`` values on ``device`` (its contents undefined), for one exchange's
-        concatenated buckets; hand it back with :meth:`give_scratch`. A concurrent taker gets a new one."""
+    def take_scratch(self, numel: int, device: torch.device, slot: str = "concat") -> torch.Tensor:
+        """An fp32 buffer of at least ``numel`` values on ``device`` (its contents undefined), for one use in an
+        exchange (``slot``: "concat", the concatenated buckets; "mean", a shard's mean); hand it back with
+        :meth:`give_scratch`. A concurrent taker of the same slot gets a new one."""
         with self._scratch_lock:
-            kept, self._scratch = self._scratch, None
+            kept = self._scratch.pop(slot, None) if self._scratch else None
         if kept is not None and kept.numel() >= numel and kept.device == torch.device(device):
             return kept
         return torch.empty(numel, dtype=torch.float32, device=device)
 
-    def give_scratch(self, scratch: Optional[torch.Tensor]) -> None:
+    def give_scratch(self, scratch: Optional[torch.Tensor], slot: str = "concat") -> None:
         if scratch is not None and self.keep_scratch and scratch.device.type == "cpu":
             with self._scratch_lock:
-                self._scratch = scratch
+                if self._scratch is None:
+                    self._scratch = {}
+                self._scratch[slot] = scratch
 
     @property
     def is_leader(self) -> bool:

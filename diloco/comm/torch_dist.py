@@ -41,7 +41,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from diloco.comm.base import Handle, Transport, TransportError, shard_bounds
+from diloco.comm.base import BufferPool, Handle, Transport, TransportError, shard_bounds
 
 
 def launched_by_torchrun() -> bool:
@@ -145,6 +145,7 @@ class TorchDistTransport(Transport):
         self._lanes = threading.local()  # .groups in the background thread: its own process groups
         self._background: Optional[_Lane] = None
         self._gather_sizes: set[int] = set()  # tensor sizes all ranks agreed on (all_gather_tensor)
+        self._pool = BufferPool(1 << 20, 6)  # host send / receive buffers of the byte collectives
 
     # ---- lanes: the training thread's process groups, or the background thread's -----------------
     def _g(self, name: str = "group") -> Any:
@@ -223,9 +224,19 @@ class TorchDistTransport(Transport):
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(payload, dtype=torch.uint8)
 
-    def _host_views(self, recv: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[memoryview]:
-        """Views of ``recv`` (moved to host memory once, if it is not there) at ``spans``: nothing is copied out."""
-        data = memoryview(recv.cpu().numpy()) if recv.numel() else memoryview(b"")
+    def _buffer(self, n: int) -> tuple[torch.Tensor, Optional[memoryview]]:
+        """``n`` bytes to send or receive into: on a host device a buffer of the pool (a uint8 tensor over it,
+        and the buffer itself, whose views are handed out), else a new tensor on the device."""
+        if self.device.type != "cpu":
+            return torch.empty(n, dtype=torch.uint8, device=self.device), None
+        buf = memoryview(self._pool.take(n))
+        return (self._bytes_tensor(buf) if n else torch.zeros(0, dtype=torch.uint8)), buf
+
+    def _host_views(self, recv: torch.Tensor, spans: Sequence[tuple[int, int]],
+                    buf: Optional[memoryview] = None) -> list[memoryview]:
+        """Views of ``recv`` (moved to host memory once, if it is not there) at ``spans``: nothing is copied out.
+        ``buf``: the host buffer under ``recv``, viewed directly."""
+        data = buf if buf is not None else memoryview(recv.cpu().numpy()) if recv.numel() else memoryview(b"")
         return [data[a:a + n] for a, n in spans]
 
     def _all_gather_bytes(self, payload: bytes | bytearray | memoryview) -> list[memoryview]:
@@ -237,13 +248,15 @@ class TorchDistTransport(Transport):
         if len(payload) == width and self.device.type == "cpu":
             mine = self._bytes_tensor(payload) if width else torch.zeros(0, dtype=torch.uint8)
         else:  # padded to the longest payload (and moved to the device)
-            mine = torch.zeros(width, dtype=torch.uint8, device=self.device)
+            mine, _ = self._buffer(width)
             if len(payload):
                 mine[:len(payload)] = self._bytes_tensor(payload)
-        recv = torch.empty(self.world_size * width, dtype=torch.uint8, device=self.device)
+            mine[len(payload):] = 0
+        recv, buf = self._buffer(self.world_size * width)
         self._run("all_gather(payload)", dist.all_gather, list(recv.view(self.world_size, width)), mine,
                   group=self._g())
-        return self._host_views(recv, [(i * width, n) for i, n in enumerate(lengths)])
+        del mine
+        return self._host_views(recv, [(i * width, n) for i, n in enumerate(lengths)], buf)
 
     @property
     def device_gather(self) -> bool:  # type: ignore[override]
@@ -266,18 +279,20 @@ class TorchDistTransport(Transport):
         recv_sizes = torch.empty_like(send_sizes)
         self._run("all_to_all(sizes)", dist.all_to_all_single, recv_sizes, send_sizes, group=self._g())
         send_n, recv_n = send_sizes.tolist(), recv_sizes.tolist()
-        send = torch.empty(sum(send_n), dtype=torch.uint8)  # each payload copied once, into its place
+        send, _ = self._buffer(sum(send_n)) if self.device.type == "cpu" else (
+            torch.empty(sum(send_n), dtype=torch.uint8), None)
         pos = 0
-        for p, n in zip(payloads, send_n):
+        for p, n in zip(payloads, send_n):  # each payload copied once, into its place
             if n:
                 send[pos:pos + n] = self._bytes_tensor(p)
             pos += n
         send = send.to(self.device)
-        recv = torch.empty(sum(recv_n), dtype=torch.uint8, device=self.device)
+        recv, buf = self._buffer(sum(recv_n))
         self._run("all_to_all(payload)", dist.all_to_all_single, recv, send,
                   output_split_sizes=recv_n, input_split_sizes=send_n, group=self._g())
+        del send
         starts = [sum(recv_n[:i]) for i in range(len(recv_n))]
-        return self._host_views(recv, list(zip(starts, recv_n)))
+        return self._host_views(recv, list(zip(starts, recv_n)), buf)
 
     def barrier(self) -> None:
         self._run("barrier", dist.barrier, group=self._g())

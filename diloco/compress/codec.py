@@ -39,14 +39,13 @@ bytes on the wire are the compressed bytes.
 from __future__ import annotations
 
 import math
-import sys
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
 import torch
 import zstandard
 
+from diloco.comm.base import BufferPool
 from diloco.compress import wire
 from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
 from diloco.compress.dct import dct_chunks, idct_chunks, padded_length
@@ -250,36 +249,15 @@ def _cannot_overflow(weight: float, magnitude: float) -> bool:
     return abs(weight) * magnitude < 1e30  # NaN compares False
 
 
-class _Buffers:
-    """Encode's output buffers: a released one (nobody holds it any more) of the right size is written again.
-
-    Pages of a buffer this large come fresh from the OS each time otherwise, and faulting them in costs
-    more than the copy into them. A buffer is reused only when nothing refers to it (no variable, view or
-    tensor over it), which the reference count tells.
-    """
+class _Buffers(BufferPool):
+    """Encode's output buffers (:class:`~diloco.comm.base.BufferPool`), sized by ``POOL_MIN`` / ``POOL_KEEP``."""
 
     def __init__(self) -> None:
-        self._bufs: list[bytearray] = []
-        self._lock = threading.Lock()
+        super().__init__(POOL_MIN, POOL_KEEP)
 
-    def take(self, n: int) -> bytearray:
-        if n < POOL_MIN:
-            return bytearray(n)
-        with self._lock:
-            for i in range(len(self._bufs)):
-                if len(self._bufs[i]) == n and sys.getrefcount(self._bufs[i]) == 2:  # the list's reference alone
-                    return self._bufs[i]
-            buf = bytearray(n)
-            free = [i for i in range(len(self._bufs)) if sys.getrefcount(self._bufs[i]) == 2]
-            if len(self._bufs) >= POOL_KEEP and free:
-                del self._bufs[free[0]]
-            if len(self._bufs) < POOL_KEEP:
-                self._bufs.append(buf)
-            return buf
-
-    def clear(self) -> None:
-        with self._lock:
-            self._bufs.clear()
+    def take(self, n: int) -> bytearray | memoryview:
+        self.min_bytes, self.keep = POOL_MIN, POOL_KEEP  # read when used (tests lower them)
+        return super().take(n)
 
 
 @dataclass

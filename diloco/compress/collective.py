@@ -186,7 +186,8 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
     sends = [codec.encode(flat[a:b], key=(key, "shard", j), prefix=prefix) for j, (a, b) in enumerate(bounds)]
     received = _split_all(transport.all_to_all_bytes(sends), me, f"payload for shard {me}")
     a, b = bounds[me]
-    acc = torch.empty(b - a, dtype=torch.float32, device=flat.device)
+    room = transport.take_scratch(b - a, flat.device, "mean")
+    acc = room[:b - a]
     total = sum(wi for wi, _ in received)
     # the mean as sum_i (w_i / total) x_i: the first payload written, the others added, each in one pass
     for src, (wi, body) in enumerate(received):
@@ -194,8 +195,11 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
     if total <= 0:  # every payload is still checked; the mean of nothing is zero
         acc.zero_()
     del sends, received  # their buffers are free for the next encode
-    means = _split_all(transport.all_gather_bytes(codec.encode(acc, key=(key, "mean"), prefix=pack_weight(total))), me,
-                       "mean of shard {src}")
+    mine = codec.encode(acc, key=(key, "mean"), prefix=pack_weight(total))
+    del acc
+    transport.give_scratch(room, "mean")
+    means = _split_all(transport.all_gather_bytes(mine), me, "mean of shard {src}")
+    del mine
     for src, (_, body) in enumerate(means):
         a, b = bounds[src]
         _decode_into(codec, body, flat[a:b], 1.0, True, me, src, "mean of shard {src}")
