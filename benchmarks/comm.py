@@ -163,7 +163,7 @@ def worker(cfg: dict) -> None:
         return sq ** 0.5 / exact_norm
 
     work = torch.empty_like(x)
-    acc = torch.empty_like(x) if lead else None  # sum of the rounds' results (error feedback pays off over rounds)
+    acc = torch.empty_like(x) if lead and not cfg["interleave"] else None  # sum of the rounds' results (error feedback pays off over rounds)
     pieces = list(work.split(cfg["sizes"]))
     say(f"{world} workers ready, {n:,} elements in {len(pieces)} pieces; peak RSS of rank 0 "
         f"{(peak_rss() or 0) / 2**30:.2f} GiB")
@@ -185,34 +185,47 @@ def worker(cfg: dict) -> None:
             sent.append(round(sum(s for _, s in everyone) / world))
         return times, sent, extra
 
-    rows = []
-    for chain in cfg["chains"]:
-        codec = None if chain == "fp32" else make_codec(chain)
+    def one_round(codec) -> None:
+        work.copy_(x)
+        if codec is None:
+            tr.all_reduce_(pieces, op="mean")
+        else:
+            all_reduce_compressed_(tr, pieces, codec, 1.0, key=KEY)
 
-        def one_round() -> None:
-            work.copy_(x)
-            if codec is None:
-                tr.all_reduce_(pieces, op="mean")
-            else:
-                all_reduce_compressed_(tr, pieces, codec, 1.0, key=KEY)
+    def check(r: int) -> float:
+        if r == 0:
+            acc.copy_(work)
+        else:
+            acc.add_(work)
+        return rel_err(work)
 
-        def check(r: int) -> float:
-            if r == 0:
-                acc.copy_(work)
-            else:
-                acc.add_(work)
-            return rel_err(work)
-
-        rounds = 1 + cfg["repeats"]
-        times, sent, errs = timed_rounds(one_round, rounds, check)
+    def row_of(chain: str, times: list[float], sent: list[int], errs: list[float], err_avg) -> dict:
         row = {"chain": chain, "warmup_s": times[0], "round_s": statistics.median(times[1:]), "times": times[1:],
-               "bytes_sent": int(statistics.median(sent[1:])), "bytes_all": sent, "errs": errs,
-               "err_avg": rel_err(acc.div_(rounds)) if lead else None}
-        rows.append(row)
+               "bytes_sent": int(statistics.median(sent[1:])), "bytes_all": sent, "errs": errs, "err_avg": err_avg}
         if lead:
+            mean = "n/a" if err_avg is None else f"{err_avg:.2e}"
             say(f"{chain:24s} {fmt_s(row['round_s']):>9s} s/round  {fmt_b(row['bytes_sent']):>10s} sent/worker  "
-                f"err {errs[0]:.2e} -> {errs[-1]:.2e}, of the mean of {rounds} rounds {row['err_avg']:.2e}")
-        codec = None  # drop its error-feedback state before the next chain
+                f"err {errs[0]:.2e} -> {errs[-1]:.2e}, of the mean of the rounds {mean}")
+        return row
+
+    rows = []
+    rounds = 1 + cfg["repeats"]
+    if cfg["interleave"]:  # round r of every chain, then round r + 1: side by side, in the same machine state
+        codecs = {c: None if c == "fp32" else make_codec(c) for c in cfg["chains"]}
+        got: dict[str, tuple[list, list, list]] = {c: ([], [], []) for c in cfg["chains"]}
+        for _ in range(rounds):
+            for chain, codec in codecs.items():
+                one = timed_rounds(lambda: one_round(codec), 1, lambda _: rel_err(work))
+                for into, value in zip(got[chain], one):
+                    into += value
+        rows = [row_of(c, *got[c], None) for c in cfg["chains"]]
+        del codecs
+    else:
+        for chain in cfg["chains"]:
+            codec = None if chain == "fp32" else make_codec(chain)
+            times, sent, errs = timed_rounds(lambda: one_round(codec), rounds, check)
+            rows.append(row_of(chain, times, sent, errs, rel_err(acc.div_(rounds)) if lead else None))
+            codec = None  # drop its error-feedback state before the next chain
 
     demo = []
     for k, size in cfg["demo_bytes"].items():
@@ -238,7 +251,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cfg: dict, procs: int, timeout: float, tmp: Path) -> dict:
+def launch(cfg: dict, procs: int, timeout: float, tmp: Path, link: float = 0.0) -> dict:
+    """Run the workers (on 127.0.0.1, or each in a lab host behind a link of ``link`` bit/s) and return rank 0's
+    results."""
+    if not link:
+        return _launch(cfg, procs, timeout, tmp, None)
+    sys.path.insert(0, str(ROOT / "tests"))
+    import netlab
+
+    with netlab.Lab() as lab:
+        for rank in range(procs):
+            lab.public(f"w{rank}")
+            lab.shape(f"w{rank}", link)
+        return _launch(cfg, procs, timeout, tmp, lab)
+
+
+def _launch(cfg: dict, procs: int, timeout: float, tmp: Path, lab) -> dict:
     from diloco.comm.base import die_with_parent
 
     port = free_port()
@@ -246,15 +274,21 @@ def launch(cfg: dict, procs: int, timeout: float, tmp: Path) -> dict:
     cfg_path.write_text(json.dumps(cfg))
     children: list[tuple[subprocess.Popen, Path | None]] = []
     start = time.monotonic()
+    master = "127.0.0.1" if lab is None else lab.hosts["w0"]
     try:
         for rank in range(procs):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+            env = dict(os.environ, MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank),
                        WORLD_SIZE=str(procs), LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(cfg["threads"]))
+            if lab is not None:
+                env["GLOO_SOCKET_IFNAME"] = "eth0"  # the host's link to the switch
             log = None if rank == 0 else tmp / f"rank{rank}.log"
             out = None if log is None else open(log, "w")
             cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", str(cfg_path)]
-            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                 preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+            if lab is not None:
+                p = lab.run(f"w{rank}", cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+            else:
+                p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                     preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
             if out is not None:
                 out.close()
             children.append((p, log))
@@ -291,45 +325,59 @@ def render(res: dict, args, started: str, wall: float, load: tuple[float, float]
     from diloco.comm.base import Transport
 
     W, T, n = args.procs, args.tokens_per_step, res["numel"]
+    where = f"over {args.link / 1e9:g} Gbit/s links between network namespaces" if args.link else "on 127.0.0.1"
     rows, demo = res["rows"], res["demo"]
     peaks = [p for p in res["peak_rss"] if p]
     lines = [
-        f"# Communication per round: {W} gloo processes on 127.0.0.1, {n / 1e6:.1f}M-parameter vector", "",
+        f"# Communication per round: {W} gloo processes {where}, {n / 1e6:.1f}M-parameter vector", "",
         f"- date: {started}",
         f"- CPU: {cpu_model()} ({os.cpu_count()} logical CPUs, shared with other jobs); "
         f"{res['threads']} torch thread(s) per worker",
         f"- torch {torch.__version__}, Python {platform.python_version()}, {platform.system()} {platform.release()}",
-        f"- workers: {W} processes, `TorchDistTransport` (gloo) on 127.0.0.1; {wall:.0f} s wall for the whole run; "
+        f"- workers: {W} processes, `TorchDistTransport` (gloo) {where}; {wall:.0f} s wall for the whole run; "
         f"peak RSS per worker {fmt_b(max(peaks)) if peaks else 'n/a'}"
         + ("" if args.numel else " (the pages of the mmap'd cache count in each)"),
         f"- vector: {source}, sent as {res['pieces']} pieces (bucketed by the transport, "
         f"{Transport.bucket_bytes >> 20} MiB buckets); worker r's input is it times (1 + {args.spread:g} z_r), "
         "z_r Gaussian",
-        f"- one warm-up round, then median of {args.repeats} timed rounds; a round is the slowest worker's time",
+        f"- one warm-up round, then median of {args.repeats} timed rounds; a round is the slowest worker's time"
+        + ("; the chains' rounds interleaved (round r of every chain, then round r + 1), and time / fp32 is the "
+           "median of the per-round ratios" if args.interleave else ""),
         f"- load average (1 min) before / after: {load[0]:.2f} / {load[1]:.2f}",
         f"- command: `python benchmarks/comm.py {' '.join(sys.argv[1:])}`",
         "",
-        "Loopback gloo among processes on shared CPU cores: the times measure CPU-bound encode / decode and "
-        "memory copies (and the processes contending for the cores), not a network. Bytes are what a worker "
-        "would put on a network, counted by the transport (dense all-reduce: the ring's 2 (W-1)/W x the "
-        "buffer; byte collectives: the exact payloads).",
+        ("Each worker in a network namespace of its own, its link to a switch limited to "
+         f"{args.link / 1e9:g} Gbit/s each way (token buckets, `tests/netlab.py`); the processes still share "
+         "the CPU cores, so CPU work counts too. " if args.link else
+         "Loopback gloo among processes on shared CPU cores: the times measure CPU-bound encode / decode and "
+         "memory copies (and the processes contending for the cores), not a network. ")
+        + "Bytes are what a worker would put on a network, counted by the transport (dense all-reduce: the "
+        "ring's 2 (W-1)/W x the buffer; byte collectives: the exact payloads).",
         "",
         "## DiLoCo outer round, by codec chain", "",
-        "| chain | s / round (median) | warm-up round s | bytes sent / worker / round | vs fp32 | "
+        "| chain | s / round (median) | time / fp32 | warm-up round s | bytes sent / worker / round | vs fp32 | "
         f"rel. error, first round | rel. error, last round | rel. error of the mean of the {1 + args.repeats} rounds |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     fp32 = next((r for r in rows if r["chain"] == "fp32"), None)
     for r in rows:
         ratio = f"{fmt_x(fp32['bytes_sent'] / r['bytes_sent'])} less" if fp32 and r is not fp32 else "1x"
-        lines.append(f"| `{r['chain']}` | {fmt_s(r['round_s'])} | {fmt_s(r['warmup_s'])} | {fmt_b(r['bytes_sent'])} "
-                     f"| {ratio} | {r['errs'][0]:.2e} | {r['errs'][-1]:.2e} | {r['err_avg']:.2e} |")
+        if fp32 is None:
+            slower = "n/a"
+        elif args.interleave:
+            slower = f"{statistics.median(a / b for a, b in zip(r['times'], fp32['times'])):.2f}x"
+        else:
+            slower = f"{r['round_s'] / fp32['round_s']:.2f}x"
+        mean = "n/a" if r["err_avg"] is None else f"{r['err_avg']:.2e}"
+        lines.append(f"| `{r['chain']}` | {fmt_s(r['round_s'])} | {slower} | {fmt_s(r['warmup_s'])} "
+                     f"| {fmt_b(r['bytes_sent'])} | {ratio} | {r['errs'][0]:.2e} | {r['errs'][-1]:.2e} | {mean} |")
     lines += ["", "fp32 goes through the dense `all_reduce_` (its error is float summation order); the others through "
               "`all_reduce_compressed_` (encode each shard, all-to-all, decode + mean, re-encode, all-gather, decode). "
               "Top-k chains keep error feedback under one fixed key, and every round restarts from the same inputs: "
               "the first round starts with empty residuals, later rounds also send what earlier ones held back (so a "
               "single round's error does not shrink), and the mean of the rounds' results shows what error feedback "
-              "delivers over time.", ""]
+              "delivers over time." + (" With interleaved chains the mean of the rounds is not kept (n/a)."
+                                       if args.interleave else ""), ""]
 
     lines += ["## Per training step: DDP and DeMo", "",
               "| scheme | payload / step | bytes sent / worker / step | s / step (median) |", "|---|---:|---:|---:|"]
@@ -389,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600, help="seconds before the workers are killed")
     p.add_argument("--collective-timeout", type=float, default=900, help="gloo timeout of one collective")
+    p.add_argument("--interleave", action="store_true",
+                   help="alternate the chains round by round (side by side ratios; no mean-of-rounds error)")
+    p.add_argument("--link", type=float, default=0.0,
+                   help="bit/s: each worker in a network namespace of its own behind a link of this rate each way "
+                        "(needs root and iproute2; tests/netlab.py); 0: loopback")
     p.add_argument("--out", default=None, help="also write the Markdown report here")
     p.add_argument("--_worker", dest="worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -398,7 +451,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.procs < 2 or args.repeats < 1 or args.numel < 0 or args.tokens_per_step < 1 or args.inner_steps < 1:
         p.error("need --procs >= 2, --repeats >= 1, --numel >= 0, --tokens-per-step >= 1, --inner-steps >= 1")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally that kills the workers
+    if args.link:
+        sys.path.insert(0, str(ROOT / "tests"))
+        import netlab
+
+        why = netlab.unavailable()
+        if why:
+            p.error(f"--link needs a network lab, and this machine cannot make one: {why}")
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally that kills the workers
 
     import torch
 
@@ -438,8 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = {"chains": chains, "repeats": args.repeats, "numel": args.numel, "cache": str(ROOT / args.cache),
                "sizes": sizes, "seed": args.seed,
                "spread": args.spread, "threads": args.threads, "collective_timeout": args.collective_timeout,
-               "demo_bytes": dbytes, "result": str(Path(tmp) / "result.json")}
-        res = launch(cfg, args.procs, args.timeout, Path(tmp))
+               "demo_bytes": dbytes, "result": str(Path(tmp) / "result.json"), "interleave": args.interleave}
+        res = launch(cfg, args.procs, args.timeout, Path(tmp), args.link)
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     text = render(res, args, started, time.monotonic() - t0, (load_before, load_after), args.demo_chunk, source)
     print("\n" + text)
