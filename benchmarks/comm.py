@@ -163,7 +163,8 @@ def worker(cfg: dict) -> None:
         return sq ** 0.5 / exact_norm
 
     work = torch.empty_like(x)
-    acc = torch.empty_like(x) if lead and not cfg["interleave"] else None  # sum of the rounds' results (error feedback pays off over rounds)
+    # sum of the rounds' results (error feedback pays off over rounds)
+    acc = torch.empty_like(x) if lead and not cfg["interleave"] else None
     pieces = list(work.split(cfg["sizes"]))
     say(f"{world} workers ready, {n:,} elements in {len(pieces)} pieces; peak RSS of rank 0 "
         f"{(peak_rss() or 0) / 2**30:.2f} GiB")

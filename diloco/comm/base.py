@@ -313,7 +313,8 @@ class Transport(ABC):
                     else:  # a copy all the same: a failed exchange leaves the tensor as it was
                         flat.copy_(bucket[0].reshape(-1))
                 else:
-                    flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
+                    flat = (torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1
+                            else bucket[0].reshape(-1).clone())
                 self._all_reduce_sum_(flat)
                 self.count_all_reduce(flat.numel() * flat.element_size())
                 if op == "mean":

@@ -168,7 +168,8 @@ def _unscaled(codes: torch.Tensor, fmt: str, work: _Work) -> torch.Tensor:
     m = codes.numel()
     if fmt == "2bit":
         idx = work.get("i32", m, torch.int32).copy_(codes)
-        return torch.index_select(_table(fmt, codes.device), 0, idx, out=work.get("f32", 4 * m, torch.float32).view(m, 4))
+        out = work.get("f32", 4 * m, torch.float32).view(m, 4)
+        return torch.index_select(_table(fmt, codes.device), 0, idx, out=out)
     nib = work.get("u8", 2 * m, torch.uint8).view(m, 2)  # value 0 in the low bits
     torch.bitwise_and(codes, 15, out=nib[:, 0])
     torch.bitwise_right_shift(codes, 4, out=nib[:, 1])
