@@ -58,20 +58,12 @@ def topk_chunks_ref(x: torch.Tensor, chunk: int, k: int, residual: Optional[torc
         mag = torch.cat([mag, mag.new_full((pad,), -1)])  # below every magnitude: taken last
     mag = mag.view(nchunks, chunk)
     kk = min(k, chunk)
-    # the k-th largest magnitude of each chunk; everything at or above it is kept, unless a chunk has more
-    # entries equal to it than it has room for: in those chunks alone the lowest indices among them win
+    # the k-th largest magnitude of each chunk, then a rank that puts what is above it first and what equals it
+    # next, lowest index first: the top kk ranks are the kept entries (int32 throughout, no host sync)
     kth = torch.topk(mag, kk, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
-    keep = mag >= kth
-    where = keep.nonzero()
-    if where.shape[0] != nchunks * kk:
-        over = (torch.bincount(where[:, 0], minlength=nchunks) > kk).nonzero().flatten()
-        part, limit = mag[over], kth[over]
-        above = part > limit
-        tied = part == limit
-        room = kk - above.sum(dim=1, keepdim=True)
-        keep[over] = above.logical_or_(tied.logical_and_(tied.cumsum(dim=1) <= room))
-        where = keep.nonzero()
-    idx = where[:, 1].view(nchunks, kk)  # ascending within each chunk (nonzero is in row-major order)
+    later = torch.arange(chunk, 0, -1, dtype=torch.int32, device=x.device)  # chunk - j: lower indices rank higher
+    rank = torch.where(mag > kth, later + chunk, later).mul_(mag >= kth)
+    idx = torch.topk(rank, kk, dim=1, sorted=False).indices.sort(dim=1).values  # ascending within each chunk
     flat = (idx + torch.arange(nchunks, device=x.device)[:, None] * chunk).reshape(-1)
     count = selected_count(n, chunk, k)
     idx, flat = idx.reshape(-1)[:count], flat[:count]
