@@ -90,11 +90,19 @@ def _logged_steps(run_dir) -> list[int]:
     return steps
 
 
+def _signals_as_at_a_terminal() -> None:
+    """In the child: SIGINT and SIGTERM at their defaults, as for a command typed at a terminal. A suite started as
+    a shell's background job (``cmd &``) hands its children SIGINT ignored, and loco leaves an ignored signal
+    ignored (as ``nohup`` asks), so the Ctrl-C would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _stop_with(signum, args, run_dir, after_step):
     """Start ``loco ARGS``, send ``signum`` once a metrics line of ``after_step`` is written; (rc, stderr)."""
     proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *args, "--run-dir", str(run_dir)], cwd=ROOT,
                             env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_signals_as_at_a_terminal)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None and after_step not in _logged_steps(run_dir):
@@ -173,10 +181,8 @@ def test_resumed_max_time_run_gets_a_fresh_budget(tmp_path):
 
 
 SIM = ["simulate", "--config", TINY, *[a for s in FAST + SHORT for a in ("--set", s)], "--workers", "2",
-       "--baseline", "none", "--max-steps", "60", "--set", "algo.name=diloco", "--set", "algo.inner_steps=5",
+       "--baseline", "none", "--max-steps", "30", "--set", "algo.name=diloco", "--set", "algo.inner_steps=5",
        "--set", "log.every=5", "--set", "run.eval_every=10", "--set", "run.checkpoint_every=100"]
-# 60 steps: the signal, sent once step 5 is logged, must land before the last sync even on a loaded machine (at
-# 30 steps a 2-second run once finished before it arrived)
 
 
 def test_simulator_ctrl_c_saves_every_worker_and_resumes_exactly(tmp_path):
@@ -189,7 +195,7 @@ def test_simulator_ctrl_c_saves_every_worker_and_resumes_exactly(tmp_path):
     assert rc == 128 + signal.SIGINT, err[-3000:]
     assert "Traceback" not in err and "loco simulate: stopped by the user (Ctrl-C); saved" in err, err[-3000:]
     _, state = latest_checkpoint(run_dir / "checkpoints", on_skip=None)
-    assert state["step"] in range(10, 60, 5) and len(state["workers"]) == 2, "every worker, at a sync"
+    assert state["step"] in (10, 15, 20, 25) and len(state["workers"]) == 2, "every worker, at a sync"
     res = run_cli(["simulate", "--run-dir", str(run_dir), "--resume"])
     assert res.returncode == 0, res.stderr[-3000:]
     assert _curve(run_dir) == _curve(ref)
