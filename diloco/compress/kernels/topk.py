@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from diloco.compress.kernels import HAVE_TRITON, require_triton, use_triton
+from diloco.compress.bits import bits_for
 
 
 def check_chunk(chunk: int, k: Optional[int] = None) -> None:
@@ -52,18 +53,15 @@ def topk_chunks_ref(x: torch.Tensor, chunk: int, k: int, residual: Optional[torc
     if n == 0:
         return torch.zeros(0, dtype=torch.int32, device=x.device), acc[:0]
     nchunks = -(-n // chunk)
-    mag = acc.abs().view(torch.int32)  # the bit patterns of |acc| order as the magnitudes do
+    ib = bits_for(chunk)
+    keys = acc.abs().view(torch.int32).to(torch.int64)
     pad = nchunks * chunk - n
     if pad:
-        mag = torch.cat([mag, mag.new_full((pad,), -1)])  # below every magnitude: taken last
-    mag = mag.view(nchunks, chunk)
+        keys = torch.cat([keys, keys.new_full((pad,), -1)])
+    j = torch.arange(chunk, device=x.device, dtype=torch.int64)
+    keys = (keys.view(nchunks, chunk) << ib) | (chunk - 1 - j)
     kk = min(k, chunk)
-    # the k-th largest magnitude of each chunk, then a rank that puts what is above it first and what equals it
-    # next, lowest index first: the top kk ranks are the kept entries (int32 throughout, no host sync)
-    kth = torch.topk(mag, kk, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
-    later = torch.arange(chunk, 0, -1, dtype=torch.int32, device=x.device)  # chunk - j: lower indices rank higher
-    rank = torch.where(mag > kth, later + chunk, later).mul_(mag >= kth)
-    idx = torch.topk(rank, kk, dim=1, sorted=False).indices.sort(dim=1).values  # ascending within each chunk
+    idx = torch.topk(keys, kk, dim=1, sorted=False).indices.sort(dim=1).values
     flat = (idx + torch.arange(nchunks, device=x.device)[:, None] * chunk).reshape(-1)
     count = selected_count(n, chunk, k)
     idx, flat = idx.reshape(-1)[:count], flat[:count]
