@@ -252,15 +252,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _netlab():
+    """The network lab of the tests (``tests/netlab.py``): namespaces, a switch, token-bucket links."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import netlab
+
+    return netlab
+
+
 def launch(cfg: dict, procs: int, timeout: float, tmp: Path, link: float = 0.0) -> dict:
     """Run the workers (on 127.0.0.1, or each in a lab host behind a link of ``link`` bit/s) and return rank 0's
     results."""
     if not link:
         return _launch(cfg, procs, timeout, tmp, None)
-    sys.path.insert(0, str(ROOT / "tests"))
-    import netlab
-
-    with netlab.Lab() as lab:
+    with _netlab().Lab() as lab:
         for rank in range(procs):
             lab.public(f"w{rank}")
             lab.shape(f"w{rank}", link)
@@ -453,13 +458,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.procs < 2 or args.repeats < 1 or args.numel < 0 or args.tokens_per_step < 1 or args.inner_steps < 1:
         p.error("need --procs >= 2, --repeats >= 1, --numel >= 0, --tokens-per-step >= 1, --inner-steps >= 1")
     if args.link:
-        sys.path.insert(0, str(ROOT / "tests"))
-        import netlab
-
-        why = netlab.unavailable()
+        why = _netlab().unavailable()
         if why:
             p.error(f"--link needs a network lab, and this machine cannot make one: {why}")
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally that kills the workers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally that kills the workers
 
     import torch
 

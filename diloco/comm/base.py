@@ -143,6 +143,18 @@ class Transport(ABC):
                     self._scratch = {}
                 self._scratch[slot] = scratch
 
+    def concat_bucket(self, bucket: Sequence[torch.Tensor], scratch: Optional[torch.Tensor],
+                      largest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``bucket`` (fp32 tensors on one device) concatenated into ``scratch``: (the flat view, the scratch). A
+        missing scratch, or one too small or elsewhere, is handed back and one of at least ``largest`` values taken
+        in its place; the caller hands the last one back (:meth:`give_scratch`) when its buckets are done."""
+        n = sum(t.numel() for t in bucket)
+        if scratch is None or scratch.numel() < n or scratch.device != bucket[0].device:
+            self.give_scratch(scratch)
+            scratch = self.take_scratch(max(n, largest), bucket[0].device)
+        flat = torch.cat([t.detach().reshape(-1) for t in bucket], out=scratch[:n])
+        return flat, scratch
+
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
@@ -298,20 +310,14 @@ class Transport(ABC):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         if self.world_size == 1 or not tensors:
             return
+        groups = buckets(tensors, self.bucket_bytes)
+        largest = max((sum(t.numel() for t in g) for g in groups if g[0].dtype == torch.float32), default=0)
         scratch = None  # fp32 buckets are concatenated into one buffer (kept between exchanges where that pays)
         with self.exchange_scope():
-            for bucket in buckets(tensors, self.bucket_bytes):
-                n = sum(t.numel() for t in bucket)
+            for bucket in groups:
                 if bucket[0].dtype == torch.float32:
-                    if scratch is None or scratch.numel() < n or scratch.device != bucket[0].device:
-                        self.give_scratch(scratch)
-                        scratch = self.take_scratch(max(n, _largest_bucket(tensors, self.bucket_bytes)),
-                                                    bucket[0].device)
-                    flat = scratch[:n]
-                    if len(bucket) > 1:
-                        torch.cat([t.reshape(-1) for t in bucket], out=flat)
-                    else:  # a copy all the same: a failed exchange leaves the tensor as it was
-                        flat.copy_(bucket[0].reshape(-1))
+                    # a bucket of one tensor is copied too: a failed exchange leaves the tensor as it was
+                    flat, scratch = self.concat_bucket(bucket, scratch, largest)
                 else:
                     flat = (torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1
                             else bucket[0].reshape(-1).clone())
@@ -398,11 +404,6 @@ def shard_bounds(n: int, world: int, align: int = 1) -> list[tuple[int, int]]:
     units = -(-n // align)
     per = -(-units // world) * align
     return [(min(j * per, n), min((j + 1) * per, n)) for j in range(world)]
-
-
-def _largest_bucket(tensors: Sequence[torch.Tensor], limit: int) -> int:
-    """The values in the largest of ``buckets(tensors, limit)``."""
-    return max(sum(t.numel() for t in bucket) for bucket in buckets(tensors, limit))
 
 
 def unflatten_into(bucket: Sequence[torch.Tensor], flat: torch.Tensor) -> None:

@@ -224,10 +224,11 @@ class TorchDistTransport(Transport):
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(payload, dtype=torch.uint8)
 
-    def _buffer(self, n: int) -> tuple[torch.Tensor, Optional[memoryview]]:
-        """``n`` bytes to send or receive into: on a host device a buffer of the pool (a uint8 tensor over it,
-        and the buffer itself, whose views are handed out), else a new tensor on the device."""
-        if self.device.type != "cpu":
+    def _buffer(self, n: int, host: bool = False) -> tuple[torch.Tensor, Optional[memoryview]]:
+        """``n`` bytes to send or receive into: in host memory (on a host device, or ``host``) a buffer of the
+        pool (a uint8 tensor over it, and the buffer itself, whose views are handed out), else a new tensor on
+        the device."""
+        if self.device.type != "cpu" and not host:
             return torch.empty(n, dtype=torch.uint8, device=self.device), None
         buf = memoryview(self._pool.take(n))
         return (self._bytes_tensor(buf) if n else torch.zeros(0, dtype=torch.uint8)), buf
@@ -279,8 +280,7 @@ class TorchDistTransport(Transport):
         recv_sizes = torch.empty_like(send_sizes)
         self._run("all_to_all(sizes)", dist.all_to_all_single, recv_sizes, send_sizes, group=self._g())
         send_n, recv_n = send_sizes.tolist(), recv_sizes.tolist()
-        send, _ = self._buffer(sum(send_n)) if self.device.type == "cpu" else (
-            torch.empty(sum(send_n), dtype=torch.uint8), None)
+        send, _ = self._buffer(sum(send_n), host=True)
         pos = 0
         for p, n in zip(payloads, send_n):  # each payload copied once, into its place
             if n:

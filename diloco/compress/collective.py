@@ -132,21 +132,16 @@ def all_reduce_compressed_(transport: Transport, tensors: Sequence[torch.Tensor]
         totals = []
         scratch = None  # one buffer for every bucket that is concatenated (its pages faulted in once)
         groups = buckets(tensors, transport.bucket_bytes)
-        joined = [not _alone(bucket) for bucket in groups]
-        largest = max((sum(t.numel() for t in g) for g, j in zip(groups, joined) if j), default=0)
+        alone = [_alone(bucket) for bucket in groups]
+        largest = max((sum(t.numel() for t in g) for g, a in zip(groups, alone) if not a), default=0)
         for b, bucket in enumerate(groups):
-            alone = not joined[b]
-            if alone:  # reduced in place: every payload is encoded before the result is written back
+            if alone[b]:  # reduced in place: every payload is encoded before the result is written back
                 flat = bucket[0].detach().reshape(-1)
             else:
-                n = sum(t.numel() for t in bucket)
-                if scratch is None or scratch.numel() < n or scratch.device != bucket[0].device:
-                    transport.give_scratch(scratch)
-                    scratch = transport.take_scratch(largest, bucket[0].device)
-                flat = torch.cat([t.detach().reshape(-1) for t in bucket], out=scratch[:n])
+                flat, scratch = transport.concat_bucket(bucket, scratch, largest)
             totals.append(transport.on_my_share(
                 flat, codec.align, (key, b), lambda share, k: mean_(transport, share, codec, float(weight), k)))
-            if not alone:
+            if not alone[b]:
                 unflatten_into(bucket, flat)
         transport.give_scratch(scratch)
     return max(totals)
