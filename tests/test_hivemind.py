@@ -384,19 +384,61 @@ def test_a_member_relays_a_push_it_can_neither_redirect_nor_carry_for_a_stranger
 
 
 def test_demo_steps_over_the_swarm_keep_peers_equal(swarm):
+    """DeMo over the swarm: peers that meet in every step end on one model. DeMo exchanges no parameters, so a
+    peer that missed a step (matchmaking can leave a late thread of a loaded machine to a round of its own) would
+    rightly differ: such an attempt proves nothing and is run again."""
     from demo_optim import DeMo
 
     def step(i, t):  # the peers run as threads here: each uses its own generator, not the global one
         p = torch.nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(0)))
         opt = DeMo([p], lr=1e-2, transport=t)
+        met = []
         for s in range(2):
             p.grad = torch.randn(64, 64, generator=torch.Generator().manual_seed(100 * i + s))
             opt.step()
-        return p.detach().clone(), opt.last_contributors
+            met.append(opt.last_contributors)
+        return p.detach().clone(), met
 
-    out = run_together(swarm, step)
-    assert out[0][1] == 3
+    for _ in range(3):
+        out = run_together(swarm, step)
+        if all(out[i][1] == [3, 3] for i in out):
+            break
+    assert all(out[i][1] == [3, 3] for i in out), [out[i][1] for i in out]
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][0], out[2][0])
+
+
+async def _forget_peer(pid: str, dht, node) -> None:
+    """In a DHT process: what requests timing out during a partition do to a peer (out of the routing table,
+    banned from searches), while libp2p's connection to it stays up."""
+    from hivemind.p2p import PeerID
+
+    peer = PeerID.from_base58(pid)
+    uid = node.protocol.routing_table.get(peer_id=peer)
+    if uid is not None:
+        del node.protocol.routing_table[uid]
+    for _ in range(3):
+        node.blacklist.register_failure(peer)
+
+
+async def _knows_peer(pid: str, dht, node) -> tuple[bool, bool]:
+    from hivemind.p2p import PeerID
+
+    peer = PeerID.from_base58(pid)
+    return peer in node.protocol.routing_table, peer in node.blacklist
+
+
+def test_mend_puts_back_a_connected_peer_that_the_dht_dropped(swarm):
+    """A partition shorter than libp2p's keepalive leaves the connection up but the DHT nodes' routing tables
+    without each other: mending pings such a peer back into the table and lifts its ban."""
+    import functools
+
+    a, b = swarm[0], swarm[1]
+    a.peers()  # the registry lists b
+    a.dht.run_coroutine(functools.partial(_forget_peer, b.me))
+    assert a.dht.run_coroutine(functools.partial(_knows_peer, b.me)) == (False, True)
+    assert b.me in {i.peer_id.to_base58() for i in a._call(a.p2p.list_peers(), 10)}
+    a._call(a._mend(), 60)
+    assert a.dht.run_coroutine(functools.partial(_knows_peer, b.me)) == (True, False)
 
 
 def test_sparseloco_rounds_over_the_swarm_keep_peers_equal(swarm):

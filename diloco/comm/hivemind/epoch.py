@@ -193,6 +193,7 @@ class EpochMixin:
 
         connected = {i.peer_id.to_base58() for i in await self.p2p.list_peers()}
         self._linked |= connected
+        self._ever |= connected & set(self._seen)  # peers _mend redials should the DHT lose them
         gone = [pid for pid in pids if pid in self._linked and pid not in connected]
 
         async def dial(pid: str) -> bool:
@@ -367,9 +368,16 @@ class EpochMixin:
         final = set(received) & ({self.peer_id} | set(acks))
         for p, blob in acks.items():
             try:
-                final &= {type(self.peer_id)(b) for b in MSGPackSerializer.loads(blob)}
+                held = {type(self.peer_id)(b) for b in MSGPackSerializer.loads(blob)}
             except Exception:
+                held = set()
+            if p in held:
+                final &= held
+            else:  # not a commit (a member holds its own payload): that member is left out
                 final.discard(p)
+        if not final:  # no payload that every member who answered holds: nothing was agreed
+            notes.append(f"the members of epoch {e} hold no payload in common: this round is done alone")
+            final = {self.peer_id}
         for p in others:
             if p in final:
                 self.suspects.pop(p.to_base58(), None)

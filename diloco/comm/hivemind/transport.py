@@ -45,13 +45,16 @@ MEND_S = 10.0  # how often a peer redials the run's peers it lost (a partition t
 SEEN_S = 600.0  # a peer seen in the registry this recently is redialled when it is no longer connected
 
 
-async def _redial(maddrs: list, pids: list, dht, node) -> int:
-    """In the DHT process: dial the bootstrap addresses ``maddrs`` and the peers ``pids`` (base58, at the
-    addresses libp2p knows for them), and ping each one that answers, so that both DHT nodes put the other back in
-    their routing tables (a long partition empties them, and nothing refills them by itself) and this one lifts
-    its ban on it. How many answered."""
+async def _redial(maddrs: list, pids: list, connected: set, dht, node) -> int:
+    """In the DHT process: dial the bootstrap addresses ``maddrs``, and each of the peers ``pids`` (base58, at the
+    addresses libp2p knows for them) that is not ``connected``, missing from this node's routing table or banned
+    from its searches; ping each, so that both DHT nodes put the other back in their routing tables and this one
+    lifts its ban on it. A partition empties the tables (every request that timed out removed its peer), and
+    nothing refills them by itself: not even when libp2p's connection outlived the partition, as one shorter
+    than the connection's keepalive does (such a connection resumes at TCP's next retransmission, and a later
+    mend pings again). How many answered."""
     from hivemind.p2p import PeerID
-    from multiaddr import Multiaddr
+    from hivemind.utils.multiaddr import Multiaddr
 
     targets: dict = {}
     for m in maddrs:
@@ -60,8 +63,11 @@ async def _redial(maddrs: list, pids: list, dht, node) -> int:
             targets[PeerID.from_base58(ma["p2p"])] = [ma.decapsulate(Multiaddr(f"/p2p/{ma['p2p']}"))]
         except Exception:
             continue
+    table, banned = node.protocol.routing_table, node.blacklist
     for pid in pids:
-        targets.setdefault(PeerID.from_base58(pid), [])
+        peer = PeerID.from_base58(pid)
+        if pid not in connected or peer not in table or peer in banned:
+            targets.setdefault(peer, [])
 
     async def one(pid, addrs) -> bool:
         try:
@@ -210,7 +216,7 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self._ended = None  # the last exchange's window: members may still relay through this peer in it
         self._linked: set[str] = set()  # peers libp2p has shown connected to this one (base58)
         self._seen: dict[str, float] = {}  # base58 -> when the registry last listed it (see _mend)
-        self._ever: set[str] = set()  # peers libp2p had connected to this one at some _mend
+        self._ever: set[str] = set()  # peers of the run libp2p has shown connected to this one (_mend, _lost)
         self.initial_peers = [str(m) for m in initial_peers]
         self._relayed: set = set()  # members this epoch's pushes reached only through another member
         self._unreachable: dict[str, float] = {}  # base58 -> when a direct push to it last failed
@@ -303,21 +309,20 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
                 log.info("peer %s: redialling lost peers failed: %s", self.me[-8:], e)
 
     async def _mend(self) -> None:
-        """Redial the peers of this run that libp2p was connected to and no longer is (if seen in the registry
-        within ``SEEN_S``; the bootstrap peers too when none is connected); every ``MEND_S`` (_mend_forever).
-        After a partition heals, this is what joins the two sides again: their DHT nodes dropped each other
-        meanwhile. Peers never connected (both behind NAT, say) are not dialled: they reach each other through
-        members."""
+        """Redial the peers of this run that libp2p was connected to (if seen in the registry within ``SEEN_S``)
+        and that are no longer connected, or no longer in this DHT node's routing table; the bootstrap peers too
+        when none is connected. Every ``MEND_S`` (_mend_forever). After a partition heals, this is what joins the
+        two sides again: their DHT nodes dropped each other meanwhile (see _redial). Peers never connected (both
+        behind NAT, say) are not dialled: they reach each other through members."""
         now = time.monotonic()
         connected = {i.peer_id.to_base58() for i in await self.p2p.list_peers()}
         self._ever |= connected & set(self._seen)
-        lost = sorted((pid for pid, t in self._seen.items()
-                       if pid in self._ever and pid not in connected and now - t < SEEN_S),
-                      key=lambda pid: -self._seen[pid])[:16]
+        recent = sorted((pid for pid, t in self._seen.items() if pid in self._ever and now - t < SEEN_S),
+                        key=lambda pid: -self._seen[pid])[:16]
         boot = self.initial_peers if not (connected & set(self._seen)) else []
-        if not lost and not boot:
+        if not recent and not boot:
             return
-        found = await self.dht.run_coroutine(functools.partial(_redial, boot, lost), return_future=True)
+        found = await self.dht.run_coroutine(functools.partial(_redial, boot, recent, connected), return_future=True)
         if found:
             log.info("peer %s: redialled %d peer(s) of the run it had lost", self.me[-8:], found)
 
