@@ -145,6 +145,36 @@ def save_waiting_for_it(directory: Path, step: int, state: dict[str, Any], keep:
         raise
 
 
+_MEMORY_KEPT = False
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's allocator keep memory that is freed for the next allocation, instead of handing it back to
+    the OS at once. By default a freed block of more than 128 KiB (or of more than the largest freed so far)
+    goes back to the OS, and the next tensor of that size faults in fresh zeroed pages, 4 KiB at a time: every
+    step re-creates temporaries of the same sizes (activations, gradients, DeMo's transforms), and on CPU the
+    page faults cost as much as the arithmetic (DeMo's optimizer step on ``tiny``, one worker: 28 ms, 16 ms
+    with this). Blocks below
+    32 MiB (glibc's upper limit for this setting) then come from the heap, and the heap keeps up to 1 GiB of free
+    memory at its top. Memory held stays at most the process's peak. Once per process; a no-op where the C
+    library is not glibc. Whether it took effect."""
+    global _MEMORY_KEPT
+    if _MEMORY_KEPT:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # another C library (musl): it has no such settings
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    _MEMORY_KEPT = bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
+    return _MEMORY_KEPT
+
+
 def resolve_device(name: str) -> torch.device:
     """The device this process trains on.
 
@@ -299,6 +329,7 @@ class Trainer:
         run = cfg.run
         if run.threads:
             torch.set_num_threads(run.threads)
+        keep_freed_memory()
         self.device = resolve_device(run.device)
         self.transport = transport or make_transport(cfg.transport.backend, cfg.transport.dist_backend,
                                                      cfg.transport.timeout, self.device, cfg.transport.mesh)
