@@ -154,10 +154,9 @@ def keep_freed_memory() -> bool:
     goes back to the OS, and the next tensor of that size faults in fresh zeroed pages, 4 KiB at a time: every
     step re-creates temporaries of the same sizes (activations, gradients, DeMo's transforms), and on CPU the
     page faults cost as much as the arithmetic (DeMo's optimizer step on ``tiny``, one worker: 28 ms, 16 ms
-    with this). Blocks below
-    32 MiB (glibc's upper limit for this setting) then come from the heap, and the heap keeps up to 1 GiB of free
-    memory at its top. Memory held stays at most the process's peak. Once per process; a no-op where the C
-    library is not glibc. Whether it took effect."""
+    with this). Blocks below 32 MiB (glibc's upper limit for this setting) then come from the heap, and the
+    heap keeps up to 1 GiB of free memory at its top. Memory held stays at most the process's peak. Once per
+    process; a no-op where the C library is not glibc. Whether it took effect."""
     global _MEMORY_KEPT
     if _MEMORY_KEPT:
         return True
