@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import FAST, KERNEL_DEVICES, TINY, simulate_and_torchrun
+from conftest import FAST, KERNEL_DEVICES, TINY
 from demo_optim import DeMo
 from demo_optim import kernels as K
 from demo_optim.transform import from_chunks, plan_for, to_chunks
@@ -330,14 +330,6 @@ def test_demo_refuses_a_codec():
 
     with pytest.raises(ConfigError, match="DeMo sends its own"):
         load_config([TINY], ["algo.name=demo", "compress.codec=int8"])
-
-
-def test_simulator_equals_real_gloo_processes(tmp_path):
-    args = ["--config", TINY, "--max-steps", "6", "--seed", "3",
-            *[a for s in [*FAST, *SMALL, "algo.name=demo", "run.checkpoint_every=6"] for a in ("--set", s)]]
-    a, b, sa, sb = simulate_and_torchrun(tmp_path, args, 2)
-    assert max(float((a["model"][k] - b["model"][k]).abs().max()) for k in a["model"]) < 1e-5
-    assert sa["bytes_sent"] == sb["bytes_sent"] > 0
 
 
 # ---- the exchange's cost does not grow with the number of parameter tensors (issue 24) ---------------

@@ -36,10 +36,14 @@ def torchrun(*args: str) -> list[str]:
                                   ["algo.name=streaming", "algo.inner_steps=4", "algo.fragments=2", "algo.overlap_steps=1"]],
                          ids=["diloco", "demo", "streaming-overlapped"])
 def test_four_processes_equal_four_simulated_workers(tmp_path, algo):
+    """``loco simulate --workers 4`` and ``torchrun --nproc-per-node 4 loco train`` end with the same model, every
+    worker's own parameters equal too, and the same bytes sent."""
     args = ["--config", TINY, "--max-steps", "6", "--seed", "7", *sets(*algo, "run.checkpoint_every=6")]
     a, b, sa, sb = simulate_and_torchrun(tmp_path, args, 4)
     assert max_diff(a["model"], b["model"]) < 1e-5
-    assert len(b["workers"]) == 4
+    assert len(a["workers"]) == len(b["workers"]) == 4
+    for wa, wb in zip(a["workers"], b["workers"]):
+        assert max_diff(wa["model"], wb["model"]) < 1e-5
     assert sa["bytes_sent"] == sb["bytes_sent"] > 0
 
 
