@@ -234,6 +234,7 @@ class Peer:
             else:
                 m.info(f"round {t.epoch - 1}: this peer's state differs from the group's, and no member served "
                        f"it; the next round tries again", tr.step)
+                rec["resync_pending"] = True  # its fp_after is not the group's (a download cut off, say)
         rec.update(step=tr.step, round=tr.algo.round, fp_after=hashlib.sha256(self.fingerprint()).hexdigest()[:16],
                    time=time.time())
         with open(self.run_dir / "rounds.jsonl", "a") as f:

@@ -123,5 +123,8 @@ def test_a_partition_and_a_hung_peer_leave_one_model(tmp_path):
         stop(procs, tmp_path)
     p, q, s = (by_epoch(tmp_path, n) for n in "pqs")
     trio = [e for e in p if len(p[e]["members"]) == 3 and e in q and e in s]
-    assert trio and all(p[e]["fp_after"] == q[e]["fp_after"] == s[e]["fp_after"] for e in trio), trio
-    assert any(e > resumed_at for e in trio)
+    # a member that knew its state differed and could not download the group's yet (cut off mid-download, as
+    # a peer that joined just before the partition) records resync_pending, and takes it in a later round
+    settled = [e for e in trio if not any(x[e].get("resync_pending") for x in (p, q, s))]
+    assert settled and all(p[e]["fp_after"] == q[e]["fp_after"] == s[e]["fp_after"] for e in settled), trio
+    assert any(e > resumed_at for e in settled)

@@ -42,7 +42,7 @@ def _dht_class():
 
 _TAGS = itertools.count()
 MEND_S = 10.0  # how often a peer redials the run's peers it lost (a partition that healed, a link that came back)
-SEEN_S = 600.0  # a peer seen in the registry this recently is redialled when it is no longer connected
+SEEN_S = 600.0  # a peer seen in the registry this recently is redialled when it is no longer connected or in the DHT
 
 
 async def _redial(maddrs: list, pids: list, connected: set, dht, node) -> int:
