@@ -188,11 +188,13 @@ def test_a_stranger_streaming_junk_leaves_memory_flat_and_training_unaffected(tm
     averages with an honest one. The peer's memory stays within 50 MB and every round has both honest peers."""
     from diloco.compress.codec import make_codec
 
-    peers = [HivemindTransport("open", matchmaking_time=2, exchange_timeout=20)]
+    # a matchmaking window of 5 s costs nothing when both peers arrive (the group forms as soon as both are
+    # there), and leaves room for a loaded machine: a round alone here must be the stranger's doing
+    peers = [HivemindTransport("open", matchmaking_time=5, exchange_timeout=20)]
     stranger = None
     try:
         addrs = peers[0].visible_maddrs()
-        peers.append(HivemindTransport("open", initial_peers=addrs, matchmaking_time=2, exchange_timeout=20))
+        peers.append(HivemindTransport("open", initial_peers=addrs, matchmaking_time=5, exchange_timeout=20))
         codec = make_codec("int8")
         numel = 1 << 19
 
