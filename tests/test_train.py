@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
-import math
 import time
 
 import pytest
