@@ -62,6 +62,7 @@ DEFAULT_CACHE = "benchmarks/results/.cache/pseudo_grad_150m.pt"
 PIECE = 1 << 20  # piece size of a synthetic --numel vector
 STEP = 1 << 22  # elements per chunk when building inputs or comparing vectors (bounds temporaries)
 KEY = "bench"
+SERIAL = " (one bucket at a time)"  # --serial: the row of a chain exchanged without overlap
 
 
 # ---- shared helpers -------------------------------------------------------------------------------
@@ -87,6 +88,11 @@ def peak_rss() -> int | None:
 
     kib = proc_status_kib("VmHWM")
     return None if kib is None else kib * 1024
+
+
+def label(chain: str) -> str:
+    """A row's chain in Markdown: the chain as code, and the ``--serial`` note after it."""
+    return f"`{chain.removesuffix(SERIAL)}`" + (SERIAL if chain.endswith(SERIAL) else "")
 
 
 def fmt_b(n: float) -> str:
@@ -186,8 +192,9 @@ def worker(cfg: dict) -> None:
             sent.append(round(sum(s for _, s in everyone) / world))
         return times, sent, extra
 
-    def one_round(codec) -> None:
+    def one_round(codec, chain: str = "") -> None:
         work.copy_(x)
+        tr.overlaps_exchange = not chain.endswith(SERIAL)
         if codec is None:
             tr.all_reduce_(pieces, op="mean")
         else:
@@ -212,19 +219,19 @@ def worker(cfg: dict) -> None:
     rows = []
     rounds = 1 + cfg["repeats"]
     if cfg["interleave"]:  # round r of every chain, then round r + 1: side by side, in the same machine state
-        codecs = {c: None if c == "fp32" else make_codec(c) for c in cfg["chains"]}
+        codecs = {c: None if c == "fp32" else make_codec(c.removesuffix(SERIAL)) for c in cfg["chains"]}
         got: dict[str, tuple[list, list, list]] = {c: ([], [], []) for c in cfg["chains"]}
         for _ in range(rounds):
             for chain, codec in codecs.items():
-                one = timed_rounds(lambda: one_round(codec), 1, lambda _: rel_err(work))
+                one = timed_rounds(lambda: one_round(codec, chain), 1, lambda _: rel_err(work))
                 for into, value in zip(got[chain], one):
                     into += value
         rows = [row_of(c, *got[c], None) for c in cfg["chains"]]
         del codecs
     else:
         for chain in cfg["chains"]:
-            codec = None if chain == "fp32" else make_codec(chain)
-            times, sent, errs = timed_rounds(lambda: one_round(codec), rounds, check)
+            codec = None if chain == "fp32" else make_codec(chain.removesuffix(SERIAL))
+            times, sent, errs = timed_rounds(lambda: one_round(codec, chain), rounds, check)
             rows.append(row_of(chain, times, sent, errs, rel_err(acc.div_(rounds)) if lead else None))
             codec = None  # drop its error-feedback state before the next chain
 
@@ -375,7 +382,7 @@ def render(res: dict, args, started: str, wall: float, load: tuple[float, float]
         else:
             slower = f"{r['round_s'] / fp32['round_s']:.2f}x"
         mean = "n/a" if r["err_avg"] is None else f"{r['err_avg']:.2e}"
-        lines.append(f"| `{r['chain']}` | {fmt_s(r['round_s'])} | {slower} | {fmt_s(r['warmup_s'])} "
+        lines.append(f"| {label(r['chain'])} | {fmt_s(r['round_s'])} | {slower} | {fmt_s(r['warmup_s'])} "
                      f"| {fmt_b(r['bytes_sent'])} | {ratio} | {r['errs'][0]:.2e} | {r['errs'][-1]:.2e} | {mean} |")
     lines += ["", "fp32 goes through the dense `all_reduce_` (its error is float summation order); the others through "
               "`all_reduce_compressed_` (encode each shard, all-to-all, decode + mean, re-encode, all-gather, decode). "
@@ -420,7 +427,7 @@ def render(res: dict, args, started: str, wall: float, load: tuple[float, float]
         lines.append(row(f"DeMo k={d['topk']}", 1, d["bytes_sent"], d["step_s"]))
     for h in hs:
         for r in rows:
-            lines.append(row(f"DiLoCo H={h}, `{r['chain']}`", h, r["bytes_sent"], r["round_s"]))
+            lines.append(row(f"DiLoCo H={h}, {label(r['chain'])}", h, r["bytes_sent"], r["round_s"]))
     if n != sum(p.numel() for p in model_150m().parameters()):
         lines += ["", f"Note: the DDP and DiLoCo rows use the {n:,}-element vector of this run, DeMo's the `150m` "
                   "model's shapes; compare them only in a run on the 150M vector."]
@@ -445,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collective-timeout", type=float, default=900, help="gloo timeout of one collective")
     p.add_argument("--interleave", action="store_true",
                    help="alternate the chains round by round (side by side ratios; no mean-of-rounds error)")
+    p.add_argument("--serial", action="store_true",
+                   help="also time each compressed chain with its buckets exchanged one after the other (rows "
+                        f"ending '{SERIAL}'), against the default, which overlaps one bucket's transfer with "
+                        "another's encode and decode")
     p.add_argument("--link", type=float, default=0.0,
                    help="bit/s: each worker in a network namespace of its own behind a link of this rate each way "
                         "(needs root and iproute2; tests/netlab.py); 0: loopback")
@@ -470,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     chains = [c.strip().replace(";", ",") for c in args.chains.split(",") if c.strip()]
     for c in chains:
         make_codec(c)  # a bad chain fails here, before any process starts
+    if args.serial:  # each compressed chain again, its buckets exchanged one after the other
+        chains = [x for c in chains for x in ([c] if c == "fp32" else [c, c + SERIAL])]
     topks = [int(k) for k in args.demo_topk.split(",") if k.strip()]
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     t0 = time.monotonic()

@@ -26,10 +26,11 @@ def inputs(world: int) -> list[list[torch.Tensor]]:
     return [[torch.randn(n, generator=g) * (r + 1) for n in SIZES] for r in range(world)]
 
 
-def reduce_in_process(chain: str, weights: list[float], rounds: int = 1):
+def reduce_in_process(chain: str, weights: list[float], rounds: int = 1, bucket_bytes: int = 32 << 20):
     xs = inputs(len(weights))
 
     def body(rank, transport):
+        transport.bucket_bytes = bucket_bytes
         codec = make_codec(chain)
         for _ in range(rounds):
             ts = [t.clone() for t in xs[rank]]
@@ -135,6 +136,8 @@ WORKER = textwrap.dedent("""
     from diloco.comm.torch_dist import TorchDistTransport
     from diloco.compress import make_codec
     t = TorchDistTransport("gloo", timeout=60)
+    t.bucket_bytes = {bucket_bytes}
+    assert t.overlaps_exchange  # the buckets' exchanges overlap: started collectives left in flight
     codec = make_codec({chain!r})
     weights = {weights!r}
     for _ in range(2):
@@ -151,15 +154,17 @@ WORKER = textwrap.dedent("""
 
 @pytest.mark.parametrize("chain", ["int8", "topk:0.1+2bit+zstd"])
 def test_gloo_processes_equal_the_simulator(tmp_path, chain):
-    """Three real processes over gloo get byte-for-byte the simulator's result (two rounds: error feedback too)."""
+    """Three real processes over gloo get byte-for-byte the simulator's result (two rounds: error feedback too).
+    Small buckets (one of two tensors concatenated, two of one tensor each) make the gloo workers overlap the
+    buckets' exchanges, which the simulator runs one after the other."""
     weights = [1.0, 3.0, 0.5]
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(TINY.rsplit("/configs", 1)[0] + "/tests"), chain=chain,
-                                    weights=weights, out=str(tmp_path)))
+                                    weights=weights, out=str(tmp_path), bucket_bytes=16 << 10))
     proc = run_cli(["--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                     str(script)], module="torch.distributed.run", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _, sim = reduce_in_process(chain, weights, rounds=2)
+    _, sim = reduce_in_process(chain, weights, rounds=2, bucket_bytes=16 << 10)
     for rank, (ts, total, sent) in enumerate(sim):
         real = torch.load(tmp_path / f"rank{rank}.pt")
         assert all(torch.equal(a, b) for a, b in zip(real["ts"], ts))

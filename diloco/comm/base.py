@@ -120,6 +120,9 @@ class Transport(ABC):
     #: faulted in once per run instead of once per exchange (the exchange's peak memory is the same; the buffer
     #: is only not handed back between exchanges); off where many workers share one process (the simulator)
     keep_scratch: bool = False
+    #: True where the byte collectives' ``*_start`` leave the transfer in flight, so that a compressed all-reduce
+    #: works on one bucket while others are on the wire (torch_dist on gloo)
+    overlaps_exchange: bool = False
     _scratch: Optional[dict] = None  # slot -> the kept buffer (a dict made on the instance)
     _scratch_lock = threading.Lock()  # one for every transport: held for a swap only
 
@@ -144,14 +147,15 @@ class Transport(ABC):
                 self._scratch[slot] = scratch
 
     def concat_bucket(self, bucket: Sequence[torch.Tensor], scratch: Optional[torch.Tensor],
-                      largest: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      largest: int, slot: str = "concat") -> tuple[torch.Tensor, torch.Tensor]:
         """``bucket`` (fp32 tensors on one device) concatenated into ``scratch``: (the flat view, the scratch). A
         missing scratch, or one too small or elsewhere, is handed back and one of at least ``largest`` values taken
-        in its place; the caller hands the last one back (:meth:`give_scratch`) when its buckets are done."""
+        in its place (from ``slot``); the caller hands the last one back (:meth:`give_scratch`) when its buckets are
+        done."""
         n = sum(t.numel() for t in bucket)
         if scratch is None or scratch.numel() < n or scratch.device != bucket[0].device:
-            self.give_scratch(scratch)
-            scratch = self.take_scratch(max(n, largest), bucket[0].device)
+            self.give_scratch(scratch, slot)
+            scratch = self.take_scratch(max(n, largest), bucket[0].device, slot)
         flat = torch.cat([t.detach().reshape(-1) for t in bucket], out=scratch[:n])
         return flat, scratch
 
@@ -259,14 +263,13 @@ class Transport(ABC):
         wire = 2 * (w - 1) * nbytes // w if w > 1 else 0
         self._count(wire, wire)
 
-    def _moved(self, kind: str, sent: Sequence[bytes], received: Sequence[bytes]) -> tuple[int, int]:
-        """(bytes put on, bytes taken off the wire) by a byte collective: every payload but this worker's own."""
+    def _moved(self, kind: str, sent: Sequence[int], received: Sequence[int]) -> tuple[int, int]:
+        """(bytes put on, bytes taken off the wire) by a byte collective, from the lengths of the payloads sent and
+        received: every payload but this worker's own."""
         me = self.rank
         if kind == "all_gather":
-            mine = len(sent[0])
-            return mine * (len(received) - 1), sum(len(p) for p in received) - mine
-        return (sum(len(p) for j, p in enumerate(sent) if j != me),
-                sum(len(p) for i, p in enumerate(received) if i != me))
+            return sent[0] * (len(received) - 1), sum(received) - sent[0]
+        return sum(n for j, n in enumerate(sent) if j != me), sum(n for i, n in enumerate(received) if i != me)
 
     @contextlib.contextmanager
     def exchange_scope(self) -> Iterator[None]:
@@ -280,8 +283,13 @@ class Transport(ABC):
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         """Every worker's payload, indexed by rank."""
         out = self._all_gather_bytes(payload)
-        self._count(*self._moved("all_gather", [payload], out))
+        self._count(*self._moved("all_gather", [len(payload)], [len(p) for p in out]))
         return out
+
+    def all_gather_bytes_start(self, payload: bytes) -> Handle:
+        """Start :meth:`all_gather_bytes`; the handle's ``wait()`` returns its result. See
+        :meth:`all_to_all_bytes_start`."""
+        return Handle(self.all_gather_bytes(payload))
 
     def all_gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every worker's 1-D uint8 tensor of ``t``'s size, indexed by rank, on ``t``'s device (counted as the
@@ -290,7 +298,7 @@ class Transport(ABC):
             got = self.all_gather_bytes(t.detach().cpu().numpy().tobytes())
             return [torch.frombuffer(bytearray(p), dtype=torch.uint8).to(t.device) for p in got]
         out = self._all_gather_tensor(t)
-        self._count(*self._moved("all_gather", [t], out))  # len() of a 1-D uint8 tensor: its bytes
+        self._count(*self._moved("all_gather", [t.numel()], [o.numel() for o in out]))  # 1-D uint8: its bytes
         return out
 
     def _all_gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -301,8 +309,15 @@ class Transport(ABC):
         if len(payloads) != self.world_size:
             raise ValueError(f"all_to_all_bytes needs {self.world_size} payloads, got {len(payloads)}")
         out = self._all_to_all_bytes(payloads)
-        self._count(*self._moved("all_to_all", payloads, out))
+        self._count(*self._moved("all_to_all", [len(p) for p in payloads], [len(p) for p in out]))
         return out
+
+    def all_to_all_bytes_start(self, payloads: Sequence[bytes]) -> Handle:
+        """Start :meth:`all_to_all_bytes`; the handle's ``wait()`` returns its result (counted then). Every worker
+        starts and waits for the same collectives in the same order; the payloads may be released once this
+        returns. Here the collective is done before it returns; where :attr:`overlaps_exchange` is set the transfer
+        is left in flight, so the caller can compute meanwhile."""
+        return Handle(self.all_to_all_bytes(payloads))
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
         """Sum or average a list of tensors over the workers, in place, in flat buckets."""

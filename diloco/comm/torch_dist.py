@@ -90,6 +90,19 @@ class _Lane:
             self.thread.join()
 
 
+class _Later(Handle):
+    """A collective left in flight: ``wait()`` finishes it once and returns its result."""
+
+    def __init__(self, finish: Callable[[], Any]) -> None:
+        super().__init__()
+        self._finish: Optional[Callable[[], Any]] = finish
+
+    def wait(self) -> Any:
+        if self._finish is not None:
+            self.result, self._finish = self._finish(), None
+        return self.result
+
+
 class _Future(Handle):
     """An exchange running in the background thread."""
 
@@ -145,7 +158,11 @@ class TorchDistTransport(Transport):
         self._lanes = threading.local()  # .groups in the background thread: its own process groups
         self._background: Optional[_Lane] = None
         self._gather_sizes: set[int] = set()  # tensor sizes all ranks agreed on (all_gather_tensor)
-        self._pool = BufferPool(1 << 20, 6)  # host send / receive buffers of the byte collectives
+        self._pool = BufferPool(1 << 20, 8)  # host send / receive buffers of the byte collectives
+        self._overlap = True
+        # the size exchanges of overlapped collectives run on a group of their own: on the main group they would
+        # queue behind the transfers in flight (gloo runs a group's collectives on two threads)
+        self.sizes_group = dist.new_group() if self.overlaps_exchange and self.group is None else None
 
     # ---- lanes: the training thread's process groups, or the background thread's -----------------
     def _g(self, name: str = "group") -> Any:
@@ -159,7 +176,7 @@ class TorchDistTransport(Transport):
         """A copy of every group this transport uses; every rank runs this at the same exchange."""
         world = dist.new_group()
         return {"group": world if self.group is None else dist.new_group(dist.get_process_group_ranks(self.group)),
-                "world": world}
+                "world": world, "sizes_group": dist.new_group() if self.sizes_group is not None else None}
 
     def _start(self, fn: Callable[[], Any]) -> Handle:
         if self.backend != "gloo" or self.world_size == 1:
@@ -241,9 +258,15 @@ class TorchDistTransport(Transport):
         return [data[a:a + n] for a, n in spans]
 
     def _all_gather_bytes(self, payload: bytes | bytearray | memoryview) -> list[memoryview]:
+        return self._gather_start(payload, False)()
+
+    def _gather_start(self, payload: bytes | bytearray | memoryview, async_op: bool) -> Callable[[], list[memoryview]]:
+        """Exchange the sizes, start the all-gather of the payloads (left in flight with ``async_op``); the callable
+        returned waits for it and returns the views of every worker's payload."""
         size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
         sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
-        self._run("all_gather(sizes)", dist.all_gather, sizes, size, group=self._g())
+        self._run("all_gather(sizes)", dist.all_gather, sizes, size,
+                  group=self._g("sizes_group" if async_op else "group"))
         lengths = [int(n) for n in torch.cat(sizes).tolist()]
         width = max(lengths)
         if len(payload) == width and self.device.type == "cpu":
@@ -254,10 +277,53 @@ class TorchDistTransport(Transport):
                 mine[:len(payload)] = self._bytes_tensor(payload)
             mine[len(payload):] = 0
         recv, buf = self._buffer(self.world_size * width)
-        self._run("all_gather(payload)", dist.all_gather, list(recv.view(self.world_size, width)), mine,
-                  group=self._g())
-        del mine
-        return self._host_views(recv, [(i * width, n) for i, n in enumerate(lengths)], buf)
+        work = self._run("all_gather(payload)", dist.all_gather, list(recv.view(self.world_size, width)), mine,
+                         group=self._g(), async_op=async_op)
+        spans = [(i * width, n) for i, n in enumerate(lengths)]
+        return self._finisher("all_gather(payload)", work, recv, spans, buf, mine)
+
+    def _finisher(self, what: str, work: Any, recv: torch.Tensor, spans: list[tuple[int, int]],
+                  buf: Optional[memoryview], sent: torch.Tensor) -> Callable[[], list[memoryview]]:
+        """The callable that waits for ``work`` (None: done already) and returns the views of ``recv`` at
+        ``spans``; it holds the tensor sent until then (its buffer must not be reused while it is on the wire)."""
+        held = [sent]
+
+        def finish() -> list[memoryview]:
+            if work is not None:
+                self._run(what, work.wait)
+            held.clear()
+            return self._host_views(recv, spans, buf)
+        return finish
+
+    @property
+    def overlaps_exchange(self) -> bool:  # type: ignore[override]
+        # gloo runs a started collective on threads of its own; NCCL's streams would need the tensors' lifetimes
+        # tied to them, which only the synchronous path does here
+        return self._overlap and self.backend == "gloo" and self.world_size > 1
+
+    @overlaps_exchange.setter
+    def overlaps_exchange(self, on: bool) -> None:
+        """False: one bucket's exchange at a time (benchmarks compare the two)."""
+        self._overlap = on
+
+    def all_gather_bytes_start(self, payload: bytes | bytearray | memoryview) -> Handle:
+        if not self.overlaps_exchange:
+            return super().all_gather_bytes_start(payload)
+        finish = self._gather_start(payload, True)
+        return _Later(lambda: self._counted("all_gather", [len(payload)], finish()))
+
+    def all_to_all_bytes_start(self, payloads: Sequence[bytes | bytearray | memoryview]) -> Handle:
+        if not self.overlaps_exchange:
+            return super().all_to_all_bytes_start(payloads)
+        if len(payloads) != self.world_size:
+            raise ValueError(f"all_to_all_bytes needs {self.world_size} payloads, got {len(payloads)}")
+        sent = [len(p) for p in payloads]
+        finish = self._all_to_all_start(payloads, True)
+        return _Later(lambda: self._counted("all_to_all", sent, finish()))
+
+    def _counted(self, kind: str, sent: list[int], out: list[memoryview]) -> list[memoryview]:
+        self._count(*self._moved(kind, sent, [len(p) for p in out]))
+        return out
 
     @property
     def device_gather(self) -> bool:  # type: ignore[override]
@@ -276,9 +342,16 @@ class TorchDistTransport(Transport):
         return out
 
     def _all_to_all_bytes(self, payloads: Sequence[bytes | bytearray | memoryview]) -> list[memoryview]:
+        return self._all_to_all_start(payloads, False)()
+
+    def _all_to_all_start(self, payloads: Sequence[bytes | bytearray | memoryview],
+                          async_op: bool) -> Callable[[], list[memoryview]]:
+        """Exchange the sizes, start the all-to-all of the payloads (left in flight with ``async_op``); the callable
+        returned waits for it and returns the views of what each worker sent this one."""
         send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=self.device)
         recv_sizes = torch.empty_like(send_sizes)
-        self._run("all_to_all(sizes)", dist.all_to_all_single, recv_sizes, send_sizes, group=self._g())
+        self._run("all_to_all(sizes)", dist.all_to_all_single, recv_sizes, send_sizes,
+                  group=self._g("sizes_group" if async_op else "group"))
         send_n, recv_n = send_sizes.tolist(), recv_sizes.tolist()
         send, _ = self._buffer(sum(send_n), host=True)
         pos = 0
@@ -288,11 +361,10 @@ class TorchDistTransport(Transport):
             pos += n
         send = send.to(self.device)
         recv, buf = self._buffer(sum(recv_n))
-        self._run("all_to_all(payload)", dist.all_to_all_single, recv, send,
-                  output_split_sizes=recv_n, input_split_sizes=send_n, group=self._g())
-        del send
+        work = self._run("all_to_all(payload)", dist.all_to_all_single, recv, send,
+                         output_split_sizes=recv_n, input_split_sizes=send_n, group=self._g(), async_op=async_op)
         starts = [sum(recv_n[:i]) for i in range(len(recv_n))]
-        return self._host_views(recv, list(zip(starts, recv_n)), buf)
+        return self._finisher("all_to_all(payload)", work, recv, list(zip(starts, recv_n)), buf, send)
 
     def barrier(self) -> None:
         self._run("barrier", dist.barrier, group=self._g())
@@ -325,6 +397,7 @@ class NodeMeshTransport(TorchDistTransport):
     """
 
     device_gather = False  # gloo between the nodes: payloads go through bytes
+    overlaps_exchange = False  # a bucket's exchange runs through on_my_share (inside the node, then across)
 
     def __init__(self, backend: str = "auto", timeout: float = 300.0, device: Optional[torch.device] = None,
                  per_node: Optional[int] = None) -> None:

@@ -51,7 +51,7 @@ import math
 import statistics
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import TYPE_CHECKING, Generator, Hashable, Sequence
 
 import torch
 
@@ -128,22 +128,85 @@ def all_reduce_compressed_(transport: Transport, tensors: Sequence[torch.Tensor]
     if not transport.fixed_ranks:
         return _robust_all_reduce_(transport, tensors, codec, weight, key)
     mean_ = _gathered_mean_ if gather else _sharded_mean_
+    groups = buckets(tensors, transport.bucket_bytes)
+    alone = [_alone(bucket) for bucket in groups]
+    largest = max((sum(t.numel() for t in g) for g, a in zip(groups, alone) if not a), default=0)
     with transport.exchange_scope():
+        if transport.overlaps_exchange and len(groups) > 1:
+            return _pipelined(transport, groups, alone, largest, mean_, codec, float(weight), key)
         totals = []
         scratch = None  # one buffer for every bucket that is concatenated (its pages faulted in once)
-        groups = buckets(tensors, transport.bucket_bytes)
-        alone = [_alone(bucket) for bucket in groups]
-        largest = max((sum(t.numel() for t in g) for g, a in zip(groups, alone) if not a), default=0)
         for b, bucket in enumerate(groups):
             if alone[b]:  # reduced in place: every payload is encoded before the result is written back
                 flat = bucket[0].detach().reshape(-1)
             else:
                 flat, scratch = transport.concat_bucket(bucket, scratch, largest)
             totals.append(transport.on_my_share(
-                flat, codec.align, (key, b), lambda share, k: mean_(transport, share, codec, float(weight), k)))
+                flat, codec.align, (key, b),
+                lambda share, k: _complete(mean_(transport, share, codec, float(weight), k))))
             if not alone[b]:
                 unflatten_into(bucket, flat)
         transport.give_scratch(scratch)
+    return max(totals)
+
+
+def _complete(steps: Generator[Handle, object, float]) -> float:
+    """Run one bucket's exchange (a generator of the collectives it starts, see :func:`_sharded_mean_`) to its end."""
+    try:
+        handle = next(steps)
+        while True:
+            handle = steps.send(handle.wait())
+    except StopIteration as done:
+        return done.value
+
+
+def _pipelined(transport: Transport, groups: list[list[torch.Tensor]], alone: list[bool], largest: int, mean_,
+               codec: "Codec", weight: float, key: Hashable) -> float:
+    """The buckets' exchanges overlapped: while one bucket's payloads are on the wire, this worker encodes the
+    next and decodes an earlier one.
+
+    Each bucket's exchange is a generator that starts a collective and yields its handle, and takes up the
+    result when resumed. Every tick starts the next bucket, then resumes each bucket in flight once, newest
+    first: with the sharded mean, tick t encodes bucket t and starts its all-to-all, decodes bucket t-1's
+    shard and starts its all-gather, and decodes bucket t-2's means. Every worker starts the same collectives
+    in the same order, and each bucket's arithmetic is that of the one-at-a-time loop, so the result is the
+    same to the bit.
+    """
+    totals: list[float] = []
+    active: list[list] = []  # [steps, handle, bucket index, flat, scratch slot], oldest first
+    free_slots: list[str] = []  # a concatenation buffer per bucket in flight, kept by slot
+    scratch: dict[str, torch.Tensor] = {}
+
+    def resume(item: list) -> bool:
+        steps, handle, b, flat, slot = item
+        try:
+            item[1] = steps.send(handle.wait())
+            return False
+        except StopIteration as done:
+            totals.append(done.value)
+            if not alone[b]:
+                unflatten_into(groups[b], flat)
+                free_slots.append(slot)
+            return True
+
+    b = 0
+    while b < len(groups) or active:
+        older = active
+        if b < len(groups):
+            slot = None
+            if alone[b]:
+                flat = groups[b][0].detach().reshape(-1)
+            else:
+                slot = free_slots.pop() if free_slots else "concat" + (str(len(scratch)) if scratch else "")
+                flat, scratch[slot] = transport.concat_bucket(groups[b], scratch.get(slot), largest, slot)
+            steps = mean_(transport, flat, codec, weight, (key, b))
+            older = list(active)
+            active.append([steps, next(steps), b, flat, slot])
+            b += 1
+        done = {id(item) for item in reversed(older) if resume(item)}
+        active = [item for item in active if id(item) not in done]
+    for slot, buf in scratch.items():
+        transport.give_scratch(buf, slot)
     return max(totals)
 
 
@@ -173,13 +236,19 @@ def robust_all_reduce_(transport: Transport, tensors: Sequence[torch.Tensor], op
 
 
 # ---- sharded: reduce-scatter by shards ------------------------------------------------------------
-def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float, key: Hashable) -> float:
-    """``flat`` (this worker's, fp32) becomes the weighted mean over the workers; returns the total weight."""
+def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float,
+                   key: Hashable) -> Generator[Handle, object, float]:
+    """``flat`` (this worker's, fp32) becomes the weighted mean over the workers; returns the total weight.
+
+    A generator: it yields the handle of each collective it starts and is resumed with that collective's result
+    (:func:`_complete` runs it through)."""
     w, me = transport.world_size, transport.rank
     bounds = shard_bounds(flat.numel(), w, codec.align)
     prefix = pack_weight(weight)
     sends = [codec.encode(flat[a:b], key=(key, "shard", j), prefix=prefix) for j, (a, b) in enumerate(bounds)]
-    received = _split_all(transport.all_to_all_bytes(sends), me, f"payload for shard {me}")
+    started = transport.all_to_all_bytes_start(sends)
+    del sends  # the transport holds what it still sends; the buffers are free for the next encode
+    received = _split_all((yield started), me, f"payload for shard {me}")
     a, b = bounds[me]
     room = transport.take_scratch(b - a, flat.device, "mean")
     acc = room[:b - a]
@@ -189,12 +258,13 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
         _decode_into(codec, body, acc, wi / total if total > 0 else 0.0, src == 0, me, src, f"payload for shard {me}")
     if total <= 0:  # every payload is still checked; the mean of nothing is zero
         acc.zero_()
-    del sends, received  # their buffers are free for the next encode
+    del received  # its buffer is free for the next receive
     mine = codec.encode(acc, key=(key, "mean"), prefix=pack_weight(total))
     del acc
     transport.give_scratch(room, "mean")
-    means = _split_all(transport.all_gather_bytes(mine), me, "mean of shard {src}")
+    started = transport.all_gather_bytes_start(mine)
     del mine
+    means = _split_all((yield started), me, "mean of shard {src}")
     for src, (_, body) in enumerate(means):
         a, b = bounds[src]
         _decode_into(codec, body, flat[a:b], 1.0, True, me, src, "mean of shard {src}")
@@ -202,11 +272,13 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
 
 
 # ---- gathered: every worker's payload, decoded by every worker -------------------------------------
-def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float, key: Hashable) -> float:
-    """``flat`` becomes ``sum_i w_i decode(payload_i) / sum_i w_i``, summed in rank order on every worker."""
+def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float,
+                    key: Hashable) -> Generator[Handle, object, float]:
+    """``flat`` becomes ``sum_i w_i decode(payload_i) / sum_i w_i``, summed in rank order on every worker (a
+    generator, as :func:`_sharded_mean_`)."""
     me = transport.rank
-    received = _split_all(transport.all_gather_bytes(codec.encode(flat, key=key, prefix=pack_weight(weight))), me,
-                          "payload")
+    started = transport.all_gather_bytes_start(codec.encode(flat, key=key, prefix=pack_weight(weight)))
+    received = _split_all((yield started), me, "payload")
     total = sum(wi for wi, _ in received)
     if total > 0:
         for src, (wi, body) in enumerate(received):

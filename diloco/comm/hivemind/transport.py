@@ -422,7 +422,7 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         # a member whose own payload did not reach everyone is left out of the agreed set (its update too)
         return [result.payloads[p] for p in result.members]
 
-    def _moved(self, kind: str, sent: Sequence[bytes], received: Sequence[bytes]) -> tuple[int, int]:
+    def _moved(self, kind: str, sent: Sequence[int], received: Sequence[int]) -> tuple[int, int]:
         """What this peer's pushes really delivered, and what it took from the members it kept."""
         return (self.last.sent_bytes, self.last.received_bytes) if self.last is not None else (0, 0)
 
