@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 import pytest
@@ -133,6 +134,7 @@ WORKER = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
     from test_compressed import inputs
+    from diloco.comm.base import TransportError
     from diloco.comm.torch_dist import TorchDistTransport
     from diloco.compress import make_codec
     t = TorchDistTransport("gloo", timeout=60)
@@ -147,7 +149,13 @@ WORKER = textwrap.dedent("""
     for _ in range(2):  # the dense mean, twice: the second reuses the kept concatenation buffer
         dense = [x.clone() for x in inputs(t.world_size)[t.rank]]
         t.all_reduce_(dense)
-    torch.save({{"ts": ts, "total": total, "bytes": sent, "dense": dense}}, f"{out}/rank{{t.rank}}.pt")
+    # the last worker with another codec: every worker names a sender, with later buckets still in flight
+    try:
+        t.all_reduce_compressed_(inputs(t.world_size)[t.rank], make_codec("int4" if t.rank == 2 else {chain!r}), 1.0)
+        error = None
+    except TransportError as e:
+        error = str(e)
+    torch.save({{"ts": ts, "total": total, "bytes": sent, "dense": dense, "error": error}}, f"{out}/rank{{t.rank}}.pt")
     t.close()
 """)
 
@@ -171,6 +179,8 @@ def test_gloo_processes_equal_the_simulator(tmp_path, chain):
         assert real["total"] == total and real["bytes"] == sent
         mean = [sum(x[i] for x in inputs(3)) / 3 for i in range(len(SIZES))]
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(real["dense"], mean))
+        assert re.fullmatch(rf"rank {rank}: worker [012] sent a corrupt payload for shard {rank}: codec mismatch.*",
+                            real["error"] or "", re.S), real["error"]
 
 
 def test_the_concatenation_buffer_is_kept_only_where_asked():
