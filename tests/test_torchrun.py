@@ -237,7 +237,12 @@ STUCK = textwrap.dedent("""
         t.all_reduce_([torch.ones(10)])
     except TransportError as e:
         os.write(1, f"ERROR {t.rank} {e}\\n"[:3000].encode())  # one write: lines of two processes do not mix
-        sys.exit(3)
+    start = time.monotonic()  # a collective on a group of its own (the size exchange of an overlapped one)
+    try:
+        t.all_gather_bytes_start(b"x" * 10).wait()
+    except TransportError as e:
+        os.write(1, f"SIDE {t.rank} {time.monotonic() - start:.1f} {e}\\n"[:3000].encode())
+    sys.exit(3)
 """)
 
 
@@ -250,3 +255,7 @@ def test_a_stuck_worker_is_named_within_the_timeout(tmp_path):
     assert time.time() - start < 60
     mine = [line for line in proc.stdout.splitlines() if line.startswith("ERROR 0 ")]
     assert mine and "Ranks 2 failed to pass monitoredBarrier" in mine[0], proc.stdout
+    # every group the transport makes times out as the transport says (new_group alone waits 30 minutes)
+    side = [line.split(" ", 3) for line in proc.stdout.splitlines() if line.startswith("SIDE ")]
+    assert {rank for _, rank, _, _ in side} == {"0", "1"}, proc.stdout
+    assert all(float(took) < 10 and "timeout 3s" in msg for _, _, took, msg in side), side

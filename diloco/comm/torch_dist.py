@@ -162,7 +162,7 @@ class TorchDistTransport(Transport):
         self._overlap = True
         # the size exchanges of overlapped collectives run on a group of their own: on the main group they would
         # queue behind the transfers in flight (gloo runs a group's collectives on two threads)
-        self.sizes_group = dist.new_group() if self.overlaps_exchange and self.group is None else None
+        self.sizes_group = self._new_group() if self.overlaps_exchange and self.group is None else None
 
     # ---- lanes: the training thread's process groups, or the background thread's -----------------
     def _g(self, name: str = "group") -> Any:
@@ -174,9 +174,14 @@ class TorchDistTransport(Transport):
 
     def _side_groups(self) -> dict[str, Any]:
         """A copy of every group this transport uses; every rank runs this at the same exchange."""
-        world = dist.new_group()
-        return {"group": world if self.group is None else dist.new_group(dist.get_process_group_ranks(self.group)),
-                "world": world, "sizes_group": dist.new_group() if self.sizes_group is not None else None}
+        world = self._new_group()
+        return {"group": world if self.group is None else self._new_group(dist.get_process_group_ranks(self.group)),
+                "world": world, "sizes_group": self._new_group() if self.sizes_group is not None else None}
+
+    def _new_group(self, ranks: Optional[list[int]] = None) -> Any:
+        """A process group of ``ranks`` (None: all) whose collectives time out after this transport's ``timeout``
+        (``new_group`` alone gives 30 minutes); every rank makes every group, in the same order."""
+        return dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout))
 
     def _start(self, fn: Callable[[], Any]) -> Handle:
         if self.backend != "gloo" or self.world_size == 1:
@@ -417,13 +422,13 @@ class NodeMeshTransport(TorchDistTransport):
     def _mesh_groups(self) -> tuple[Any, Any]:
         """My node's group and my cross-node group (every rank makes every group, in the same order)."""
         g, m = self.per_node, self.nodes
-        node_groups = [dist.new_group([n * g + i for i in range(g)]) for n in range(m)]
-        cross_groups = [dist.new_group([n * g + i for n in range(m)]) for i in range(g)]
+        node_groups = [self._new_group([n * g + i for i in range(g)]) for n in range(m)]
+        cross_groups = [self._new_group([n * g + i for n in range(m)]) for i in range(g)]
         return node_groups[self.node], cross_groups[self.local_rank]
 
     def _side_groups(self) -> dict[str, Any]:
         node_group, cross_group = self._mesh_groups()
-        return {"world": dist.new_group(), "node_group": node_group, "cross_group": cross_group, "group": cross_group}
+        return {"world": self._new_group(), "node_group": node_group, "cross_group": cross_group, "group": cross_group}
 
     @property
     def is_leader(self) -> bool:
