@@ -124,11 +124,12 @@ def test_a_member_killed_in_an_epoch_is_left_out_by_both_survivors_at_once(trio,
         assert all(r.received_bytes > 0 and "did not complete" in " ".join(r.notes) for r in (a, b))
 
 
-@pytest.mark.parametrize("fault", ["garbage", "oversized", "wrong-key", "holds-nothing"])
+@pytest.mark.parametrize("fault", ["garbage", "oversized", "wrong-key", "holds-nothing", "holds-only-its-own"])
 def test_a_member_whose_commit_is_corrupt_or_unsigned_is_left_out_by_both(trio, fault):
     """corrupt payload x ack, wrong run key x ack: the member's commit message is not msgpack, longer than a
-    commit can be, signed with another run key, or an empty list (which holds not even the member's own payload,
-    and had left the others with no payload in common). Both others leave that member out and agree."""
+    commit can be, signed with another run key, an empty list (which holds not even the member's own payload,
+    and had left the others with no payload in common), or a list of the member's own payload alone (which had
+    made its update the whole group's). Both others leave that member out and agree."""
     from diloco.comm.hivemind.limits import ACK_MAX
 
     c = trio[2]
@@ -142,6 +143,10 @@ def test_a_member_whose_commit_is_corrupt_or_unsigned_is_left_out_by_both(trio, 
             return data
         if fault == "holds-nothing":
             return b"\x90"  # msgpack's empty list
+        if fault == "holds-only-its-own":
+            from hivemind.utils.serializer import MSGPackSerializer
+
+            return MSGPackSerializer.dumps([c.peer_id.to_bytes()])
         return b"\xc1" * 40 if fault == "garbage" else b"\x90" * (ACK_MAX + 1)
 
     c.on_phase = spoil

@@ -371,10 +371,18 @@ class EpochMixin:
                 held = {type(self.peer_id)(b) for b in MSGPackSerializer.loads(blob)}
             except Exception:
                 held = set()
-            if p in held:
-                final &= held
-            else:  # not a commit (a member holds its own payload): that member is left out
+            base = set(received) - {p}  # what this peer holds of the others' payloads, its own included
+            missing = base - held
+            if p not in held:  # not a commit (a member holds its own payload): that member is left out
                 final.discard(p)
+            elif len(missing) >= 2 and 2 * len(missing) > len(base):
+                # a commit that would narrow the round to little more than the member's own payload (it lies, or
+                # nothing reached it): that member is left out, so that it cannot make its update the group's
+                final.discard(p)
+                notes.append(f"peer {p.to_base58()[-8:]}'s commit leaves out {len(missing)} of the {len(base)} "
+                             "other payloads this peer holds: left out")
+            else:
+                final &= held
         if not final:  # no payload that every member who answered holds: nothing was agreed
             notes.append(f"the members of epoch {e} hold no payload in common: this round is done alone")
             final = {self.peer_id}
