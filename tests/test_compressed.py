@@ -142,9 +142,12 @@ WORKER = textwrap.dedent("""
     assert t.overlaps_exchange  # the buckets' exchanges overlap: started collectives left in flight
     codec = make_codec({chain!r})
     weights = {weights!r}
-    for _ in range(2):
+    for r in range(2):  # the second round in the exchange thread (as Streaming DiLoCo's), on its own groups
         ts = [x.clone() for x in inputs(t.world_size)[t.rank]]
-        total = t.all_reduce_compressed_(ts, codec, weights[t.rank], key="k")
+        if r == 0:
+            total = t.all_reduce_compressed_(ts, codec, weights[t.rank], key="k")
+        else:
+            total = t.all_reduce_compressed_async_(ts, codec, weights[t.rank], key="k").wait()
     sent = t.stats.bytes_sent
     for _ in range(2):  # the dense mean, twice: the second reuses the kept concatenation buffer
         dense = [x.clone() for x in inputs(t.world_size)[t.rank]]
@@ -162,8 +165,8 @@ WORKER = textwrap.dedent("""
 
 @pytest.mark.parametrize("chain", ["int8", "topk:0.1+2bit+zstd"])
 def test_gloo_processes_equal_the_simulator(tmp_path, chain):
-    """Three real processes over gloo get byte-for-byte the simulator's result (two rounds: error feedback too).
-    Small buckets (one of two tensors concatenated, two of one tensor each) make the gloo workers overlap the
+    """Three real processes over gloo get byte-for-byte the simulator's result (two rounds: error feedback too;
+    the second one started in the background, as Streaming DiLoCo's). Small buckets (one of two tensors concatenated, two of one tensor each) make the gloo workers overlap the
     buckets' exchanges, which the simulator runs one after the other."""
     weights = [1.0, 3.0, 0.5]
     script = tmp_path / "worker.py"
