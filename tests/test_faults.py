@@ -158,6 +158,22 @@ def test_a_member_whose_commit_is_corrupt_or_unsigned_is_left_out_by_both(trio, 
     left_out_by_both(out, trio, faulty=2)
 
 
+def test_a_member_pushing_another_payload_than_it_announced_is_left_out_by_both(trio):
+    """corrupt payload x push, signed: the member pushes a payload of the right size, under a header whose hash
+    and MAC match it, but not the payload whose hash it announced when the group formed. The receivers check
+    each body against its header as it comes, and that hash against the announced one at the commit."""
+    c = trio[2]
+
+    async def swap(name, data):
+        return payload(7) if name == "push" else data
+
+    c.on_phase = swap
+    out, th = exchange_all(trio, [payload(i) for i in range(3)], faulty=2)
+    th.join(60)
+    a, b = left_out_by_both(out, trio, faulty=2)
+    assert all("does not match its announced hash" in " ".join(r.notes) for r in (a, b)), (a.notes, b.notes)
+
+
 def test_a_member_announcing_another_payload_size_is_left_out_at_matchmaking(trio):
     """corrupt payload x matchmaking: a member whose model or codec makes payloads of another size (its
     announced size is not what this run makes) is left out when the group forms, before any push."""

@@ -344,7 +344,8 @@ class EpochMixin:
         began = time.perf_counter()
         deadline = began + self.exchange_timeout
         self._relayed = set()
-        sent = await self._push_all(others, gid, "ag", await self._phase("push", payload), deadline)
+        pushed = await self._phase("push", payload)
+        sent = await self._push_all(others, gid, "ag", pushed, deadline, mine["sha"] if pushed is payload else None)
         unreachable = {p for p, r in zip(others, sent) if r != "ok"}
         refusers = {p for p, r in zip(others, sent) if r == "refused"}  # alive, but turned this peer's payload away
         got = await self._collect(gid, "ag", {p for p in others if p not in unreachable}, deadline, e)
@@ -355,8 +356,8 @@ class EpochMixin:
             if (p, "ag") in window.refused and p not in got:
                 notes.append(f"peer {p.to_base58()[-8:]}: its payload was refused ({window.refused[(p, 'ag')]})")
         received = {self.peer_id: payload}
-        for p, data in got.items():
-            if hashlib.sha256(data).digest() == meta[p]["sha"]:
+        for p, data in got.items():  # each body was checked against its push's hash as it came: compare those
+            if window.hashes.get((p, "ag")) == meta[p]["sha"]:
                 received[p] = data
             else:
                 notes.append(f"peer {p.to_base58()[-8:]}: payload does not match its announced hash: left out")
@@ -424,15 +425,18 @@ class EpochMixin:
         for note in result.notes:
             log.info("peer %s | epoch %d: %s", self.me[-8:], result.epoch, note)
 
-    async def _push_all(self, peers: list, gid: bytes, kind: str, data: bytes, deadline: float) -> list[str]:
+    async def _push_all(self, peers: list, gid: bytes, kind: str, data: bytes, deadline: float,
+                        sha: Optional[bytes] = None) -> list[str]:
         """:meth:`_push` to every one of ``peers`` by ``deadline`` (``time.perf_counter()``). A peer this one
         cannot reach (both behind NAT, say) is sent ``data`` through another member that took this peer's push
         directly (:meth:`_forward` there); such a peer is remembered for ``UNREACHABLE_S`` and then reached
-        through a member at once."""
+        through a member at once. ``sha``: ``data``'s SHA-256 when the caller has it (hashed once for all)."""
+        sha = sha or hashlib.sha256(data).digest()
         now = _now()
         known = {p for p in peers if now - self._unreachable.get(p.to_base58(), -UNREACHABLE_S) < UNREACHABLE_S}
         direct = [p for p in peers if p not in known]
-        sent = dict(zip(direct, await asyncio.gather(*[self._push(p, gid, kind, data, deadline) for p in direct])))
+        sent = dict(zip(direct, await asyncio.gather(*[self._push(p, gid, kind, data, deadline, sha=sha)
+                                                        for p in direct])))
         via = [p for p in direct if sent[p] == "ok"]
         for p in direct:
             if sent[p] == "failed":
@@ -443,24 +447,26 @@ class EpochMixin:
         async def around(peer) -> str:
             relays = [v for v in via if v != peer]
             for relay in relays:
-                r = await self._push(peer, gid, kind, data, deadline, relay=relay)
+                r = await self._push(peer, gid, kind, data, deadline, relay=relay, sha=sha)
                 if r != "failed":
                     if r == "ok":
                         self._relayed.add(peer)
                     return r
-            return "failed" if relays or peer not in known else await self._push(peer, gid, kind, data, deadline)
+            return "failed" if relays or peer not in known else await self._push(peer, gid, kind, data, deadline,
+                                                                                 sha=sha)
 
         rest = [p for p in peers if p in known or sent[p] == "failed"]
         sent.update(zip(rest, await asyncio.gather(*[around(p) for p in rest])))
         return [sent[p] for p in peers]
 
-    async def _push(self, peer, gid: bytes, kind: str, data: bytes, deadline: float, relay=None) -> str:
+    async def _push(self, peer, gid: bytes, kind: str, data: bytes, deadline: float, relay=None,
+                    sha: Optional[bytes] = None) -> str:
         """Send ``data`` to ``peer`` (through the member ``relay`` when given): "ok" (it took it), "refused" (it
         answered, or dropped the stream while connected: it is alive and turned the push away) or "failed" (no
         answer by ``deadline``, libp2p lost it, or the relay could not reach it: a stopped or cut-off peer
         costs the others no more than the deadline). The header names sender and receiver ("f", "t"), under
         the MAC."""
-        sha = hashlib.sha256(data).digest()
+        sha = sha or hashlib.sha256(data).digest()
         header = {"g": gid, "k": kind, "e": self.epoch, "n": len(data), "sha": sha, "f": self.peer_id.to_bytes(),
                   "t": peer.to_bytes(),
                   "m": _push_mac(self.key, gid, kind, self.epoch, self.peer_id.to_bytes(), peer.to_bytes(), len(data),
@@ -539,6 +545,7 @@ class EpochMixin:
             if w.gid is not None and (header["g"] != w.gid or sender not in w.sizes):
                 raise PermissionError("the sender is not a member of this epoch's group")
             self._inbox.setdefault((header["g"], header["k"], w.epoch), {})[sender] = data
+            w.hashes[slot] = header["sha"]  # checked above: the commit compares it with the announced one
             stored = True
             self._arrived.set()
             writer.write(OK)
@@ -631,6 +638,7 @@ class EpochMixin:
             if key[1] == kind:
                 box.pop(sender, None)
         w.held.pop(slot, None)
+        w.hashes.pop(slot, None)
 
     def _suspected(self, pid: str, entry: dict) -> bool:
         return pid in self.suspects and float(entry.get("time", 0)) <= self.suspects[pid]

@@ -64,7 +64,8 @@ class Window:
 
     Before the group is known, any sender may push once per kind (a payload ``ag``, an ``ack``); once it is
     (``gid``, ``sizes``: every member's announced payload size), only members, each exactly its announced size.
-    ``held``: bytes held or being read per (sender, kind); ``refused``: why a sender was turned away.
+    ``held``: bytes held or being read per (sender, kind); ``refused``: why a sender was turned away;
+    ``hashes``: the hash each stored push was checked against, so that it is computed once.
     """
 
     epoch: int
@@ -77,6 +78,7 @@ class Window:
     held: dict = field(default_factory=dict)  # (PeerID, kind) -> bytes
     reading: set = field(default_factory=set)  # (PeerID, kind) whose body is being read
     refused: dict = field(default_factory=dict)  # (PeerID, kind) -> why
+    hashes: dict = field(default_factory=dict)  # (PeerID, kind) -> SHA-256 of the body stored, checked as it came
 
     def fits(self, n: int) -> bool:
         return self.least <= n <= self.most
