@@ -328,20 +328,23 @@ def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight
         transport.record_contributions(shared.accepted, shared.rejected, shared.clipped)
         return shared
     result = RobustResult(torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device), 0.0)
-    # pass 1: validate every member's update and measure its norm (one decoded vector alive at a time)
+    # pass 1: validate every member's update and measure its norm, each decoded into one buffer in turn
     rows: list[tuple[str, memoryview, float, float]] = []  # (member, body, weight, norm)
+    room = transport.take_scratch(flat.numel(), flat.device, "robust")
+    x = room[:flat.numel()]
     for name, msg in zip(names, payloads):
         try:
             w, body = split_weight(msg) if weight is not None else (1.0, memoryview(msg))
-            x = codec.decode(body, expect_numel=flat.numel())
-            norm = float(torch.linalg.vector_norm(x.float()))
-            del x
+            codec.decode_into_(body, x)
+            norm = float(torch.linalg.vector_norm(x))
             if not math.isfinite(norm):
                 raise CorruptPayload("non-finite values")
         except (CorruptPayload, ValueError) as e:
             result.rejected[name] = f"invalid payload: {e}"
             continue
         rows.append((name, body, float(w), norm))
+    del x
+    transport.give_scratch(room, "robust")
     # clip (or drop) an update far above the others' median norm; every member decides alike
     scale: dict[str, float] = {}
     bound_factor, action = transport.norm_clip, transport.clip_action
