@@ -314,8 +314,9 @@ class TorchDistTransport(Transport):
     def all_gather_bytes_start(self, payload: bytes | bytearray | memoryview) -> Handle:
         if not self.overlaps_exchange:
             return super().all_gather_bytes_start(payload)
+        sent = [len(payload)]
         finish = self._gather_start(payload, True)
-        return _Later(lambda: self._counted("all_gather", [len(payload)], finish()))
+        return _Later(lambda: self._counted("all_gather", sent, finish()))
 
     def all_to_all_bytes_start(self, payloads: Sequence[bytes | bytearray | memoryview]) -> Handle:
         if not self.overlaps_exchange:
