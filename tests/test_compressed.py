@@ -13,6 +13,7 @@ from conftest import FAST, TINY, free_port, run_cli, simulate_and_torchrun
 from diloco.comm.base import TransportError, shard_bounds
 from diloco.comm.local import LocalTransport
 from diloco.compress import make_codec
+from diloco.compress.collective import all_reduce_compressed_
 from diloco.sim import InProcessGroup, run_workers
 from launch.checkpoint import latest_checkpoint
 from launch.config import load_config
@@ -27,7 +28,8 @@ def inputs(world: int) -> list[list[torch.Tensor]]:
     return [[torch.randn(n, generator=g) * (r + 1) for n in SIZES] for r in range(world)]
 
 
-def reduce_in_process(chain: str, weights: list[float], rounds: int = 1, bucket_bytes: int = 32 << 20):
+def reduce_in_process(chain: str, weights: list[float], rounds: int = 1, bucket_bytes: int = 32 << 20,
+                      gather: bool = False):
     xs = inputs(len(weights))
 
     def body(rank, transport):
@@ -35,7 +37,7 @@ def reduce_in_process(chain: str, weights: list[float], rounds: int = 1, bucket_
         codec = make_codec(chain)
         for _ in range(rounds):
             ts = [t.clone() for t in xs[rank]]
-            total = transport.all_reduce_compressed_(ts, codec, weights[rank], key="k")
+            total = all_reduce_compressed_(transport, ts, codec, weights[rank], key="k", gather=gather)
         return ts, total, transport.stats.bytes_sent
 
     return xs, run_workers(InProcessGroup(len(weights)), body)
@@ -137,6 +139,7 @@ WORKER = textwrap.dedent("""
     from diloco.comm.base import TransportError
     from diloco.comm.torch_dist import TorchDistTransport
     from diloco.compress import make_codec
+    from diloco.compress.collective import all_reduce_compressed_
     t = TorchDistTransport("gloo", timeout=60)
     t.bucket_bytes = {bucket_bytes}
     assert t.overlaps_exchange  # the buckets' exchanges overlap: started collectives left in flight
@@ -149,6 +152,9 @@ WORKER = textwrap.dedent("""
         else:
             total = t.all_reduce_compressed_async_(ts, codec, weights[t.rank], key="k").wait()
     sent = t.stats.bytes_sent
+    # the gathered mean (SparseLoCo's) over the same buckets, overlapped too
+    gts = [x.clone() for x in inputs(t.world_size)[t.rank]]
+    gtotal = all_reduce_compressed_(t, gts, make_codec({chain!r}), weights[t.rank], key="k", gather=True)
     for _ in range(2):  # the dense mean, twice: the second reuses the kept concatenation buffer
         dense = [x.clone() for x in inputs(t.world_size)[t.rank]]
         t.all_reduce_(dense)
@@ -158,7 +164,8 @@ WORKER = textwrap.dedent("""
         error = None
     except TransportError as e:
         error = str(e)
-    torch.save({{"ts": ts, "total": total, "bytes": sent, "dense": dense, "error": error}}, f"{out}/rank{{t.rank}}.pt")
+    torch.save({{"ts": ts, "total": total, "bytes": sent, "gts": gts, "gtotal": gtotal, "dense": dense, "error": error}},
+               f"{out}/rank{{t.rank}}.pt")
     t.close()
 """)
 
@@ -166,8 +173,9 @@ WORKER = textwrap.dedent("""
 @pytest.mark.parametrize("chain", ["int8", "topk:0.1+2bit+zstd"])
 def test_gloo_processes_equal_the_simulator(tmp_path, chain):
     """Three real processes over gloo get byte-for-byte the simulator's result (two rounds: error feedback too;
-    the second one started in the background, as Streaming DiLoCo's). Small buckets (one of two tensors concatenated, two of one tensor each) make the gloo workers overlap the
-    buckets' exchanges, which the simulator runs one after the other."""
+    the second one started in the background, as Streaming DiLoCo's; then one gathered round). Small buckets (one
+    of two tensors concatenated, two of one tensor each) make the gloo workers overlap the buckets' exchanges,
+    which the simulator runs one after the other."""
     weights = [1.0, 3.0, 0.5]
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(TINY.rsplit("/configs", 1)[0] + "/tests"), chain=chain,
@@ -176,8 +184,11 @@ def test_gloo_processes_equal_the_simulator(tmp_path, chain):
                     str(script)], module="torch.distributed.run", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _, sim = reduce_in_process(chain, weights, rounds=2, bucket_bytes=16 << 10)
+    _, gathered = reduce_in_process(chain, weights, bucket_bytes=16 << 10, gather=True)
     for rank, (ts, total, sent) in enumerate(sim):
         real = torch.load(tmp_path / f"rank{rank}.pt")
+        gts, gtotal, _ = gathered[rank]
+        assert all(torch.equal(a, b) for a, b in zip(real["gts"], gts)) and real["gtotal"] == gtotal
         assert all(torch.equal(a, b) for a, b in zip(real["ts"], ts))
         assert real["total"] == total and real["bytes"] == sent
         mean = [sum(x[i] for x in inputs(3)) / 3 for i in range(len(SIZES))]
