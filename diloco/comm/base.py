@@ -95,6 +95,19 @@ class Handle:
         return self.result
 
 
+class _Later(Handle):
+    """A collective that may be in flight: ``wait()`` finishes it once and returns its result."""
+
+    def __init__(self, finish: Callable[[], Any]) -> None:
+        super().__init__()
+        self._finish: Optional[Callable[[], Any]] = finish
+
+    def wait(self) -> Any:
+        if self._finish is not None:
+            self.result, self._finish = self._finish(), None
+        return self.result
+
+
 class Transport(ABC):
     """A group of workers: ``rank`` in ``[0, world_size)``; rank 0 leads (logs, writes files)."""
 
@@ -280,16 +293,27 @@ class Transport(ABC):
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes_sent - before)
 
     # ---- written once on top ----------------------------------------------------------------
+    def _counted(self, kind: str, sent: Sequence[int], out: list) -> list:
+        """``out``, the result of a byte collective that sent payloads of ``sent`` bytes, once counted."""
+        self._count(*self._moved(kind, sent, [len(p) for p in out]))
+        return out
+
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         """Every worker's payload, indexed by rank."""
-        out = self._all_gather_bytes(payload)
-        self._count(*self._moved("all_gather", [len(payload)], [len(p) for p in out]))
-        return out
+        return self._counted("all_gather", [len(payload)], self._all_gather_bytes(payload))
 
     def all_gather_bytes_start(self, payload: bytes) -> Handle:
         """Start :meth:`all_gather_bytes`; the handle's ``wait()`` returns its result. See
         :meth:`all_to_all_bytes_start`."""
-        return Handle(self.all_gather_bytes(payload))
+        sent = [len(payload)]
+        finish = self._start_all_gather_bytes(payload)
+        return _Later(lambda: self._counted("all_gather", sent, finish()))
+
+    def _start_all_gather_bytes(self, payload: bytes) -> Callable[[], list[bytes]]:
+        """Start :meth:`_all_gather_bytes`; the callable returned waits for it and returns its result. Here it is
+        done before this returns; a transport that ``overlaps_exchange`` leaves it in flight."""
+        out = self._all_gather_bytes(payload)
+        return lambda: out
 
     def all_gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every worker's 1-D uint8 tensor of ``t``'s size, indexed by rank, on ``t``'s device (counted as the
@@ -306,18 +330,27 @@ class Transport(ABC):
 
     def all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
         """Send ``payloads[j]`` to worker j; returns what each worker sent this one, indexed by rank."""
+        self._check_all_to_all(payloads)
+        return self._counted("all_to_all", [len(p) for p in payloads], self._all_to_all_bytes(payloads))
+
+    def _check_all_to_all(self, payloads: Sequence[bytes]) -> None:
         if len(payloads) != self.world_size:
             raise ValueError(f"all_to_all_bytes needs {self.world_size} payloads, got {len(payloads)}")
-        out = self._all_to_all_bytes(payloads)
-        self._count(*self._moved("all_to_all", [len(p) for p in payloads], [len(p) for p in out]))
-        return out
 
     def all_to_all_bytes_start(self, payloads: Sequence[bytes]) -> Handle:
         """Start :meth:`all_to_all_bytes`; the handle's ``wait()`` returns its result (counted then). Every worker
         starts and waits for the same collectives in the same order; the payloads may be released once this
-        returns. Here the collective is done before it returns; where :attr:`overlaps_exchange` is set the transfer
-        is left in flight, so the caller can compute meanwhile."""
-        return Handle(self.all_to_all_bytes(payloads))
+        returns. The collective is done before it returns, except where :attr:`overlaps_exchange` is set: there
+        the transfer is left in flight, so the caller can compute meanwhile."""
+        self._check_all_to_all(payloads)
+        sent = [len(p) for p in payloads]
+        finish = self._start_all_to_all_bytes(payloads)
+        return _Later(lambda: self._counted("all_to_all", sent, finish()))
+
+    def _start_all_to_all_bytes(self, payloads: Sequence[bytes]) -> Callable[[], list[bytes]]:
+        """Start :meth:`_all_to_all_bytes`, as :meth:`_start_all_gather_bytes` does :meth:`_all_gather_bytes`."""
+        out = self._all_to_all_bytes(payloads)
+        return lambda: out
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
         """Sum or average a list of tensors over the workers, in place, in flat buckets."""

@@ -90,19 +90,6 @@ class _Lane:
             self.thread.join()
 
 
-class _Later(Handle):
-    """A collective left in flight: ``wait()`` finishes it once and returns its result."""
-
-    def __init__(self, finish: Callable[[], Any]) -> None:
-        super().__init__()
-        self._finish: Optional[Callable[[], Any]] = finish
-
-    def wait(self) -> Any:
-        if self._finish is not None:
-            self.result, self._finish = self._finish(), None
-        return self.result
-
-
 class _Future(Handle):
     """An exchange running in the background thread."""
 
@@ -311,25 +298,12 @@ class TorchDistTransport(Transport):
         """False: one bucket's exchange at a time (benchmarks compare the two)."""
         self._overlap = on
 
-    def all_gather_bytes_start(self, payload: bytes | bytearray | memoryview) -> Handle:
-        if not self.overlaps_exchange:
-            return super().all_gather_bytes_start(payload)
-        sent = [len(payload)]
-        finish = self._gather_start(payload, True)
-        return _Later(lambda: self._counted("all_gather", sent, finish()))
+    def _start_all_gather_bytes(self, payload: bytes | bytearray | memoryview) -> Callable[[], list[memoryview]]:
+        return self._gather_start(payload, self.overlaps_exchange)
 
-    def all_to_all_bytes_start(self, payloads: Sequence[bytes | bytearray | memoryview]) -> Handle:
-        if not self.overlaps_exchange:
-            return super().all_to_all_bytes_start(payloads)
-        if len(payloads) != self.world_size:
-            raise ValueError(f"all_to_all_bytes needs {self.world_size} payloads, got {len(payloads)}")
-        sent = [len(p) for p in payloads]
-        finish = self._all_to_all_start(payloads, True)
-        return _Later(lambda: self._counted("all_to_all", sent, finish()))
-
-    def _counted(self, kind: str, sent: list[int], out: list[memoryview]) -> list[memoryview]:
-        self._count(*self._moved(kind, sent, [len(p) for p in out]))
-        return out
+    def _start_all_to_all_bytes(self, payloads: Sequence[bytes | bytearray | memoryview]
+                                ) -> Callable[[], list[memoryview]]:
+        return self._all_to_all_start(payloads, self.overlaps_exchange)
 
     @property
     def device_gather(self) -> bool:  # type: ignore[override]

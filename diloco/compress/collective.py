@@ -191,7 +191,7 @@ def _pipelined(transport: Transport, groups: list[list[torch.Tensor]], alone: li
 
     b = 0
     while b < len(groups) or active:
-        older = active
+        older = list(active)  # resumed this tick; a bucket started now waits for the next
         if b < len(groups):
             slot = None
             if alone[b]:
@@ -200,7 +200,6 @@ def _pipelined(transport: Transport, groups: list[list[torch.Tensor]], alone: li
                 slot = free_slots.pop() if free_slots else "concat" + (str(len(scratch)) if scratch else "")
                 flat, scratch[slot] = transport.concat_bucket(groups[b], scratch.get(slot), largest, slot)
             steps = mean_(transport, flat, codec, weight, (key, b))
-            older = list(active)
             active.append([steps, next(steps), b, flat, slot])
             b += 1
         done = {id(item) for item in reversed(older) if resume(item)}
