@@ -202,6 +202,31 @@ def test_topk_ties_go_to_the_lowest_index():
     assert values.tolist() == [-2.0, 2.0, 2.0, 0.0]
 
 
+def test_topk_cpu_shortcut_selects_exactly_what_the_bit_patterns_select():
+    """On the CPU the reference ranks the magnitudes themselves and checks each chunk for a tie at its k-th
+    largest: chunks with ties, NaN, Inf, signed zeros and a short last chunk must still come out as the
+    bit-pattern rule picks them (the rule the kernel and every other device use)."""
+    g = torch.Generator().manual_seed(7)
+    for trial in range(600):
+        chunk = (4, 16, 64, 256)[trial % 4]
+        n = int(torch.randint(1, 5 * chunk, (1,), generator=g))
+        kk = int(torch.randint(1, chunk + 1, (1,), generator=g))
+        x = torch.randn(n, generator=g)
+        kind = trial // 4 % 5
+        if kind == 1:
+            x[torch.rand(n, generator=g) < 0.5] = 0.0
+        elif kind == 2:
+            x = torch.randint(-3, 4, (n,), generator=g).float()
+        elif kind == 3:
+            x[torch.rand(n, generator=g) < 0.1] = float("nan")
+            x[torch.rand(n, generator=g) < 0.1] = float("-inf")
+        elif kind == 4:
+            x[torch.rand(n, generator=g) < 0.3] = -0.0
+        chunks = -(-n // chunk)
+        want = tk._top_by_bits(x, chunks, chunk, kk)
+        assert torch.equal(tk._top_indices(x, chunks, chunk, kk), want), (trial, n, chunk, kk)
+
+
 @pytest.mark.parametrize("n, chunk, k", [(640, 64, 9), (650, 64, 9), (70, 64, 20), (40, 64, 64)])
 def test_topk_selection_with_many_ties_matches_a_plain_ranking(n, chunk, k):
     """Few distinct magnitudes (more tied at the k-th than a chunk keeps), zeros, and a short last chunk: each

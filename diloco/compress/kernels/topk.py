@@ -38,10 +38,47 @@ def selected_count(n: int, chunk: int, k: int) -> int:
 
 def _accumulate(x: torch.Tensor, residual: Optional[torch.Tensor], decay: float) -> torch.Tensor:
     if residual is None:
-        return x.float().clone()
+        return x.float()  # read only: the values are gathered out of it
     if decay == 1.0:
         return x.float() + residual
     return residual.mul(decay).add_(x.float())  # two roundings, as in the kernel (no FMA)
+
+
+def _top_by_bits(acc: torch.Tensor, nchunks: int, chunk: int, kk: int) -> torch.Tensor:
+    """``(nchunks, kk)`` indices (int64, ascending) of the selection, by the rule itself: each entry's key is the
+    bit pattern of |acc| with the reversed index below it, so the keys are distinct and ties go to the lowest
+    index. ``acc`` holds ``nchunks`` chunks, the last one possibly short (its missing entries rank last)."""
+    ib = bits_for(chunk)
+    keys = acc.abs().view(torch.int32).to(torch.int64)
+    pad = nchunks * chunk - acc.numel()
+    if pad:
+        keys = torch.cat([keys, keys.new_full((pad,), -1)])
+    j = torch.arange(chunk, device=acc.device, dtype=torch.int64)
+    keys = (keys.view(nchunks, chunk) << ib) | (chunk - 1 - j)
+    return torch.topk(keys, kk, dim=1, sorted=False).indices.sort(dim=1).values
+
+
+def _top_indices(acc: torch.Tensor, nchunks: int, chunk: int, kk: int) -> torch.Tensor:
+    """:func:`_top_by_bits`, faster on the CPU: a top-(kk+1) of the magnitudes themselves, less its least, picks
+    the same entries wherever that least is unique among the kk+1 (then the kk-th largest is strictly above
+    the rest, and nothing was left to a tie). Chunks with a tie there (such as runs of zeros) or a NaN (ranked
+    first, so it would make the least NaN) go by the bits, as does a short last chunk. On other devices the bits
+    alone: the check would cost a host sync there."""
+    full = acc.numel() // chunk
+    if acc.device.type != "cpu" or full == 0 or kk == chunk:
+        return _top_by_bits(acc, nchunks, chunk, kk)
+    rows = acc[:full * chunk].view(full, chunk)
+    top = torch.topk(rows.abs(), kk + 1, dim=1, sorted=False)
+    least = top.values.amin(dim=1, keepdim=True)
+    loose = ((top.values == least).sum(dim=1) > 1) | least[:, 0].isnan()
+    idx = top.indices.gather(1, torch.topk(top.values, kk, dim=1, sorted=False).indices)
+    redo = loose.nonzero()[:, 0]
+    if redo.numel():
+        idx[redo] = _top_by_bits(rows[redo].reshape(-1), redo.numel(), chunk, kk)
+    idx = idx.sort(dim=1).values
+    if nchunks > full:
+        idx = torch.cat([idx, _top_by_bits(acc[full * chunk:], 1, chunk, kk)])
+    return idx
 
 
 def topk_chunks_ref(x: torch.Tensor, chunk: int, k: int, residual: Optional[torch.Tensor] = None,
@@ -51,17 +88,9 @@ def topk_chunks_ref(x: torch.Tensor, chunk: int, k: int, residual: Optional[torc
     n = x.numel()
     acc = _accumulate(x, residual, decay)
     if n == 0:
-        return torch.zeros(0, dtype=torch.int32, device=x.device), acc[:0]
+        return torch.zeros(0, dtype=torch.int32, device=x.device), acc[:0].clone()
     nchunks = -(-n // chunk)
-    ib = bits_for(chunk)
-    keys = acc.abs().view(torch.int32).to(torch.int64)
-    pad = nchunks * chunk - n
-    if pad:
-        keys = torch.cat([keys, keys.new_full((pad,), -1)])
-    j = torch.arange(chunk, device=x.device, dtype=torch.int64)
-    keys = (keys.view(nchunks, chunk) << ib) | (chunk - 1 - j)
-    kk = min(k, chunk)
-    idx = torch.topk(keys, kk, dim=1, sorted=False).indices.sort(dim=1).values
+    idx = _top_indices(acc, nchunks, chunk, min(k, chunk))
     flat = (idx + torch.arange(nchunks, device=x.device)[:, None] * chunk).reshape(-1)
     count = selected_count(n, chunk, k)
     idx, flat = idx.reshape(-1)[:count], flat[:count]
