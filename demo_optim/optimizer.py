@@ -134,38 +134,63 @@ class DeMo(torch.optim.Optimizer):
         else:
             payload = self._encode(entries, chain) if contribute else wire.pack(b"", torch.float32, (0,), chain)
             payloads = self.transport.all_gather_bytes(payload)
-        agg = self._mean(payloads, plans, chain)
-        if entries:
-            order = self._layout(plans, chain, self._device()).order
-            kernels.decode_sign_many(agg, [entries[j][0] for j in order], [entries[j][1]["lr"] for j in order],
-                                     [plans[j] for j in order])
+        self._apply_mean(payloads, entries, plans, chain)
         return loss
 
-    def _mean(self, payloads: list[bytes], plans: list[ChunkPlan], chain: str) -> torch.Tensor:
-        """The mean of the valid payloads per coefficient (0 where nobody sent), flat in wire order.
+    def _apply_mean(self, payloads: list, entries, plans: list[ChunkPlan], chain: str) -> None:
+        """``p -= lr * sign(IDCT(mean))`` for every parameter, the mean taken over the valid payloads per
+        coefficient (0 where nobody sent).
 
         Simulated workers (``transport.shared_results``) receive the very same payload list: the first of them
-        validates and sums it, the others take that result (the same values, as they would compute them) and
-        replay its rejections in their own counters and log. The slot is freed once every worker had it.
+        validates and sums it and works out the update's direction, ``sign(IDCT(mean))`` of every parameter
+        (:func:`kernels.signs_many`, in the parameters' dtype); the others take that direction (the same values, as
+        they would compute them), apply it with their own lr, and replay the rejections in their own counters
+        and log. The slot is freed once every worker had it. Other transports decode and apply in one pass.
         """
         device = self._device() if plans else torch.device("cpu")
         key = (chain, device)
         shared = _SHARED_MEAN.take(payloads, key)
         if shared is not None:
-            agg, contributors, rejected = shared
+            direction, contributors, rejected = shared
             self._rejected_now = []
             self.last_contributors = contributors
             for rank, reason in rejected:
                 self._reject(rank, reason)
-            return agg
-        if payloads and isinstance(payloads[0], torch.Tensor):
-            sums, counts = self._aggregate_device(payloads, plans, chain)
         else:
-            sums, counts = self._aggregate(payloads, plans, chain)
-        agg = sums.flat.div_(counts.flat.clamp_(min=1))  # 0 where nobody sent: the sum is 0 there
-        if self.transport.shared_results and len(payloads) > 1:  # every member got this list (fewer under churn)
-            _SHARED_MEAN.fill(payloads, key, (agg, self.last_contributors, self._rejected_now), len(payloads) - 1)
-        return agg
+            if payloads and isinstance(payloads[0], torch.Tensor):
+                sums, counts = self._aggregate_device(payloads, plans, chain)
+            else:
+                sums, counts = self._aggregate(payloads, plans, chain)
+            agg = sums.flat.div_(counts.flat.clamp_(min=1))  # 0 where nobody sent: the sum is 0 there
+            if not (self.transport.shared_results and len(payloads) > 1):  # (fewer than all members under churn)
+                if entries:
+                    order = self._layout(plans, chain, device).order
+                    kernels.decode_sign_many(agg, [entries[j][0] for j in order],
+                                             [entries[j][1]["lr"] for j in order], [plans[j] for j in order])
+                return
+            direction = None
+            if entries:
+                layout = self._layout(plans, chain, device)
+                dtypes = {p.dtype for p, _, _ in entries}  # one dtype keeps the apply on foreach's fast path
+                direction = torch.empty(layout.numel, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32,
+                                        device=device)
+                kernels.signs_many(agg, layout.in_params(direction), [plans[j] for j in layout.order])
+            _SHARED_MEAN.fill(payloads, key, (direction, self.last_contributors, self._rejected_now),
+                              len(payloads) - 1)
+        if entries:
+            self._apply_direction(direction, entries, plans, chain)
+
+    def _apply_direction(self, direction: torch.Tensor, entries, plans: list[ChunkPlan], chain: str) -> None:
+        """``p -= lr * direction`` for every parameter (wire order, parameter-shaped pieces): one foreach call
+        per lr."""
+        layout = self._layout(plans, chain, self._device())
+        by_lr: dict[float, tuple[list, list]] = {}
+        for j, piece in zip(layout.order, layout.in_params(direction)):
+            params, pieces = by_lr.setdefault(entries[j][1]["lr"], ([], []))
+            params.append(entries[j][0])
+            pieces.append(piece)
+        for lr, (params, pieces) in by_lr.items():
+            torch._foreach_add_(params, pieces, alpha=-lr)
 
     def _reject(self, rank: int, reason: Any) -> None:
         self.rejected_payloads += 1
@@ -435,6 +460,9 @@ class _Layout:
         for j, start in zip(self.order, [0, *accumulate(sizes)]):
             self.offsets[j] = start
         self.total = sum(sizes)
+        numels = [math.prod(plans[j].shape) for j in self.order]
+        self.param_starts = [0, *accumulate(numels)]  # parameter k of wire order: elements [k], [k+1]
+        self.numel = self.param_starts[-1]
         self.wire_ends = list(accumulate(plans[j].sent for j in self.order))
         self._prefixes: dict[tuple[str, bool], torch.Tensor] = {}  # device payloads' prefixes, made at first use
         self._silent: dict[str, torch.Tensor] = {}  # the device payload of a worker that sends nothing
@@ -466,6 +494,12 @@ class _Layout:
                                       torch.zeros(self.value_bytes + self.index_bytes, dtype=torch.uint8,
                                                   device=self.ones.device)])
         return cache[chain]
+
+    def in_params(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """A buffer of :attr:`numel` elements as parameter-shaped views, in wire order (same-shaped neighbours
+        back to back, so they stack without a copy)."""
+        starts = self.param_starts
+        return [flat[starts[k]:starts[k + 1]].view(self.plans[j].shape) for k, j in enumerate(self.order)]
 
     def owner(self, element: int) -> int:
         """The parameter (index in parameter order) of the element-th sent coefficient of a payload."""

@@ -305,6 +305,29 @@ def test_same_shaped_parameters_take_one_launch_and_match_one_by_one(device, in_
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(many, one))
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("triton", [False, True], ids=["reference", "kernel"])
+def test_signs_then_apply_equal_the_fused_decode(device, triton):
+    """signs_many writes sign(IDCT(agg)) into parameter-shaped views of one buffer (what simulated workers
+    share); adding -lr times it gives exactly what decode_sign_many's fused pass gives, fp32 and bf16 (bf16 not
+    through the interpreter, whose stores to bf16 truncate where a GPU and torch round to nearest)."""
+    shapes = [(64, 128), (64, 128), (32, 64), (100,), (40, 70)]
+    plans = [plan_for(s, 64, 16, "auto") for s in shapes]
+    g = torch.Generator().manual_seed(9)
+    agg = torch.randn(sum(p.num_chunks * p.chunk_size for p in plans), generator=g).to(device)
+    for dtype in (torch.float32, torch.bfloat16) if device == "cuda" or not triton else (torch.float32,):
+        params = [torch.randn(s, generator=g).to(device, dtype) for s in shapes]
+        fused = [p.clone() for p in params]
+        K.decode_sign_many(agg, fused, [0.01] * len(shapes), plans, triton=triton)
+        flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=dtype, device=device)
+        outs = list(flat.split([math.prod(s) for s in shapes]))
+        outs = [o.view(s) for o, s in zip(outs, shapes)]
+        K.signs_many(agg, outs, plans, triton=triton)
+        assert set(flat.unique().tolist()) <= {-1.0, 0.0, 1.0}
+        torch._foreach_add_(params, outs, alpha=-0.01)
+        assert all(torch.equal(a, b) for a, b in zip(params, fused)), dtype
+
+
 # ---- in the loop -------------------------------------------------------------------------------
 SMALL = ["run.batch_size=4", "run.eval_every=0", "run.checkpoint_every=0", "sim.baseline=none", "sim.step_time=0.01"]
 
