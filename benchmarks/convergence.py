@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -175,12 +176,16 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
         lines.append(f"- virtual time to {ref}'s loss: when the validation loss first reaches {ref}'s final median "
                      f"loss {ref_loss:.4f}, interpolated linearly between evaluations (to DDP's loss: the first "
                      f"evaluation at or below it); median over seeds")
+    lines.append("- real s: the run's own wall-clock on this machine (its trainers built, every step, every "
+                 "evaluation), median over seeds; real / DDP's: against DDP's on the same steps")
     lines += [
         "",
         "| method | val loss (median) | seeds | vs DDP | bytes sent / worker | DDP bytes / these | peak bytes / exchange | "
-        "virtual wall | virtual time to DDP's loss |" + (f" virtual time to {ref}'s loss |" if ref else ""),
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if ref else ""),
+        "virtual wall | virtual time to DDP's loss |" + (f" virtual time to {ref}'s loss |" if ref else "") +
+        " real s (median) | real / DDP's |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if ref else "") + " --- | --- |",
     ]
+    real = {m: statistics.median(r.get("real_s", math.nan) for r in by[m]) for m in methods}
     for m in methods:
         rs = by[m]
         b = statistics.median(r["bytes"] for r in rs)
@@ -192,8 +197,9 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
         # median over seeds, a seed that never got there counting as infinitely late
         to_ddp = median_time_to(rs, ddp, time_to) if ddp is not None else "not reached"
         to_ref = f" {median_time_to(rs, ref_loss, time_to_interp)} |" if ref else ""
+        slower = f"{real[m] / real['ddp']:.2f}x" if "ddp" in real and real["ddp"] > 0 else ""
         lines.append(f"| {m} | {med[m]:.4f} | {seeds} | {gap} | {human_bytes(b)} | {fewer} | {peak} | {wall:.1f} s | "
-                     f"{to_ddp} |{to_ref}")
+                     f"{to_ddp} |{to_ref} {real[m]:.1f} | {slower} |")
     return "\n".join(lines) + "\n"
 
 

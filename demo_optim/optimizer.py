@@ -162,7 +162,7 @@ class DeMo(torch.optim.Optimizer):
             else:
                 sums, counts = self._aggregate(payloads, plans, chain)
             agg = sums.flat.div_(counts.flat.clamp_(min=1))  # 0 where nobody sent: the sum is 0 there
-            if not (self.transport.shared_results and len(payloads) > 1):  # (fewer than all members under churn)
+            if not (self.transport.shared_results and len(payloads) > 1):  # no other worker takes this list: one pass
                 if entries:
                     order = self._layout(plans, chain, device).order
                     kernels.decode_sign_many(agg, [entries[j][0] for j in order],
