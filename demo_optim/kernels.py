@@ -128,7 +128,8 @@ def encode_batch_ref(deltas: list[torch.Tensor], plans: list[ChunkPlan]) -> tupl
     value, for each kept coefficient (r, c)): a quarter of the work of an inverse DCT of the mostly-zero block
     at k = 32 of 64 x 64, and the same result to rounding."""
     plan = plans[0]
-    blocks = torch.empty(sum(p.num_chunks for p in plans), plan.s1, plan.s2, device=deltas[0].device)
+    blocks = torch.empty(sum(p.num_chunks for p in plans), plan.s1, plan.s2, dtype=torch.float32,
+                         device=deltas[0].device)
     at = 0
     for d, p in zip(deltas, plans):  # each parameter's blocks, copied once into their place
         part = blocks[at:at + p.num_chunks]
@@ -320,7 +321,7 @@ def decode_sign_many(agg: torch.Tensor, params: list[torch.Tensor], lrs: Optiona
 
 def signs_many(agg: torch.Tensor, outs: list[torch.Tensor], plans: list[ChunkPlan],
                triton: Optional[bool] = None) -> None:
-    """``sign(IDCT(agg))`` of every parameter, written into ``outs`` (parameter-shaped; int8 holds it): the
+    """``sign(IDCT(agg))`` of every parameter, written into ``outs`` (parameter-shaped, any dtype): the
     update direction :func:`decode_sign_many` applies, for callers that apply one direction to several
     replicas (the simulator's workers)."""
     decode_sign_many(agg, outs, None, plans, triton)

@@ -310,7 +310,7 @@ def test_same_shaped_parameters_take_one_launch_and_match_one_by_one(device, in_
 def test_signs_then_apply_equal_the_fused_decode(device, triton):
     """signs_many writes sign(IDCT(agg)) into parameter-shaped views of one buffer (what simulated workers
     share); adding -lr times it gives exactly what decode_sign_many's fused pass gives, fp32 and bf16 (bf16 not
-    through the interpreter, whose stores to bf16 truncate where a GPU and torch round to nearest)."""
+    through the interpreter, whose fp32-to-bf16 conversion truncates where a GPU and torch round to nearest)."""
     shapes = [(64, 128), (64, 128), (32, 64), (100,), (40, 70)]
     plans = [plan_for(s, 64, 16, "auto") for s in shapes]
     g = torch.Generator().manual_seed(9)
