@@ -43,7 +43,8 @@ class DeMoAlgorithm(Algorithm):
 
     def _update(self) -> None:
         self.optimizer.grads_checked = True  # the loop just checked the gradient norm
-        self.optimizer.step()
+        with self.transport.exchange_scope(barrier=False):  # one all-gather a step: its bytes are the peak's
+            self.optimizer.step()
 
     def _skipped_update(self) -> None:
         self.optimizer.contribute = False  # send nothing, still apply the others' update

@@ -339,6 +339,7 @@ def test_algo_demo_in_the_simulator(tmp_path):
     cfg, _ = load_config([TINY], [*FAST, *SMALL, f"run.dir={tmp_path / 'ddp'}", *common, "algo.name=ddp"])
     ddp = simulate_once(cfg)
     assert demo["bytes_sent"] * 30 < ddp["bytes_sent"]
+    assert demo["peak_bytes_per_exchange"] * 8 == demo["bytes_sent"]  # one payload a step, the same size each
     assert demo["val_loss"] < 5.0
     state = latest_checkpoint(tmp_path / "demo" / "checkpoints")[1]
     w0, w1 = (w["model"] for w in state["workers"])

@@ -285,9 +285,11 @@ class Transport(ABC):
         return sum(n for j, n in enumerate(sent) if j != me), sum(n for i, n in enumerate(received) if i != me)
 
     @contextlib.contextmanager
-    def exchange_scope(self) -> Iterator[None]:
-        """One exchange: starts with :meth:`before_exchange` and records its bytes as a peak candidate."""
-        self.before_exchange()
+    def exchange_scope(self, barrier: bool = True) -> Iterator[None]:
+        """One exchange: starts with :meth:`before_exchange` (unless ``barrier`` is False: an exchange of one
+        collective, which is its own rendezvous) and records its bytes as a peak candidate."""
+        if barrier:
+            self.before_exchange()
         before = self.stats.bytes_sent
         yield
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes_sent - before)
