@@ -208,8 +208,30 @@ def test_a_stranger_streaming_junk_leaves_memory_flat_and_training_unaffected(tm
                 return got
             return run_together(peers, step)
 
+        def peak_growth(fn):
+            """fn's result, and the process's RSS before it and at its peak while it ran."""
+            base = rss_mb()
+            peak = [base]
+            done = threading.Event()
+
+            def watch():
+                while not done.is_set():
+                    peak[0] = max(peak[0], rss_mb())
+                    time.sleep(0.02)
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            try:
+                return fn(), base, peak[0]
+            finally:
+                done.set()
+                watcher.join()
+
         for _ in range(3):  # warm: buffers, codec, connections (the first rounds grow the heap by some 20 MB)
             rounds(1)
+        # the same rounds alone first: the heap (and the malloc arenas of the threads that run them) reaches their
+        # working set, which late in a long test session can take some 50 MB more than in a fresh process
+        _, alone_base, alone_peak = peak_growth(lambda: rounds(4))
         size = len(codec.encode(torch.zeros(numel), prefix=struct.pack("<d", 1.0)))
         log = open(tmp_path / "stranger.log", "w")
         stranger = subprocess.Popen([sys.executable, "-c", STRANGER, addrs[0], peers[0].me, "open", str(size),
@@ -218,22 +240,7 @@ def test_a_stranger_streaming_junk_leaves_memory_flat_and_training_unaffected(tm
         deadline = time.time() + 30
         while time.time() < deadline and len((tmp_path / "stranger.log").read_text().split()) < 6:
             time.sleep(0.2)  # it is connected and pushing
-        base = rss_mb()
-        peak = [base]
-        done = threading.Event()
-
-        def watch():
-            while not done.is_set():
-                peak[0] = max(peak[0], rss_mb())
-                time.sleep(0.02)
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        try:
-            out = rounds(4)
-        finally:
-            done.set()
-            watcher.join()
+        out, base, peak = peak_growth(lambda: rounds(4))
         assert stranger.poll() is None, (tmp_path / "stranger.log").read_text()[-2000:]
         attempts = int((tmp_path / "stranger.log").read_text().split()[-2])
     finally:
@@ -242,8 +249,9 @@ def test_a_stranger_streaming_junk_leaves_memory_flat_and_training_unaffected(tm
             stranger.wait(10)
         for p in peers:
             p.close()
-    grew = peak[0] - base
-    print(f"stranger pushes: {attempts}; peer RSS {base:.0f} MB -> peak {peak[0]:.0f} MB (+{grew:.1f} MB)")
+    grew = peak - base
+    print(f"stranger pushes: {attempts}; peer RSS {base:.0f} MB -> peak {peak:.0f} MB (+{grew:.1f} MB); the same "
+          f"rounds without the stranger: {alone_base:.0f} -> {alone_peak:.0f} MB")
     assert grew < 50, f"the peer's memory grew by {grew:.0f} MB while a stranger streamed junk"
     assert attempts >= 10, "the stranger hardly pushed anything"
     for i in out:
