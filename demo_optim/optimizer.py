@@ -148,6 +148,7 @@ class DeMo(torch.optim.Optimizer):
         and log. The slot is freed once every worker had it. Other transports decode and apply in one pass.
         """
         device = self._device() if plans else torch.device("cpu")
+        layout = self._layout(plans, chain, device) if entries else None
         key = (chain, device)
         shared = _SHARED_MEAN.take(payloads, key)
         if shared is not None:
@@ -163,27 +164,25 @@ class DeMo(torch.optim.Optimizer):
                 sums, counts = self._aggregate(payloads, plans, chain)
             agg = sums.flat.div_(counts.flat.clamp_(min=1))  # 0 where nobody sent: the sum is 0 there
             if not (self.transport.shared_results and len(payloads) > 1):  # no other worker takes this list: one pass
-                if entries:
-                    order = self._layout(plans, chain, device).order
+                if layout is not None:
+                    order = layout.order
                     kernels.decode_sign_many(agg, [entries[j][0] for j in order],
                                              [entries[j][1]["lr"] for j in order], [plans[j] for j in order])
                 return
             direction = None
-            if entries:
-                layout = self._layout(plans, chain, device)
+            if layout is not None:
                 dtypes = {p.dtype for p, _, _ in entries}  # one dtype keeps the apply on foreach's fast path
                 direction = torch.empty(layout.numel, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32,
                                         device=device)
                 kernels.signs_many(agg, layout.in_params(direction), [plans[j] for j in layout.order])
             _SHARED_MEAN.fill(payloads, key, (direction, self.last_contributors, self._rejected_now),
                               len(payloads) - 1)
-        if entries:
-            self._apply_direction(direction, entries, plans, chain)
+        if layout is not None:
+            self._apply_direction(direction, entries, layout)
 
-    def _apply_direction(self, direction: torch.Tensor, entries, plans: list[ChunkPlan], chain: str) -> None:
+    def _apply_direction(self, direction: torch.Tensor, entries, layout: "_Layout") -> None:
         """``p -= lr * direction`` for every parameter (wire order, parameter-shaped pieces): one foreach call
         per lr."""
-        layout = self._layout(plans, chain, self._device())
         by_lr: dict[float, tuple[list, list]] = {}
         for j, piece in zip(layout.order, layout.in_params(direction)):
             params, pieces = by_lr.setdefault(entries[j][1]["lr"], ([], []))
