@@ -222,10 +222,11 @@ def test_a_stranger_streaming_junk_leaves_memory_flat_and_training_unaffected(tm
             watcher = threading.Thread(target=watch)
             watcher.start()
             try:
-                return fn(), base, peak[0]
+                out = fn()
             finally:
                 done.set()
                 watcher.join()
+            return out, base, peak[0]  # read after the watcher's last sample
 
         for _ in range(3):  # warm: buffers, codec, connections (the first rounds grow the heap by some 20 MB)
             rounds(1)
