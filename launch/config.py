@@ -533,6 +533,29 @@ def config_from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config
     return builder.config
 
 
+#: keys that may differ between the processes of one run: where files lie, how a process shows its progress,
+#: and the machine it runs on; the simulator's section is not read by a real run
+PER_PROCESS = frozenset({"data.path", "data.val_path", "data.hf_data_files", "run.dir", "run.name", "run.device",
+                         "run.threads", "run.compile", "run.precision", "log.progress", "log.wandb",
+                         "log.wandb_project", "log.wandb_entity", "log.wandb_mode", "log.plot"})
+
+
+def shared_settings(cfg: Config) -> dict[str, Any]:
+    """What every process of a torchrun job must agree on: every key but :data:`PER_PROCESS` (``section.key`` ->
+    value), and loco's version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, Any] = {}
+    for section, values in cfg.to_dict().items():
+        if section != "sim":
+            out.update((f"{section}.{k}", v) for k, v in values.items() if f"{section}.{k}" not in PER_PROCESS)
+    try:
+        out["loco version"] = version("loco")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        out["loco version"] = "unknown"
+    return out
+
+
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 

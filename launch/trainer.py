@@ -48,7 +48,7 @@ from diloco.comm import Transport, make_transport
 from launch.algorithms import algorithm_class
 from launch.checkpoint import (CheckpointError, checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint,
                                rng_state, save_checkpoint, set_rng_state)
-from launch.config import Config, dump_config
+from launch.config import Config, dump_config, shared_settings
 from launch.data import Batcher, TokenData, load_data
 from launch.metrics import Metrics, human_bytes, matmul_precision, mfu_basis, plot_runs, truncate_metrics
 from launch.models import Transformer, count_params, model_args_from_config
@@ -331,7 +331,8 @@ class Trainer:
         keep_freed_memory()
         self.device = resolve_device(run.device)
         self.transport = transport or make_transport(cfg.transport.backend, cfg.transport.dist_backend,
-                                                     cfg.transport.timeout, self.device, cfg.transport.mesh)
+                                                     cfg.transport.timeout, self.device, cfg.transport.mesh,
+                                                     settings=shared_settings(cfg))
         self.rank, self.world = self.transport.rank, self.transport.world_size
         self.leader = self.transport.is_leader
         # a worker may be several processes (a node of a torchrun mesh): each takes its share of the worker's batch

@@ -59,21 +59,9 @@ def test_two_nodes_of_two_processes_equal_two_workers_with_double_batch(tmp_path
     sim = run_cli(["simulate", *common, *sets(*algo, "run.batch_size=4"), "--workers", "2",
                    "--run-dir", str(tmp_path / "sim")])
     assert sim.returncode == 0, sim.stderr[-3000:]
-    port = str(free_port())
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
-         "2", "--master-addr", "127.0.0.1", "--master-port", port, "-m", "launch.cli", "train", *common,
-         *sets(*algo, "run.batch_size=2"), "--run-dir", str(tmp_path / "mesh")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT, start_new_session=True)
-        for node in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+    for node in _nodes([["train", *common, *sets(*algo, "run.batch_size=2"), "--run-dir", str(tmp_path / "mesh")]] * 2,
+                       per_node=2):
+        assert node.returncode == 0, node.stderr[-3000:]
     a = latest_checkpoint(tmp_path / "sim" / "checkpoints")[1]
     b = latest_checkpoint(tmp_path / "mesh" / "checkpoints")[1]
     assert len(b["workers"]) == 2, "one worker per node"
@@ -82,6 +70,47 @@ def test_two_nodes_of_two_processes_equal_two_workers_with_double_batch(tmp_path
     summary = json.loads((tmp_path / "mesh" / "summary.json").read_text())
     assert summary["mesh"] == "2 nodes x 2 processes" and summary["intra_node_bytes"] > 0
     assert summary["tokens"] == json.loads((tmp_path / "sim" / "summary.json").read_text())["tokens"]
+
+
+def _nodes(args: list[list[str]], per_node: int = 1, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """One torchrun per node on this machine (``--nnodes len(args)``), node i running ``launch.cli args[i]``."""
+    port = str(free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(args)), "--node-rank", str(node),
+         "--nproc-per-node", str(per_node), "--master-addr", "127.0.0.1", "--master-port", port, "-m", "launch.cli",
+         *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT,
+        start_new_session=True) for node, a in enumerate(args)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def test_nodes_started_with_different_settings_stop_at_once_naming_them(tmp_path):
+    """Two nodes whose settings differ (another codec, another H) would hang at their first differing collective;
+    every process stops before training instead, naming each key with its value on each rank. Settings a node
+    may choose for itself (threads, progress display, the run folder, which rank 0 decides) do not count."""
+    common = ["train", "--config", TINY, "--max-steps", "4", *sets("algo.name=diloco", "algo.inner_steps=2")]
+    parted = _nodes([[*common, "--run-dir", str(tmp_path / "a")],
+                     [*common, *sets("compress.codec=int8", "algo.inner_steps=4"), "--run-dir", str(tmp_path / "a")]],
+                    timeout=120)
+    for node in parted:
+        assert node.returncode != 0
+        assert "were started with different settings" in node.stderr, node.stderr[-3000:]
+        assert "compress.codec: 'fp32' on rank 0 (" in node.stderr and "; 'int8' on rank 1 (" in node.stderr
+        assert "algo.inner_steps: 2 on rank 0 (" in node.stderr and "; 4 on rank 1 (" in node.stderr
+        assert "run.threads" not in node.stderr and "Traceback (most recent call last):\n  File \"/" not in \
+            node.stderr.split("torch.distributed.elastic")[0]  # the message, not a traceback of loco's
+    assert not (tmp_path / "a").exists(), "nothing was started"
+    agreed = _nodes([[*common, "--run-dir", str(tmp_path / "b")],
+                     [*common, *sets("run.threads=2", "log.progress=off"), "--run-dir", str(tmp_path / "elsewhere")]],
+                    timeout=180)
+    for node in agreed:
+        assert node.returncode == 0, node.stderr[-3000:]
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["steps"] == 4
 
 
 def _children(pid: int) -> list[int]:

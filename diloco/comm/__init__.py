@@ -16,6 +16,7 @@ def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: f
 
     ``mesh``: ``flat`` makes every process a worker; ``nodes`` makes every node one worker (its processes
     average gradients every step); ``auto`` is ``nodes`` when torchrun runs several nodes of several processes.
+    ``settings=`` (torch_dist): what every process must agree on, compared before anything else runs.
     ``hivemind``: a swarm peer, ``HivemindTransport(**options)`` (``run=``, ``initial_peers=``, ...).
     ``sim``: worker ``rank`` of an in-process group, ``make_transport("sim", group=group, rank=r)``.
     """
@@ -29,9 +30,10 @@ def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: f
         from diloco.comm.torch_dist import NodeMeshTransport, TorchDistTransport
 
         nodes, per_node = torchrun_layout()
+        settings = options.get("settings")  # compared across the processes (TorchDistTransport)
         if mesh == "nodes" or (mesh == "auto" and nodes > 1 and per_node > 1):
-            return NodeMeshTransport(dist_backend, timeout, device, per_node)
-        return TorchDistTransport(dist_backend, timeout, device)
+            return NodeMeshTransport(dist_backend, timeout, device, per_node, settings=settings)
+        return TorchDistTransport(dist_backend, timeout, device, settings=settings)
     if backend == "hivemind":
         from diloco.extras import require
 

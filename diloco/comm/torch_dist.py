@@ -6,7 +6,11 @@ Every collective runs under the process group's timeout; a collective that
 fails raises :class:`TransportError` naming this rank. On gloo every exchange
 starts with a monitored barrier, so a worker that does not arrive within the
 timeout is named by rank 0 ("Ranks 2 failed to pass monitoredBarrier") instead
-of a silent hang.
+of a silent hang. Given ``settings`` (what every process must agree on), the
+transport compares them across the processes as its first collective and
+raises on every process where any differs, naming the keys, values, ranks and
+hosts: processes started with different settings would otherwise hang at the
+first collective where they part ways.
 
 Two layouts:
 
@@ -33,10 +37,11 @@ import concurrent.futures
 import datetime
 import os
 import queue
+import socket
 import threading
 import time
 import warnings
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -116,12 +121,43 @@ def _elastic_store(timeout: float) -> dict[str, Any]:
             "world_size": int(os.environ["WORLD_SIZE"])}
 
 
+def settings_differ(views: Sequence[tuple[str, Mapping[str, Any]]], shown: int = 6) -> Optional[str]:
+    """What differs between the processes' settings (``views[rank]`` is (host, settings)), against rank 0's;
+    None where they all agree."""
+    host0, ref = views[0]
+    keys = sorted(set(ref).union(*(set(s) for _, s in views[1:])))
+    lines = []
+    for key in keys:
+        values: dict[str, list[int]] = {}  # repr of the value -> ranks
+        for rank, (_, settings) in enumerate(views):
+            values.setdefault(repr(settings[key]) if key in settings else "(not set)", []).append(rank)
+        if len(values) > 1:
+            parts = [f"{value} on rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks, views)}"
+                     for value, ranks in sorted(values.items(), key=lambda kv: kv[1][0])]
+            lines.append(f"{key}: {'; '.join(parts)}")
+    if not lines:
+        return None
+    more = f"\n  ... and {len(lines) - shown} more" if len(lines) > shown else ""
+    return (f"the {len(views)} processes of this run were started with different settings, and would stop at the "
+            f"first exchange where they part ways:\n  " + "\n  ".join(lines[:shown]) + more
+            + "\nStart every node with the same --config and --set options (only paths, logging, devices and "
+              "thread counts may differ).")
+
+
+def _ranks(ranks: list[int], views: Sequence[tuple[str, Any]], shown: int = 4) -> str:
+    """"1 (host b), 3 (host c)": the first few ranks of a list, with their hosts."""
+    out = ", ".join(f"{r} ({views[r][0]})" for r in ranks[:shown])
+    return out + (f" and {len(ranks) - shown} more" if len(ranks) > shown else "")
+
+
 class TorchDistTransport(Transport):
     shared_stop = True  # torchrun signals every rank; broadcast_object spans the whole process group
     keep_scratch = True  # one worker per process
 
     def __init__(self, backend: str = "auto", timeout: float = 300.0, device: Optional[torch.device] = None,
-                 group: Any = None) -> None:
+                 group: Any = None, settings: Optional[Mapping[str, Any]] = None) -> None:
+        """``settings``: what every process of the run must agree on (name -> value, values comparable with
+        ``==``); compared across every process before any other collective (see :func:`settings_differ`)."""
         super().__init__()
         self.device = device or torch.device("cpu")
         if backend == "auto":
@@ -138,6 +174,13 @@ class TorchDistTransport(Transport):
                     f"rank {os.environ.get('RANK', '?')}: could not join the process group at "
                     f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')} within {timeout:g}s: {e}"
                 ) from None
+        if settings is not None and dist.get_world_size() > 1:
+            views: list[Any] = [None] * dist.get_world_size()
+            self._run("all_gather_object (settings)", dist.all_gather_object, views,
+                      (socket.gethostname(), dict(settings)))
+            problem = settings_differ(views)
+            if problem is not None:
+                raise TransportError(f"rank {dist.get_rank()}: {problem}")
         self.group = group  # None: the whole world
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -380,8 +423,8 @@ class NodeMeshTransport(TorchDistTransport):
     overlaps_exchange = False  # a bucket's exchange runs through on_my_share (inside the node, then across)
 
     def __init__(self, backend: str = "auto", timeout: float = 300.0, device: Optional[torch.device] = None,
-                 per_node: Optional[int] = None) -> None:
-        super().__init__(backend, timeout, device)
+                 per_node: Optional[int] = None, settings: Optional[Mapping[str, Any]] = None) -> None:
+        super().__init__(backend, timeout, device, settings=settings)
         world = dist.get_world_size()
         g = per_node or torchrun_layout()[1]
         if g < 1 or world % g:
