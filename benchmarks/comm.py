@@ -63,6 +63,7 @@ PIECE = 1 << 20  # piece size of a synthetic --numel vector
 STEP = 1 << 22  # elements per chunk when building inputs or comparing vectors (bounds temporaries)
 KEY = "bench"
 SERIAL = " (one bucket at a time)"  # --serial: the row of a chain exchanged without overlap
+SIZED = " (sizes exchanged)"  # --exchange-sizes: the row of a fixed-size chain whose sizes are exchanged all the same
 
 
 # ---- shared helpers -------------------------------------------------------------------------------
@@ -90,9 +91,14 @@ def peak_rss() -> int | None:
     return None if kib is None else kib * 1024
 
 
+def base_chain(chain: str) -> str:
+    """A row's codec chain, without the note of ``--serial`` or ``--exchange-sizes``."""
+    return chain.replace(SERIAL, "").replace(SIZED, "")
+
+
 def label(chain: str) -> str:
-    """A row's chain in Markdown: the chain as code, and the ``--serial`` note after it."""
-    return f"`{chain.removesuffix(SERIAL)}`" + (SERIAL if chain.endswith(SERIAL) else "")
+    """A row's chain in Markdown: the chain as code, and the note of ``--serial`` or ``--exchange-sizes`` after it."""
+    return f"`{base_chain(chain)}`" + chain[len(base_chain(chain)):]
 
 
 def fmt_b(n: float) -> str:
@@ -125,7 +131,8 @@ def worker(cfg: dict) -> None:
     from diloco.compress.collective import all_reduce_compressed_
 
     torch.set_num_threads(cfg["threads"])
-    tr = TorchDistTransport(backend="gloo", timeout=cfg["collective_timeout"])
+    # the settings every worker states (as loco train does): fixed-size codecs then skip the size exchanges
+    tr = TorchDistTransport(backend="gloo", timeout=cfg["collective_timeout"], settings={"chains": cfg["chains"]})
     rank, world = tr.rank, tr.world_size
     lead = rank == 0
 
@@ -194,7 +201,8 @@ def worker(cfg: dict) -> None:
 
     def one_round(codec, chain: str = "") -> None:
         work.copy_(x)
-        tr.overlaps_exchange = not chain.endswith(SERIAL)
+        tr.overlaps_exchange = SERIAL not in chain
+        tr.settings_agreed = SIZED not in chain
         if codec is None:
             tr.all_reduce_(pieces, op="mean")
         else:
@@ -219,7 +227,7 @@ def worker(cfg: dict) -> None:
     rows = []
     rounds = 1 + cfg["repeats"]
     if cfg["interleave"]:  # round r of every chain, then round r + 1: side by side, in the same machine state
-        codecs = {c: None if c == "fp32" else make_codec(c.removesuffix(SERIAL)) for c in cfg["chains"]}
+        codecs = {c: None if c == "fp32" else make_codec(base_chain(c)) for c in cfg["chains"]}
         got: dict[str, tuple[list, list, list]] = {c: ([], [], []) for c in cfg["chains"]}
         for _ in range(rounds):
             for chain, codec in codecs.items():
@@ -230,7 +238,7 @@ def worker(cfg: dict) -> None:
         del codecs
     else:
         for chain in cfg["chains"]:
-            codec = None if chain == "fp32" else make_codec(chain.removesuffix(SERIAL))
+            codec = None if chain == "fp32" else make_codec(base_chain(chain))
             times, sent, errs = timed_rounds(lambda: one_round(codec, chain), rounds, check)
             rows.append(row_of(chain, times, sent, errs, rel_err(acc.div_(rounds)) if lead else None))
             codec = None  # drop its error-feedback state before the next chain
@@ -267,15 +275,18 @@ def _netlab():
     return netlab
 
 
-def launch(cfg: dict, procs: int, timeout: float, tmp: Path, link: float = 0.0) -> dict:
-    """Run the workers (on 127.0.0.1, or each in a lab host behind a link of ``link`` bit/s) and return rank 0's
-    results."""
+def launch(cfg: dict, procs: int, timeout: float, tmp: Path, link: float = 0.0, delay: float = 0.0) -> dict:
+    """Run the workers (on 127.0.0.1, or each in a lab host behind a link of ``link`` bit/s, whose packets take
+    ``delay`` seconds more each way) and return rank 0's results."""
     if not link:
         return _launch(cfg, procs, timeout, tmp, None)
     with _netlab().Lab() as lab:
         for rank in range(procs):
-            lab.public(f"w{rank}")
-            lab.shape(f"w{rank}", link)
+            if delay:
+                lab.far(f"w{rank}", delay, link)
+            else:
+                lab.public(f"w{rank}")
+                lab.shape(f"w{rank}", link)
         return _launch(cfg, procs, timeout, tmp, lab)
 
 
@@ -338,7 +349,9 @@ def render(res: dict, args, started: str, wall: float, load: tuple[float, float]
     from diloco.comm.base import Transport
 
     W, T, n = args.procs, args.tokens_per_step, res["numel"]
-    where = f"over {args.link / 1e9:g} Gbit/s links between network namespaces" if args.link else "on 127.0.0.1"
+    where = (f"over {args.link / 1e9:g} Gbit/s links between network namespaces" if args.link else "on 127.0.0.1") + (
+        f", {args.delay * 1e3:g} ms more each way on each link (a round trip between two workers: "
+        f"{4 * args.delay * 1e3:g} ms)" if args.delay else "")
     rows, demo = res["rows"], res["demo"]
     peaks = [p for p in res["peak_rss"] if p]
     lines = [
@@ -459,6 +472,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link", type=float, default=0.0,
                    help="bit/s: each worker in a network namespace of its own behind a link of this rate each way "
                         "(needs root and iproute2; tests/netlab.py); 0: loopback")
+    p.add_argument("--delay", type=float, default=0.0,
+                   help="seconds: with --link, each worker's link also delays every packet this long each way (a "
+                        "delay line of tests/netlab.py, rate-limited itself), so a round trip between two workers "
+                        "takes 4x this")
+    p.add_argument("--exchange-sizes", action="store_true",
+                   help=f"also time each compressed chain without zstd with its payload sizes exchanged before "
+                        f"every transfer (rows ending '{SIZED}'), as where the workers' settings were not agreed; "
+                        "by default fixed-size chains skip that exchange")
     p.add_argument("--out", default=None, help="also write the Markdown report here")
     p.add_argument("--_worker", dest="worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -468,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.procs < 2 or args.repeats < 1 or args.numel < 0 or args.tokens_per_step < 1 or args.inner_steps < 1:
         p.error("need --procs >= 2, --repeats >= 1, --numel >= 0, --tokens-per-step >= 1, --inner-steps >= 1")
+    if args.delay and not args.link:
+        p.error("--delay needs --link (the delay line carries the link's rate too)")
     if args.link:
         why = _netlab().unavailable()
         if why:
@@ -483,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         make_codec(c)  # a bad chain fails here, before any process starts
     if args.serial:  # each compressed chain again, its buckets exchanged one after the other
         chains = [x for c in chains for x in ([c] if c == "fp32" else [c, c + SERIAL])]
+    if args.exchange_sizes:  # each fixed-size chain again, with the size exchanges a fixed size makes needless
+        chains = [x for c in chains for x in ([c] if c == "fp32" or "zstd" in c else [c, c + SIZED])]
     topks = [int(k) for k in args.demo_topk.split(",") if k.strip()]
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     t0 = time.monotonic()
@@ -515,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
                "sizes": sizes, "seed": args.seed,
                "spread": args.spread, "threads": args.threads, "collective_timeout": args.collective_timeout,
                "demo_bytes": dbytes, "result": str(Path(tmp) / "result.json"), "interleave": args.interleave}
-        res = launch(cfg, args.procs, args.timeout, Path(tmp), args.link)
+        res = launch(cfg, args.procs, args.timeout, Path(tmp), args.link, args.delay)
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     text = render(res, args, started, time.monotonic() - t0, (load_before, load_after), args.demo_chunk, source)
     print("\n" + text)

@@ -105,6 +105,13 @@ def test_wire_size_is_header_plus_payload_bytes(chain):
         t = _randn(*shape, seed=4)
         n = t.numel()
         assert len(codec.encode(t)) - _header_size(codec, t) == codec.payload_bytes(n), shape
+        # what receivers expect without asking (the transports skip their size exchange on it), whatever the values
+        for values in (t, torch.zeros_like(t), t * 1e30):
+            assert len(codec.encode(values, key="k", prefix=b"12345678")) - 8 == codec.wire_size(n, t.dim()), shape
+
+
+def test_a_chain_with_zstd_states_no_wire_size():
+    assert make_codec("int8+zstd").wire_size(1000) is None and make_codec("topk+zstd").wire_size(1000) is None
 
 
 @pytest.mark.parametrize("chain,per_value,block", [("fp32", 4, None), ("bf16", 2, None), ("int8", 1, 256),

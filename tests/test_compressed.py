@@ -140,8 +140,13 @@ WORKER = textwrap.dedent("""
     from diloco.comm.torch_dist import TorchDistTransport
     from diloco.compress import make_codec
     from diloco.compress.collective import all_reduce_compressed_
-    t = TorchDistTransport("gloo", timeout=60)
+    t = TorchDistTransport("gloo", timeout=60, settings={settings!r})
     t.bucket_bytes = {bucket_bytes}
+    run, calls = t._run, []
+    def counted(what, *a, **kw):
+        calls.append(what)
+        return run(what, *a, **kw)
+    t._run = counted
     assert t.overlaps_exchange  # the buckets' exchanges overlap: started collectives left in flight
     codec = make_codec({chain!r})
     weights = {weights!r}
@@ -152,34 +157,40 @@ WORKER = textwrap.dedent("""
         else:
             total = t.all_reduce_compressed_async_(ts, codec, weights[t.rank], key="k").wait()
     sent = t.stats.bytes_sent
+    sizes_exchanged, payload_calls = sum("(sizes)" in c for c in calls), sum("(payload)" in c for c in calls)
     # the gathered mean (SparseLoCo's) over the same buckets, overlapped too
     gts = [x.clone() for x in inputs(t.world_size)[t.rank]]
     gtotal = all_reduce_compressed_(t, gts, make_codec({chain!r}), weights[t.rank], key="k", gather=True)
     for _ in range(2):  # the dense mean, twice: the second reuses the kept concatenation buffer
         dense = [x.clone() for x in inputs(t.world_size)[t.rank]]
         t.all_reduce_(dense)
-    # the last worker with another codec: every worker names a sender, with later buckets still in flight
-    try:
-        t.all_reduce_compressed_(inputs(t.world_size)[t.rank], make_codec("int4" if t.rank == 2 else {chain!r}), 1.0)
-        error = None
-    except TransportError as e:
-        error = str(e)
-    torch.save({{"ts": ts, "total": total, "bytes": sent, "gts": gts, "gtotal": gtotal, "dense": dense, "error": error}},
-               f"{out}/rank{{t.rank}}.pt")
+    # the last worker with another codec: every worker names a sender, with later buckets still in flight (where
+    # the settings were not agreed: sizes are exchanged)
+    error = None
+    if not t.settings_agreed:
+        try:
+            t.all_reduce_compressed_(inputs(t.world_size)[t.rank], make_codec("int4" if t.rank == 2 else {chain!r}),
+                                     1.0)
+        except TransportError as e:
+            error = str(e)
+    torch.save({{"ts": ts, "total": total, "bytes": sent, "gts": gts, "gtotal": gtotal, "dense": dense, "error": error,
+                "sizes_exchanged": sizes_exchanged, "payload_calls": payload_calls}}, f"{out}/rank{{t.rank}}.pt")
     t.close()
 """)
 
 
-@pytest.mark.parametrize("chain", ["int8", "topk:0.1+2bit+zstd"])
-def test_gloo_processes_equal_the_simulator(tmp_path, chain):
+@pytest.mark.parametrize("chain,agreed", [("int8", True), ("topk:0.1+2bit+zstd", False)])
+def test_gloo_processes_equal_the_simulator(tmp_path, chain, agreed):
     """Three real processes over gloo get byte-for-byte the simulator's result (two rounds: error feedback too;
     the second one started in the background, as Streaming DiLoCo's; then one gathered round). Small buckets (one
     of two tensors concatenated, two of one tensor each) make the gloo workers overlap the buckets' exchanges,
-    which the simulator runs one after the other."""
+    which the simulator runs one after the other. Where the processes agreed on their settings and the codec's
+    sizes are fixed (int8), no payload waits for a size exchange."""
     weights = [1.0, 3.0, 0.5]
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(TINY.rsplit("/configs", 1)[0] + "/tests"), chain=chain,
-                                    weights=weights, out=str(tmp_path), bucket_bytes=16 << 10))
+                                    weights=weights, out=str(tmp_path), bucket_bytes=16 << 10,
+                                    settings={"codec": chain} if agreed else None))
     proc = run_cli(["--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                     str(script)], module="torch.distributed.run", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -193,8 +204,14 @@ def test_gloo_processes_equal_the_simulator(tmp_path, chain):
         assert real["total"] == total and real["bytes"] == sent
         mean = [sum(x[i] for x in inputs(3)) / 3 for i in range(len(SIZES))]
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(real["dense"], mean))
-        assert re.fullmatch(rf"rank {rank}: worker [012] sent a corrupt payload for shard {rank}: codec mismatch.*",
-                            real["error"] or "", re.S), real["error"]
+        # 3 buckets x 2 rounds x 2 collectives, each started and waited for
+        assert real["payload_calls"] == 24
+        if agreed:
+            assert real["sizes_exchanged"] == 0
+        else:  # one size exchange per payload collective
+            assert real["sizes_exchanged"] == 12
+            assert re.fullmatch(rf"rank {rank}: worker [012] sent a corrupt payload for shard {rank}: codec mismatch.*",
+                                real["error"] or "", re.S), real["error"]
 
 
 def test_the_concatenation_buffer_is_kept_only_where_asked():

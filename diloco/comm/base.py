@@ -133,6 +133,9 @@ class Transport(ABC):
     #: faulted in once per run instead of once per exchange (the exchange's peak memory is the same; the buffer
     #: is only not handed back between exchanges); off where many workers share one process (the simulator)
     keep_scratch: bool = False
+    #: True where every worker was found to run with the same settings before the run began (torch_dist given
+    #: ``settings``), so that payload sizes stated by a fixed-size codec hold on every worker
+    settings_agreed: bool = False
     #: True where the byte collectives' ``*_start`` leave the transfer in flight, so that a compressed all-reduce
     #: works on one bucket while others are on the wire (torch_dist on gloo)
     overlaps_exchange: bool = False
@@ -304,16 +307,27 @@ class Transport(ABC):
         """Every worker's payload, indexed by rank."""
         return self._counted("all_gather", [len(payload)], self._all_gather_bytes(payload))
 
-    def all_gather_bytes_start(self, payload: bytes) -> Handle:
+    def all_gather_bytes_start(self, payload: bytes, sizes: Optional[Sequence[int]] = None) -> Handle:
         """Start :meth:`all_gather_bytes`; the handle's ``wait()`` returns its result. See
-        :meth:`all_to_all_bytes_start`."""
+        :meth:`all_to_all_bytes_start` (``sizes`` here: every worker's payload length, by rank)."""
         sent = [len(payload)]
-        finish = self._start_all_gather_bytes(payload)
+        if sizes is not None:
+            self._check_sizes(sizes, len(payload))
+        finish = self._start_all_gather_bytes(payload, sizes)
         return _Later(lambda: self._counted("all_gather", sent, finish()))
 
-    def _start_all_gather_bytes(self, payload: bytes) -> Callable[[], list[bytes]]:
+    def _check_sizes(self, sizes: Sequence[int], mine: int) -> None:
+        """Stated payload lengths must hold one per worker, this worker's own among them (a transport that skips
+        its size exchange on their word would otherwise receive what it did not expect)."""
+        if len(sizes) != self.world_size or sizes[self.rank] != mine:
+            raise ValueError(f"worker {self.rank}: stated payload sizes {list(sizes)} do not fit {self.world_size} "
+                             f"workers and this worker's own payload of {mine} bytes")
+
+    def _start_all_gather_bytes(self, payload: bytes, sizes: Optional[Sequence[int]] = None
+                                ) -> Callable[[], list[bytes]]:
         """Start :meth:`_all_gather_bytes`; the callable returned waits for it and returns its result. Here it is
-        done before this returns; a transport that ``overlaps_exchange`` leaves it in flight."""
+        done before this returns; a transport that ``overlaps_exchange`` leaves it in flight. ``sizes``: the
+        payloads' lengths, known to every worker beforehand (a transport may then skip exchanging them)."""
         out = self._all_gather_bytes(payload)
         return lambda: out
 
@@ -339,17 +353,25 @@ class Transport(ABC):
         if len(payloads) != self.world_size:
             raise ValueError(f"all_to_all_bytes needs {self.world_size} payloads, got {len(payloads)}")
 
-    def all_to_all_bytes_start(self, payloads: Sequence[bytes]) -> Handle:
+    def all_to_all_bytes_start(self, payloads: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> Handle:
         """Start :meth:`all_to_all_bytes`; the handle's ``wait()`` returns its result (counted then). Every worker
         starts and waits for the same collectives in the same order; the payloads may be released once this
         returns. The collective is done before it returns, except where :attr:`overlaps_exchange` is set: there
-        the transfer is left in flight, so the caller can compute meanwhile."""
+        the transfer is left in flight, so the caller can compute meanwhile.
+
+        ``sizes``: the length of what each worker sends this one, by rank, where every worker knows them
+        beforehand (fixed-size codecs). Where the workers' settings were agreed (:attr:`settings_agreed`),
+        torch_dist then skips the size exchange that precedes each transfer, a round trip that a link's latency
+        makes dear; elsewhere the sizes are exchanged, so a worker with another codec is named, not misread."""
         self._check_all_to_all(payloads)
         sent = [len(p) for p in payloads]
-        finish = self._start_all_to_all_bytes(payloads)
+        if sizes is not None:
+            self._check_sizes(sizes, sent[self.rank])
+        finish = self._start_all_to_all_bytes(payloads, sizes)
         return _Later(lambda: self._counted("all_to_all", sent, finish()))
 
-    def _start_all_to_all_bytes(self, payloads: Sequence[bytes]) -> Callable[[], list[bytes]]:
+    def _start_all_to_all_bytes(self, payloads: Sequence[bytes], sizes: Optional[Sequence[int]] = None
+                                ) -> Callable[[], list[bytes]]:
         """Start :meth:`_all_to_all_bytes`, as :meth:`_start_all_gather_bytes` does :meth:`_all_gather_bytes`."""
         out = self._all_to_all_bytes(payloads)
         return lambda: out

@@ -181,6 +181,7 @@ class TorchDistTransport(Transport):
             problem = settings_differ(views)
             if problem is not None:
                 raise TransportError(f"rank {dist.get_rank()}: {problem}")
+        self.settings_agreed = settings is not None
         self.group = group  # None: the whole world
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -295,14 +296,18 @@ class TorchDistTransport(Transport):
     def _all_gather_bytes(self, payload: bytes | bytearray | memoryview) -> list[memoryview]:
         return self._gather_start(payload, False)()
 
-    def _gather_start(self, payload: bytes | bytearray | memoryview, async_op: bool) -> Callable[[], list[memoryview]]:
-        """Exchange the sizes, start the all-gather of the payloads (left in flight with ``async_op``); the callable
-        returned waits for it and returns the views of every worker's payload."""
-        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
-        self._run("all_gather(sizes)", dist.all_gather, sizes, size,
-                  group=self._g("sizes_group" if async_op else "group"))
-        lengths = [int(n) for n in torch.cat(sizes).tolist()]
+    def _gather_start(self, payload: bytes | bytearray | memoryview, async_op: bool,
+                      known: Optional[Sequence[int]] = None) -> Callable[[], list[memoryview]]:
+        """Exchange the sizes (unless ``known``), start the all-gather of the payloads (left in flight with
+        ``async_op``); the callable returned waits for it and returns the views of every worker's payload."""
+        if known is not None:
+            lengths = list(known)
+        else:
+            size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+            sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+            self._run("all_gather(sizes)", dist.all_gather, sizes, size,
+                      group=self._g("sizes_group" if async_op else "group"))
+            lengths = [int(n) for n in torch.cat(sizes).tolist()]
         width = max(lengths)
         if len(payload) == width and self.device.type == "cpu":
             mine = self._bytes_tensor(payload) if width else torch.zeros(0, dtype=torch.uint8)
@@ -341,12 +346,13 @@ class TorchDistTransport(Transport):
         """False: one bucket's exchange at a time (benchmarks compare the two)."""
         self._overlap = on
 
-    def _start_all_gather_bytes(self, payload: bytes | bytearray | memoryview) -> Callable[[], list[memoryview]]:
-        return self._gather_start(payload, self.overlaps_exchange)
-
-    def _start_all_to_all_bytes(self, payloads: Sequence[bytes | bytearray | memoryview]
+    def _start_all_gather_bytes(self, payload: bytes | bytearray | memoryview, sizes: Optional[Sequence[int]] = None
                                 ) -> Callable[[], list[memoryview]]:
-        return self._all_to_all_start(payloads, self.overlaps_exchange)
+        return self._gather_start(payload, self.overlaps_exchange, sizes if self.settings_agreed else None)
+
+    def _start_all_to_all_bytes(self, payloads: Sequence[bytes | bytearray | memoryview],
+                                sizes: Optional[Sequence[int]] = None) -> Callable[[], list[memoryview]]:
+        return self._all_to_all_start(payloads, self.overlaps_exchange, sizes if self.settings_agreed else None)
 
     @property
     def device_gather(self) -> bool:  # type: ignore[override]
@@ -367,15 +373,20 @@ class TorchDistTransport(Transport):
     def _all_to_all_bytes(self, payloads: Sequence[bytes | bytearray | memoryview]) -> list[memoryview]:
         return self._all_to_all_start(payloads, False)()
 
-    def _all_to_all_start(self, payloads: Sequence[bytes | bytearray | memoryview],
-                          async_op: bool) -> Callable[[], list[memoryview]]:
-        """Exchange the sizes, start the all-to-all of the payloads (left in flight with ``async_op``); the callable
-        returned waits for it and returns the views of what each worker sent this one."""
-        send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=self.device)
-        recv_sizes = torch.empty_like(send_sizes)
-        self._run("all_to_all(sizes)", dist.all_to_all_single, recv_sizes, send_sizes,
-                  group=self._g("sizes_group" if async_op else "group"))
-        send_n, recv_n = send_sizes.tolist(), recv_sizes.tolist()
+    def _all_to_all_start(self, payloads: Sequence[bytes | bytearray | memoryview], async_op: bool,
+                          known: Optional[Sequence[int]] = None) -> Callable[[], list[memoryview]]:
+        """Exchange the sizes (unless ``known``: what each worker sends this one), start the all-to-all of the
+        payloads (left in flight with ``async_op``); the callable returned waits for it and returns the views of
+        what each worker sent this one."""
+        send_n = [len(p) for p in payloads]
+        if known is not None:
+            recv_n = list(known)
+        else:
+            send_sizes = torch.tensor(send_n, dtype=torch.int64, device=self.device)
+            recv_sizes = torch.empty_like(send_sizes)
+            self._run("all_to_all(sizes)", dist.all_to_all_single, recv_sizes, send_sizes,
+                      group=self._g("sizes_group" if async_op else "group"))
+            recv_n = recv_sizes.tolist()
         send, _ = self._buffer(sum(send_n), host=True)
         pos = 0
         for p, n in zip(payloads, send_n):  # each payload copied once, into its place

@@ -317,6 +317,13 @@ class Codec:
         _, _, ib, vb = self._layout(numel)
         return ib + vb
 
+    def wire_size(self, numel: int, ndim: int = 1) -> Optional[int]:
+        """The exact length of :meth:`encode` (without a prefix) of a tensor of ``numel`` elements in ``ndim``
+        dimensions, where it does not depend on the values: every chain without zstd. None with zstd."""
+        if self._zc is not None:
+            return None
+        return wire.header_size(ndim, self.chain) + self.payload_bytes(numel)
+
     # ---- encode -----------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, key: Hashable = None, *, prefix: bytes = b"") -> bytearray | memoryview:
         """The wire bytes of ``tensor`` (header + payload), written once into one buffer of exactly their size.

@@ -51,7 +51,7 @@ import math
 import statistics
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generator, Hashable, Sequence
+from typing import TYPE_CHECKING, Generator, Hashable, Optional, Sequence
 
 import torch
 
@@ -244,8 +244,9 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
     w, me = transport.world_size, transport.rank
     bounds = shard_bounds(flat.numel(), w, codec.align)
     prefix = pack_weight(weight)
+    sizes = _known_sizes(codec, [b - a for a, b in bounds], len(prefix))  # shard j's payloads, and its mean's
     sends = [codec.encode(flat[a:b], key=(key, "shard", j), prefix=prefix) for j, (a, b) in enumerate(bounds)]
-    started = transport.all_to_all_bytes_start(sends)
+    started = transport.all_to_all_bytes_start(sends, None if sizes is None else [sizes[me]] * w)
     del sends  # the transport holds what it still sends; the buffers are free for the next encode
     received = _split_all((yield started), me, f"payload for shard {me}")
     a, b = bounds[me]
@@ -261,7 +262,7 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
     mine = codec.encode(acc, key=(key, "mean"), prefix=pack_weight(total))
     del acc
     transport.give_scratch(room, "mean")
-    started = transport.all_gather_bytes_start(mine)
+    started = transport.all_gather_bytes_start(mine, sizes)
     del mine
     means = _split_all((yield started), me, "mean of shard {src}")
     for src, (_, body) in enumerate(means):
@@ -270,13 +271,22 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
     return max(wi for wi, _ in means)
 
 
+def _known_sizes(codec: "Codec", numels: Sequence[int], prefix: int) -> Optional[list[int]]:
+    """The message lengths of 1-D pieces of ``numels`` elements, where the codec's sizes do not depend on the
+    values (no zstd): every worker then knows what it will receive, and the transport needs no size exchange."""
+    sizes = [codec.wire_size(n) for n in numels]
+    return None if None in sizes else [prefix + n for n in sizes]
+
+
 # ---- gathered: every worker's payload, decoded by every worker -------------------------------------
 def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float,
                     key: Hashable) -> Generator[Handle, object, float]:
     """``flat`` becomes ``sum_i w_i decode(payload_i) / sum_i w_i``, summed in rank order on every worker (a
     generator, as :func:`_sharded_mean_`)."""
     me = transport.rank
-    started = transport.all_gather_bytes_start(codec.encode(flat, key=key, prefix=pack_weight(weight)))
+    prefix = pack_weight(weight)
+    sizes = _known_sizes(codec, [flat.numel()] * transport.world_size, len(prefix))
+    started = transport.all_gather_bytes_start(codec.encode(flat, key=key, prefix=prefix), sizes)
     received = _split_all((yield started), me, "payload")
     total = sum(wi for wi, _ in received)
     if total > 0:
