@@ -137,10 +137,7 @@ def all_reduce_compressed_(transport: Transport, tensors: Sequence[torch.Tensor]
         totals = []
         scratch = None  # one buffer for every bucket that is concatenated (its pages faulted in once)
         for b, bucket in enumerate(groups):
-            if alone[b]:  # reduced in place: every payload is encoded before the result is written back
-                flat = bucket[0].detach().reshape(-1)
-            else:
-                flat, scratch = transport.concat_bucket(bucket, scratch, largest)
+            flat, scratch = _flat_of(transport, bucket, alone[b], scratch, largest)
             totals.append(transport.on_my_share(
                 flat, codec.align, (key, b),
                 lambda share, k: _complete(mean_(transport, share, codec, float(weight), k))))
@@ -193,12 +190,10 @@ def _pipelined(transport: Transport, groups: list[list[torch.Tensor]], alone: li
     while b < len(groups) or active:
         older = list(active)  # resumed this tick; a bucket started now waits for the next
         if b < len(groups):
-            slot = None
-            if alone[b]:
-                flat = groups[b][0].detach().reshape(-1)
-            else:
-                slot = free_slots.pop() if free_slots else "concat" + (str(len(scratch)) if scratch else "")
-                flat, scratch[slot] = transport.concat_bucket(groups[b], scratch.get(slot), largest, slot)
+            slot = None if alone[b] else free_slots.pop() if free_slots else f"concat{len(scratch) or ''}"
+            flat, kept = _flat_of(transport, groups[b], alone[b], scratch.get(slot), largest, slot or "concat")
+            if slot is not None:
+                scratch[slot] = kept
             steps = mean_(transport, flat, codec, weight, (key, b))
             active.append([steps, next(steps), b, flat, slot])
             b += 1
@@ -212,6 +207,17 @@ def _pipelined(transport: Transport, groups: list[list[torch.Tensor]], alone: li
 def _alone(bucket: Sequence[torch.Tensor]) -> bool:
     """A bucket of one contiguous fp32 tensor: reduced where it lies, not concatenated."""
     return len(bucket) == 1 and bucket[0].dtype == torch.float32 and bucket[0].is_contiguous()
+
+
+def _flat_of(transport: Transport, bucket: Sequence[torch.Tensor], alone: bool, scratch: Optional[torch.Tensor],
+             largest: int, slot: str = "concat") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(the bucket as one flat fp32 buffer, the scratch kept for the next bucket): the tensor itself where it is
+    ``alone`` (reduced in place: every payload is encoded before the result is written back), else the bucket
+    concatenated into scratch of ``slot`` (:meth:`Transport.concat_bucket`); its result is written back with
+    ``unflatten_into`` then."""
+    if alone:
+        return bucket[0].detach().reshape(-1), scratch
+    return transport.concat_bucket(bucket, scratch, largest, slot)
 
 
 def all_reduce_compressed_async_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "Codec",
