@@ -246,10 +246,14 @@ def worker(cfg: dict) -> None:
     demo = []
     for k, size in cfg["demo_bytes"].items():
         payload = bytes(size)
-        times, sent, _ = timed_rounds(lambda: tr.all_gather_bytes(payload), 1 + cfg["repeats"])
-        demo.append({"topk": int(k), "payload": size, "step_s": statistics.median(times[1:]), "times": times[1:],
-                     "bytes_sent": int(statistics.median(sent[1:]))})
-        say(f"DeMo k={k:<18} {fmt_s(demo[-1]['step_s']):>9s} s/step   {fmt_b(demo[-1]['bytes_sent']):>10s} sent/worker")
+        for sized in ([False, True] if cfg["exchange_sizes"] else [False]):  # DeMo states its payloads' size
+            tr.settings_agreed = not sized
+            times, sent, _ = timed_rounds(lambda: tr.all_gather_bytes(payload, [size] * world), 1 + cfg["repeats"])
+            demo.append({"topk": f"{k}{SIZED if sized else ''}", "payload": size, "step_s": statistics.median(times[1:]),
+                         "times": times[1:], "bytes_sent": int(statistics.median(sent[1:]))})
+            say(f"DeMo k={demo[-1]['topk']:<18} {fmt_s(demo[-1]['step_s']):>9s} s/step   "
+                f"{fmt_b(demo[-1]['bytes_sent']):>10s} sent/worker")
+        tr.settings_agreed = True
 
     peaks = tr.all_gather_object(peak_rss())
     tr.barrier()
@@ -477,9 +481,9 @@ def main(argv: list[str] | None = None) -> int:
                         "delay line of tests/netlab.py, rate-limited itself), so a round trip between two workers "
                         "takes 4x this")
     p.add_argument("--exchange-sizes", action="store_true",
-                   help=f"also time each compressed chain without zstd with its payload sizes exchanged before "
-                        f"every transfer (rows ending '{SIZED}'), as where the workers' settings were not agreed; "
-                        "by default fixed-size chains skip that exchange")
+                   help=f"also time each compressed chain without zstd, and DeMo's all-gather, with the payload "
+                        f"sizes exchanged before every transfer (rows ending '{SIZED}'), as where the workers' "
+                        "settings were not agreed; by default fixed-size payloads skip that exchange")
     p.add_argument("--out", default=None, help="also write the Markdown report here")
     p.add_argument("--_worker", dest="worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -539,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = {"chains": chains, "repeats": args.repeats, "numel": args.numel, "cache": str(ROOT / args.cache),
                "sizes": sizes, "seed": args.seed,
                "spread": args.spread, "threads": args.threads, "collective_timeout": args.collective_timeout,
-               "demo_bytes": dbytes, "result": str(Path(tmp) / "result.json"), "interleave": args.interleave}
+               "demo_bytes": dbytes, "result": str(Path(tmp) / "result.json"), "interleave": args.interleave,
+               "exchange_sizes": args.exchange_sizes}
         res = launch(cfg, args.procs, args.timeout, Path(tmp), args.link, args.delay)
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     text = render(res, args, started, time.monotonic() - t0, (load_before, load_after), args.demo_chunk, source)

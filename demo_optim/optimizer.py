@@ -132,8 +132,11 @@ class DeMo(torch.optim.Optimizer):
             data = self._encode_device(entries, chain, layout) if contribute else layout.silent(chain)
             payloads = self.transport.all_gather_tensor(data)
         else:
-            payload = self._encode(entries, chain) if contribute else wire.pack(b"", torch.float32, (0,), chain)
-            payloads = self.transport.all_gather_bytes(payload)
+            payload = self._encode(entries, chain) if contribute else self._silent_payload(entries, chain)
+            # every worker's payload has this length (same settings, same model; a silent one is padded to it), so
+            # a transport whose processes agreed on their settings skips the size exchange
+            sizes = [len(payload)] * self.transport.world_size if self.transport.fixed_ranks else None
+            payloads = self.transport.all_gather_bytes(payload, sizes)
         self._apply_mean(payloads, entries, plans, chain)
         return loss
 
@@ -214,6 +217,14 @@ class DeMo(torch.optim.Optimizer):
         layout = self._layout([plan for _, _, plan in entries], chain, self._device())
         body = torch.cat(self._sections(entries, layout))
         return wire.pack(tensor_bytes(body), torch.float32, (layout.sent,), chain)
+
+    def _silent_payload(self, entries, chain: str) -> bytes:
+        """The wire payload of a worker that sends nothing this step: no values (shape (0,)), and zeros in place of
+        a body, so that it is as long as every other worker's payload."""
+        if not entries:
+            return wire.pack(b"", torch.float32, (0,), chain)
+        layout = self._layout([plan for _, _, plan in entries], chain, self._device())
+        return wire.pack(bytes(layout.value_bytes + layout.index_bytes), torch.float32, (0,), chain)
 
     def _encode_device(self, entries, chain: str, layout: "_Layout") -> torch.Tensor:
         """The payload as one uint8 tensor on the parameters' device, for transports that move it there: a
@@ -374,9 +385,9 @@ class DeMo(torch.optim.Optimizer):
         header = wire.parse_header(payload, self.max_payload_bytes)
         if header.chain != chain:
             raise CorruptPayload(f"settings or model differ: payload {header.chain!r}, this worker {chain!r}")
-        if header.numel == 0 and header.length == 0:
-            return None
         expected = layout.value_bytes + layout.index_bytes
+        if header.numel == 0 and header.length in (0, expected):  # nothing sent (zeros in place of the body)
+            return None
         if header.numel != layout.sent or header.length != expected:
             raise CorruptPayload(f"{header.numel} values in {header.length} bytes, expected {layout.sent} in "
                                  f"{expected}")

@@ -472,13 +472,16 @@ def test_device_payloads_give_the_same_steps_as_wire_payloads(sign_values):
             transport.device_gather = on_device
             model = _tiny(2)
             opt = DeMo(model.parameters(), lr=1e-3, weight_decay=0.1, transport=transport, sign_values=sign_values)
-            seen = []
+            seen, sent = [], []
             for step in range(3):
                 for i, p in enumerate(model.parameters()):
                     g = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * rank + 10 * step + i))
                     p.grad = g if (rank, step) != (1, 1) else torch.full(p.shape, math.nan)
+                before = transport.stats.bytes_sent
                 opt.step()
                 seen.append(opt.last_contributors)
+                sent.append(transport.stats.bytes_sent - before)
+            assert len(set(sent)) == 1, sent  # a silent payload is as long as the others: sizes known beforehand
             return [p.detach().clone() for p in model.parameters()], seen, opt.skipped_steps
 
         return run_workers(InProcessGroup(3), body)

@@ -303,8 +303,10 @@ class Transport(ABC):
         self._count(*self._moved(kind, sent, [len(p) for p in out]))
         return out
 
-    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
-        """Every worker's payload, indexed by rank."""
+    def all_gather_bytes(self, payload: bytes, sizes: Optional[Sequence[int]] = None) -> list[bytes]:
+        """Every worker's payload, indexed by rank. ``sizes``: see :meth:`all_gather_bytes_start`."""
+        if sizes is not None:
+            return self.all_gather_bytes_start(payload, sizes).wait()
         return self._counted("all_gather", [len(payload)], self._all_gather_bytes(payload))
 
     def all_gather_bytes_start(self, payload: bytes, sizes: Optional[Sequence[int]] = None) -> Handle:
