@@ -332,7 +332,7 @@ class Trainer:
         self.device = resolve_device(run.device)
         self.transport = transport or make_transport(cfg.transport.backend, cfg.transport.dist_backend,
                                                      cfg.transport.timeout, self.device, cfg.transport.mesh,
-                                                     settings=shared_settings(cfg))
+                                                     settings={**shared_settings(cfg), "--restart": restart})
         self.rank, self.world = self.transport.rank, self.transport.world_size
         self.leader = self.transport.is_leader
         # a worker may be several processes (a node of a torchrun mesh): each takes its share of the worker's batch
