@@ -271,9 +271,12 @@ def test_codec_residuals_resume_exactly(tmp_path):
 
 
 def test_streaming_overlap_with_a_codec(tmp_path):
+    """Int8 fragments, overlapped: 4x fewer bytes, the same loss, no more time than dense (with zstd the sizes are
+    exchanged first, two more latency-bound collectives a fragment, which the default 80 ms link makes dearer
+    than the bytes it saves on tiny)."""
     s = simulate_once(cfg_of(tmp_path, "s", "sim.workers=2", "algo.name=streaming", "algo.fragments=2",
                              "algo.inner_steps=4", "algo.overlap_steps=1", "algo.mix_alpha=0.5", "run.max_steps=12",
-                             "compress.codec=int8+zstd", "sim.bandwidth=100Mbit"))
+                             "compress.codec=int8", "sim.bandwidth=100Mbit"))
     d = simulate_once(cfg_of(tmp_path, "d", "sim.workers=2", "algo.name=streaming", "algo.fragments=2",
                              "algo.inner_steps=4", "algo.overlap_steps=1", "algo.mix_alpha=0.5", "run.max_steps=12",
                              "sim.bandwidth=100Mbit"))

@@ -86,6 +86,22 @@ def test_virtual_time_follows_compute_and_network(tmp_path):
     assert len(net["bytes_sent_per_worker"]) == W and net["bytes_sent_per_worker"][0] == net["bytes_sent"]
 
 
+def test_payloads_of_unknown_size_cost_a_size_exchange_each(tmp_path):
+    """A torchrun process exchanges payload sizes before a byte collective unless the codec fixes them (no zstd):
+    the simulator charges that collective's latency-bound phases too. DiLoCo's compressed round is an all-to-all
+    and an all-gather per bucket (tiny: one bucket), so zstd adds 2 x (W-1) latencies a round, int8 nothing."""
+    steps, H, W, latency = 12, 4, 3, 0.1
+    common = [*QUICK, f"run.max_steps={steps}", f"sim.workers={W}", "algo.name=diloco", f"algo.inner_steps={H}",
+              "sim.step_time=0.5", "sim.bandwidth=null", f"sim.latency={latency}"]
+    walls = {}
+    for chain in ("int8", "int8+zstd"):
+        cfg, _ = load_config([TINY], [*common, f"compress.codec={chain}", f"run.dir={tmp_path / chain}"])
+        walls[chain] = simulate_once(cfg)["virtual_wall_s"]
+    rounds = steps // H
+    assert walls["int8"] == pytest.approx(steps * 0.5 + rounds * 2 * (W - 1) * latency)
+    assert walls["int8+zstd"] - walls["int8"] == pytest.approx(rounds * 2 * (W - 1) * latency)
+
+
 def test_a_failing_worker_stops_the_others_without_a_hang():
     group = InProcessGroup(3)
     unwound = []

@@ -305,9 +305,7 @@ class Transport(ABC):
 
     def all_gather_bytes(self, payload: bytes, sizes: Optional[Sequence[int]] = None) -> list[bytes]:
         """Every worker's payload, indexed by rank. ``sizes``: see :meth:`all_gather_bytes_start`."""
-        if sizes is not None:
-            return self.all_gather_bytes_start(payload, sizes).wait()
-        return self._counted("all_gather", [len(payload)], self._all_gather_bytes(payload))
+        return self.all_gather_bytes_start(payload, sizes).wait()
 
     def all_gather_bytes_start(self, payload: bytes, sizes: Optional[Sequence[int]] = None) -> Handle:
         """Start :meth:`all_gather_bytes`; the handle's ``wait()`` returns its result. See
@@ -348,8 +346,7 @@ class Transport(ABC):
 
     def all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
         """Send ``payloads[j]`` to worker j; returns what each worker sent this one, indexed by rank."""
-        self._check_all_to_all(payloads)
-        return self._counted("all_to_all", [len(p) for p in payloads], self._all_to_all_bytes(payloads))
+        return self.all_to_all_bytes_start(payloads).wait()
 
     def _check_all_to_all(self, payloads: Sequence[bytes]) -> None:
         if len(payloads) != self.world_size:

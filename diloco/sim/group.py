@@ -351,6 +351,7 @@ class InProcessTransport(Transport):
 
     shared_results = True  # every worker's all_gather_bytes returns the one list rendezvous combined
     device_gather = True  # all_gather_tensor hands the workers each other's tensors, where they lie
+    settings_agreed = True  # every simulated worker runs the one config
 
     def __init__(self, group: InProcessGroup, rank: int) -> None:
         super().__init__()
@@ -434,6 +435,34 @@ class InProcessTransport(Transport):
     def record_contributions(self, accepted: dict[str, float], rejected: dict[str, str],
                              clipped: dict[str, float]) -> None:
         self.group.contributions = dict(accepted)  # every member computes the same; rounds.jsonl reads it
+
+    def _start_all_gather_bytes(self, payload: bytes, sizes: Optional[Sequence[int]] = None
+                                ) -> Callable[[], list[bytes]]:
+        if sizes is None or not self.settings_agreed:
+            self._size_exchange("all_gather")
+        return super()._start_all_gather_bytes(payload, sizes)
+
+    def _start_all_to_all_bytes(self, payloads: Sequence[bytes], sizes: Optional[Sequence[int]] = None
+                                ) -> Callable[[], list[bytes]]:
+        if sizes is None or not self.settings_agreed:
+            self._size_exchange("all_to_all")
+        return super()._start_all_to_all_bytes(payloads, sizes)
+
+    def _size_exchange(self, kind: str) -> None:
+        """The virtual time of the size exchange a torchrun process runs before a byte collective whose payload
+        sizes nobody knew beforehand (a zstd stage): a collective of its own, W-1 latency-bound phases for 8 bytes
+        per peer (not counted in the bytes sent, as torch_dist does not count it). Peers without fixed ranks
+        (loco join's) send their sizes with the payloads: nothing to charge there."""
+        if not self.fixed_ranks or self.world_size == 1:
+            return
+        net, w = self.group.network, self.world_size
+        small = [8 * (w - 1)] * w
+
+        def seconds(_: list, at: float) -> float:
+            return net.all_gather_at(small, at) if kind == "all_gather" else net.all_to_all_at(small, small, at)
+
+        _, done, start = self.group.rendezvous(self.rank, None, lambda values: None, seconds)
+        self._finish(done, start)
 
     def _all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
         if not self.fixed_ranks:
