@@ -72,12 +72,15 @@ def test_two_nodes_of_two_processes_equal_two_workers_with_double_batch(tmp_path
     assert summary["tokens"] == json.loads((tmp_path / "sim" / "summary.json").read_text())["tokens"]
 
 
-def _nodes(args: list[list[str]], per_node: int = 1, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """One torchrun per node on this machine (``--nnodes len(args)``), node i running ``launch.cli args[i]``."""
+def _nodes(args: list[list[str]], per_node: int | list[int] = 1,
+           timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """One torchrun per node on this machine (``--nnodes len(args)``), node i running ``launch.cli args[i]`` in
+    ``per_node`` processes (or ``per_node[i]``)."""
     port = str(free_port())
+    counts = per_node if isinstance(per_node, list) else [per_node] * len(args)
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(args)), "--node-rank", str(node),
-         "--nproc-per-node", str(per_node), "--master-addr", "127.0.0.1", "--master-port", port, "-m", "launch.cli",
+         "--nproc-per-node", str(counts[node]), "--master-addr", "127.0.0.1", "--master-port", port, "-m", "launch.cli",
          *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT,
         start_new_session=True) for node, a in enumerate(args)]
     try:
@@ -91,8 +94,9 @@ def _nodes(args: list[list[str]], per_node: int = 1, timeout: float = 240) -> li
 
 def test_nodes_started_with_different_settings_stop_at_once_naming_them(tmp_path):
     """Two nodes whose settings differ (another codec, another H) would hang at their first differing collective;
-    every process stops before training instead, naming each key with its value on each rank. Settings a node
-    may choose for itself (threads, progress display, the run folder, which rank 0 decides) do not count."""
+    every process stops before training instead, naming each key with its value on each rank; so do nodes that
+    cut the processes into workers otherwise. Settings a node may choose for itself (threads, progress display,
+    the run folder, which rank 0 decides) do not count."""
     common = ["train", "--config", TINY, "--max-steps", "4", *sets("algo.name=diloco", "algo.inner_steps=2")]
     parted = _nodes([[*common, "--run-dir", str(tmp_path / "a")],
                      [*common, *sets("compress.codec=int8", "algo.inner_steps=4"), "--run-dir", str(tmp_path / "a")]],
@@ -105,6 +109,10 @@ def test_nodes_started_with_different_settings_stop_at_once_naming_them(tmp_path
         assert "run.threads" not in node.stderr and "Traceback (most recent call last):\n  File \"/" not in \
             node.stderr.split("torch.distributed.elastic")[0]  # the message, not a traceback of loco's
     assert not (tmp_path / "a").exists(), "nothing was started"
+    # one node of 1 process, one of 2, cut into nodes: each sees another layout (they would hang making groups)
+    uneven = [*common, *sets("transport.mesh=nodes"), "--run-dir", str(tmp_path / "c")]
+    for node in _nodes([uneven, uneven], per_node=[1, 2], timeout=120):
+        assert node.returncode != 0 and "torchrun layout: '3 node(s) x 1 process(es)" in node.stderr, node.stderr[-3000:]
     agreed = _nodes([[*common, "--run-dir", str(tmp_path / "b")],
                      [*common, *sets("run.threads=2", "log.progress=off"), "--run-dir", str(tmp_path / "elsewhere")]],
                     timeout=180)

@@ -31,7 +31,11 @@ def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: f
 
         nodes, per_node = torchrun_layout()
         settings = options.get("settings")  # compared across the processes (TorchDistTransport)
-        if mesh == "nodes" or (mesh == "auto" and nodes > 1 and per_node > 1):
+        meshed = mesh == "nodes" or (mesh == "auto" and nodes > 1 and per_node > 1)
+        if settings is not None:  # nodes that cut the processes otherwise would part ways making the mesh's groups
+            settings = {**settings, "torchrun layout": (f"{nodes} node(s) x {per_node} process(es), one worker per "
+                                                        "node" if meshed else "one worker per process")}
+        if meshed:
             return NodeMeshTransport(dist_backend, timeout, device, per_node, settings=settings)
         return TorchDistTransport(dist_backend, timeout, device, settings=settings)
     if backend == "hivemind":
