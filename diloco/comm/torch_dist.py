@@ -124,7 +124,7 @@ def _elastic_store(timeout: float) -> dict[str, Any]:
 def settings_differ(views: Sequence[tuple[str, Mapping[str, Any]]], shown: int = 6) -> Optional[str]:
     """What differs between the processes' settings (``views[rank]`` is (host, settings)), against rank 0's;
     None where they all agree."""
-    host0, ref = views[0]
+    ref = views[0][1]
     keys = sorted(set(ref).union(*(set(s) for _, s in views[1:])))
     lines = []
     for key in keys:
