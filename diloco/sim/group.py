@@ -438,13 +438,13 @@ class InProcessTransport(Transport):
 
     def _start_all_gather_bytes(self, payload: bytes, sizes: Optional[Sequence[int]] = None
                                 ) -> Callable[[], list[bytes]]:
-        if sizes is None or not self.settings_agreed:
+        if sizes is None:  # the simulated workers always agree: stated sizes need no exchange
             self._size_exchange("all_gather")
         return super()._start_all_gather_bytes(payload, sizes)
 
     def _start_all_to_all_bytes(self, payloads: Sequence[bytes], sizes: Optional[Sequence[int]] = None
                                 ) -> Callable[[], list[bytes]]:
-        if sizes is None or not self.settings_agreed:
+        if sizes is None:  # the simulated workers always agree: stated sizes need no exchange
             self._size_exchange("all_to_all")
         return super()._start_all_to_all_bytes(payloads, sizes)
 
