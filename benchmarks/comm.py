@@ -91,6 +91,20 @@ def peak_rss() -> int | None:
     return None if kib is None else kib * 1024
 
 
+def start_peak() -> int | None:
+    """Set this process's peak RSS back to its current RSS (Linux: ``5`` into /proc/self/clear_refs) and
+    return that RSS: ``peak_rss() - start_peak()`` is then what the code in between added at its peak.
+    None where the peak cannot be reset."""
+    from benchmarks.train_throughput import proc_status_kib
+
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    kib = proc_status_kib("VmRSS")
+    return None if kib is None else kib * 1024
+
+
 def base_chain(chain: str) -> str:
     """A row's codec chain, without the note of ``--serial`` or ``--exchange-sizes``."""
     return chain.replace(SERIAL, "").replace(SIZED, "")

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.comm import free_port, peak_rss  # noqa: E402
+from benchmarks.comm import free_port, peak_rss, start_peak  # noqa: E402
 
 CACHE = ROOT / "benchmarks/results/.cache/pseudo_grad_150m.pt"
 CHAINS = ["fp32", "int8", "topk:0.02+2bit+zstd"]
@@ -77,13 +77,15 @@ def role_gloo(args) -> None:
         for r in range(1 + args.repeats):
             y = x.clone()
             t.barrier()
+            rss = start_peak()
             before, start = t.stats.bytes_sent, time.perf_counter()
             if chain == "fp32":
                 t.all_reduce_([y], op="mean")
             else:
                 all_reduce_compressed_(t, [y], codec, 1.0, key="bench")
             emit(transport="gloo", chain=chain, round=r, rank=t.rank, s=time.perf_counter() - start,
-                 bytes=t.stats.bytes_sent - before, numel=x.numel(), peak_rss=peak_rss())
+                 bytes=t.stats.bytes_sent - before, numel=x.numel(), peak_rss=peak_rss(),
+                 round_peak=None if rss is None else peak_rss() - rss)
             del y
     t.close()
 
@@ -113,11 +115,12 @@ def role_hivemind(args) -> None:
         codec = make_codec(chain)
         for r in range(1 + args.repeats):
             y = load_vector(args, rank)  # afresh each round (not timed): one copy of the vector per peer
+            rss = start_peak()
             before, start = t.stats.bytes_sent, time.perf_counter()
             all_reduce_compressed_(t, [y], codec, 1.0, key="bench")
             emit(transport="hivemind", chain=chain, round=r, rank=rank, s=time.perf_counter() - start,
                  bytes=t.stats.bytes_sent - before, numel=y.numel(), members=len(t.last.members),
-                 peak_rss=peak_rss())
+                 peak_rss=peak_rss(), round_peak=None if rss is None else peak_rss() - rss)
             del y
     t.close()
 
@@ -160,8 +163,8 @@ def table(args, rows: list[dict], wall: float) -> str:
         f"- command: `python benchmarks/hivemind.py {' '.join(sys.argv[1:])}`; {wall:.0f} s wall",
         "",
         "| chain | transport | s / round (median) | warm-up s | bytes sent / peer / round | vs fp32 (same transport) "
-        "| peak RSS / peer (so far) |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| peak RSS / peer (so far) | a round's peak above its start / peer (x vector) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     fp32 = {}
     for chain in args.chains:
@@ -179,8 +182,12 @@ def table(args, rows: list[dict], wall: float) -> str:
             ratio = f"{fp32[transport] / sent:.1f}x less" if transport in fp32 and sent and chain != "fp32" else "1x"
             warm = max(x["s"] for x in per_round[0])
             rss = max((x.get("peak_rss") or 0 for x in rs), default=0)
+            peaks = [[x.get("round_peak") for x in per_round[k]] for k in sorted(per_round) if k > 0]
+            added = (statistics.median(max(p) for p in peaks)
+                     if peaks and all(None not in p for p in peaks) else None)
             lines.append(f"| `{chain}` | {transport} | {statistics.median(times):.2f} | {warm:.2f} | "
-                         f"{sent / 1e6:.2f} MB | {ratio} | {f'{rss / 1e9:.2f} GB' if rss else '-'} |")
+                         f"{sent / 1e6:.2f} MB | {ratio} | {f'{rss / 1e9:.2f} GB' if rss else '-'} | "
+                         f"{'-' if added is None else f'{added / 1e6:.0f} MB ({added / (4 * numel):.1f}x)'} |")
     lines += ["", "gloo sends about 2 (W-1)/W of a payload per peer (reduce-scatter + all-gather); hivemind sends "
               "each peer's payload to the W-1 others (W-1 payloads), which a round with changing members can "
               "complete without every shard owner. Top-k's payload is small enough that encode and decode "

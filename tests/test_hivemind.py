@@ -877,6 +877,52 @@ def test_a_state_reply_held_back_for_a_newer_epoch_is_waited_for():
         asyncio.run(read_after(0.3, 0.1))
 
 
+def test_a_body_is_read_into_one_buffer_of_its_size():
+    """A 32 MiB body over a real socket: what reading it allocates peaks near the body's own size (asyncio's
+    ``readexactly(n)`` held all n bytes in the stream's buffer and then copied them out, twice the body for
+    every push being received), the bytes are the ones sent, and a stream that ends early says how far it got."""
+    import asyncio
+    import socket
+    import tracemalloc
+
+    from diloco.comm.hivemind.framing import _read_body
+
+    n = 32 << 20
+    body = os.urandom(n)
+
+    async def receive(sent: int):
+        a, b = socket.socketpair()
+        reader, kept = await asyncio.open_connection(sock=a)  # kept: a dropped writer closes its socket
+        _, writer = await asyncio.open_connection(sock=b)
+
+        async def send() -> None:
+            view = memoryview(body)[:sent]
+            for off in range(0, sent, 1 << 20):
+                writer.write(view[off:off + (1 << 20)])
+                await writer.drain()
+            writer.close()
+
+        sender = asyncio.ensure_future(send())
+        try:
+            tracemalloc.reset_peak()
+            got = await _read_body(reader, n, 60)
+            # a small result: handing a large one back through asyncio.run peaks at 9x its size (CPython 3.11)
+            return got == body, tracemalloc.get_traced_memory()[1]
+        finally:
+            await sender
+            kept.close()
+
+    tracemalloc.start()
+    try:
+        same, peak = asyncio.run(receive(n))
+    finally:
+        tracemalloc.stop()
+    assert same
+    assert peak < 1.25 * n, f"reading a body of {n >> 20} MiB peaked at {peak / 2**20:.1f} MiB"
+    with pytest.raises(ConnectionError, match=f"after {n // 2} of the {n} bytes"):
+        asyncio.run(receive(n // 2))
+
+
 def test_a_state_download_is_striped_over_its_holders_and_finishes_when_one_fails_or_moves_on(swarm, monkeypatch,
                                                                                                caplog):
     """Peers b and c serve the same state: a downloads it in stripes from both. Then c fails after one stripe
