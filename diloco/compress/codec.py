@@ -595,9 +595,24 @@ class Codec:
             if direct:
                 self._add_checked(values, out, weight)
                 return
-            if not _finite(values):
+            hi = _magnitude(values)
+            if not math.isfinite(hi):
                 raise CorruptPayload("payload holds NaN or Inf values")
             values = values.float()
+        if flat is not None and not s.dct_chunk:  # the sent values straight to their places: no dense temporary
+            top = hi if s.value not in q.FORMATS else _CODE_MAX[s.value] * hi  # bounds |values|
+            if fresh:
+                scaled = values * weight if weight != 1.0 else values
+                if not abs(weight) <= 1.0 and not _cannot_overflow(weight, top) and not _finite(scaled):
+                    raise CorruptPayload("decoded values overflow")
+                out.zero_()
+                out.index_put_((flat,), scaled)
+            else:  # indices strictly increase within a chunk (checked): no position is written twice
+                summed = torch.add(out[flat], values, alpha=weight)
+                if not _cannot_overflow(weight, top) and not _finite(summed):
+                    raise CorruptPayload("decoded values overflow the accumulator")
+                out.index_put_((flat,), summed)
+            return
         if flat is not None:
             coeffs = torch.zeros(dense, dtype=torch.float32, device=out.device)
             coeffs[flat] = values
