@@ -36,12 +36,16 @@ def selected_count(n: int, chunk: int, k: int) -> int:
     return full * k + min(k, last)
 
 
-def _accumulate(x: torch.Tensor, residual: Optional[torch.Tensor], decay: float) -> torch.Tensor:
+PIECE = 1 << 20  # the reference selects in pieces of about this many values: its temporaries stay this size
+
+
+def _accumulate_(x: torch.Tensor, residual: Optional[torch.Tensor], decay: float) -> torch.Tensor:
+    """``x + decay * residual``, made in ``residual`` itself (no temporary of x's size); ``x`` without one."""
     if residual is None:
         return x.float()  # read only: the values are gathered out of it
     if decay == 1.0:
-        return x.float() + residual
-    return residual.mul(decay).add_(x.float())  # two roundings, as in the kernel (no FMA)
+        return residual.add_(x.float())  # r + x is x + r, to the bit
+    return residual.mul_(decay).add_(x.float())  # two roundings, as in the kernel (no FMA)
 
 
 def _top_by_bits(acc: torch.Tensor, nchunks: int, chunk: int, kk: int) -> torch.Tensor:
@@ -86,18 +90,19 @@ def topk_chunks_ref(x: torch.Tensor, chunk: int, k: int, residual: Optional[torc
     """(indices int32, values fp32) of ``selected_count(n, chunk, k)`` entries; updates ``residual`` in place."""
     x = x.reshape(-1)
     n = x.numel()
-    acc = _accumulate(x, residual, decay)
     if n == 0:
-        return torch.zeros(0, dtype=torch.int32, device=x.device), acc[:0].clone()
+        return torch.zeros(0, dtype=torch.int32, device=x.device), x.new_zeros(0, dtype=torch.float32)
+    acc = _accumulate_(x, residual, decay)  # with a residual: the residual itself
     nchunks = -(-n // chunk)
-    idx = _top_indices(acc, nchunks, chunk, min(k, chunk))
+    per = max(1, PIECE // chunk)  # chunks a piece
+    idx = torch.cat([_top_indices(acc[a * chunk:(a + per) * chunk], min(per, nchunks - a), chunk, min(k, chunk))
+                     for a in range(0, nchunks, per)])
     flat = (idx + torch.arange(nchunks, device=x.device)[:, None] * chunk).reshape(-1)
     count = selected_count(n, chunk, k)
     idx, flat = idx.reshape(-1)[:count], flat[:count]
     values = acc[flat]
     if residual is not None:
-        acc[flat] = 0.0
-        residual.copy_(acc)
+        acc[flat] = 0.0  # what was sent leaves the residual; the rest waits there
     return idx.to(torch.int32), values
 
 
