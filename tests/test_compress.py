@@ -124,6 +124,9 @@ def test_sparse_payloads_add_their_values_in_place(chain):
         codec.decode_into_(payload, acc, 0.5)
     assert torch.equal(acc, 0.5 * dense)
     assert seen.numel <= 4 * sent < n // 2, f"an operation made a tensor of {seen.numel} elements"
+    half = torch.ones(n, dtype=torch.bfloat16)  # another dtype: summed in fp32, rounded once, as a dense add does
+    codec.decode_accumulate_(payload, half, 0.25)
+    assert torch.equal(half, torch.ones(n, dtype=torch.bfloat16).add_(dense, alpha=0.25))
 
 
 @pytest.mark.parametrize("chain", CHAINS)

@@ -606,9 +606,9 @@ class Codec:
                 if not abs(weight) <= 1.0 and not _cannot_overflow(weight, top) and not _finite(scaled):
                     raise CorruptPayload("decoded values overflow")
                 out.zero_()
-                out.index_put_((flat,), scaled)
+                out.index_put_((flat,), scaled.to(out.dtype))  # computed in fp32, as for a dense ``out``
             else:  # indices strictly increase within a chunk (checked): no position is written twice
-                summed = torch.add(out[flat], values, alpha=weight)
+                summed = torch.add(out[flat], values, alpha=weight).to(out.dtype)
                 if not _cannot_overflow(weight, top) and not _finite(summed):
                     raise CorruptPayload("decoded values overflow the accumulator")
                 out.index_put_((flat,), summed)
