@@ -179,9 +179,6 @@ class Peer:
     def fingerprint(self) -> bytes:
         return fingerprint(self.trainer.algo.global_parameters())
 
-    def state_blob(self) -> bytes:
-        return self.trainer.shared_state_blob(schema=self.schema, epoch=self.transport.epoch)
-
     def load_state(self, blob: bytes, source: str = "a peer") -> None:
         def same_run(state: dict[str, Any]) -> None:
             if state.get("schema") != self.schema:
@@ -205,7 +202,8 @@ class Peer:
         return moved
 
     def publish(self) -> None:
-        self.transport.publish_state(self.state_blob())
+        """Serve this peer's state as of now: copied now, serialized when a peer first asks for it."""
+        self.transport.publish_state(self.trainer.shared_state_later(schema=self.schema, epoch=self.transport.epoch))
 
     # ---- after every round ------------------------------------------------------------------
     def _on_round(self, info: dict[str, Any]) -> None:
@@ -231,6 +229,7 @@ class Peer:
                        + (f" (round {tr.algo.round}: step {tr.step - moved} -> {tr.step})" if moved else ""),
                        tr.step)
                 rec["resynced"] = True
+                rec["resynced_epoch"] = t.epoch  # the state's: later than this round's next when the others moved on
             else:
                 m.info(f"round {t.epoch - 1}: this peer's state differs from the group's, and no member served "
                        f"it; the next round tries again", tr.step)

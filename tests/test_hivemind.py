@@ -540,6 +540,13 @@ def rounds(tmp: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def ends_on_its_state(r: dict) -> bool:
+    """Whether a peer's record of a round ends on that round's state: not when it knew it differed and could not
+    download the group's yet (``resync_pending``), nor when its download outlasted later rounds of the others
+    and took one of theirs (``resynced_epoch`` past the round's next)."""
+    return not r.get("resync_pending") and r.get("resynced_epoch", r["epoch"] + 1) <= r["epoch"] + 1
+
+
 def wait_for(cond, what: str, procs: dict, timeout: float = 120) -> None:
     end = time.time() + timeout
     while time.time() < end:
@@ -620,7 +627,7 @@ def test_peers_train_together_survive_a_crash_and_a_late_joiner_starts_from_the_
     by_group: dict[tuple, set] = {}
     for name in "abcd":
         for r in rounds(tmp_path, name):
-            if r["group"] and not r.get("resync_pending"):  # pending: it knows it differs, and retries
+            if r["group"] and ends_on_its_state(r):
                 by_group.setdefault((r["epoch"], r["group"]), set()).add(r["fp_after"])
     assert len(by_group) >= 6
     assert all(len(fps) == 1 for fps in by_group.values()), by_group
@@ -921,6 +928,52 @@ def test_a_body_is_read_into_one_buffer_of_its_size():
     assert peak < 1.25 * n, f"reading a body of {n >> 20} MiB peaked at {peak / 2**20:.1f} MiB"
     with pytest.raises(ConnectionError, match=f"after {n // 2} of the {n} bytes"):
         asyncio.run(receive(n // 2))
+
+
+def test_a_state_published_as_a_function_is_made_once_when_a_peer_first_asks(swarm, monkeypatch, caplog):
+    """A ``loco join`` peer publishes its state after every round as a function (``Trainer.shared_state_later``):
+    nothing is serialized or hashed until a peer asks for it, then it is made once, on a thread of its own, and
+    served as bytes are. One never asked for is never made; one whose making fails is refused, with a warning."""
+    import logging
+    import threading
+
+    from diloco.comm.hivemind import state as st
+
+    monkeypatch.setattr(st, "STATE_WAIT_S", 2.0)
+    a, b, c = swarm
+    kept = [(p.epoch, p._snapshot, dict(p._pinned)) for p in swarm]
+    blob = os.urandom((1 << 20) + 7)
+    made: list[str] = []
+
+    def make(data: bytes):
+        def later() -> bytes:
+            made.append(threading.current_thread().name)
+            if data is None:
+                raise OSError("the disk is full")
+            return data
+        return later
+
+    try:
+        b.epoch = 2000
+        b.publish_state(make(blob))
+        time.sleep(0.3)
+        assert made == []
+        epoch, got = a.download_state([b.peer_id], min_epoch=2000)
+        assert (epoch, bytes(got)) == (2000, blob)
+        assert c.download_state([b.peer_id], min_epoch=2000)[1] == blob
+        assert made == ["loco-state"]
+
+        b.epoch = 2001
+        b.publish_state(make(b"never asked for"))
+        b.epoch = 2002
+        b.publish_state(make(None))
+        with caplog.at_level(logging.WARNING, logger="loco.hivemind"):
+            assert a.download_state([b.peer_id], min_epoch=2002) is None
+        assert made == ["loco-state"] * 2  # 2001 was never made; 2002 was tried once
+        assert "the state of epoch 2002 could not be made for a peer that asked: OSError: the disk is full" in caplog.text
+    finally:
+        for p, (e, snap, pinned) in zip(swarm, kept):
+            p.epoch, p._snapshot, p._pinned = e, snap, pinned
 
 
 def test_a_state_download_is_striped_over_its_holders_and_finishes_when_one_fails_or_moves_on(swarm, monkeypatch,

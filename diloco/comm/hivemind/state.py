@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -47,23 +48,34 @@ class StateMixin:
         read from the reply's header, before its body: a 4 GB state is given the time 4 GB needs."""
         return state_timeout(nbytes, self.rate.median())
 
-    def publish_state(self, blob: bytes) -> None:
-        """Serve ``blob`` (this peer's state after its latest epoch) to peers that ask for it."""
+    def publish_state(self, blob: Union[bytes, Callable[[], bytes]]) -> None:
+        """Serve ``blob`` (this peer's state after its latest epoch) to peers that ask for it: its bytes, or a
+        function that makes them, called (on a thread of its own) only when a peer first asks for this state."""
         old = self._snapshot
-        man = manifest(blob)
-        self._snapshot = (self.epoch, blob, hashlib.sha256(man).digest(), man)
+        if callable(blob):
+            self._snapshot = _Later(self.epoch, blob)
+        else:
+            man = manifest(blob)
+            self._snapshot = (self.epoch, blob, hashlib.sha256(man).digest(), man)
+        old = old.made if isinstance(old, _Later) else old  # one that was never asked for is dropped
+        current = self._snapshot[2] if isinstance(self._snapshot, tuple) else None
         pinned = self._pinned
         now = time.monotonic()
         if old is not None and old[2] in pinned:  # a download of the old one is under way: keep serving it
             pinned[old[2]] = (*old, pinned[old[2]][4])
         for sha, entry in list(pinned.items()):  # a copy: the event loop's thread adds to it meanwhile
-            if now - entry[4] > PINNED_S or sha == self._snapshot[2]:
+            if now - entry[4] > PINNED_S or sha == current:
                 pinned.pop(sha, None)
 
     def _served(self, want: int, sha: Optional[bytes]) -> Optional[tuple[int, bytes, bytes, bytes]]:
         """The snapshot a request asks for: the one whose SHA-256 it names (pinned while it is asked for), or the
-        current one when it names none and is of epoch ``want`` or newer."""
+        current one when it names none and is of epoch ``want`` or newer. A current one published as a function
+        is made on the first such request; until it is, this says None (the request waits, as for an epoch)."""
         snap = self._snapshot
+        if isinstance(snap, _Later):
+            if snap.made is None and sha is None and snap.epoch >= want:
+                snap.start()
+            snap = snap.made
         pinned = self._pinned
         if sha is not None:
             if snap is not None and snap[2] == sha:
@@ -270,6 +282,31 @@ class StateMixin:
             self._round_start = time.perf_counter()
             self.phase, self.eta = "train", (_now() + self.round_s if self.round_s else None)
             self.announce()
+
+
+class _Later:
+    """A state published as a function that makes its bytes (:meth:`StateMixin.publish_state`): made, with its
+    manifest, on a thread of its own when :meth:`start` is first called; ``made`` is then the snapshot tuple."""
+
+    def __init__(self, epoch: int, make: Callable[[], bytes]) -> None:
+        self.epoch, self._make = epoch, make
+        self.made: Optional[tuple[int, bytes, bytes, bytes]] = None
+        self._started = threading.Lock()
+
+    def start(self) -> None:
+        if self._started.acquire(blocking=False):
+            threading.Thread(target=self._run, name="loco-state", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            blob = self._make()
+            man = manifest(blob)
+            self.made = (self.epoch, blob, hashlib.sha256(man).digest(), man)
+        except Exception as e:  # the requests wait and give up; training is not this thread's to stop
+            log.warning("the state of epoch %d could not be made for a peer that asked: %s: %s", self.epoch,
+                        type(e).__name__, e)
+        finally:
+            self._make = None  # what it held (a copy of the state) is no longer needed
 
 
 def manifest(blob: bytes) -> bytes:
