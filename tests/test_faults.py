@@ -216,6 +216,25 @@ def test_a_state_holder_that_hangs_mid_download_costs_seconds_not_its_timeout(tr
     assert took < 15, f"the download waited {took:.1f}s for a hung holder"
 
 
+def test_a_state_holder_that_hangs_before_the_first_stripe_costs_seconds_not_its_timeout(trio, monkeypatch):
+    """SIGSTOP x the first stripe: a, the first holder asked, is stopped before the download begins (a peer
+    stopped or cut off while a joiner asks). The first stripe is asked of b as well once a has not answered for
+    HEDGE_S, and the download ends with exactly the state, instead of waiting out a's stream (10 s) first."""
+    from diloco.comm.hivemind import state as st
+
+    monkeypatch.setattr(st, "STRIPE_BYTES", 64 << 10)
+    a, b, c = trio
+    blob = os.urandom((1 << 20) + 3)
+    serve((a, b), blob)
+    os.kill(daemon_of(a), signal.SIGSTOP)
+    t0 = time.perf_counter()
+    epoch, got = c.download_state([a.peer_id, b.peer_id], min_epoch=1000)
+    took = time.perf_counter() - t0
+    assert (epoch, hashlib.sha256(got).digest()) == (1000, hashlib.sha256(blob).digest())
+    assert c.state_sources == {b.me: len(blob)}
+    assert took < 8, f"the download waited {took:.1f}s for a hung holder"
+
+
 @pytest.mark.parametrize("fault", ["corrupt", "wrong-key"])
 def test_a_state_holder_serving_bad_stripes_is_dropped_and_the_download_ends_right(trio, monkeypatch, caplog, fault):
     """corrupt payload x state transfer: b flips a byte in every stripe it serves; wrong run key x state

@@ -4,7 +4,8 @@ A serving peer cuts its state into stripes and publishes a manifest with it: the
 every stripe. The state's SHA-256 is the manifest's, and it is what the run key's MAC signs.
 
 A download is striped over the peers that hold the newest state: the first stripe, from the first peer that
-answers, fixes the epoch, the size and the manifest of the state; then every such peer takes the next missing
+answers (asked of one holder at a time, and of the next as well after :data:`HEDGE_S` without an answer), fixes
+the epoch, the size and the manifest of the state; then every such peer takes the next missing
 stripe as soon as it has sent its last one (a fast peer sends more of them), and a peer that fails or serves
 another state or a stripe that does not match the manifest is dropped, its stripe fetched again from the
 others. A stripe is asked of a second peer only when its first one is far slower than the rest (:data:`HEDGE_S`;
@@ -158,19 +159,12 @@ class StateMixin:
 
     async def _striped(self, peers: Sequence[Any], min_epoch: int) -> Optional[tuple[int, bytearray]]:
         """The state, in stripes from every peer of ``peers`` that holds it (see the module's docstring)."""
-        first = None
         began = time.perf_counter()
-        for i, peer in enumerate(peers):
-            try:
-                first = await self._fetch_state(peer, min_epoch, 0)
-                stripe, hashes = _check_manifest(first[4], first[2])
-                _check_stripe(first[3], 0, stripe, hashes, first[2])
-                break
-            except Exception as e:
-                first = None
-                self._failed_download(peer, e)
-        if first is None:
+        got = await self._first_stripe(peers, min_epoch)
+        if got is None:
             return None
+        i, first, stripe, hashes, failed = got
+        peers = [peers[i]] + [p for j, p in enumerate(peers) if j != i and j not in failed]  # the sender first
         epoch, sha, total, head, _ = first
         kept, self._partial = self._partial, None
         if kept is not None and kept[0] == sha:  # a download of this same state failed part-way: go on from it
@@ -183,7 +177,7 @@ class StateMixin:
         todo = [off for off in range(stripe, total, stripe) if off not in done][::-1]  # offsets, the next one last
         flying: dict = {}  # offset -> [when its first request went out, how many requests are out]
         took = [time.perf_counter() - began]  # seconds each stripe took
-        served = {peers[i].to_base58(): len(head)}
+        served = {peers[0].to_base58(): len(head)}
 
         def overdue() -> Optional[int]:
             """A stripe asked of one peer long ago (a holder that hangs, a link that stalls): an idle peer asks
@@ -222,7 +216,7 @@ class StateMixin:
                     if not out[1]:
                         flying.pop(off, None)
 
-        tasks = [asyncio.ensure_future(pull(p)) for p in peers[i:]]
+        tasks = [asyncio.ensure_future(pull(p)) for p in peers]
         while len(done) < stripes and not all(t.done() for t in tasks):
             await asyncio.wait(tasks, timeout=0.2)
         for t in tasks:  # a request still out to a hung peer is given up: its stripe came from another
@@ -241,6 +235,43 @@ class StateMixin:
             log.info("peer %s: downloaded the state (%d bytes) from %d peers: %s", self.me[-8:], total, len(served),
                      ", ".join(f"{k[-8:]} {v} bytes" for k, v in served.items()))
         return epoch, blob
+
+    async def _first_stripe(self, peers: Sequence[Any], min_epoch: int) -> Optional[tuple[int, tuple, int, bytes, set]]:
+        """The first stripe of the newest state ``peers`` hold: (index of the peer that sent it, the reply, the
+        stripe size, the stripes' hashes, the indices of the peers that failed), or None when none sends one.
+        Asked of one peer at a time, and of the next as well while one is out longer than :data:`HEDGE_S` (a
+        holder that hangs would otherwise cost its timeout: 10 s to open a stream, more for a reply); the first
+        good answer counts."""
+        async def one(peer):
+            reply = await self._fetch_state(peer, min_epoch, 0)
+            stripe, hashes = _check_manifest(reply[4], reply[2])
+            _check_stripe(reply[3], 0, stripe, hashes, reply[2])
+            return reply, stripe, hashes
+
+        failed: set[int] = set()
+        out: dict = {}  # task -> index of its peer
+        nxt = 0
+        try:
+            while out or nxt < len(peers):
+                if nxt < len(peers):
+                    out[asyncio.ensure_future(one(peers[nxt]))] = nxt
+                    nxt += 1
+                done, _ = await asyncio.wait(out, timeout=HEDGE_S if nxt < len(peers) else None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i = out.pop(task)
+                    try:
+                        reply, stripe, hashes = task.result()
+                    except Exception as e:
+                        failed.add(i)
+                        self._failed_download(peers[i], e)
+                        continue
+                    return i, reply, stripe, hashes, failed
+            return None
+        finally:
+            for task in out:  # asked of a slower peer as well: its answer is not needed
+                task.cancel()
+            await asyncio.gather(*out, return_exceptions=True)
 
     @property
     def resumable(self) -> bool:
