@@ -163,7 +163,7 @@ def table(args, rows: list[dict], wall: float) -> str:
         f"- command: `python benchmarks/hivemind.py {' '.join(sys.argv[1:])}`; {wall:.0f} s wall",
         "",
         "| chain | transport | s / round (median) | warm-up s | bytes sent / peer / round | vs fp32 (same transport) "
-        "| peak RSS / peer (so far) | a round's peak above its start / peer (x vector) |",
+        "| peak RSS / peer (highest in a round) | a round's peak above its start / peer (x vector) |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     fp32 = {}
