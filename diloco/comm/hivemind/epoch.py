@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 from diloco.comm.hivemind.auth import mac
-from diloco.comm.hivemind.framing import (FAIL, MIN_MEASURED_BYTES, OK, UNREACHED, _now, _read_body,
+from diloco.comm.hivemind.framing import (FAIL, MIN_MEASURED_BYTES, OK, PIECE, UNREACHED, _now, _read_body,
                                           _read_header, _write_framed, _write_head, exchange_deadline, log,
                                           matchmaking_window)
 from diloco.comm.hivemind.limits import ACK_MAX, PUSH_HEADER_MAX, Window, inbox_cap, payload_sizes
@@ -18,7 +18,6 @@ from diloco.comm.hivemind.state import same_state
 
 KINDS = ("ag", "ack")  # a member's payload, then its list of whom it holds payloads from
 UNREACHABLE_S = 600.0  # a member no push reached directly is reached through another member for this long
-FORWARD_PIECE = 1 << 20  # a relaying member streams a push through in pieces of this many bytes
 
 
 def _push_mac(key: bytes, gid: bytes, kind: str, epoch: int, sender: bytes, receiver: bytes, n: int,
@@ -611,7 +610,7 @@ class EpochMixin:
             _write_head(out, header, n)
             left = n
             while left:
-                piece = await asyncio.wait_for(reader.readexactly(min(left, FORWARD_PIECE)), self.exchange_timeout)
+                piece = await asyncio.wait_for(reader.readexactly(min(left, PIECE)), self.exchange_timeout)
                 out.write(piece)
                 await out.drain()
                 left -= len(piece)

@@ -21,6 +21,7 @@ log = logging.getLogger("loco.hivemind")
 OK, FAIL = b"\x01", b"\x00"
 UNREACHED = b"\x02"  # a relaying member's answer when it could not reach the receiver (FAIL: it refused)
 MAX_HEADER = 64 << 10
+PIECE = 1 << 20  # bodies are written, read and relayed in pieces of at most this many bytes
 
 
 def _write_head(writer, header: dict, n: int) -> None:
@@ -32,11 +33,12 @@ def _write_head(writer, header: dict, n: int) -> None:
 
 
 async def _write_framed(writer, header: dict, data: bytes) -> None:
-    """``u64 len | msgpack header | u64 len | data``, the data in 1 MiB slices (what ``_read_framed`` reads)."""
+    """``u64 len | msgpack header | u64 len | data``, the data in slices of :data:`PIECE` (what ``_read_framed``
+    reads)."""
     _write_head(writer, header, len(data))
     view = memoryview(data)
-    for off in range(0, len(view), 1 << 20):
-        writer.write(view[off:off + (1 << 20)])
+    for off in range(0, len(view), PIECE):
+        writer.write(view[off:off + PIECE])
         await writer.drain()
     await writer.drain()
 
@@ -55,14 +57,11 @@ async def _read_header(reader, max_header: int = MAX_HEADER, timeout: float = 10
     return header, n
 
 
-BODY_PIECE = 1 << 20  # a body is taken off the stream in pieces of at most this many bytes
-
-
 async def _read_body(reader, n: int, timeout: float) -> bytearray:
     """The ``n`` body bytes after a header :func:`_read_header` read (and the caller accepted), within
     ``timeout`` seconds in all.
 
-    They are read in pieces into one buffer of ``n`` bytes, so a body costs its own size while it arrives.
+    They are read in pieces (:data:`PIECE`) into one buffer of ``n`` bytes, so a body costs its own size while it arrives.
     ``readexactly(n)`` would let the stream's buffer grow to all ``n`` bytes and then copy them out: twice the
     body at once, for every push being received (three members pushing 1 GB payloads: 6 GB).
     """
@@ -70,7 +69,7 @@ async def _read_body(reader, n: int, timeout: float) -> bytearray:
         body = bytearray(n)
         view, off = memoryview(body), 0
         while off < n:
-            piece = await reader.read(min(n - off, BODY_PIECE))
+            piece = await reader.read(min(n - off, PIECE))
             if not piece:
                 raise ConnectionError(f"the stream ended after {off} of the {n} bytes its header announced")
             view[off:off + len(piece)] = piece
