@@ -7,7 +7,7 @@ peak memory of one model never includes another's: on CUDA the peak is
 forward (bf16 autocast on CUDA unless ``--precision fp32``; ``torch.compile`` of the model with
 ``--compile on``, the default on CUDA, as ``run.compile``), cross-entropy, backward, then
 ``diloco.DDP.step``: gradient clipping and AdamW (``launch.trainer.build_optimizer``; fused on
-CUDA, where the finiteness check and clipping stay on the device, with no host sync), zero_grad. After ``--warmup`` untimed steps,
+CUDA and CPU, so the finiteness check and clipping stay on the device, with no host sync), zero_grad. After ``--warmup`` untimed steps,
 ``--repeats`` windows of ``--steps`` steps each are timed; the table shows the median window.
 
 MFU is counted as the trainer's log counts it (``launch.metrics.mfu_basis``): 6N+attention FLOPs per

@@ -95,6 +95,27 @@ def _move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> N
                 state[k] = move_tensor(v, device)
 
 
+def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """``opt.load_state_dict(saved)``, keeping ``opt``'s own kernel choice (``fused``, ``foreach``).
+
+    torch takes every key of the saved param groups, the kernel flags included, so a state saved on one device
+    would bring that device's choice along: a CPU run's checkpoint (saved unfused) resumed on a GPU left the
+    fused step's on-device checks (:meth:`Algorithm._checks_on_device`) driving an unfused AdamW, which refuses
+    them on the first step. Where the kernel is fused, each parameter's step count moves to its device, as
+    the fused kernel keeps it.
+    """
+    opt.load_state_dict(saved)
+    for group in opt.param_groups:
+        for key in ("fused", "foreach"):
+            if key in opt.defaults:
+                group[key] = opt.defaults[key]
+        if group.get("fused"):
+            for p in group["params"]:
+                step = opt.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != torch.float32):
+                    opt.state[p]["step"] = step.to(p.device, torch.float32)
+
+
 class Algorithm:
     name = "base"
     round_based = False  # True: workers meet only at round ends (stop and checkpoint there)
@@ -267,7 +288,7 @@ class Algorithm:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("name") != self.name:
             raise ValueError(f"checkpoint holds algorithm {state.get('name')!r}, this run uses {self.name!r}")
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.steps = state["steps"]
         self.skipped_steps = state.get("skipped_steps", 0)
 
@@ -346,7 +367,7 @@ class DDP(Algorithm):
     def load_shared_state(self, state: dict[str, Any]) -> None:
         super().load_shared_state(state)
         if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_optimizer_state(self.optimizer, state["optimizer"])
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

@@ -262,6 +262,9 @@ def lr_factor(step: int, warmup: int, progress: float, schedule: str, min_ratio:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where torch has a fused AdamW kernel
+
+
 def build_optimizer(model: nn.Module, ocfg, device: torch.device, acfg=None,
                     transport: Optional[Transport] = None, cfg: Optional[Config] = None) -> torch.optim.Optimizer:
     """AdamW (or SGD) with weight decay on matrices only, unless the algorithm brings its own (DeMo).
@@ -281,8 +284,10 @@ def build_optimizer(model: nn.Module, ocfg, device: torch.device, acfg=None,
             return own
     if ocfg.name == "sgd":
         return torch.optim.SGD(groups, lr=ocfg.lr, momentum=ocfg.momentum)
+    # the fused kernel on CUDA and CPU alike: one pass per step (4-6x the per-parameter loop on a CPU), and the
+    # step checks finiteness and clips on the device, so a step reads nothing back (Algorithm._checks_on_device)
     return torch.optim.AdamW(groups, lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps,
-                             fused=device.type == "cuda")
+                             fused=device.type in FUSED_ADAMW_DEVICES)
 
 
 def build_algorithm(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,

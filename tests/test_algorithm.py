@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -107,3 +108,34 @@ def test_a_fused_adamw_step_reads_nothing_back_and_matches_the_host_checks(clip)
     assert float(fast_algo.optimizer.state[next(fast.parameters())]["step"]) == 3
     state = fast_algo.state_dict()
     assert state["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("saved_fused", [False, True], ids=["unfused-into-fused", "fused-into-unfused"])
+def test_a_state_saved_with_the_other_adamw_kernel_resumes_with_this_ones(saved_fused):
+    """A checkpoint keeps its param groups' kernel flags: a CPU run's (an unfused AdamW until the fused kernel was
+    the CPU's too) resumed where the step is fused turned the next step into an unfused one driven by the fused
+    step's device checks, which it refuses. Each side keeps its own kernel, and the run goes on as if unbroken."""
+    (fast, fast_algo), (slow, slow_algo) = _adamw_pair(0.05)
+    saver, loader = (fast_algo, slow_algo) if saved_fused else (slow_algo, fast_algo)
+    saver_model, loader_model = (fast, slow) if saved_fused else (slow, fast)
+    for step in range(3):
+        saver_model(torch.randn(5, 4, generator=torch.Generator().manual_seed(step))).sum().backward()
+        saver.step()
+        saver.zero_grad()
+    blob = io.BytesIO()
+    torch.save({"algo": saver.state_dict(), "model": saver_model.state_dict()}, blob)
+    blob.seek(0)
+    saved = torch.load(blob, weights_only=True)
+    loader_model.load_state_dict(saved["model"])
+    loader.load_state_dict(saved["algo"])
+    assert [g["fused"] for g in loader.optimizer.param_groups] == [not saved_fused]
+    assert loader._checks_on_device() == (not saved_fused)
+    for step in range(3, 5):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        for model, algo in ((saver_model, saver), (loader_model, loader)):
+            model(x).sum().backward()
+            algo.step()
+            algo.zero_grad()
+    for a, b in zip(saver_model.parameters(), loader_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert float(loader.optimizer.state[next(loader_model.parameters())]["step"]) == 5

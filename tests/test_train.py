@@ -150,3 +150,73 @@ def test_a_trainer_process_reuses_freed_memory_instead_of_faulting_in_fresh_page
         assert res.returncode == 0, res.stderr[-3000:]
         faults[mode] = int(res.stdout.split()[-1])
     assert faults["trainer"] < 200 and faults["plain"] > max(1000, 10 * faults["trainer"]), faults
+
+
+class _HostReads:
+    """Counts what makes a host wait for a GPU: the ops that read a value back (``item()``, ``bool()``,
+    ``nonzero``...) as dispatched, and ``tolist()`` / ``numpy()``, which read memory without dispatching."""
+
+    SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique", "aten.equal",
+                "aten.is_nonzero")
+
+    def __init__(self) -> None:
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+        self.count = 0
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                outer.count += str(func).startswith(outer.SYNC_OPS)
+                return func(*args, **(kwargs or {}))
+
+        class Reads(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                import torch
+                outer.count += func in (torch.Tensor.tolist, torch.Tensor.numpy)
+                return func(*args, **(kwargs or {}))
+
+        self.modes = (Reads(), Ops())
+
+    def __enter__(self):
+        for m in self.modes:
+            m.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for m in reversed(self.modes):
+            m.__exit__(*exc)
+
+
+@pytest.mark.parametrize("algo", ["ddp", "diloco"])
+def test_a_step_reads_nothing_back_to_the_host_outside_log_steps_and_rounds(algo, tiny_cfg, tmp_path):
+    """On a GPU a read-back stalls the queue of kernels; the loop makes none inside a step. With the fused AdamW
+    (the CPU's kernel as well as CUDA's) a plain step reads nothing back; a log step reads the loss, the norm
+    and the skipped count; a DiLoCo round a few numbers; neither grows with the model's parameter tensors."""
+    from launch.trainer import Trainer
+
+    seen = {}
+    for layers in (2, 4):
+        cfg = tiny_cfg("run.max_steps=12", f"algo.name={algo}", "algo.inner_steps=4", "run.eval_every=0",
+                       "run.checkpoint_every=0", "run.checkpoint_final=false", "log.every=6", "run.batch_size=2",
+                       "data.seq_len=32", f"model.n_layers={layers}", run_dir=tmp_path / f"run{layers}")
+        trainer = Trainer(cfg)
+        assert trainer.algo._checks_on_device()
+        reads, per_step, last = _HostReads(), [], [0]
+
+        def end(synced, info):
+            per_step.append((trainer.step, bool(synced), reads.count - last[0]))
+            last[0] = reads.count
+
+        trainer.on_step_end = end
+        with reads:
+            trainer.fit()
+        seen[layers] = per_step
+    assert seen[2] == seen[4], seen  # the same reads, whatever the number of parameter tensors
+    for step, synced, count in seen[2]:
+        if step % 6 and not synced:
+            assert count == 0, (step, count)  # a plain step
+        else:
+            assert 0 < count <= 8, (step, synced, count)  # a log step (3 reads), a round (5), or both
+    assert any(synced for _, synced, _ in seen[2]) == (algo == "diloco")
