@@ -43,6 +43,46 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class HostReads:
+    """Counts, while entered, the aten ops dispatched (``ops``) and the reads that make a host wait for a GPU
+    (``count``): the ops that hand a value back (``item()``, ``bool()``, ``float()``, ``nonzero``...), seen as
+    dispatched, and ``tolist()`` / ``numpy()``, which read memory without dispatching an op."""
+
+    SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique", "aten.equal",
+                "aten.is_nonzero")
+
+    def __init__(self) -> None:
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts = self
+        self.ops = self.count = 0
+
+        class _Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counts.ops += 1
+                counts.count += str(func).startswith(HostReads.SYNC_OPS)
+                return func(*args, **(kwargs or {}))
+
+        class _Reads(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                counts.count += func in (torch.Tensor.tolist, torch.Tensor.numpy)
+                return func(*args, **(kwargs or {}))
+
+        self._modes = (_Reads(), _Ops())
+
+    def __enter__(self) -> "HostReads":
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
 # fast settings for runs inside tests: a slice of the corpus, no plot, plain logs

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from conftest import HostReads
 from diloco import DDP
 from diloco.comm import LocalTransport
 
@@ -53,22 +54,6 @@ def test_state_dict_round_trip_and_name_check():
     state["name"] = "diloco"
     with pytest.raises(ValueError, match="diloco"):
         other.load_state_dict(state)
-
-
-class HostReads(torch.overrides.TorchFunctionMode):
-    """Counts the tensor reads that make the host wait for the device (item, bool, float, int, tolist)."""
-
-    READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
-             torch.Tensor.tolist, torch.Tensor.__index__}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.READS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _adamw_pair(clip: float):

@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from conftest import FAST, ROOT, TINY, child_env, run_cli
+from conftest import FAST, ROOT, TINY, HostReads, child_env, run_cli
 from launch.config import config_from_dict
 from launch.trainer import train
 
@@ -152,42 +152,6 @@ def test_a_trainer_process_reuses_freed_memory_instead_of_faulting_in_fresh_page
     assert faults["trainer"] < 200 and faults["plain"] > max(1000, 10 * faults["trainer"]), faults
 
 
-class _HostReads:
-    """Counts what makes a host wait for a GPU: the ops that read a value back (``item()``, ``bool()``,
-    ``nonzero``...) as dispatched, and ``tolist()`` / ``numpy()``, which read memory without dispatching."""
-
-    SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique", "aten.equal",
-                "aten.is_nonzero")
-
-    def __init__(self) -> None:
-        from torch.overrides import TorchFunctionMode
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        outer = self
-        self.count = 0
-
-        class Ops(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                outer.count += str(func).startswith(outer.SYNC_OPS)
-                return func(*args, **(kwargs or {}))
-
-        class Reads(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                import torch
-                outer.count += func in (torch.Tensor.tolist, torch.Tensor.numpy)
-                return func(*args, **(kwargs or {}))
-
-        self.modes = (Reads(), Ops())
-
-    def __enter__(self):
-        for m in self.modes:
-            m.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        for m in reversed(self.modes):
-            m.__exit__(*exc)
-
 
 @pytest.mark.parametrize("algo", ["ddp", "diloco"])
 def test_a_step_reads_nothing_back_to_the_host_outside_log_steps_and_rounds(algo, tiny_cfg, tmp_path):
@@ -203,7 +167,7 @@ def test_a_step_reads_nothing_back_to_the_host_outside_log_steps_and_rounds(algo
                        "data.seq_len=32", f"model.n_layers={layers}", run_dir=tmp_path / f"run{layers}")
         trainer = Trainer(cfg)
         assert trainer.algo._checks_on_device()
-        reads, per_step, last = _HostReads(), [], [0]
+        reads, per_step, last = HostReads(), [], [0]
 
         def end(synced, info):
             per_step.append((trainer.step, bool(synced), reads.count - last[0]))
