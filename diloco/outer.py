@@ -114,8 +114,9 @@ class DiLoCo(Algorithm):
         deltas, total, handle = self.start_exchange(indices, weight, key=fragment,
                                                     in_place=self.transport.world_size > 1)
         handle.wait()
-        self.apply_exchange(indices, deltas, self._total(total), mix_alpha=0.0)
-        return self._total(total)
+        total_weight = self._total(total)  # read back once
+        self.apply_exchange(indices, deltas, total_weight, mix_alpha=0.0)
+        return total_weight
 
     def start_exchange(self, indices: Sequence[int], weight: float, key: Optional[int] = None,
                        in_place: bool = False) -> tuple[list[torch.Tensor], torch.Tensor, Handle]:
@@ -318,17 +319,18 @@ class _Mean(Handle):
     def __init__(self, inner: Handle, deltas: list[torch.Tensor], total: torch.Tensor) -> None:
         super().__init__()
         self.inner, self.deltas, self.total, self.done = inner, deltas, total, False
+        self.value = 0.0
 
     def wait(self) -> Any:
         self.inner.wait()
         if not self.done:
             self.done = True
-            t = float(self.total.item())
-            if t > 0:
+            self.value = float(self.total.item())
+            if self.value > 0:
                 with torch.no_grad():
                     for d in self.deltas:
-                        d.div_(t)
-        return float(self.total.item())
+                        d.div_(self.value)
+        return self.value
 
 
 class _Filled(Handle):
