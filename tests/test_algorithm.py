@@ -124,3 +124,8 @@ def test_a_state_saved_with_the_other_adamw_kernel_resumes_with_this_ones(saved_
     for a, b in zip(saver_model.parameters(), loader_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert float(loader.optimizer.state[next(loader_model.parameters())]["step"]) == 5
+    # a DDP worker that joins takes the others' optimizer state the same way (loco join, a simulated comeback)
+    _, joiner = _adamw_pair(0.05)[1 if saved_fused else 0]  # the loader's kernel
+    joiner.load_shared_state(saver.shared_state())
+    assert [g["fused"] for g in joiner.optimizer.param_groups] == [not saved_fused]
+    assert float(joiner.optimizer.state[joiner.params[0]]["step"]) == 5
