@@ -216,13 +216,13 @@ class Algorithm:
     def _checks_on_device(self) -> bool:
         """Whether a step can test finiteness and clip without reading anything back to the host.
 
-        True for the plain update (no subclass hook that must know on the host) with a fused Adam/AdamW, which
-        skips a step itself when it is handed ``found_inf`` (as under a GradScaler): the step then costs no
+        True for the plain update (no subclass hook that must know on the host) with a fused Adam/AdamW or SGD,
+        which skips a step itself when it is handed ``found_inf`` (as under a GradScaler): the step then costs no
         host sync, and ``info`` carries the norm and the skip flag as device tensors.
         """
         opt = self.optimizer
         return (type(self)._update is Algorithm._update and type(self)._skipped_update is Algorithm._skipped_update
-                and isinstance(opt, torch.optim.Adam) and bool(opt.defaults.get("fused")))
+                and isinstance(opt, (torch.optim.Adam, torch.optim.SGD)) and bool(opt.defaults.get("fused")))
 
     @staticmethod
     def _grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:

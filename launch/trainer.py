@@ -262,7 +262,7 @@ def lr_factor(step: int, warmup: int, progress: float, schedule: str, min_ratio:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where torch has a fused AdamW kernel
+FUSED_DEVICES = ("cuda", "cpu")  # where torch has fused AdamW and SGD kernels
 
 
 def build_optimizer(model: nn.Module, ocfg, device: torch.device, acfg=None,
@@ -282,12 +282,12 @@ def build_optimizer(model: nn.Module, ocfg, device: torch.device, acfg=None,
         own = algorithm_class(cfg.algo.name).make_optimizer(cfg, groups, device, transport)
         if own is not None:
             return own
+    # the fused kernels on CUDA and CPU alike: one pass per step (AdamW: 4-6x the per-parameter loop on a CPU), and
+    # the step checks finiteness and clips on the device, so a step reads nothing back (Algorithm._checks_on_device)
+    fused = device.type in FUSED_DEVICES
     if ocfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=ocfg.lr, momentum=ocfg.momentum)
-    # the fused kernel on CUDA and CPU alike: one pass per step (4-6x the per-parameter loop on a CPU), and the
-    # step checks finiteness and clips on the device, so a step reads nothing back (Algorithm._checks_on_device)
-    return torch.optim.AdamW(groups, lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps,
-                             fused=device.type in FUSED_ADAMW_DEVICES)
+        return torch.optim.SGD(groups, lr=ocfg.lr, momentum=ocfg.momentum, fused=fused)
+    return torch.optim.AdamW(groups, lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps, fused=fused)
 
 
 def build_algorithm(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,

@@ -56,20 +56,24 @@ def test_state_dict_round_trip_and_name_check():
         other.load_state_dict(state)
 
 
-def _adamw_pair(clip: float):
-    """The same model and AdamW twice: fused (checks on the device) and the plain loop (checks on the host)."""
+def _adamw_pair(clip: float, name: str = "adamw"):
+    """The same model and optimizer (AdamW, or SGD with momentum) twice: fused (checks on the device) and the
+    plain loop (checks on the host)."""
     out = []
     for fused in (True, False):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=fused, foreach=None if fused else False)
+        kernel = dict(fused=fused, foreach=None if fused else False)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, **kernel) if name == "adamw" else \
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, **kernel)
         out.append((model, DDP(model, opt, LocalTransport(), grad_clip=clip)))
     return out
 
 
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
 @pytest.mark.parametrize("clip", [0.0, 0.05])
-def test_a_fused_adamw_step_reads_nothing_back_and_matches_the_host_checks(clip):
-    (fast, fast_algo), (slow, slow_algo) = _adamw_pair(clip)
+def test_a_fused_step_reads_nothing_back_and_matches_the_host_checks(clip, name):
+    (fast, fast_algo), (slow, slow_algo) = _adamw_pair(clip, name)
     assert fast_algo._checks_on_device() and not slow_algo._checks_on_device()
     for step in range(4):
         x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step)) * 10
@@ -89,8 +93,8 @@ def test_a_fused_adamw_step_reads_nothing_back_and_matches_the_host_checks(clip)
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert fast_algo.skipped_steps == slow_algo.skipped_steps == 1
     assert fast_algo.steps == slow_algo.steps == 4
-    # AdamW's own step count skips the skipped step too (bias correction stays aligned)
-    assert float(fast_algo.optimizer.state[next(fast.parameters())]["step"]) == 3
+    if name == "adamw":  # AdamW's own step count skips the skipped step too (bias correction stays aligned)
+        assert float(fast_algo.optimizer.state[next(fast.parameters())]["step"]) == 3
     state = fast_algo.state_dict()
     assert state["skipped_steps"] == 1
 
