@@ -152,7 +152,6 @@ def test_a_trainer_process_reuses_freed_memory_instead_of_faulting_in_fresh_page
     assert faults["trainer"] < 200 and faults["plain"] > max(1000, 10 * faults["trainer"]), faults
 
 
-
 @pytest.mark.parametrize("algo", ["ddp", "diloco"])
 def test_a_step_reads_nothing_back_to_the_host_outside_log_steps_and_rounds(algo, tiny_cfg, tmp_path):
     """On a GPU a read-back stalls the queue of kernels; the loop makes none inside a step. With the fused AdamW
