@@ -318,13 +318,12 @@ class _Mean(Handle):
 
     def __init__(self, inner: Handle, deltas: list[torch.Tensor], total: torch.Tensor) -> None:
         super().__init__()
-        self.inner, self.deltas, self.total, self.done = inner, deltas, total, False
-        self.value = 0.0
+        self.inner, self.deltas, self.total = inner, deltas, total
+        self.value: Optional[float] = None  # the total weight, once the sums arrived
 
     def wait(self) -> Any:
         self.inner.wait()
-        if not self.done:
-            self.done = True
+        if self.value is None:
             self.value = float(self.total.item())
             if self.value > 0:
                 with torch.no_grad():

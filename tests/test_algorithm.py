@@ -56,7 +56,7 @@ def test_state_dict_round_trip_and_name_check():
         other.load_state_dict(state)
 
 
-def _adamw_pair(clip: float, name: str = "adamw"):
+def _optimizer_pair(clip: float, name: str = "adamw"):
     """The same model and optimizer (AdamW, or SGD with momentum) twice: fused (checks on the device) and the
     plain loop (checks on the host)."""
     out = []
@@ -73,7 +73,7 @@ def _adamw_pair(clip: float, name: str = "adamw"):
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 def test_a_fused_step_reads_nothing_back_and_matches_the_host_checks(clip, name):
-    (fast, fast_algo), (slow, slow_algo) = _adamw_pair(clip, name)
+    (fast, fast_algo), (slow, slow_algo) = _optimizer_pair(clip, name)
     assert fast_algo._checks_on_device() and not slow_algo._checks_on_device()
     for step in range(4):
         x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step)) * 10
@@ -104,7 +104,7 @@ def test_a_state_saved_with_the_other_adamw_kernel_resumes_with_this_ones(saved_
     """A checkpoint keeps its param groups' kernel flags: a CPU run's (an unfused AdamW until the fused kernel was
     the CPU's too) resumed where the step is fused turned the next step into an unfused one driven by the fused
     step's device checks, which it refuses. Each side keeps its own kernel, and the run goes on as if unbroken."""
-    (fast, fast_algo), (slow, slow_algo) = _adamw_pair(0.05)
+    (fast, fast_algo), (slow, slow_algo) = _optimizer_pair(0.05)
     saver, loader = (fast_algo, slow_algo) if saved_fused else (slow_algo, fast_algo)
     saver_model, loader_model = (fast, slow) if saved_fused else (slow, fast)
     for step in range(3):
@@ -129,7 +129,7 @@ def test_a_state_saved_with_the_other_adamw_kernel_resumes_with_this_ones(saved_
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert float(loader.optimizer.state[next(loader_model.parameters())]["step"]) == 5
     # a DDP worker that joins takes the others' optimizer state the same way (loco join, a simulated comeback)
-    _, joiner = _adamw_pair(0.05)[1 if saved_fused else 0]  # the loader's kernel
+    _, joiner = _optimizer_pair(0.05)[1 if saved_fused else 0]  # the loader's kernel
     joiner.load_shared_state(saver.shared_state())
     assert [g["fused"] for g in joiner.optimizer.param_groups] == [not saved_fused]
     assert float(joiner.optimizer.state[joiner.params[0]]["step"]) == 5
