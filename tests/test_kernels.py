@@ -203,16 +203,19 @@ def test_topk_ties_go_to_the_lowest_index():
 
 
 def test_topk_cpu_shortcut_selects_exactly_what_the_bit_patterns_select():
-    """On the CPU the reference ranks the magnitudes themselves and checks each chunk for a tie at its k-th
-    largest: chunks with ties, NaN, Inf, signed zeros and a short last chunk must still come out as the
+    """On the CPU the reference ranks the magnitudes themselves (in large chunks, only those of the groups with
+    the largest maxima) and checks each chunk for a tie at its k-th largest: chunks with ties, NaN, Inf, signed
+    zeros, the largest values crowded into one group and a short last chunk must still come out as the
     bit-pattern rule picks them (the rule the kernel and every other device use)."""
     g = torch.Generator().manual_seed(7)
-    for trial in range(600):
-        chunk = (4, 16, 64, 256)[trial % 4]
+    prefiltered = 0
+    for trial in range(1200):
+        chunk = (4, 16, 64, 256, 1024, 4096, 3000, 2051)[trial % 8]  # DeMo's chunks: any s1 * s2
         n = int(torch.randint(1, 5 * chunk, (1,), generator=g))
-        kk = int(torch.randint(1, chunk + 1, (1,), generator=g))
+        top = chunk if trial // 8 % 2 else max(1, chunk // 64)  # small k: the prefilter's case
+        kk = int(torch.randint(1, top + 1, (1,), generator=g))
         x = torch.randn(n, generator=g)
-        kind = trial // 4 % 5
+        kind = trial // 16 % 6
         if kind == 1:
             x[torch.rand(n, generator=g) < 0.5] = 0.0
         elif kind == 2:
@@ -222,9 +225,15 @@ def test_topk_cpu_shortcut_selects_exactly_what_the_bit_patterns_select():
             x[torch.rand(n, generator=g) < 0.1] = float("-inf")
         elif kind == 4:
             x[torch.rand(n, generator=g) < 0.3] = -0.0
+        elif kind == 5:  # one prefilter group (a stride of chunk / GROUP apart) of every chunk holds the largest
+            stride = max(1, chunk // tk.GROUP)
+            start = int(torch.randint(0, stride, (1,), generator=g))
+            x[start::stride] *= 100.0
+        prefiltered += chunk % tk.GROUP == 0 and 4 * (kk + 1) <= chunk // tk.GROUP and n >= chunk
         chunks = -(-n // chunk)
         want = tk._top_by_bits(x, chunks, chunk, kk)
-        assert torch.equal(tk._top_indices(x, chunks, chunk, kk), want), (trial, n, chunk, kk)
+        assert torch.equal(tk._top_indices(x, chunks, chunk, kk), want), (trial, n, chunk, kk, kind)
+    assert prefiltered > 200
 
 
 @pytest.mark.parametrize("n, chunk, k", [(640, 64, 9), (650, 64, 9), (70, 64, 20), (40, 64, 64)])
