@@ -4,17 +4,19 @@
    k=8 (``--demo-lr``), all with ``--workers`` simulated workers x ``--batch-size``, the same
    seeds and steps (the runs go through ``benchmarks/convergence.py``). Reported: median final
    validation loss, gap to DDP, bytes sent per worker per step and DDP's over DeMo's.
-2. Encode time per step for every parameter of the model: loco's encode (``kernels.encode_many``:
-   the fused Triton kernel per parameter on CUDA, the torch reference batched over parameters
-   with the same block elsewhere) against a plain per-parameter
-   einsum + ``torch.topk`` + scatter implementation like the published one. Medians.
+2. Encode time per step for every parameter of the model: the momentum update and the encode as
+   ``DeMo.step`` runs them (``kernels.step_encode_many``: the momentum kept as DCT coefficients,
+   one fused Triton launch per run of same-shaped parameters on CUDA, the torch reference batched
+   over parameters with the same block elsewhere) against the same update done the published
+   way, per parameter: decay and add the gradient, einsum DCT, ``torch.topk``, scatter, einsum
+   back, subtract. Medians.
 
     python benchmarks/demo.py --steps 300 --seeds 0,1,2                       # tiny on CPU
     python benchmarks/demo.py --model small --device cuda --out benchmarks/results/demo_gpu.md
     python benchmarks/demo.py --encode-only --encode-models small,150m,1b --device cuda --out demo_enc.md
 
 ``--encode-only`` skips part 1 and times the encode alone, for every model of ``--encode-models``
-(default: ``--model``); the parameters are only shaped like the model's (random deltas, no model built).
+(default: ``--model``); the parameters are only shaped like the model's (random gradients, no model built).
 """
 
 from __future__ import annotations
@@ -101,18 +103,21 @@ def encode_times(model_size: str, device: torch.device, repeats: int, topk: int 
     from diloco.compress.dct import dct_basis
 
     opt, params, entries, plans, chain, layout = model_demo(model_size, device, topk)
-    opt._stack_momenta(entries, layout)  # the momenta as DeMo keeps them: same-shaped ones in one buffer
+    opt._stack_momenta(entries, layout)  # the momenta as DeMo keeps them, in its wire order
     order = layout.order
-    deltas = [opt.state[params[j]]["delta"] for j in order]
-    for d in deltas:
-        d.copy_(torch.randn(d.shape, device=device))
+    moms = [opt.state[params[j]]["delta" if plans[j].padded else "coeffs"] for j in order]
+    grads = [torch.randn(params[j].shape, device=device) for j in order]
+    deltas = [torch.zeros(params[j].shape, device=device) for j in order]
+    n = len(order)
 
-    def loco():  # as DeMo.step runs it: one call over the momenta in wire order
-        kernels.encode_many(deltas, [plans[j] for j in order])
+    def loco():  # as DeMo.step runs it: one call over every parameter in wire order
+        kernels.step_encode_many(grads, moms, [plans[j] for j in order], [0.999] * n, [1e-3] * n)
 
     def plain():
+        torch._foreach_mul_(deltas, 0.999)
+        torch._foreach_add_(deltas, grads, alpha=1e-3)
         for d in deltas:
-            plain_encode(d, 64, topk, lambda n: dct_basis(n, device))
+            plain_encode(d, 64, topk, lambda s: dct_basis(s, device))
 
     return {"loco": median_time(loco, device, repeats), "plain": median_time(plain, device, repeats)}
 

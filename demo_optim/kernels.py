@@ -1,5 +1,17 @@
 """DeMo's hot paths, each a Triton kernel beside a torch reference with the same signature.
 
+* ``step_encode_many(grads, moms, plans, decays, lrs)``: one step of DeMo's momentum and its encode
+  for every parameter, the (indices int32, values fp32) concatenated. Where a parameter's blocks
+  are whole (no padding) its momentum is kept as its DCT coefficients, ``(num_chunks, s1*s2)``::
+
+      C = decay * C + DCT(lr * grad)      (the DCT is linear: C stays the DCT of the momentum)
+      send the top-k |C| of each chunk, then set them to 0 in C
+
+  which is the published update (``delta = decay*delta + lr*grad``, send the top-k of
+  ``DCT(delta)``, ``delta -= IDCT(sent)``) without its inverse DCT: what was sent leaves the
+  momentum by zeroing its coefficients. A padded parameter keeps its momentum ``delta`` in the
+  parameter's own shape (cropping after the inverse DCT drops what fell on the padding) and goes
+  through ``encode``.
 * ``encode(delta, plan)``: DCT of every chunk, top-k per chunk by magnitude (ties: lowest
   index), and ``delta -= IDCT(what was kept)`` in the same pass; returns (indices int32,
   values fp32), ``plan.k`` per chunk, indices ascending within their chunk.
@@ -94,6 +106,18 @@ def stacked_view(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
     return first.as_strided((len(tensors), *first.shape), (n, *first.stride()), off)
 
 
+def back_to_back(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Contiguous tensors of one dtype that lie one after the other in one buffer, as one flat view; else None."""
+    first = tensors[0]
+    ptr, at = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if (t.dtype != first.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != ptr
+                or t.storage_offset() != at):
+            return None
+        at += t.numel()
+    return first.as_strided((at - first.storage_offset(),), (1,), first.storage_offset())
+
+
 def _stacked_plan(plan: ChunkPlan, count: int) -> ChunkPlan:
     return replace(plan, shape=(count, *plan.shape), lead=plan.lead * count)
 
@@ -151,6 +175,38 @@ def encode_batch_ref(deltas: list[torch.Tensor], plans: list[ChunkPlan]) -> tupl
     return idx, vals
 
 
+def _grad_blocks(grads: list[Optional[torch.Tensor]], plans: list[ChunkPlan]) -> torch.Tensor:
+    """``(num_chunks, s1, s2)``: the gradients' blocks in chunk order, one copy (zeros for a missing gradient)."""
+    plan = plans[0]
+    ref = next(g for g in grads if g is not None)
+    blocks = torch.empty(sum(p.num_chunks for p in plans), plan.s1, plan.s2, dtype=torch.float32, device=ref.device)
+    at = 0
+    for g, p in zip(grads, plans):
+        part = blocks[at:at + p.num_chunks]
+        if g is None:
+            part.zero_()
+        elif p.padded or not g.is_contiguous():
+            part.copy_(_to_blocks(g.float(), p))
+        else:
+            part.view(p.lead, p.rows // p.s1, p.cols // p.s2, p.s1, p.s2).copy_(_blockwise(g, p))
+        at += p.num_chunks
+    return blocks
+
+
+def step_encode_batch_ref(grads: list[Optional[torch.Tensor]], coeffs: torch.Tensor, plans: list[ChunkPlan],
+                          decay: float, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One momentum step and encode of unpadded parameters that share (s1, s2, k), their coefficients back to
+    back in ``coeffs`` (flat): ``C = decay * C + DCT(lr * grad)``, the top-k of each chunk returned and zeroed
+    in C. The DCT of every block is two matmuls, with lr folded into the column basis."""
+    plan = plans[0]
+    if all(g is None for g in grads):
+        x = torch.zeros_like(coeffs)
+    else:
+        d1, d2 = dct_basis(plan.s1, coeffs.device), dct_basis(plan.s2, coeffs.device)
+        x = (d1 @ _grad_blocks(grads, plans) @ (d2.T * lr)).view(-1)
+    return topk_chunks_ref(x, plan.chunk_size, plan.k, residual=coeffs, decay=decay)
+
+
 def decode_sign_batch_ref(agg: torch.Tensor, params: list[torch.Tensor], lrs: Optional[list[float]],
                           plans: list[ChunkPlan]) -> None:
     """:func:`decode_sign_ref` of parameters that share (s1, s2), their chunks back to back in ``agg``; with
@@ -202,6 +258,28 @@ if HAVE_TRITON:
         tl.store(delta_ptr + offs, b - rec, mask=mask)
 
     @triton.jit
+    def _step_encode_kernel(g_ptr, c_ptr, d1_ptr, d2_ptr, idx_ptr, val_ptr, decay, R, C, NBR, NBC,
+                            S1: tl.constexpr, S2: tl.constexpr, K: tl.constexpr, HAS_GRAD: tl.constexpr):
+        """One block: ``c = decay * c + d1 @ g @ d2^T`` (lr folded into d2), top-k of |c| out, zeroed in c."""
+        pid = tl.program_id(0)
+        i1 = tl.arange(0, S1)
+        i2 = tl.arange(0, S2)
+        coffs = pid.to(tl.int64) * (S1 * S2) + i1[:, None] * S2 + i2[None, :]
+        c = tl.load(c_ptr + coffs) * decay
+        if HAS_GRAD:
+            offs, mask = _block(pid, R, C, NBR, NBC, S1, S2)
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            d1 = tl.load(d1_ptr + i1[:, None] * S1 + i1[None, :])
+            d2 = tl.load(d2_ptr + i2[:, None] * S2 + i2[None, :])
+            c = c + tl.dot(tl.dot(d1, g, input_precision="ieee"), tl.trans(d2), input_precision="ieee")
+        flat = tl.reshape(c, (S1 * S2,))
+        sel, rank = select_topk(tl.abs(flat).to(tl.int32, bitcast=True), K)
+        pos = pid.to(tl.int64) * K + rank
+        tl.store(idx_ptr + pos, tl.arange(0, S1 * S2), mask=sel)
+        tl.store(val_ptr + pos, flat, mask=sel)
+        tl.store(c_ptr + coffs, tl.reshape(tl.where(sel, 0.0, flat), (S1, S2)))
+
+    @triton.jit
     def _decode_sign_kernel(agg_ptr, p_ptr, d1_ptr, d2_ptr, lr, R, C, NBR, NBC,
                             S1: tl.constexpr, S2: tl.constexpr, APPLY: tl.constexpr):
         pid = tl.program_id(0)
@@ -245,6 +323,76 @@ def decode_sign_triton(agg: torch.Tensor, param: torch.Tensor, lr: Optional[floa
     d1, d2 = dct_basis(plan.s1, param.device), dct_basis(plan.s2, param.device)
     _decode_sign_kernel[(n,)](agg.float().contiguous(), param, d1, d2, float(lr or 0.0), plan.rows, plan.cols, nbr,
                               nbc, S1=plan.s1, S2=plan.s2, APPLY=lr is not None)
+
+
+def step_encode_triton(grads: list[Optional[torch.Tensor]], coeffs: torch.Tensor, plans: list[ChunkPlan],
+                       decay: float, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`step_encode_batch_ref` of same-shaped parameters in one launch (their gradients read in place when
+    they lie back to back in one buffer, else stacked)."""
+    require_triton(coeffs)
+    plan = _stacked_plan(plans[0], len(plans))
+    if not kernel_fits(plan) or plan.padded or coeffs.dtype != torch.float32 or not coeffs.is_contiguous():
+        raise ValueError("the DeMo step kernel needs unpadded power-of-two blocks >= 16 and fp32 coefficients")
+    have = [g for g in grads if g is not None]
+    g = None
+    if have:
+        g = stacked_view(grads) if len(have) == len(grads) else None
+        if g is None:
+            g = torch.stack([x if x is not None else torch.zeros_like(have[0]) for x in grads])
+        g = g.contiguous()
+    n, nbr, nbc = _grid(plan)
+    idx = torch.empty(n * plan.k, dtype=torch.int32, device=coeffs.device)
+    vals = torch.empty(n * plan.k, dtype=torch.float32, device=coeffs.device)
+    d1, d2 = dct_basis(plan.s1, coeffs.device), dct_basis(plan.s2, coeffs.device) * lr
+    _step_encode_kernel[(n,)](g if g is not None else coeffs, coeffs, d1, d2, idx, vals, float(decay), plan.rows,
+                              plan.cols, nbr, nbc, S1=plan.s1, S2=plan.s2, K=plan.k, HAS_GRAD=g is not None)
+    return idx, vals
+
+
+def step_encode_many(grads: list[Optional[torch.Tensor]], moms: list[torch.Tensor], plans: list[ChunkPlan],
+                     decays: list[float], lrs: list[float],
+                     triton: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of DeMo's momentum and its encode for every parameter, in the given order; the (indices,
+    values) concatenated. ``moms[j]``: for an unpadded plan the momentum's coefficients ``(num_chunks,
+    chunk_size)`` (see the module's docstring), for a padded one the momentum in the parameter's shape.
+
+    Runs of consecutive parameters of one kind, decay and lr go together: the coefficients of a run are
+    worked on in place when they lie back to back in one buffer (DeMo keeps them so), else through a copy
+    that is written back; on the kernel path each run of one shape is one launch. ``triton`` as in
+    :func:`encode_many`."""
+    out_i, out_v = [], []
+    start = 0
+    while start < len(plans):
+        end = start + 1
+        key = (plans[start].padded, decays[start], lrs[start])
+        while end < len(plans) and (plans[end].padded, decays[end], lrs[end]) == key:
+            end += 1
+        gs, ms, ps = grads[start:end], moms[start:end], plans[start:end]
+        decay, lr = key[1:]
+        if key[0]:  # the momentum in the parameters' shape: the published update, then encode
+            torch._foreach_mul_(ms, decay)
+            with_grad = [(m, g) for m, g in zip(ms, gs) if g is not None]
+            if with_grad:
+                torch._foreach_add_([m for m, _ in with_grad], [g.float() for _, g in with_grad], alpha=lr)
+            i, v = encode_many(ms, ps, triton)
+            out_i.append(i)
+            out_v.append(v)
+        else:
+            kernel = [(use_triton(m) if triton is None else triton) and kernel_fits(p) for m, p in zip(ms, ps)]
+            for a, b in _runs(ps, kernel):
+                flat = back_to_back(ms[a:b])
+                c = torch.cat([m.reshape(-1) for m in ms[a:b]]) if flat is None else flat
+                fn = step_encode_triton if kernel[a] else step_encode_batch_ref
+                i, v = fn(gs[a:b], c, ps[a:b], decay, lr)
+                if flat is None:
+                    torch._foreach_copy_(ms[a:b], [x.view_as(m) for x, m in
+                                                   zip(c.split([m.numel() for m in ms[a:b]]), ms[a:b])])
+                out_i.append(i)
+                out_v.append(v)
+        start = end
+    if len(out_i) == 1:
+        return out_i[0], out_v[0]
+    return torch.cat(out_i), torch.cat(out_v)
 
 
 def encode(delta: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,12 @@ Per parameter, every step::
     agg    = per coefficient, the mean over the workers that sent it (0 if nobody did)
     p     -= lr * sign(IDCT(agg))
 
+The momentum of a parameter whose blocks are whole (no padding) is kept as C itself
+(``state["coeffs"]``, ``(num_chunks, s1*s2)``, with the block sides in ``state["block"]``): the DCT
+is linear, so ``C = decay * C + DCT(lr * grad)``, and what was sent leaves it by zeroing those
+coefficients, with no inverse DCT. A padded parameter keeps ``state["delta"]`` in its own shape.
+A state of either kind (or of other block sides) is converted on load.
+
 All parameters travel in one payload per worker and one ``all_gather_bytes`` per step
 (chain ``demo:v3``): loco's wire header (magic, version, settings + model layout fingerprint,
 length, CRC-32), then every kept value (fp32, or 1 bit each with ``sign_values``), then the
@@ -47,8 +53,8 @@ import torch
 
 from diloco.comm.base import SharedResult, Transport
 from diloco.comm.local import LocalTransport
-from diloco.compress import (RULES, ChunkPlan, CorruptPayload, bits_for, pack_bits, packed_size, plan_for,
-                             tensor_bytes, unpack_bits, wire)
+from diloco.compress import (RULES, ChunkPlan, CorruptPayload, bits_for, from_chunks, pack_bits, packed_size,
+                             plan_for, tensor_bytes, to_chunks, unpack_bits, wire)
 from demo_optim import kernels
 
 log = logging.getLogger("demo_optim")
@@ -112,6 +118,15 @@ class DeMo(torch.optim.Optimizer):
 
     def _device(self) -> torch.device:
         return self.param_groups[0]["params"][0].device
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, then every momentum put in the form and buffer a step works on (converted where the
+        state kept it another way): a state that does not fit the parameters fails here, naming the parameter."""
+        super().load_state_dict(state_dict)
+        entries = self._entries()
+        if entries:
+            plans = [plan for _, _, plan in entries]
+            self._stack_momenta(entries, self._layout(plans, self._chain(plans), self._device()))
 
     # ---- the step -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -233,26 +248,20 @@ class DeMo(torch.optim.Optimizer):
         return torch.cat([layout.prefix(chain, sent=True), *self._sections(entries, layout)])
 
     def _sections(self, entries, layout: "_Layout") -> list[torch.Tensor]:
-        """Momentum update and DCT + top-k of every parameter: the body's sections (uint8 tensors, in order)."""
+        """Weight decay, then the momentum step and DCT + top-k of every parameter
+        (:func:`kernels.step_encode_many`): the body's sections (uint8 tensors, in order)."""
         self._stack_momenta(entries, layout)
-        deltas, groups = [], {}
-        for p, group, plan in entries:
-            state = self.state[p]
-            deltas.append(state["delta"])
-            params, ds, with_grad, grads = groups.setdefault(id(group), (group, [], [], [], []))[1:]
-            params.append(p)
-            ds.append(state["delta"])
-            if p.grad is not None:
-                with_grad.append(state["delta"])
-                grads.append(p.grad.float())
-        for group, params, ds, with_grad, grads in groups.values():  # one op per group, not per parameter
-            lr, wd = group["lr"], group["weight_decay"]
-            if wd:
-                torch._foreach_mul_(params, 1.0 - lr * wd)
-            torch._foreach_mul_(ds, group["compression_decay"])
-            if grads:
-                torch._foreach_add_(with_grad, grads, alpha=lr)
-        idx, flat = kernels.encode_many([deltas[j] for j in layout.order], [layout.plans[j] for j in layout.order])
+        groups: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}
+        for p, group, _ in entries:
+            groups.setdefault(id(group), (group, []))[1].append(p)
+        for group, params in groups.values():  # one op per group, not per parameter
+            if group["weight_decay"]:
+                torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
+        order, plans = layout.order, layout.plans
+        moms = [self.state[entries[j][0]][_momentum_key(plans[j])] for j in order]
+        idx, flat = kernels.step_encode_many([entries[j][0].grad for j in order], moms, [plans[j] for j in order],
+                                             [entries[j][1]["compression_decay"] for j in order],
+                                             [entries[j][1]["lr"] for j in order])
         sections = [pack_bits((flat > 0).to(torch.int32), 1) if self.sign_values else flat.view(torch.uint8)]
         at = 0
         for width, count, _ in layout.stream_sizes:  # one bit stream per index width
@@ -261,24 +270,43 @@ class DeMo(torch.optim.Optimizer):
         return sections
 
     def _stack_momenta(self, entries, layout: "_Layout") -> None:
-        """Keep the momenta of each run of same-shaped parameters (in wire order) back to back in one buffer,
-        so that their encode is one kernel launch in place. Done when they are created and again after a
-        ``load_state_dict`` (which gives every parameter its own tensor); otherwise a few pointer checks."""
-        order = layout.order
+        """Keep the momenta where a step works on them in place: every unpadded parameter's coefficients
+        (``state["coeffs"]``, ``(num_chunks, chunk_size)``) back to back in one buffer, in wire order, and the
+        momenta of each run of same-shaped padded parameters (``state["delta"]``, in the parameter's shape) in
+        one buffer each. Done when they are created and again after a ``load_state_dict`` (which gives every
+        parameter its own tensor, and may bring a momentum of the other kind or of other block sides: it is
+        converted); otherwise a few pointer checks."""
+        order, plans = layout.order, layout.plans
+        coef = [j for j in order if not plans[j].padded]
+        if coef:
+            states = [self.state[entries[j][0]] for j in coef]
+            have = [st.get("coeffs") for st in states]
+            if (any(h is None or _block(st) != (plans[j].s1, plans[j].s2) for j, h, st in zip(coef, have, states))
+                    or kernels.back_to_back(have) is None):
+                sizes = [plans[j].num_chunks * plans[j].chunk_size for j in coef]
+                buf = torch.zeros(sum(sizes), dtype=torch.float32, device=entries[coef[0]][0].device)
+                for j, st, piece in zip(coef, states, buf.split(sizes)):
+                    piece = piece.view(plans[j].num_chunks, plans[j].chunk_size)
+                    delta = _saved_momentum(st, entries[j][0], plans[j])
+                    if delta is not None:
+                        piece.copy_(delta)
+                    st["coeffs"], st["block"] = piece, (plans[j].s1, plans[j].s2)
+        padded = [j for j in order if plans[j].padded]
         start = 0
-        while start < len(order):
+        while start < len(padded):
             end = start + 1
-            shape = entries[order[start]][2].shape
-            while end < len(order) and entries[order[end]][2].shape == shape:
+            shape = plans[padded[start]].shape
+            while end < len(padded) and plans[padded[end]].shape == shape:
                 end += 1
-            states = [self.state[entries[j][0]] for j in order[start:end]]
+            states = [self.state[entries[j][0]] for j in padded[start:end]]
             have = [st.get("delta") for st in states]
-            if any(d is None for d in have) or kernels.stacked_view(have) is None:
-                p = entries[order[start]][0]
+            if any(d is None or "coeffs" in st for d, st in zip(have, states)) or kernels.stacked_view(have) is None:
+                p = entries[padded[start]][0]
                 buf = torch.zeros((end - start, *p.shape), dtype=torch.float32, device=p.device)
-                for i, (st, d) in enumerate(zip(states, have)):
-                    if d is not None:
-                        buf[i].copy_(d)
+                for i, (j, st) in enumerate(zip(padded[start:end], states)):
+                    delta = _saved_momentum(st, entries[j][0], plans[j])
+                    if delta is not None:
+                        buf[i].copy_(delta)
                     st["delta"] = buf[i]
             start = end
 
@@ -435,6 +463,42 @@ class DeMo(torch.optim.Optimizer):
         chain = self._chain(plans)
         layout = _Layout(plans, self.sign_values, None)
         return len(wire.pack(bytes(layout.value_bytes + layout.index_bytes), torch.float32, (layout.sent,), chain))
+
+
+def _momentum_key(plan: ChunkPlan) -> str:
+    """Where a parameter's momentum lives in its state: its DCT coefficients, or (padded blocks) itself."""
+    return "delta" if plan.padded else "coeffs"
+
+
+def _block(state: dict[str, Any]) -> Optional[tuple[int, ...]]:
+    """The block sides ``(s1, s2)`` a state's coefficients were made with (a list once it went through a format
+    without tuples)."""
+    block = state.get("block")
+    return tuple(block) if isinstance(block, (tuple, list)) else None
+
+
+def _saved_momentum(state: dict[str, Any], p: torch.Tensor, plan: ChunkPlan) -> Optional[torch.Tensor]:
+    """The momentum a state holds, in the form ``plan`` keeps it (coefficients ``(num_chunks, chunk_size)`` for
+    an unpadded plan, else the parameter's shape), taken out of the state; None when it holds none. A momentum
+    kept the other way, or in blocks of other sides (a checkpoint of a run with other DeMo settings, or of a
+    version that kept every momentum in the parameter's shape), is converted through the parameter's shape."""
+    block = _block(state)
+    coeffs, delta = state.pop("coeffs", None), state.pop("delta", None)
+    state.pop("block", None)
+    if coeffs is not None:
+        if block == (plan.s1, plan.s2) and not plan.padded and coeffs.shape == (plan.num_chunks, plan.chunk_size):
+            return coeffs
+        s1, s2 = block if block is not None and len(block) == 2 else (0, 0)
+        was = ChunkPlan(plan.shape, plan.lead, plan.rows, plan.cols, s1, s2, plan.rows, plan.cols, 1)
+        if s1 < 1 or s2 < 1 or plan.rows % s1 or plan.cols % s2 or coeffs.numel() != math.prod(plan.shape):
+            raise ValueError(f"DeMo: the saved momentum of parameter {tuple(plan.shape)} has {coeffs.numel()} "
+                             f"coefficients in blocks {block!r}, which do not fit that shape")
+        delta = from_chunks(coeffs.float(), was)
+    if delta is None:
+        return None
+    if tuple(delta.shape) != tuple(p.shape):
+        raise ValueError(f"DeMo: the saved momentum has shape {tuple(delta.shape)}, its parameter {tuple(p.shape)}")
+    return delta if plan.padded else to_chunks(delta.float(), plan)
 
 
 class _Layout:

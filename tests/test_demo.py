@@ -306,6 +306,108 @@ def test_same_shaped_parameters_take_one_launch_and_match_one_by_one(device, in_
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("triton", [False, True], ids=["reference", "kernel"])
+@pytest.mark.parametrize("in_one_buffer", [True, False], ids=["one-buffer", "separate"])
+def test_momentum_kept_as_coefficients_sends_what_the_momentum_in_the_parameters_shape_sends(device, triton,
+                                                                                             in_one_buffer):
+    """step_encode_many keeps an unpadded parameter's momentum as its DCT coefficients and zeroes what it sent.
+    Over several steps it sends what the published update sends (decay, add lr * grad, DCT, top-k, subtract
+    the inverse DCT of what was sent, in the parameter's shape), and the coefficients stay the DCT of that
+    momentum; a padded parameter keeps the parameter-shaped momentum. With a missing gradient, two groups'
+    settings, and the coefficients in one buffer or apart."""
+    shapes = [(64, 128), (64, 128), (128, 64), (32, 64), (100,), (40, 70)]
+    plans = [plan_for(s, 32, 16, "pad" if s == (40, 70) else "auto") for s in shapes]
+    assert [p.padded for p in plans] == [False] * 5 + [True]
+    decays, lrs = [0.9] * 3 + [0.5] * 3, [0.01] * 3 + [0.03] * 3
+    g = torch.Generator().manual_seed(11)
+    deltas = [torch.zeros(s, device=device) for s in shapes]
+    sizes = [p.num_chunks * p.chunk_size for p in plans[:5]]
+    if in_one_buffer:
+        coeffs = [c.view(p.num_chunks, p.chunk_size) for c, p in
+                  zip(torch.zeros(sum(sizes), device=device).split(sizes), plans)]
+    else:
+        coeffs = [torch.zeros(p.num_chunks, p.chunk_size, device=device) for p in plans[:5]]
+    assert (K.back_to_back(coeffs) is not None) == in_one_buffer
+    moms = [*coeffs, torch.zeros(shapes[5], device=device)]
+    for step in range(4):
+        grads = [torch.randn(s, generator=g).to(device) for s in shapes]
+        if step == 1:
+            grads[3] = None
+        for d, grad, decay, lr in zip(deltas, grads, decays, lrs):  # the published update, one by one
+            d.mul_(decay)
+            if grad is not None:
+                d.add_(grad, alpha=lr)
+        want_i, want_v = K.encode_many(deltas, plans, triton=False)
+        got_i, got_v = K.step_encode_many(grads, moms, plans, decays, lrs, triton=triton)
+        assert torch.equal(got_i.cpu(), want_i.cpu()), step
+        assert torch.allclose(got_v, want_v, rtol=1e-5, atol=1e-7), step
+        for m, d, plan in zip(moms, deltas, plans):
+            want = d if plan.padded else to_chunks(d, plan)
+            assert torch.allclose(m.cpu(), want.cpu(), rtol=1e-4, atol=1e-6), (step, plan.shape)
+    assert all(float(m.abs().max()) > 0 for m in moms)
+
+
+def test_a_saved_momentum_of_either_kind_or_other_blocks_resumes():
+    """DeMo keeps coefficient momenta with their block sides in its state. The same settings resume to the bit;
+    a parameter-shaped momentum (the state of earlier versions) or coefficients of other block sides are
+    converted on load, and the run goes on as if it had not stopped (to rounding); a state that fits no block
+    of the parameter is refused on load, naming the parameter."""
+    import copy
+
+    shapes = [(64, 128), (128,), (40, 70)]
+    g = torch.Generator().manual_seed(2)
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+
+    def make(start):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        return params, DeMo(params, lr=0.01, compression_topk=16, compression_chunk=64, chunk_rule="pad")
+
+    def steps(params, opt, gs):
+        for step_grads in gs:
+            for p, x in zip(params, step_grads):
+                p.grad = x.clone()
+            opt.step()
+        return [p.detach().clone() for p in params]
+
+    pa, a = make(init)
+    mid = steps(pa, a, grads[:2])
+    saved = copy.deepcopy(a.state_dict())
+    assert set(saved["state"][0]) == {"coeffs", "block"} and set(saved["state"][2]) == {"delta"}
+    end = steps(pa, a, grads[2:])
+
+    pb, b = make(mid)
+    b.load_state_dict(copy.deepcopy(saved))
+    assert all(torch.equal(x, y) for x, y in zip(steps(pb, b, grads[2:]), end))
+
+    old = copy.deepcopy(saved)  # every momentum in the parameter's shape, as earlier versions saved it
+    for i, st in old["state"].items():
+        if "coeffs" in st:
+            plan = plan_for(shapes[i], 64, 16, "pad")
+            old["state"][i] = {"delta": from_chunks(st["coeffs"], plan)}
+    pc, c = make(mid)
+    c.load_state_dict(old)
+    assert set(c.state_dict()["state"][0]) == {"coeffs", "block"}
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(steps(pc, c, grads[2:]), end))
+
+    other = copy.deepcopy(saved)  # other block sides (the groups' settings come with the state): 32 x 32
+    for group in other["param_groups"]:
+        group["compression_chunk"] = 32
+    pd, d = make(mid)
+    d.load_state_dict(other)
+    st = d.state_dict()["state"][0]
+    assert st["block"] == (32, 32) and st["coeffs"].shape == (8, 1024)
+    was = from_chunks(saved["state"][0]["coeffs"], plan_for(shapes[0], 64, 16, "pad"))
+    assert torch.allclose(from_chunks(st["coeffs"], plan_for(shapes[0], 32, 16, "pad")), was, atol=1e-6)
+
+    bad = copy.deepcopy(saved)
+    bad["state"][0]["block"] = (48, 64)
+    pe, e = make(mid)
+    with pytest.raises(ValueError, match=r"parameter \(64, 128\)"):
+        e.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("triton", [False, True], ids=["reference", "kernel"])
 def test_signs_then_apply_equal_the_fused_decode(device, triton):
     """signs_many writes sign(IDCT(agg)) into parameter-shaped views of one buffer (what simulated workers
     share); adding -lr times it gives exactly what decode_sign_many's fused pass gives, fp32 and bf16 (bf16 not
@@ -343,8 +445,8 @@ def test_algo_demo_in_the_simulator(tmp_path):
     state = latest_checkpoint(tmp_path / "demo" / "checkpoints")[1]
     w0, w1 = (w["model"] for w in state["workers"])
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
-    d0 = state["workers"][0]["algo"]["optimizer"]["state"][0]["delta"]
-    d1 = state["workers"][1]["algo"]["optimizer"]["state"][0]["delta"]
+    d0 = state["workers"][0]["algo"]["optimizer"]["state"][0]["coeffs"]  # the momentum, as DCT coefficients
+    d1 = state["workers"][1]["algo"]["optimizer"]["state"][0]["coeffs"]
     assert not torch.equal(d0, d1), "each worker keeps its own momentum"
 
 
