@@ -325,10 +325,14 @@ def decode_sign_triton(agg: torch.Tensor, param: torch.Tensor, lr: Optional[floa
                               nbc, S1=plan.s1, S2=plan.s2, APPLY=lr is not None)
 
 
+STACK_BYTES = 64 << 20  # same-shaped gradients up to this size are stacked for one launch; larger ones launch each
+
+
 def step_encode_triton(grads: list[Optional[torch.Tensor]], coeffs: torch.Tensor, plans: list[ChunkPlan],
                        decay: float, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`step_encode_batch_ref` of same-shaped parameters in one launch (their gradients read in place when
-    they lie back to back in one buffer, else stacked)."""
+    """:func:`step_encode_batch_ref` of same-shaped parameters in one launch: their gradients read in place when
+    they lie back to back in one buffer, else stacked (a copy), or, above :data:`STACK_BYTES` of them, a launch
+    per parameter."""
     require_triton(coeffs)
     plan = _stacked_plan(plans[0], len(plans))
     if not kernel_fits(plan) or plan.padded or coeffs.dtype != torch.float32 or not coeffs.is_contiguous():
@@ -337,6 +341,11 @@ def step_encode_triton(grads: list[Optional[torch.Tensor]], coeffs: torch.Tensor
     g = None
     if have:
         g = stacked_view(grads) if len(have) == len(grads) else None
+        if g is None and len(grads) > 1 and sum(x.numel() * x.element_size() for x in have) > STACK_BYTES:
+            n = plans[0].num_chunks * plans[0].chunk_size  # large gradients: a launch each rather than a copy
+            pieces = [step_encode_triton([x], coeffs[i * n:(i + 1) * n], plans[:1], decay, lr)
+                      for i, x in enumerate(grads)]
+            return torch.cat([i for i, _ in pieces]), torch.cat([v for _, v in pieces])
         if g is None:
             g = torch.stack([x if x is not None else torch.zeros_like(have[0]) for x in grads])
         g = g.contiguous()

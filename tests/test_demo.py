@@ -305,15 +305,20 @@ def test_same_shaped_parameters_take_one_launch_and_match_one_by_one(device, in_
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("triton", [False, True], ids=["reference", "kernel"])
+@pytest.mark.parametrize("triton", [False, True, "per-parameter"], ids=["reference", "kernel", "kernel-each"])
 @pytest.mark.parametrize("in_one_buffer", [True, False], ids=["one-buffer", "separate"])
 def test_momentum_kept_as_coefficients_sends_what_the_momentum_in_the_parameters_shape_sends(device, triton,
-                                                                                             in_one_buffer):
+                                                                                             in_one_buffer,
+                                                                                             monkeypatch):
     """step_encode_many keeps an unpadded parameter's momentum as its DCT coefficients and zeroes what it sent.
     Over several steps it sends what the published update sends (decay, add lr * grad, DCT, top-k, subtract
     the inverse DCT of what was sent, in the parameter's shape), and the coefficients stay the DCT of that
     momentum; a padded parameter keeps the parameter-shaped momentum. With a missing gradient, two groups'
-    settings, and the coefficients in one buffer or apart."""
+    settings, and the coefficients in one buffer or apart; the kernel stacks a run's gradients, or (above
+    STACK_BYTES of them) launches once per parameter."""
+    if triton == "per-parameter":
+        monkeypatch.setattr(K, "STACK_BYTES", 0)
+        triton = True
     shapes = [(64, 128), (64, 128), (128, 64), (32, 64), (100,), (40, 70)]
     plans = [plan_for(s, 32, 16, "pad" if s == (40, 70) else "auto") for s in shapes]
     assert [p.padded for p in plans] == [False] * 5 + [True]
