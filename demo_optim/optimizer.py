@@ -479,25 +479,28 @@ def _block(state: dict[str, Any]) -> Optional[tuple[int, ...]]:
 
 def _saved_momentum(state: dict[str, Any], p: torch.Tensor, plan: ChunkPlan) -> Optional[torch.Tensor]:
     """The momentum a state holds, in the form ``plan`` keeps it (coefficients ``(num_chunks, chunk_size)`` for
-    an unpadded plan, else the parameter's shape), taken out of the state; None when it holds none. A momentum
-    kept the other way, or in blocks of other sides (a checkpoint of a run with other DeMo settings, or of a
-    version that kept every momentum in the parameter's shape), is converted through the parameter's shape."""
-    block = _block(state)
-    coeffs, delta = state.pop("coeffs", None), state.pop("delta", None)
-    state.pop("block", None)
-    if coeffs is not None:
-        if block == (plan.s1, plan.s2) and not plan.padded and coeffs.shape == (plan.num_chunks, plan.chunk_size):
-            return coeffs
+    an unpadded plan, else the parameter's shape), taken out of the state once it is checked; None when it holds
+    none. A momentum kept the other way, or in blocks of other sides (a checkpoint of a run with other DeMo
+    settings, or of a version that kept every momentum in the parameter's shape), is converted through the
+    parameter's shape."""
+    block, coeffs, delta = _block(state), state.get("coeffs"), state.get("delta")
+    kept = (coeffs is not None and block == (plan.s1, plan.s2) and not plan.padded
+            and coeffs.shape == (plan.num_chunks, plan.chunk_size))
+    if coeffs is not None and not kept:
         s1, s2 = block if block is not None and len(block) == 2 else (0, 0)
         was = ChunkPlan(plan.shape, plan.lead, plan.rows, plan.cols, s1, s2, plan.rows, plan.cols, 1)
         if s1 < 1 or s2 < 1 or plan.rows % s1 or plan.cols % s2 or coeffs.numel() != math.prod(plan.shape):
             raise ValueError(f"DeMo: the saved momentum of parameter {tuple(plan.shape)} has {coeffs.numel()} "
                              f"coefficients in blocks {block!r}, which do not fit that shape")
         delta = from_chunks(coeffs.float(), was)
+    if delta is not None and tuple(delta.shape) != tuple(p.shape):
+        raise ValueError(f"DeMo: the saved momentum has shape {tuple(delta.shape)}, its parameter {tuple(p.shape)}")
+    for key in ("coeffs", "block", "delta"):  # checked: now taken out
+        state.pop(key, None)
+    if kept:
+        return coeffs
     if delta is None:
         return None
-    if tuple(delta.shape) != tuple(p.shape):
-        raise ValueError(f"DeMo: the saved momentum has shape {tuple(delta.shape)}, its parameter {tuple(p.shape)}")
     return delta if plan.padded else to_chunks(delta.float(), plan)
 
 
