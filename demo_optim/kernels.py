@@ -145,6 +145,25 @@ def _put_blocks_(x: torch.Tensor, blocks: torch.Tensor, plan: ChunkPlan, alpha: 
         target.add_(b, alpha=alpha)
 
 
+def _stacked_blocks(xs: list[Optional[torch.Tensor]], plans: list[ChunkPlan]) -> torch.Tensor:
+    """``(num_chunks, s1, s2)`` fp32: the blocks of parameter-shaped tensors that share (s1, s2), in chunk order,
+    each copied once into its place (zeros for a missing one, such as a parameter without a gradient)."""
+    plan = plans[0]
+    ref = next(x for x in xs if x is not None)
+    blocks = torch.empty(sum(p.num_chunks for p in plans), plan.s1, plan.s2, dtype=torch.float32, device=ref.device)
+    at = 0
+    for x, p in zip(xs, plans):
+        part = blocks[at:at + p.num_chunks]
+        if x is None:
+            part.zero_()
+        elif p.padded or not x.is_contiguous():
+            part.copy_(_to_blocks(x.float(), p))
+        else:
+            part.view(p.lead, p.rows // p.s1, p.cols // p.s2, p.s1, p.s2).copy_(_blockwise(x, p))
+        at += p.num_chunks
+    return blocks
+
+
 def encode_batch_ref(deltas: list[torch.Tensor], plans: list[ChunkPlan]) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`encode_ref` of parameters that share (s1, s2, k), as one stacked pass; the results concatenated.
 
@@ -152,16 +171,7 @@ def encode_batch_ref(deltas: list[torch.Tensor], plans: list[ChunkPlan]) -> tupl
     value, for each kept coefficient (r, c)): a quarter of the work of an inverse DCT of the mostly-zero block
     at k = 32 of 64 x 64, and the same result to rounding."""
     plan = plans[0]
-    blocks = torch.empty(sum(p.num_chunks for p in plans), plan.s1, plan.s2, dtype=torch.float32,
-                         device=deltas[0].device)
-    at = 0
-    for d, p in zip(deltas, plans):  # each parameter's blocks, copied once into their place
-        part = blocks[at:at + p.num_chunks]
-        if p.padded or not d.is_contiguous():
-            part.copy_(_to_blocks(d.float(), p))
-        else:
-            part.view(p.lead, p.rows // p.s1, p.cols // p.s2, p.s1, p.s2).copy_(_blockwise(d, p))
-        at += p.num_chunks
+    blocks = _stacked_blocks(deltas, plans)
     d1, d2 = dct_basis(plan.s1, blocks.device), dct_basis(plan.s2, blocks.device)
     coeffs = (d1 @ blocks @ d2.T).reshape(-1, plan.chunk_size)
     idx, vals = topk_chunks_ref(coeffs.reshape(-1), plan.chunk_size, plan.k)
@@ -175,24 +185,6 @@ def encode_batch_ref(deltas: list[torch.Tensor], plans: list[ChunkPlan]) -> tupl
     return idx, vals
 
 
-def _grad_blocks(grads: list[Optional[torch.Tensor]], plans: list[ChunkPlan]) -> torch.Tensor:
-    """``(num_chunks, s1, s2)``: the gradients' blocks in chunk order, one copy (zeros for a missing gradient)."""
-    plan = plans[0]
-    ref = next(g for g in grads if g is not None)
-    blocks = torch.empty(sum(p.num_chunks for p in plans), plan.s1, plan.s2, dtype=torch.float32, device=ref.device)
-    at = 0
-    for g, p in zip(grads, plans):
-        part = blocks[at:at + p.num_chunks]
-        if g is None:
-            part.zero_()
-        elif p.padded or not g.is_contiguous():
-            part.copy_(_to_blocks(g.float(), p))
-        else:
-            part.view(p.lead, p.rows // p.s1, p.cols // p.s2, p.s1, p.s2).copy_(_blockwise(g, p))
-        at += p.num_chunks
-    return blocks
-
-
 def step_encode_batch_ref(grads: list[Optional[torch.Tensor]], coeffs: torch.Tensor, plans: list[ChunkPlan],
                           decay: float, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One momentum step and encode of unpadded parameters that share (s1, s2, k), their coefficients back to
@@ -203,7 +195,7 @@ def step_encode_batch_ref(grads: list[Optional[torch.Tensor]], coeffs: torch.Ten
         x = torch.zeros_like(coeffs)
     else:
         d1, d2 = dct_basis(plan.s1, coeffs.device), dct_basis(plan.s2, coeffs.device)
-        x = (d1 @ _grad_blocks(grads, plans) @ (d2.T * lr)).view(-1)
+        x = (d1 @ _stacked_blocks(grads, plans) @ (d2.T * lr)).view(-1)
     return topk_chunks_ref(x, plan.chunk_size, plan.k, residual=coeffs, decay=decay)
 
 

@@ -307,7 +307,8 @@ def test_same_shaped_parameters_take_one_launch_and_match_one_by_one(device, in_
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("triton, in_one_buffer", [(False, True), (False, False), (True, True),
                                                    ("per-parameter", False)],
-                         ids=["reference-one-buffer", "reference-separate", "kernel-one-buffer", "kernel-each-separate"])
+                         ids=["reference-one-buffer", "reference-separate", "kernel-one-buffer",
+                              "kernel-each-separate"])
 def test_momentum_kept_as_coefficients_sends_what_the_momentum_in_the_parameters_shape_sends(device, triton,
                                                                                              in_one_buffer,
                                                                                              monkeypatch):
