@@ -101,8 +101,8 @@ def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> N
     torch takes every key of the saved param groups, the kernel flags included, so a state saved on one device
     would bring that device's choice along: a checkpoint saved unfused (a CPU run's, before the CPU's optimizer
     was fused too) resumed where the step is fused left the fused step's on-device checks
-    (:meth:`Algorithm._checks_on_device`) driving an unfused optimizer, which refuses them on the first step. Where the kernel is fused, each parameter's step count moves to its device, as
-    the fused kernel keeps it.
+    (:meth:`Algorithm._checks_on_device`) driving an unfused optimizer, which refuses them on the first step.
+    Where the kernel is fused, each parameter's step count moves to its device, as the fused kernel keeps it.
     """
     opt.load_state_dict(saved)
     for group in opt.param_groups:
