@@ -96,19 +96,25 @@ def _move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> N
 
 
 def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    """``opt.load_state_dict(saved)``, keeping ``opt``'s own kernel choice (``fused``, ``foreach``).
+    """``opt.load_state_dict(saved)`` for the state it holds (moments, momenta, step counts); the settings of
+    ``opt``'s param groups (lr, betas, weight decay, momentum, DeMo's compression settings, the kernel choice
+    ``fused``/``foreach``) stay the ones ``opt`` was made with.
 
-    torch takes every key of the saved param groups, the kernel flags included, so a state saved on one device
-    would bring that device's choice along: a checkpoint saved unfused (a CPU run's, before the CPU's optimizer
-    was fused too) resumed where the step is fused left the fused step's on-device checks
+    torch takes every key of the saved param groups, so a run resumed with changed settings
+    (``--resume --set algo.outer_lr=0.5``) would go on with the checkpoint's, silently; and a state saved on
+    one device would bring that device's kernel choice along: a checkpoint saved unfused (a CPU run's, before
+    the CPU's optimizer was fused too) resumed where the step is fused left the fused step's on-device checks
     (:meth:`Algorithm._checks_on_device`) driving an unfused optimizer, which refuses them on the first step.
+    The settings go into the state before it is loaded, so an optimizer that converts its state to its
+    settings (DeMo's momenta, kept in the blocks of its ``compression_chunk``) converts it to these.
     Where the kernel is fused, each parameter's step count moves to its device, as the fused kernel keeps it.
     """
-    opt.load_state_dict(saved)
+    mine, theirs = opt.state_dict()["param_groups"], saved.get("param_groups")
+    if isinstance(theirs, list) and len(theirs) == len(mine) and all(isinstance(g, dict) for g in theirs):
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in mine]
+        saved = {**saved, "param_groups": [{**g, **s} for g, s in zip(theirs, settings)]}
+    opt.load_state_dict(saved)  # torch refuses groups of other numbers or sizes
     for group in opt.param_groups:
-        for key in ("fused", "foreach"):
-            if key in opt.defaults:
-                group[key] = opt.defaults[key]
         if group.get("fused"):
             for p in group["params"]:
                 step = opt.state.get(p, {}).get("step")

@@ -29,7 +29,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from diloco.algorithm import Algorithm, _copy_checked, _move_optimizer_state, move_tensor, register
+from diloco.algorithm import (Algorithm, _copy_checked, _move_optimizer_state, load_optimizer_state, move_tensor,
+                              register)
 from diloco.comm.base import Handle, Transport
 from diloco.compress import collective
 from diloco.compress.codec import Codec, make_codec
@@ -234,7 +235,7 @@ class DiLoCo(Algorithm):
         _copy_checked(self.global_params, state["global_params"])
         _copy_checked(self.params, state["global_params"])
         for opt, saved in zip(self.outer_optimizers, state["outer_optimizers"]):
-            opt.load_state_dict(saved)
+            load_optimizer_state(opt, saved)
         self.round, self.global_tokens = int(state["round"]), float(state["global_tokens"])
         self.round_steps = 0
         self.policy.start_round(self.transport.now())
@@ -265,7 +266,7 @@ class DiLoCo(Algorithm):
             for g, saved in zip(self.global_params, state["global_params"]):
                 g.copy_(saved)
         for opt, saved in zip(self.outer_optimizers, state["outer_optimizers"]):
-            opt.load_state_dict(saved)
+            load_optimizer_state(opt, saved)
         self.round, self.round_steps = state["round"], state["round_steps"]
         self.global_tokens = state["global_tokens"]
         if self.codec is not None and "codec" in state:

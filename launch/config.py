@@ -533,6 +533,25 @@ def config_from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config
     return builder.config
 
 
+def changed_settings(saved: Any, cfg: Config, shown: int = 8) -> Optional[str]:
+    """What a resumed run changed against the settings its checkpoint was written with (``saved``: the
+    checkpoint's ``config``), as ``key old -> new; ...``; None where nothing changed (``run.resume`` aside).
+    The run goes on with its own settings: the optimizers keep them over the checkpoint's."""
+    if not isinstance(saved, dict):
+        return None
+    now = cfg.to_dict()
+    lines = []
+    for section, values in now.items():
+        before = saved.get(section) if isinstance(saved.get(section), dict) else {}
+        for key, value in values.items():
+            if key != "resume" and key in before and before[key] != value:
+                lines.append(f"{section}.{key} {before[key]!r} -> {value!r}")
+    if not lines:
+        return None
+    more = f"; and {len(lines) - shown} more" if len(lines) > shown else ""
+    return "; ".join(lines[:shown]) + more
+
+
 #: keys that may differ between the processes of one run: where files lie, how a process shows its progress,
 #: and the machine it runs on; the simulator's section is not read by a real run
 PER_PROCESS = frozenset({"data.path", "data.val_path", "data.hf_data_files", "run.dir", "run.name", "run.device",

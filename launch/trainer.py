@@ -48,7 +48,7 @@ from diloco.comm import Transport, make_transport
 from launch.algorithms import algorithm_class
 from launch.checkpoint import (CheckpointError, checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint,
                                rng_state, save_checkpoint, set_rng_state)
-from launch.config import Config, dump_config, shared_settings
+from launch.config import Config, changed_settings, dump_config, shared_settings
 from launch.data import Batcher, TokenData, load_data
 from launch.metrics import Metrics, human_bytes, matmul_precision, mfu_basis, plot_runs, truncate_metrics
 from launch.models import Transformer, count_params, model_args_from_config
@@ -393,6 +393,7 @@ class Trainer:
         self.stopped_by: Optional[int] = None
         self.run_dir = self._prepare_run_dir()
         self.ckpt_dir = self.run_dir / "checkpoints"
+        self.resume_changes: Optional[str] = None  # settings changed since the checkpoint (set by a resume)
         self.resumed_from: Optional[Path] = self._maybe_resume()
         self._write_config()
         self.start_step = self.step
@@ -480,6 +481,7 @@ class Trainer:
             self.load_state(state)
         except (ValueError, RuntimeError) as e:  # another algorithm, model shape or fragment layout
             raise RunError(f"{found}: cannot resume this run from it: {e}") from None
+        self.resume_changes = changed_settings(state.get("config"), self.cfg)
         if self.leader:
             truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
         self.saved_step = self.step
@@ -696,7 +698,8 @@ class Trainer:
             if self.device.type != "cpu":  # a CPU has no datasheet peak: no MFU, and no line about it
                 m.info(self.mfu.describe())
             if self.resumed_from:
-                m.info(f"resumed from {self.resumed_from}", self.step)
+                changes = f"; settings changed since it was saved: {self.resume_changes}" if self.resume_changes else ""
+                m.info(f"resumed from {self.resumed_from}{changes}", self.step)
         self._t0 = time.perf_counter()
         window_t = time.perf_counter()
         listening = self.stop_on_request

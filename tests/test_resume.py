@@ -7,6 +7,7 @@ Also: a folder whose checkpoints are all unreadable is refused (and --restart st
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -178,6 +179,40 @@ def test_resumed_max_time_run_gets_a_fresh_budget(tmp_path):
     assert len(finals) == len(set(finals)) == 3, "one final validation line per segment, none twice"
     lines = [(r["step"], "loss" in r) for r in read_metrics(run_dir)]
     assert len(lines) == len(set(lines)), "no duplicate metrics lines"
+
+
+@pytest.mark.parametrize("algo, changed, check", [
+    ("diloco", ["algo.outer_lr=0.5", "optim.weight_decay=0.02"],
+     lambda algo: (algo.outer_optimizers[0].param_groups[0]["lr"] == 0.5
+                   and algo.optimizer.param_groups[0]["weight_decay"] == 0.02
+                   and all("momentum_buffer" in st for st in algo.outer_optimizers[0].state.values()))),
+    ("demo", ["algo.compression_chunk=32", "algo.compression_topk=8"],
+     lambda algo: (algo.optimizer.param_groups[0]["compression_chunk"] == 32
+                   and algo.optimizer.param_groups[0]["compression_topk"] == 8
+                   and {st["block"] for st in algo.optimizer.state.values() if "block" in st} <= {(32, 32), (1, 32)})),
+])
+def test_a_resume_goes_on_with_the_runs_settings_and_says_which_changed(tmp_path, tiny_cfg, capsys, algo, changed,
+                                                                         check):
+    """The optimizers take their state from the checkpoint and their settings from the resumed run (torch's load
+    would bring the checkpoint's back, silently); the resume's log line names what changed."""
+    from launch.trainer import Trainer
+
+    run_dir = tmp_path / algo
+    base = [*SHORT, f"algo.name={algo}", "algo.inner_steps=5", "run.checkpoint_every=10", "run.eval_every=0"]
+    train(tiny_cfg(*base, "run.max_steps=10", run_dir=run_dir))
+    trainer = Trainer(tiny_cfg(*base, *changed, "run.max_steps=14", "run.resume=true", run_dir=run_dir))
+    assert trainer.step == 10 and check(trainer.algo)
+    for setting in changed:
+        key, value = setting.split("=")
+        assert f"{key} " in trainer.resume_changes and f"-> {value}" in trainer.resume_changes
+    assert "run.max_steps 10 -> 14" in trainer.resume_changes
+    capsys.readouterr()
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.transport.close()
+    assert summary["steps"] == 14 and math.isfinite(summary["val_loss"])
+    assert "settings changed since it was saved: " in capsys.readouterr().err
 
 
 SIM = ["simulate", "--config", TINY, *[a for s in FAST + SHORT for a in ("--set", s)], "--workers", "2",
