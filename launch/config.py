@@ -448,6 +448,12 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
     d = cfg.data
     if d.source in ("text", "shards", "hf") and not d.path:
         raise ConfigError(f"{where('data.source')}: data.path: data.source is {d.source!r}, which needs data.path")
+    if d.source in ("stdlib", "python"):
+        for key in ("path", "val_path"):
+            if getattr(d, key):
+                fail(f"data.{key}", f"{getattr(d, key)!r} would not be read: data.source is {d.source!r}, the built-in "
+                                    f"corpus; set data.source to text (a text file or folder), shards (token files) or "
+                                    f"hf to train on it, or data.{key}= (empty) for the built-in corpus")
     if d.source in ("text", "shards"):
         for key in ("path", "val_path"):
             value = getattr(d, key)

@@ -200,6 +200,16 @@ def test_text_source_with_missing_path_names_file_key_and_path(tmp_path):
     assert f"'{missing}' does not exist" in msg
 
 
+@pytest.mark.parametrize("source", ["stdlib", "python"])
+def test_a_path_the_built_in_corpus_would_ignore_is_refused(tmp_path, source):
+    msg = error_of(overrides=[f"data.source={source}", f"data.path={tmp_path}"])
+    assert msg.startswith(f"--set data.path={tmp_path}: data.path: "), msg
+    assert "would not be read" in msg and "data.source to text" in msg
+    msg = error_of(overrides=[f"data.val_path={tmp_path}"])  # stdlib by default
+    assert msg.startswith(f"--set data.val_path={tmp_path}: data.val_path: "), msg
+    load_config([], [f"data.source={source}", f"data.path={tmp_path}", "data.path="])  # emptied again: fine
+
+
 def test_missing_val_path(tmp_path):
     msg = error_of(overrides=["data.source=text", f"data.path={tmp_path}", f"data.val_path={tmp_path / 'nope'}"])
     assert msg.startswith(f"--set data.val_path={tmp_path / 'nope'}: data.val_path: "), msg
