@@ -477,11 +477,14 @@ class Trainer:
             state = load_checkpoint(found, map_location="cpu")
         else:
             state = self.transport.broadcast_object(load_checkpoint(found, map_location="cpu") if self.leader else None)
+        self.resume_changes = changed_settings(state.get("config"), self.cfg)
         try:
             self.load_state(state)
         except (ValueError, RuntimeError) as e:  # another algorithm, model shape or fragment layout
-            raise RunError(f"{found}: cannot resume this run from it: {e}") from None
-        self.resume_changes = changed_settings(state.get("config"), self.cfg)
+            text = str(e).strip()
+            text = text if len(text) <= 600 else text[:600] + " ..."
+            changed = f"\nSettings changed since it was saved: {self.resume_changes}" if self.resume_changes else ""
+            raise RunError(f"{found}: cannot resume this run from it: {text}{changed}") from None
         if self.leader:
             truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
         self.saved_step = self.step

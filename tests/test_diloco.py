@@ -271,8 +271,9 @@ def test_resume_with_other_fragments_fails_clearly(tmp_path):
     extra = ["sim.workers=2", "algo.inner_steps=4", "run.max_steps=4", "run.checkpoint_every=4"]
     simulate_once(cfg_of(tmp_path, "s", *extra, "algo.name=streaming", "algo.fragments=2"))
     more = [*extra[:2], "run.max_steps=8", "run.resume=true"]
-    with pytest.raises(RunError, match=r"step_00000004\.pt: cannot resume .* same algo\.fragments"):
+    with pytest.raises(RunError, match=r"step_00000004\.pt: cannot resume .* same algo\.fragments") as refused:
         simulate_once(cfg_of(tmp_path, "s", *more, "algo.name=streaming", "algo.fragments=4"))
+    assert "Settings changed since it was saved: algo.fragments 2 -> 4; run.max_steps 4 -> 8" in str(refused.value)
     with pytest.raises(RunError, match="holds algorithm 'streaming', this run uses 'diloco'"):
         simulate_once(cfg_of(tmp_path, "s", *more, "algo.name=diloco"))
     assert simulate_once(cfg_of(tmp_path, "s", *more, "algo.name=streaming", "algo.fragments=2"))["steps"] == 8
