@@ -225,7 +225,7 @@ class DiLoCo(Algorithm):
         return self.global_params
 
     def shared_state(self) -> dict[str, Any]:
-        return {"global_params": [g.detach().clone() for g in self.global_params],
+        return {"global_params": [g.detach() for g in self.global_params],  # live tensors, as the base class says
                 "outer_optimizers": [o.state_dict() for o in self.outer_optimizers],
                 "round": self.round, "global_tokens": self.global_tokens}
 
