@@ -79,12 +79,17 @@ def read_run_key(key: Optional[str], key_file: Optional[str]) -> Optional[bytes]
 
 
 def schema_of(cfg: Config) -> str:
-    """What peers must share to average together: model, sequence length, algorithm, round length, codec."""
-    schema = {"model": cfg.to_dict()["model"], "seq_len": cfg.data.seq_len, "algo": cfg.algo.name,
-              "inner_steps": cfg.algo.inner_steps, "codec": cfg.compress.codec}
-    if cfg.algo.name == "sparseloco":
-        a = cfg.algo
+    """What peers must share to average together: model, sequence length, algorithm, round length, codec, and
+    the outer step's settings. Every peer applies the outer step to the same averaged update, so peers whose
+    outer lr or momentum differ would part ways after one round; with this in the schema they never group, and
+    a peer refuses a state from a run of other settings (its optimizers keep their own settings on a load)."""
+    a = cfg.algo
+    schema = {"model": cfg.to_dict()["model"], "seq_len": cfg.data.seq_len, "algo": a.name,
+              "inner_steps": a.inner_steps, "codec": cfg.compress.codec, "outer_lr": a.outer_lr}
+    if a.name == "sparseloco":  # no outer momentum: its error feedback is the momentum
         schema.update(topk_density=a.topk_density, chunk=a.chunk, ef_decay=a.ef_decay, value_format=a.value_format)
+    else:
+        schema.update(outer_momentum=a.outer_momentum, nesterov=a.nesterov)
     return json.dumps(schema, sort_keys=True)
 
 

@@ -743,6 +743,28 @@ def test_payload_sizes_follow_from_the_model_and_codec():
     assert payload_sizes(b"not a loco payload", 1 << 20) == (0, 1 << 20, False)
 
 
+@pytest.mark.parametrize("algo, apart, together", [
+    ("diloco", ["algo.outer_lr=0.5", "algo.outer_momentum=0.8", "algo.nesterov=false", "algo.inner_steps=20",
+                "compress.codec=int8", "model.n_layers=2"], ["optim.lr=1e-3", "optim.weight_decay=0.0", "run.seed=3"]),
+    ("sparseloco", ["algo.outer_lr=0.5", "algo.topk_density=0.05"], ["algo.outer_momentum=0.5", "optim.lr=1e-3"]),
+])
+def test_peers_whose_outer_step_differs_do_not_share_a_schema(algo, apart, together):
+    """Every peer applies the outer step to one averaged update: peers of another outer lr or momentum would
+    part ways after a round, so they never group (the schema keys matchmaking) and a state of theirs is
+    refused; settings each peer keeps to itself (its inner optimizer, its seed) do not count."""
+    from launch.config import load_config
+    from launch.join import schema_of
+
+    def schema(*overrides):
+        return schema_of(load_config([TINY], [f"algo.name={algo}", *overrides])[0])
+
+    base = schema()
+    for setting in apart:
+        assert schema(setting) != base, setting
+    for setting in together:
+        assert schema(setting) == base, setting
+
+
 def test_state_sketches_tolerate_rounding_but_not_a_different_round():
     from diloco.comm.hivemind import fingerprint, same_state
 
