@@ -361,13 +361,23 @@ class DDP(Algorithm):
         grads = [p.grad for p in self.params]
         if self.codec is None:
             self.transport.all_reduce_(grads, op="mean")
-        elif all(bool(torch.isfinite(g).all()) for g in grads):
+        elif self._all_finite(grads):
             collective.all_reduce_compressed_(self.transport, grads, self.codec, 1.0, key="grads")
         else:  # a worker with non-finite gradients adds nothing; the step is skipped only if nobody sent any
             for g in grads:
                 g.zero_()
             if collective.all_reduce_compressed_(self.transport, grads, self.codec, 0.0, key="grads") == 0:
                 grads[0].fill_(float("nan"))
+
+    @staticmethod
+    def _all_finite(grads: list[torch.Tensor]) -> bool:
+        """Whether every gradient is finite, in one read back (their largest magnitudes, which cannot overflow
+        as a norm can, stacked and tested together)."""
+        if all(g.dtype == torch.float32 for g in grads):
+            peaks = torch._foreach_norm(grads, float("inf"))
+        else:
+            peaks = [g.abs().amax().float() for g in grads]
+        return bool(torch.isfinite(torch.stack(peaks)).all())
 
     def shared_state(self) -> dict[str, Any]:
         """Also the optimizer's state: DDP's workers hold one replica, moments included, so a worker that joins

@@ -133,3 +133,26 @@ def test_a_state_saved_with_the_other_adamw_kernel_resumes_with_this_ones(saved_
     joiner.load_shared_state(saver.shared_state())
     assert [g["fused"] for g in joiner.optimizer.param_groups] == [not saved_fused]
     assert float(joiner.optimizer.state[joiner.params[0]]["step"]) == 5
+
+
+@pytest.mark.parametrize("bad", [None, "inf", "nan"])
+def test_ddp_with_a_codec_checks_its_gradients_in_one_read_whatever_the_number_of_parameters(bad):
+    """A worker with non-finite gradients sends nothing (weight 0); the test for it reads back once, not once per
+    parameter (a host sync each on a GPU)."""
+    from diloco.compress import make_codec
+
+    def step(layers):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)])
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)  # its step reads nothing back
+        algo = DDP(model, opt, LocalTransport(), codec=make_codec("int8"))
+        model(torch.randn(3, 8)).sum().backward()
+        if bad:
+            list(model.parameters())[-2].grad[1, 2] = float(bad)
+        with HostReads() as reads:
+            info = algo.step()
+        assert bool(info["skipped"]) == (bad is not None)
+        return reads.count
+
+    assert step(2) == step(8)
+
