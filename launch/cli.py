@@ -160,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sample", help="generate text from a checkpoint", formatter_class=fmt,
                        description="Generate text from a trained checkpoint.", epilog=EXAMPLES["sample"])
-    p.add_argument("--checkpoint", required=True, metavar="PATH",
-                   help="a checkpoint file, or a run folder (its newest valid checkpoint), e.g. --checkpoint runs/exp1")
+    p.add_argument("--checkpoint", "--run-dir", dest="checkpoint", required=True, metavar="PATH",
+                   help="a checkpoint file, or a run folder (its newest valid checkpoint), e.g. --checkpoint runs/exp1 "
+                        "(--run-dir runs/exp1 says the same)")
     p.add_argument("--prompt", default="", help='text to continue, e.g. --prompt "def main():"')
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate, e.g. --max-new-tokens 300")
     p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="sampling temperature; 0 is greedy, e.g. --temperature 0.5")

@@ -73,6 +73,9 @@ def test_sample_from_checkpoint(trained):
     again = run_cli(["sample", "--checkpoint", str(run_dir / "checkpoints" / "step_00000080.pt"), "--prompt", "def ",
                      "--max-new-tokens", "40", "--temperature", "0"])
     assert again.stdout == res.stdout  # greedy decoding is deterministic
+    by_folder = run_cli(["sample", "--run-dir", str(run_dir), "--prompt", "def ", "--max-new-tokens", "40",
+                         "--temperature", "0"])  # the flag train and --resume take for the folder
+    assert by_folder.returncode == 0 and by_folder.stdout == res.stdout, by_folder.stderr
 
 
 def test_plot_command_compares_runs(trained, tmp_path):
