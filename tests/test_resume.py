@@ -182,9 +182,10 @@ def test_resumed_max_time_run_gets_a_fresh_budget(tmp_path):
 
 
 @pytest.mark.parametrize("algo, changed, check", [
-    ("diloco", ["algo.outer_lr=0.5", "optim.weight_decay=0.02"],
+    ("diloco", ["algo.outer_lr=0.5", "optim.weight_decay=0.02", "optim.lr=0.0005"],
      lambda algo: (algo.outer_optimizers[0].param_groups[0]["lr"] == 0.5
                    and algo.optimizer.param_groups[0]["weight_decay"] == 0.02
+                   and algo.optimizer.param_groups[0]["initial_lr"] == 0.0005  # the peak the schedule scales
                    and all("momentum_buffer" in st for st in algo.outer_optimizers[0].state.values()))),
     ("demo", ["algo.compression_chunk=32", "algo.compression_topk=8"],
      lambda algo: (algo.optimizer.param_groups[0]["compression_chunk"] == 32
