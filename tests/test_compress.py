@@ -275,8 +275,15 @@ def test_residual_survives_state_dict():
     assert b.encode(x, key="w") == expected
     assert make_codec(chain).encode(x, key="w") != expected  # the residual matters
     assert not torch.equal(state["residuals"]["w"], a.residuals["w"])  # the state was a copy
-    with pytest.raises(ValueError):
-        make_codec("topk:0.1+fp32").load_state_dict(state)
+    # what was held back carries over to another k, value format or decay (a resume with another density) ...
+    c = make_codec("topk:0.1+int8")
+    c.load_state_dict(state)
+    assert torch.equal(c.residuals["w"], state["residuals"]["w"])
+    # ... not to another transform, nor to a codec without error feedback
+    for other in ("dct+topk:0.05+fp32", "int8"):
+        with pytest.raises(ValueError, match="mean nothing here"):
+            make_codec(other).load_state_dict(state)
+    make_codec("int8").load_state_dict(make_codec("fp4").state_dict())  # no residuals either side: nothing lost
 
 
 # ---- chain parsing ----------------------------------------------------------------------------

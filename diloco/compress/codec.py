@@ -695,9 +695,21 @@ class Codec:
         return {"chain": self.chain, "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("chain") != self.chain:
-            raise ValueError(f"codec state is for {state.get('chain')!r}, this codec is {self.chain!r}")
-        self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        """Take the residuals of a state saved by this chain, or by another whose residuals mean the same here:
+        what error feedback held back is a vector in the domain the top-k selects from, whatever k, value
+        format, decay or zstd sent it, so those may change (a resume with another ``algo.topk_density``; a top-k
+        chunk that pads the vector to another length starts that residual afresh). A state of another transform
+        (DCT chunk), or with residuals where this codec keeps none, is refused."""
+        saved, residuals = state.get("chain"), state.get("residuals") or {}
+        if saved != self.chain and residuals:
+            try:
+                other = parse_chain(saved)
+            except (CodecSpecError, AttributeError):
+                other = None
+            if other is None or not self.error_feedback or other.dct_chunk != self.spec.dct_chunk:
+                raise ValueError(f"codec state is for {saved!r}, this codec is {self.chain!r}: its error-feedback "
+                                 f"residuals mean nothing here")
+        self.residuals = {k: v.clone() for k, v in residuals.items()}
 
 
 def chunk_indices_ok(rows: torch.Tensor, limit: int) -> bool:
