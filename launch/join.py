@@ -93,6 +93,26 @@ def schema_of(cfg: Config) -> str:
     return json.dumps(schema, sort_keys=True)
 
 
+def schema_differs(theirs: Any, mine: str) -> str:
+    """The keys of two schemas (:func:`schema_of`) that differ, as ``key: theirs there, mine here; ...``."""
+    try:
+        a = json.loads(theirs)
+        b = json.loads(mine)
+    except (TypeError, ValueError):
+        return f"its schema {theirs!r}, this peer's {mine}"
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return f"its schema {theirs!r}, this peer's {mine}"
+    out = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k, "(none)"), b.get(k, "(none)")
+        if isinstance(x, dict) and isinstance(y, dict):  # the model's settings: name the keys inside
+            out += [f"{k}.{j}: {x.get(j, '(none)')!r} there, {y.get(j, '(none)')!r} here"
+                    for j in sorted(set(x) | set(y)) if x.get(j) != y.get(j)]
+        elif x != y:
+            out.append(f"{k}: {x!r} there, {y!r} here")
+    return "; ".join(out)
+
+
 def host_maddrs(host: str, port: int) -> list[str]:
     proto = "ip6" if ":" in host else "ip4"
     return [f"/{proto}/{host}/tcp/{port}"]
@@ -187,8 +207,8 @@ class Peer:
     def load_state(self, blob: bytes, source: str = "a peer") -> None:
         def same_run(state: dict[str, Any]) -> None:
             if state.get("schema") != self.schema:
-                raise RunError(f"{source} trains another model or algorithm than this config "
-                               f"({state.get('schema')} vs {self.schema}): join with the run's --config")
+                raise RunError(f"{source} trains with other settings than this config "
+                               f"({schema_differs(state.get('schema'), self.schema)}): join with the run's --config")
 
         state = self.trainer.load_shared_blob(blob, source, check=same_run)
         self.transport.epoch = int(state["epoch"])
@@ -319,4 +339,4 @@ def format_status(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["JoinOptions", "Peer", "join", "status", "format_status", "read_run_key", "schema_of"]
+__all__ = ["JoinOptions", "Peer", "join", "status", "format_status", "read_run_key", "schema_differs", "schema_of"]

@@ -753,7 +753,7 @@ def test_peers_whose_outer_step_differs_do_not_share_a_schema(algo, apart, toget
     part ways after a round, so they never group (the schema keys matchmaking) and a state of theirs is
     refused; settings each peer keeps to itself (its inner optimizer, its seed) do not count."""
     from launch.config import load_config
-    from launch.join import schema_of
+    from launch.join import schema_differs, schema_of
 
     def schema(*overrides):
         return schema_of(load_config([TINY], [f"algo.name={algo}", *overrides])[0])
@@ -763,6 +763,10 @@ def test_peers_whose_outer_step_differs_do_not_share_a_schema(algo, apart, toget
         assert schema(setting) != base, setting
     for setting in together:
         assert schema(setting) == base, setting
+    # a peer refusing another run's state names what differs
+    assert schema_differs(schema("algo.outer_lr=0.5", "model.n_layers=2"), base) == \
+        "model.n_layers: 2 there, None here; outer_lr: 0.5 there, 1.0 here"
+    assert "this peer's" in schema_differs(None, base)
 
 
 def test_state_sketches_tolerate_rounding_but_not_a_different_round():
