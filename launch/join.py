@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from diloco.comm import check_run_name, fingerprint, make_transport, merge_ledgers, read_swarm
+from diloco.comm import check_run_name, fingerprint, make_transport, merge_ledgers, read_swarm, schema_differs
 from launch.config import Config
 from launch.data import Batcher, load_data
 from launch.metrics import human_bytes
@@ -91,26 +91,6 @@ def schema_of(cfg: Config) -> str:
     else:
         schema.update(outer_momentum=a.outer_momentum, nesterov=a.nesterov)
     return json.dumps(schema, sort_keys=True)
-
-
-def schema_differs(theirs: Any, mine: str) -> str:
-    """The keys of two schemas (:func:`schema_of`) that differ, as ``key: theirs there, mine here; ...``."""
-    try:
-        a = json.loads(theirs)
-        b = json.loads(mine)
-    except (TypeError, ValueError):
-        return f"its schema {theirs!r}, this peer's {mine}"
-    if not isinstance(a, dict) or not isinstance(b, dict):
-        return f"its schema {theirs!r}, this peer's {mine}"
-    out = []
-    for k in sorted(set(a) | set(b)):
-        x, y = a.get(k, "(none)"), b.get(k, "(none)")
-        if isinstance(x, dict) and isinstance(y, dict):  # the model's settings: name the keys inside
-            out += [f"{k}.{j}: {x.get(j, '(none)')!r} there, {y.get(j, '(none)')!r} here"
-                    for j in sorted(set(x) | set(y)) if x.get(j) != y.get(j)]
-        elif x != y:
-            out.append(f"{k}: {x!r} there, {y!r} here")
-    return "; ".join(out)
 
 
 def host_maddrs(host: str, port: int) -> list[str]:
@@ -339,4 +319,4 @@ def format_status(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["JoinOptions", "Peer", "join", "status", "format_status", "read_run_key", "schema_differs", "schema_of"]
+__all__ = ["JoinOptions", "Peer", "join", "status", "format_status", "read_run_key", "schema_of"]

@@ -753,7 +753,8 @@ def test_peers_whose_outer_step_differs_do_not_share_a_schema(algo, apart, toget
     part ways after a round, so they never group (the schema keys matchmaking) and a state of theirs is
     refused; settings each peer keeps to itself (its inner optimizer, its seed) do not count."""
     from launch.config import load_config
-    from launch.join import schema_differs, schema_of
+    from diloco.comm.hivemind import schema_differs
+    from launch.join import schema_of
 
     def schema(*overrides):
         return schema_of(load_config([TINY], [f"algo.name={algo}", *overrides])[0])
@@ -767,6 +768,33 @@ def test_peers_whose_outer_step_differs_do_not_share_a_schema(algo, apart, toget
     assert schema_differs(schema("algo.outer_lr=0.5", "model.n_layers=2"), base) == \
         "model.n_layers: 2 there, None here; outer_lr: 0.5 there, 1.0 here"
     assert "this peer's" in schema_differs(None, base)
+    assert schema_differs('{"codec": "int8"}', '{"codec": "fp32"}') == "codec: 'int8' there, 'fp32' here"
+
+
+def test_peers_of_one_run_with_other_settings_are_named_and_neither_waits_for_the_other():
+    """Two peers of one run whose settings differ (here the outer lr) can never form a group: each goes on
+    alone at once, rather than waiting for the other or following it to its epoch, and its notes and log name
+    the other peer and the setting."""
+    settings = ['{"codec": "int8", "outer_lr": 0.7}', '{"codec": "int8", "outer_lr": 0.5}']
+    a = HivemindTransport("mixed", run_key=KEY, matchmaking_time=2, exchange_timeout=10, schema=settings[0])
+    b = HivemindTransport("mixed", initial_peers=a.visible_maddrs(), run_key=KEY, matchmaking_time=2,
+                          exchange_timeout=10, schema=settings[1])
+    try:
+        b.epoch = 5  # ahead: a peer of the same settings would be followed there
+        b.heartbeat()
+        out = run_together([a, b], lambda i, t: t.exchange(b"x" * 64))
+        for i, (t, there, here) in enumerate(((a, "0.5", "0.7"), (b, "0.7", "0.5"))):
+            r = out[i]
+            assert r.members == [t.peer_id] and t.stale is False, r.notes
+            named = [n for n in r.notes if "trains with other settings" in n]
+            assert len(named) == 1 and f"outer_lr: {there} there, {here} here" in named[0], r.notes
+            assert not any("did not arrive" in n or "is behind" in n for n in r.notes), r.notes
+        assert a.epoch == 1 and b.epoch == 6
+        again = a.exchange(b"y" * 64)  # named once
+        assert not any("other settings" in n for n in again.notes)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_state_sketches_tolerate_rounding_but_not_a_different_round():

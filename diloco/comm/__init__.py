@@ -7,7 +7,7 @@ from diloco.comm.base import CommStats, Handle, Transport, TransportError
 from diloco.comm.local import LocalTransport
 
 __all__ = ["CommStats", "Handle", "LocalTransport", "Transport", "TransportError", "check_run_name", "fingerprint",
-           "make_transport", "merge_ledgers", "read_swarm"]
+           "make_transport", "merge_ledgers", "read_swarm", "schema_differs"]
 
 
 def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: float = 300.0, device=None,
@@ -52,7 +52,7 @@ def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: f
     raise ValueError(f"transport.backend: unknown backend {backend!r}")
 
 
-_SWARM_HELPERS = ("check_run_name", "fingerprint", "merge_ledgers", "read_swarm")
+_SWARM_HELPERS = ("check_run_name", "fingerprint", "merge_ledgers", "read_swarm", "schema_differs")
 
 
 def __getattr__(name: str) -> Any:

@@ -44,11 +44,11 @@ Importing this package does not import hivemind: only starting a peer does.
 """
 
 from diloco.comm.hivemind.auth import RUN_NAME, check_run_name, mac  # noqa: F401 (RUN_NAME: importable as before)
-from diloco.comm.hivemind.epoch import EpochResult
+from diloco.comm.hivemind.epoch import EpochResult, schema_differs
 from diloco.comm.hivemind.framing import FAIL, MAX_HEADER, OK, log  # noqa: F401 (importable as before)
 from diloco.comm.hivemind.ledger import PeerRecord, merge_ledgers, read_swarm
 from diloco.comm.hivemind.state import fingerprint, same_state
 from diloco.comm.hivemind.transport import HivemindTransport
 
 __all__ = ["HivemindTransport", "PeerRecord", "EpochResult", "fingerprint", "same_state", "mac", "merge_ledgers",
-           "read_swarm", "check_run_name"]
+           "read_swarm", "check_run_name", "schema_differs"]

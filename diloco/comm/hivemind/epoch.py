@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
@@ -45,6 +46,26 @@ def _servicer_class():
         "request": averaging_pb2.JoinRequest, "context": P2PContext,
         "return": AsyncIterator[averaging_pb2.MessageFromLeader]}
     return RoundServicer
+
+
+def schema_differs(theirs: object, mine: str) -> str:
+    """The keys of two peers' settings (JSON objects, as ``launch.join.schema_of`` makes them) that differ, as
+    ``key: theirs there, mine here; ...`` (the keys of a nested object, the model's, named one by one)."""
+    try:
+        a, b = json.loads(theirs), json.loads(mine)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        a = b = None
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return f"its settings {theirs!r}, this peer's {mine!r}"
+    out = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k, "(none)"), b.get(k, "(none)")
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += [f"{k}.{j}: {x.get(j, '(none)')!r} there, {y.get(j, '(none)')!r} here"
+                    for j in sorted(set(x) | set(y)) if x.get(j) != y.get(j)]
+        elif x != y:
+            out.append(f"{k}: {x!r} there, {y!r} here")
+    return "; ".join(out)
 
 
 @dataclass
@@ -154,7 +175,7 @@ class EpochMixin:
         last_links = 0.0
         while True:
             live = {pid: v for pid, v in (await self._registry()).items()
-                    if pid != self.me and not self._suspected(pid, v)}
+                    if pid != self.me and not self._suspected(pid, v) and not self._other_settings(pid, v, notes)}
             if time.perf_counter() - last_links >= 0.5:  # a peer whose libp2p connection dropped is not waited for
                 last_links = time.perf_counter()
                 for pid in await self._lost(live):
@@ -638,6 +659,23 @@ class EpochMixin:
                 box.pop(sender, None)
         w.held.pop(slot, None)
         w.hashes.pop(slot, None)
+
+    def _other_settings(self, pid: str, entry: dict, notes: list) -> bool:
+        """Whether a peer of this run announces other settings (another model, codec or outer step: matchmaking
+        never puts it in a group with this peer). It is not waited for, nor followed to its epoch; the first
+        time, the notes and the log name it and what differs. A peer that announces none (an older version)
+        counts as alike."""
+        theirs = entry.get("settings", self.settings)
+        if theirs == self.settings:
+            return False
+        if pid not in self._foreign:
+            self._foreign.add(pid)
+            note = (f"peer {pid[-8:]} of run '{self.run}' trains with other settings "
+                    f"({schema_differs(theirs, self.settings)}): it never groups with this peer and is not waited "
+                    f"for; start every peer with the run's --config")
+            notes.append(note)
+            log.warning("peer %s: %s", self.me[-8:], note)
+        return True
 
     def _suspected(self, pid: str, entry: dict) -> bool:
         return pid in self.suspects and float(entry.get("time", 0)) <= self.suspects[pid]

@@ -193,6 +193,8 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self.heartbeat_ttl, self.norm_clip, self.clip_action = heartbeat_ttl, float(norm_clip), clip_action
         self.max_payload_bytes, self.client_mode = max_payload_bytes, client_mode
         self.schema = hashlib.sha256(f"loco-swarm-v2|{run}|{schema}".encode()).digest()
+        self.settings = schema  # announced in the registry: a peer of this run with other settings is named
+        self._foreign: set[str] = set()  # the peers of this run announcing other settings, named once each
         self.epoch = 0  # exchanges this peer's state has been through (downloaded state carries it)
         self.stale = False  # True from jumping ahead to the others' epoch until this peer downloads their state
         self.fingerprint_fn: Optional[Callable[[], bytes]] = None
@@ -376,7 +378,7 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
     # ---- DHT records ------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
         value = {"epoch": self.epoch, "time": _now(), "phase": self.phase, "eta": self.eta, "round_s": self.round_s,
-                 **self.status}
+                 "settings": self.settings, **self.status}
         await self.dht.store(f"{self.run}.peers", subkey=self.me, value=value,
                              expiration_time=_now() + self.heartbeat_ttl, return_future=True)
 
