@@ -792,6 +792,14 @@ def test_peers_of_one_run_with_other_settings_are_named_and_neither_waits_for_th
         assert a.epoch == 1 and b.epoch == 6
         again = a.exchange(b"y" * 64)  # named once
         assert not any("other settings" in n for n in again.notes)
+        # a newcomer takes the state of a peer of its own settings, though the other's epoch is later
+        a.publish_state(b"state of a")
+        b.publish_state(b"state of b")
+        c = HivemindTransport("mixed", initial_peers=a.visible_maddrs(), run_key=KEY, schema=settings[0])
+        try:
+            assert c.download_state() == (2, bytearray(b"state of a"))
+        finally:
+            c.close()
     finally:
         a.close()
         b.close()

@@ -287,7 +287,8 @@ class StateMixin:
         """The newest state other peers serve: (epoch, blob), or None when no peer has one; striped over every
         peer that holds it.
 
-        ``peers``: PeerIDs to ask (default: the registry's peers, highest epoch first).
+        ``peers``: PeerIDs to ask (default: the registry's peers, highest epoch first; those that announce this
+        peer's settings only, where there are any: a state of other settings would be refused).
         """
         from hivemind.p2p import PeerID
 
@@ -295,6 +296,8 @@ class StateMixin:
             live = {pid: v for pid, v in self.peers().items() if pid != self.me}
             if not live:
                 return None
+            alike = {pid: v for pid, v in live.items() if v.get("settings", self.settings) == self.settings}
+            live = alike or live  # none alike: the state comes, and the caller refuses it naming what differs
             order = sorted(live, key=lambda pid: -int(live[pid].get("epoch", 0)))
             peers = [PeerID.from_base58(pid) for pid in order]
             min_epoch = int(live[order[0]].get("epoch", 0)) if min_epoch is None else min_epoch
