@@ -303,6 +303,25 @@ def status(peers: Sequence[str], run: str = DEFAULT_RUN, run_key: Optional[bytes
             "ledger": {pid: rec.as_dict() for pid, rec in sorted(merged.items())}}
 
 
+def _settings_apart(peers: dict[str, dict]) -> list[str]:
+    """Lines naming the live peers whose announced settings differ from those most peers announce (peers of
+    different settings never group); none where they all agree."""
+    groups: dict[str, list[str]] = {}
+    for pid, v in peers.items():
+        if isinstance(v.get("settings"), str) and v["settings"]:
+            groups.setdefault(v["settings"], []).append(pid)
+    if len(groups) < 2:
+        return []
+    common = max(groups, key=lambda s: (len(groups[s]), s))
+    lines = ["", f"the live peers announce {len(groups)} different settings (peers of different settings never "
+                 f"group); where they differ from those of the most peers ({len(groups[common])}), as 'theirs "
+                 f"there, the most peers' here':"]
+    for settings, pids in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        if settings != common:
+            lines.append(f"  {', '.join('…' + p[-14:] for p in sorted(pids))}: {schema_differs(settings, common)}")
+    return lines
+
+
 def format_status(info: dict[str, Any]) -> str:
     lines = [f"run {info['run']!r}: {len(info['peers'])} live peer(s)", ""]
     lines.append(f"{'peer':<16} {'round':>6} {'step':>7} {'tokens/s':>10} {'last seen':>10}")
@@ -311,6 +330,7 @@ def format_status(info: dict[str, Any]) -> str:
         seen = f"{now - float(v.get('time', now)):.0f}s ago"
         lines.append(f"{'…' + pid[-14:]:<16} {v.get('epoch', 0):>6} {v.get('step', 0):>7} "
                      f"{v.get('tokens_per_s', 0):>10,.0f} {seen:>10}")
+    lines += _settings_apart(info["peers"])
     lines += ["", f"contributions (median over {len(info['observers'])} observer(s)):",
               f"{'peer':<16} {'tokens':>12} {'rounds':>7} {'accepted':>9} {'rejected':>9} {'clipped':>8}"]
     for pid, r in sorted(info["ledger"].items(), key=lambda kv: -kv[1]["tokens"]):

@@ -833,6 +833,14 @@ def test_the_ledger_merges_observers_by_median():
             "ledger": {k: v.as_dict() for k, v in merged.items()}}
     text = format_status(info)
     assert "1 live peer" in text and "1,234" in text and "median over 3 observer(s)" in text
+    assert "different settings" not in text
+    # peers that announce other settings than most are named with what differs
+    alike, apart = '{"codec": "int8", "outer_lr": 0.7}', '{"codec": "int8", "outer_lr": 0.5}'
+    info["peers"] = {f"peer{i}": {"epoch": 3, "time": time.time(), "settings": s}
+                     for i, s in enumerate([alike, alike, apart, ""])}
+    text = format_status(info)
+    assert "the live peers announce 2 different settings" in text and "of the most peers (2)" in text
+    assert "  …peer2: outer_lr: 0.5 there, 0.7 here" in text.splitlines(), text
 
 
 # ---- adaptive deadlines -----------------------------------------------------------------------------------------
