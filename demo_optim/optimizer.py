@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from diloco.algorithm import all_finite
 from diloco.comm.base import SharedResult, Transport
 from diloco.comm.local import LocalTransport
 from diloco.compress import (RULES, ChunkPlan, CorruptPayload, bits_for, from_chunks, pack_bits, packed_size,
@@ -216,7 +217,7 @@ class DeMo(torch.optim.Optimizer):
 
     def _grads_finite(self, entries) -> bool:
         grads = [p.grad for p, _, _ in entries if p.grad is not None]
-        finite = not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())  # one host sync
+        finite = all_finite(grads)  # one host sync
         if not finite:
             if self.nonfinite == "raise":
                 raise FloatingPointError("DeMo: non-finite gradients (set nonfinite='skip' to sit the step out)")

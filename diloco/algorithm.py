@@ -95,6 +95,20 @@ def _move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> N
                 state[k] = move_tensor(v, device)
 
 
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every value of every tensor is finite, in one read back however many tensors there are; True for
+    none. fp32 tensors are tested through their largest magnitudes (one foreach op; a maximum cannot overflow as a
+    norm can), others one by one on the device."""
+    tensors = [t for t in tensors if t.numel()]  # an empty one holds nothing to test (and has no maximum)
+    if not tensors:
+        return True
+    if all(t.dtype == torch.float32 for t in tensors):
+        ok = torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf"))))
+    else:
+        ok = torch.stack([torch.isfinite(t).all() for t in tensors])
+    return bool(ok.all())
+
+
 def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
     """``opt.load_state_dict(saved)`` for the state it holds (moments, momenta, step counts); the settings of
     ``opt``'s param groups (lr, betas, weight decay, momentum, DeMo's compression settings, the kernel choice
@@ -109,9 +123,9 @@ def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> N
     settings (DeMo's momenta, kept in the blocks of its ``compression_chunk``) converts it to these.
     Where the kernel is fused, each parameter's step count moves to its device, as the fused kernel keeps it.
     """
-    mine, theirs = opt.state_dict()["param_groups"], saved.get("param_groups")
-    if isinstance(theirs, list) and len(theirs) == len(mine) and all(isinstance(g, dict) for g in theirs):
-        settings = [{k: v for k, v in g.items() if k != "params"} for g in mine]
+    theirs = saved.get("param_groups")
+    if isinstance(theirs, list) and len(theirs) == len(opt.param_groups) and all(isinstance(g, dict) for g in theirs):
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         saved = {**saved, "param_groups": [{**g, **s} for g, s in zip(theirs, settings)]}
     opt.load_state_dict(saved)  # torch refuses groups of other numbers or sizes
     for group in opt.param_groups:
@@ -361,23 +375,13 @@ class DDP(Algorithm):
         grads = [p.grad for p in self.params]
         if self.codec is None:
             self.transport.all_reduce_(grads, op="mean")
-        elif self._all_finite(grads):
+        elif all_finite(grads):
             collective.all_reduce_compressed_(self.transport, grads, self.codec, 1.0, key="grads")
         else:  # a worker with non-finite gradients adds nothing; the step is skipped only if nobody sent any
             for g in grads:
                 g.zero_()
             if collective.all_reduce_compressed_(self.transport, grads, self.codec, 0.0, key="grads") == 0:
                 grads[0].fill_(float("nan"))
-
-    @staticmethod
-    def _all_finite(grads: list[torch.Tensor]) -> bool:
-        """Whether every gradient is finite, in one read back (their largest magnitudes, which cannot overflow
-        as a norm can, stacked and tested together)."""
-        if all(g.dtype == torch.float32 for g in grads):
-            peaks = torch._foreach_norm(grads, float("inf"))
-        else:
-            peaks = [g.abs().amax().float() for g in grads]
-        return bool(torch.isfinite(torch.stack(peaks)).all())
 
     def shared_state(self) -> dict[str, Any]:
         """Also the optimizer's state: DDP's workers hold one replica, moments included, so a worker that joins

@@ -29,8 +29,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from diloco.algorithm import (Algorithm, _copy_checked, _move_optimizer_state, load_optimizer_state, move_tensor,
-                              register)
+from diloco.algorithm import (Algorithm, _copy_checked, _move_optimizer_state, all_finite, load_optimizer_state,
+                              move_tensor, register)
 from diloco.comm.base import Handle, Transport
 from diloco.compress import collective
 from diloco.compress.codec import Codec, make_codec
@@ -137,8 +137,7 @@ class DiLoCo(Algorithm):
                     deltas.append(local.neg_().add_(self.global_views[k]))
                 else:
                     deltas.append(self.global_views[k] - local.to(self.outer_device, torch.float32))
-            finite = torch.stack([torch.isfinite(d).all() for d in deltas]).all() if deltas else torch.tensor(True)
-            if not bool(finite):  # one host sync per exchange, not one per parameter
+            if not all_finite(deltas):  # one host sync per exchange, not one per parameter
                 # a diverged worker is left out of this average (weight 0) and re-syncs to the new global model
                 self.rejected_updates += 1
                 weight = 0.0

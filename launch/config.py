@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from diloco.comm.base import flat_settings
 from diloco.compress.codec import CodecSpecError, parse_chain
 from diloco.sim.network import parse_duration  # noqa: F401  (also part of this module's API)
 
@@ -543,15 +544,9 @@ def changed_settings(saved: Any, cfg: Config, shown: int = 8) -> Optional[str]:
     """What a resumed run changed against the settings its checkpoint was written with (``saved``: the
     checkpoint's ``config``), as ``key old -> new; ...``; None where nothing changed (``run.resume`` aside).
     The run goes on with its own settings: the optimizers keep them over the checkpoint's."""
-    if not isinstance(saved, dict):
-        return None
-    now = cfg.to_dict()
-    lines = []
-    for section, values in now.items():
-        before = saved.get(section) if isinstance(saved.get(section), dict) else {}
-        for key, value in values.items():
-            if key != "resume" and key in before and before[key] != value:
-                lines.append(f"{section}.{key} {before[key]!r} -> {value!r}")
+    before = flat_settings(saved)
+    lines = [f"{key} {before[key]!r} -> {value!r}" for key, value in flat_settings(cfg.to_dict()).items()
+             if key != "run.resume" and key in before and before[key] != value]
     if not lines:
         return None
     more = f"; and {len(lines) - shown} more" if len(lines) > shown else ""
@@ -570,10 +565,8 @@ def shared_settings(cfg: Config) -> dict[str, Any]:
     value), and loco's version."""
     from importlib.metadata import PackageNotFoundError, version
 
-    out: dict[str, Any] = {}
-    for section, values in cfg.to_dict().items():
-        if section != "sim":
-            out.update((f"{section}.{k}", v) for k, v in values.items() if f"{section}.{k}" not in PER_PROCESS)
+    out = {key: value for key, value in flat_settings(cfg.to_dict()).items()
+           if not key.startswith("sim.") and key not in PER_PROCESS}
     try:
         out["loco version"] = version("loco")
     except PackageNotFoundError:  # run from a source tree that was never installed

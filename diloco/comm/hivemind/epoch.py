@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
+from diloco.comm.base import flat_settings
 from diloco.comm.hivemind.auth import mac
 from diloco.comm.hivemind.framing import (FAIL, MIN_MEASURED_BYTES, OK, PIECE, UNREACHED, _now, _read_body,
                                           _read_header, _write_framed, _write_head, exchange_deadline, log,
@@ -57,15 +58,9 @@ def schema_differs(theirs: object, mine: str) -> str:
         a = b = None
     if not isinstance(a, dict) or not isinstance(b, dict):
         return f"its settings {theirs!r}, this peer's {mine!r}"
-    out = []
-    for k in sorted(set(a) | set(b)):
-        x, y = a.get(k, "(none)"), b.get(k, "(none)")
-        if isinstance(x, dict) and isinstance(y, dict):
-            out += [f"{k}.{j}: {x.get(j, '(none)')!r} there, {y.get(j, '(none)')!r} here"
-                    for j in sorted(set(x) | set(y)) if x.get(j) != y.get(j)]
-        elif x != y:
-            out.append(f"{k}: {x!r} there, {y!r} here")
-    return "; ".join(out)
+    a, b = flat_settings(a), flat_settings(b)
+    return "; ".join(f"{k}: {a.get(k, '(none)')!r} there, {b.get(k, '(none)')!r} here"
+                     for k in sorted(set(a) | set(b)) if a.get(k, "(none)") != b.get(k, "(none)"))
 
 
 @dataclass
@@ -663,16 +658,14 @@ class EpochMixin:
     def _other_settings(self, pid: str, entry: dict, notes: list) -> bool:
         """Whether a peer of this run announces other settings (another model, codec or outer step: matchmaking
         never puts it in a group with this peer). It is not waited for, nor followed to its epoch; the first
-        time, the notes and the log name it and what differs. A peer that announces none (an older version)
-        counts as alike."""
-        theirs = entry.get("settings", self.settings)
-        if theirs == self.settings:
+        time, the notes and the log name it and what differs."""
+        if self._alike(entry):
             return False
         if pid not in self._foreign:
             self._foreign.add(pid)
             note = (f"peer {pid[-8:]} of run '{self.run}' trains with other settings "
-                    f"({schema_differs(theirs, self.settings)}): it never groups with this peer and is not waited "
-                    f"for; start every peer with the run's --config")
+                    f"({schema_differs(entry['settings'], self.settings)}): it never groups with this peer and is "
+                    f"not waited for; start every peer with the run's --config")
             notes.append(note)
             log.warning("peer %s: %s", self.me[-8:], note)
         return True

@@ -296,7 +296,7 @@ class StateMixin:
             live = {pid: v for pid, v in self.peers().items() if pid != self.me}
             if not live:
                 return None
-            alike = {pid: v for pid, v in live.items() if v.get("settings", self.settings) == self.settings}
+            alike = {pid: v for pid, v in live.items() if self._alike(v)}
             live = alike or live  # none alike: the state comes, and the caller refuses it naming what differs
             order = sorted(live, key=lambda pid: -int(live[pid].get("epoch", 0)))
             peers = [PeerID.from_base58(pid) for pid in order]

@@ -397,6 +397,11 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
                 self._seen[pid] = now
         return reg
 
+    def _alike(self, entry: dict) -> bool:
+        """Whether a registry entry announces this peer's settings (one of an older version, announcing none,
+        counts as alike)."""
+        return entry.get("settings", self.settings) == self.settings
+
     def peers(self) -> dict[str, dict]:
         """The run's live peers from the DHT registry: peer id -> {epoch, time, throughput, ...}."""
         return self._call(self._registry(), 30)
