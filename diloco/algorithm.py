@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from diloco.comm.base import Transport
+from diloco.comm.base import Transport, end_to_end
 from diloco.comm.local import LocalTransport
 from diloco.compress import collective, make_codec
 
@@ -107,6 +107,34 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     else:
         ok = torch.stack([torch.isfinite(t).all() for t in tensors])
     return bool(ok.all())
+
+
+def flatten_parameters_(params: list[torch.Tensor]) -> bool:
+    """Lay ``params`` end to end in one new flat fp32 buffer, in their order, values unchanged (each parameter's
+    ``data`` becomes a view of it); True where they lie so now. Where the pseudo-gradients overwrite the
+    parameters (DiLoCo's exchange), a compressed exchange then reads and writes them where they lie
+    (:func:`diloco.comm.base.end_to_end`) instead of concatenating each bucket and copying the result back.
+
+    Only fp32 parameters on one device, each owning its storage alone, move; others are left as they are."""
+    if not params or end_to_end(params) is not None:
+        return bool(params)
+    device = params[0].device
+    storages = set()
+    for p in params:
+        storage = p.untyped_storage()
+        if (p.dtype != torch.float32 or p.device != device or not p.is_contiguous() or p.storage_offset() != 0
+                or storage.nbytes() != p.numel() * p.element_size() or storage.data_ptr() in storages):
+            return False
+        storages.add(storage.data_ptr())
+    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=device)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            view = flat[offset:offset + p.numel()].view_as(p)
+            view.copy_(p)
+            p.data = view
+            offset += p.numel()
+    return True
 
 
 def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:

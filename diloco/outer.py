@@ -29,8 +29,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from diloco.algorithm import (Algorithm, _copy_checked, _move_optimizer_state, all_finite, load_optimizer_state,
-                              move_tensor, register)
+from diloco.algorithm import (Algorithm, _copy_checked, _move_optimizer_state, all_finite, flatten_parameters_,
+                              load_optimizer_state, move_tensor, register)
 from diloco.comm.base import Handle, Transport
 from diloco.compress import collective
 from diloco.compress.codec import Codec, make_codec
@@ -61,6 +61,10 @@ class DiLoCo(Algorithm):
         self.outer_device = torch.device("cpu") if offload_outer else self.params[0].device
         with torch.no_grad():
             self.global_params = [p.detach().to(self.outer_device, torch.float32, copy=True) for p in self.params]
+        # a codec's exchange writes the pseudo-gradients over the local parameters (see start_exchange): laid end to
+        # end in one buffer, they are encoded and decoded where they lie, with no bucket copied in and out
+        self.flat_params = (self.codec is not None and self.params[0].device == self.outer_device
+                            and flatten_parameters_(self.params)) if self.params else False
         whole = [list(range(len(self.params)))]
         self.pieces, self.fragments = _pieces(fragments if fragments is not None else whole, self.params)
         # one view of the global copy per piece: what the outer optimizers step and the exchanges send
@@ -130,13 +134,19 @@ class DiLoCo(Algorithm):
         bits as a new tensor, since ``-local + global`` rounds as ``global - local``.
         """
         with torch.no_grad():
-            deltas = []
-            for k in indices:
-                local = self._local(k)
-                if in_place and local.dtype == torch.float32 and local.device == self.outer_device:
+            locals_ = [self._local(k) for k in indices]
+            over = [in_place and t.dtype == torch.float32 and t.device == self.outer_device for t in locals_]
+            # the others in one new buffer, end to end as the exchange reads them best (see flatten_parameters_)
+            room = torch.empty(sum(t.numel() for t, o in zip(locals_, over) if not o), dtype=torch.float32,
+                               device=self.outer_device)
+            deltas, offset = [], 0
+            for k, local, o in zip(indices, locals_, over):
+                if o:
                     deltas.append(local.neg_().add_(self.global_views[k]))
                 else:
-                    deltas.append(self.global_views[k] - local.to(self.outer_device, torch.float32))
+                    out = room[offset:offset + local.numel()].view_as(local)
+                    deltas.append(torch.sub(self.global_views[k], local.to(self.outer_device, torch.float32), out=out))
+                    offset += local.numel()
             if not all_finite(deltas):  # one host sync per exchange, not one per parameter
                 # a diverged worker is left out of this average (weight 0) and re-syncs to the new global model
                 self.rejected_updates += 1
@@ -219,6 +229,10 @@ class DiLoCo(Algorithm):
             for opt in self.outer_optimizers:
                 _move_optimizer_state(opt, device)
             self.outer_device = torch.device(device)
+        if self.flat_params and torch.device(device).type != "cpu":
+            # the move gave every parameter its own storage; laid end to end again where the exchanges run (on the
+            # device's stream, behind the copies; a worker parked on the host waits unflattened, in pinned memory)
+            self.flat_params = self.params[0].device == self.outer_device and flatten_parameters_(self.params)
 
     def global_parameters(self) -> list[torch.Tensor]:
         return self.global_params

@@ -234,6 +234,74 @@ def test_the_concatenation_buffer_is_kept_only_where_asked():
     assert t.take_scratch(10, torch.device("cpu"), "mean").data_ptr() == bigger.data_ptr()
 
 
+def test_pieces_of_one_buffer_are_reduced_where_they_lie():
+    """Tensors that lie end to end in one buffer (DiLoCo's pseudo-gradients with a codec) are encoded and decoded
+    where they lie: no bucket is concatenated, and the result has the bits of separate tensors'."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Cats(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cats = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.cats += str(func).startswith("aten.cat")
+            return func(*args, **(kwargs or {}))
+
+    xs = inputs(2)
+
+    def run(chain: str, flat: bool):
+        tensors = [list(torch.cat(x).split(SIZES)) if flat else [t.clone() for t in x] for x in xs]
+
+        def body(rank, transport):
+            transport.bucket_bytes = 16 << 10  # buckets [1, 2], [5000], [3001]: the first of two pieces
+            codec = make_codec(chain)
+            for _ in range(2):  # the second round carries the first's error feedback
+                all_reduce_compressed_(transport, tensors[rank], codec, 1.0 + rank, key="k")
+            return [t.clone() for t in tensors[rank]]
+
+        with Cats() as seen:
+            out = run_workers(InProcessGroup(2), body)
+        return out, seen.cats
+
+    for chain in ["int8", "topk:0.5+int8"]:
+        (apart, cats_apart), (flat, cats_flat) = run(chain, False), run(chain, True)
+        assert cats_apart - cats_flat == 2 * 2, chain  # the one bucket of two pieces, per worker and round
+        assert cats_flat == 0 or chain != "int8"  # (top-k concatenates what it selects)
+        for a, b in zip(apart, flat):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), chain
+
+
+def test_diloco_with_a_codec_lays_its_parameters_end_to_end():
+    """With a codec DiLoCo's parameters, hence its pseudo-gradients, lie end to end in one buffer (the model
+    computing the same); pseudo-gradients that are new tensors are made end to end too."""
+    from diloco.comm.base import end_to_end
+    from diloco.outer import DiLoCo
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    x = torch.randn(3, 8)
+    before = model(x)
+    params = list(model.parameters())
+    algo = DiLoCo(model, torch.optim.AdamW(params, lr=1e-2), LocalTransport(), codec=make_codec("int8"))
+    assert algo.flat_params and end_to_end(params) is not None
+    assert torch.equal(model(x), before) and all(p is q for p, q in zip(model.parameters(), params))
+    for in_place in (False, True):
+        model(x).square().mean().backward()
+        algo.optimizer.step()
+        expected = [g - p.detach() for g, p in zip(algo.global_params, params)]
+        deltas, _, handle = algo.start_exchange(range(len(params)), 1.0, in_place=in_place)
+        assert end_to_end(deltas) is not None
+        assert (deltas[0].data_ptr() == params[0].data_ptr()) == in_place
+        handle.wait()  # (one worker: the mean of one, through int8)
+        assert rel_err(deltas, expected) < 1e-2
+        algo.apply_exchange(range(len(params)), deltas, 1.0, mix_alpha=0.0)
+
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    algo = DiLoCo(plain, torch.optim.AdamW(plain.parameters()), LocalTransport(), codec=make_codec("int8"))
+    assert not algo.flat_params and end_to_end(list(plain.parameters())) is None  # bf16: left where it was
+
+
 # ---- codecs inside the algorithms -----------------------------------------------------------------
 def cfg_of(tmp_path, name, *overrides):
     cfg, _ = load_config([TINY], [*FAST, *SMALL, f"run.dir={tmp_path / name}", *overrides])

@@ -492,6 +492,23 @@ def shard_bounds(n: int, world: int, align: int = 1) -> list[tuple[int, int]]:
     return [(min(j * per, n), min((j + 1) * per, n)) for j in range(world)]
 
 
+def end_to_end(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One flat fp32 view of ``tensors`` where they are contiguous and lie one after the other in one storage
+    (writing the view writes them), else None."""
+    if not tensors or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        return None
+    first = tensors[0].detach()
+    if len(tensors) == 1:
+        return first.reshape(-1)
+    storage, size = first.untyped_storage(), first.element_size()
+    end = first.data_ptr()
+    for t in tensors:
+        if t.data_ptr() != end or t.untyped_storage().data_ptr() != storage.data_ptr() or t.device != first.device:
+            return None
+        end += t.numel() * size
+    return first.as_strided(((end - first.data_ptr()) // size,), (1,))
+
+
 def unflatten_into(bucket: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     """Copy consecutive pieces of ``flat`` back into the tensors it was concatenated from."""
     offset = 0

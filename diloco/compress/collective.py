@@ -55,7 +55,8 @@ from typing import TYPE_CHECKING, Generator, Hashable, Optional, Sequence
 
 import torch
 
-from diloco.comm.base import Handle, SharedResult, Transport, TransportError, buckets, shard_bounds, unflatten_into
+from diloco.comm.base import (Handle, SharedResult, Transport, TransportError, buckets, end_to_end, shard_bounds,
+                              unflatten_into)
 from diloco.compress.wire import CorruptPayload
 
 if TYPE_CHECKING:
@@ -205,18 +206,19 @@ def _pipelined(transport: Transport, groups: list[list[torch.Tensor]], alone: li
 
 
 def _alone(bucket: Sequence[torch.Tensor]) -> bool:
-    """A bucket of one contiguous fp32 tensor: reduced where it lies, not concatenated."""
-    return len(bucket) == 1 and bucket[0].dtype == torch.float32 and bucket[0].is_contiguous()
+    """A bucket reduced where it lies, not concatenated: fp32 tensors that lie end to end in one storage (one
+    contiguous tensor; or consecutive pieces of one flat buffer, as DiLoCo's pseudo-gradients are)."""
+    return end_to_end(bucket) is not None
 
 
 def _flat_of(transport: Transport, bucket: Sequence[torch.Tensor], alone: bool, scratch: Optional[torch.Tensor],
              largest: int, slot: str = "concat") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(the bucket as one flat fp32 buffer, the scratch kept for the next bucket): the tensor itself where it is
-    ``alone`` (reduced in place: every payload is encoded before the result is written back), else the bucket
-    concatenated into scratch of ``slot`` (:meth:`Transport.concat_bucket`); its result is written back with
-    ``unflatten_into`` then."""
+    """(the bucket as one flat fp32 buffer, the scratch kept for the next bucket): the tensors themselves where
+    they are ``alone`` (reduced in place: every payload is encoded before the result is written back), else the
+    bucket concatenated into scratch of ``slot`` (:meth:`Transport.concat_bucket`); its result is written back
+    with ``unflatten_into`` then."""
     if alone:
-        return bucket[0].detach().reshape(-1), scratch
+        return end_to_end(bucket), scratch
     return transport.concat_bucket(bucket, scratch, largest, slot)
 
 
@@ -317,10 +319,8 @@ def _robust_all_reduce_(transport: Transport, tensors: Sequence[torch.Tensor], c
                         key: Hashable) -> float:
     if len(buckets(tensors, 1 << 62)) > 1:
         raise ValueError("tensors of one compressed all-reduce must share dtype and device")
-    one = tensors[0]
-    if len(tensors) == 1 and one.dtype == torch.float32 and one.is_contiguous():
-        flat = one.detach().reshape(-1)  # no copy: it is read (encoded) before the result is written back
-    else:
+    flat = end_to_end(tensors)  # no copy where they lie end to end: read (encoded) before the result is written
+    if flat is None:
         flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
     result = robust_mean(transport, flat, codec, weight, key)
     unflatten_into(list(tensors), result.mean.to(tensors[0].device))
