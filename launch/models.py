@@ -141,13 +141,17 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
-@torch.compiler.disable
-def _lookup(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The embedding lookup, kept out of ``torch.compile``'s graph: compiled, its backward becomes an atomic
-    scatter-add on CUDA, whose summation order changes from run to run, so two identical runs (a resumed one
-    and an unbroken one, the simulator and torchrun) would drift apart in the last bits. Eager, the backward
-    is deterministic, and the graph break it costs is one, at the very start of the forward."""
+def _embedding(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.embedding(idx, weight)
+
+
+#: The embedding lookup, kept out of ``torch.compile``'s graph: compiled, its backward becomes an atomic
+#: scatter-add on CUDA, whose summation order changes from run to run, so two identical runs (a resumed one
+#: and an unbroken one, the simulator and torchrun) would drift apart in the last bits. Eager, the backward
+#: is deterministic, and the graph break it costs is one, at the very start of the forward.
+#: ``Transformer.compile`` wraps it in ``torch.compiler.disable`` (which imports torch._dynamo: over a second,
+#: for every process that never compiles, were it done at import).
+_lookup = _embedding
 
 
 class Transformer(nn.Module):
@@ -164,6 +168,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
+
+    def compile(self, *args, **kwargs) -> None:
+        """``nn.Module.compile``, with the embedding lookup kept out of the graph (see ``_lookup``)."""
+        global _lookup
+        if _lookup is _embedding:
+            _lookup = torch.compiler.disable(_embedding)
+        super().compile(*args, **kwargs)
 
     def reset_parameters(self) -> None:
         std = self.args.init_std
