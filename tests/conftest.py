@@ -120,6 +120,22 @@ def run_cli(args: list[str], timeout: float = 240, env: dict[str, str] | None = 
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def loco(args: list[str], capture=None) -> subprocess.CompletedProcess:
+    """``loco ARGS`` run by ``launch.cli.main`` in this process: a run without a process of its own, for tests that
+    neither signal nor kill it (it saves the 2 to 3 s a new process spends importing torch and loco). Its output is
+    read through ``capture`` (pytest's ``capfd`` or ``capsys``; None: not kept)."""
+    from launch.cli import main
+
+    if capture is not None:
+        capture.readouterr()  # what came before is not this run's
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse's own exits
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    out, err = capture.readouterr() if capture is not None else ("", "")
+    return subprocess.CompletedProcess(["loco", *args], code, out, err)
+
+
 def kill_when(proc: subprocess.Popen, ready, timeout: float = 180, poll: float = 0.005) -> int:
     """SIGKILL ``proc``'s process group as soon as ``ready()`` holds (or at the timeout); its return code."""
     try:
@@ -133,14 +149,15 @@ def kill_when(proc: subprocess.Popen, ready, timeout: float = 180, poll: float =
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def simulate_and_torchrun(tmp_path: Path, args: list[str], workers: int) -> tuple[dict, dict, dict, dict]:
-    """``loco simulate --workers N`` and ``torchrun --nproc-per-node N loco train`` with the same arguments.
+def simulate_and_torchrun(tmp_path: Path, args: list[str], workers: int, capture) -> tuple[dict, dict, dict, dict]:
+    """``loco simulate --workers N`` (in this process; output through ``capture``, see :func:`loco`) and
+    ``torchrun --nproc-per-node N loco train`` with the same arguments.
 
     Returns (simulated checkpoint, real checkpoint, simulated summary, real summary): the last of each run.
     """
     from launch.checkpoint import latest_checkpoint
 
-    sim = run_cli(["simulate", *args, "--workers", str(workers), "--run-dir", str(tmp_path / "sim")])
+    sim = loco(["simulate", *args, "--workers", str(workers), "--run-dir", str(tmp_path / "sim")], capture)
     assert sim.returncode == 0, sim.stderr[-3000:]
     real = run_cli(["--nproc-per-node", str(workers), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                     "-m", "launch.cli", "train", *args, "--run-dir", str(tmp_path / "real")],

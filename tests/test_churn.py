@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import FAST, TINY, run_cli
+from conftest import FAST, TINY, loco
 from diloco.sim import InProcessGroup, run_workers
 from diloco.sim.churn import ChurnError, ChurnEvent, ChurnSchedule
 from diloco.sim.group import WorkerLeft
@@ -190,10 +190,10 @@ def test_ddp_with_churn_keeps_one_replica_and_a_time_keyed_trace(tmp_path):
     assert len(losses) == 2 and losses[0] == losses[1]  # the joiner took the weights and the AdamW moments
 
 
-def test_poisson_churn_runs_to_the_end_and_the_table_says_so(tmp_path):
-    res = run_cli(["simulate", "--config", TINY, *[a for kv in QUICK for a in ("--set", kv)], "--max-steps", "40",
-                   "--workers", "4", "--set", "algo.name=diloco", "--set", "algo.inner_steps=5",
-                   "--churn", "poisson:mtbf=6s,rejoin=4s", "--run-dir", str(tmp_path / "run")])
+def test_poisson_churn_runs_to_the_end_and_the_table_says_so(tmp_path, capfd):
+    res = loco(["simulate", "--config", TINY, *[a for kv in QUICK for a in ("--set", kv)], "--max-steps", "40",
+                "--workers", "4", "--set", "algo.name=diloco", "--set", "algo.inner_steps=5",
+                "--churn", "poisson:mtbf=6s,rejoin=4s", "--run-dir", str(tmp_path / "run")], capfd)
     assert res.returncode == 0, res.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert sum(summary["leaves_per_worker"]) >= 2 and summary["leaves_per_worker"][0] == 0
@@ -202,8 +202,8 @@ def test_poisson_churn_runs_to_the_end_and_the_table_says_so(tmp_path):
     assert len(_rounds(tmp_path / "run")) == 8
 
 
-def test_a_bad_churn_setting_is_one_line_before_training():
-    res = run_cli(["simulate", "--config", TINY, "--workers", "3", "--churn", "nowhere.csv"], timeout=60)
+def test_a_bad_churn_setting_is_one_line_before_training(capfd):
+    res = loco(["simulate", "--config", TINY, "--workers", "3", "--churn", "nowhere.csv"], capfd)
     assert res.returncode == 2, res.stderr
     assert "sim.churn" in res.stderr and "nowhere.csv: no such file" in res.stderr
     assert "Traceback" not in res.stderr and "[worker" not in res.stderr

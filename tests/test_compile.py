@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, TINY, child_env, run_cli
+from conftest import ROOT, TINY, child_env, loco, run_cli
 from launch.checkpoint import latest_checkpoint
 from launch.metrics import read_metrics
 from launch.trainer import train
@@ -68,7 +68,7 @@ def test_simulated_workers_share_the_compiled_graphs(tmp_path):
     assert three == one, f"{three} graphs for 3 workers against {one} for one: the workers recompiled"
 
 
-def test_a_failing_compiler_leaves_the_run_going_uncompiled(tmp_path):
+def test_a_failing_compiler_leaves_the_run_going_uncompiled(tmp_path, capfd):
     """No C compiler (and no cache to hide it): one line naming the failure, then the eager run, same losses."""
     env = child_env(CXX="/nonexistent/g++", CC="/nonexistent/gcc", TORCHINDUCTOR_FX_GRAPH_CACHE="0",
                     TORCHINDUCTOR_AUTOGRAD_CACHE="0", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
@@ -80,7 +80,7 @@ def test_a_failing_compiler_leaves_the_run_going_uncompiled(tmp_path):
     assert len(lines) == 1 and "torch.compile failed" in lines[0] and "continuing without compiling" in lines[0], \
         broken.stderr[-3000:]
     assert "Traceback" not in broken.stderr
-    eager = run_cli(["train", "--config", TINY, *sets, "--set", "run.compile=false", "--run-dir",
-                     str(tmp_path / "eager")], env=child_env())
+    eager = loco(["train", "--config", TINY, *sets, "--set", "run.compile=false", "--run-dir",
+                  str(tmp_path / "eager")], capfd)
     assert eager.returncode == 0, eager.stderr[-3000:]
     assert _losses(tmp_path / "broken") == _losses(tmp_path / "eager")

@@ -365,11 +365,11 @@ def test_ddp_with_int8_gradients_tracks_dense_ddp(tmp_path):
     assert len(workers) == 2 and workers[0]["algo"]["codec"]["residuals"]
 
 
-def test_simulator_equals_real_gloo_processes_with_a_codec(tmp_path):
+def test_simulator_equals_real_gloo_processes_with_a_codec(tmp_path, capfd):
     args = ["--config", TINY, "--max-steps", "8", "--seed", "5",
             *[a for s in [*FAST, *SMALL, "algo.name=diloco", "algo.inner_steps=4",
                           "compress.codec=topk:0.05+2bit+zstd"] for a in ("--set", s)]]
-    a, b, sa, sb = simulate_and_torchrun(tmp_path, args, 2)
+    a, b, sa, sb = simulate_and_torchrun(tmp_path, args, 2, capfd)
     assert max(float((a["model"][k] - b["model"][k]).abs().max()) for k in a["model"]) < 1e-5
     assert sa["bytes_sent"] == sb["bytes_sent"] > 0
 

@@ -8,7 +8,7 @@ import textwrap
 
 import torch
 
-from conftest import FAST, TINY, child_env, free_port, run_cli
+from conftest import FAST, TINY, child_env, free_port, loco, run_cli
 from launch.checkpoint import latest_checkpoint
 
 STEPS = 6
@@ -22,10 +22,10 @@ def _final_params(run_dir):
     return state["model"]
 
 
-def test_torchrun_ddp_matches_single_process_with_doubled_batch(tmp_path):
+def test_torchrun_ddp_matches_single_process_with_doubled_batch(tmp_path, capfd):
     common = ["train", "--config", TINY, "--max-steps", str(STEPS), "--seed", "3",
               *[a for s in FAST for a in ("--set", s)], "--set", "run.eval_every=0", "--set", "algo.name=ddp"]
-    single = run_cli([*common, "--run-dir", str(tmp_path / "single"), "--set", "run.batch_size=8"])
+    single = loco([*common, "--run-dir", str(tmp_path / "single"), "--set", "run.batch_size=8"], capfd)
     assert single.returncode == 0, single.stderr[-3000:]
 
     port = free_port()

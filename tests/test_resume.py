@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import FAST, ROOT, TINY, child_env, kill_when, run_cli
+from conftest import FAST, ROOT, TINY, child_env, kill_when, loco
 from launch.checkpoint import latest_checkpoint, list_checkpoints
 from launch.metrics import read_metrics
 from launch.trainer import RunError, train
@@ -35,12 +35,12 @@ def _curve(run_dir):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("reference")
-    res = run_cli([*ARGS, "--run-dir", str(run_dir)])
+    res = loco([*ARGS, "--run-dir", str(run_dir)])
     assert res.returncode == 0, res.stderr[-3000:]
     return run_dir
 
 
-def test_killed_run_resumes_exactly(reference, tmp_path):
+def test_killed_run_resumes_exactly(reference, tmp_path, capfd):
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *ARGS, "--run-dir", str(run_dir)], cwd=ROOT,
                             env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -49,7 +49,7 @@ def test_killed_run_resumes_exactly(reference, tmp_path):
     newest = list_checkpoints(run_dir / "checkpoints")[0].name
     assert newest < f"step_{STEPS:08d}.pt", "the kill came too late to test a resume"
 
-    res = run_cli(["train", "--run-dir", str(run_dir), "--resume"])  # settings come from the run's config.yaml
+    res = loco(["train", "--run-dir", str(run_dir), "--resume"], capfd)  # settings come from the run's config.yaml
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stderr
     assert _curve(run_dir) == _curve(reference)
@@ -73,10 +73,10 @@ def test_ctrl_c_saves_and_resumes_exactly(reference, tmp_path, tiny_cfg):
     assert _curve(run_dir) == _curve(reference)
 
 
-def test_fresh_run_refuses_a_folder_with_checkpoints(reference, tiny_cfg):
+def test_fresh_run_refuses_a_folder_with_checkpoints(reference, tiny_cfg, capfd):
     with pytest.raises(RunError, match="--resume"):
         train(tiny_cfg(run_dir=reference))
-    res = run_cli([*ARGS, "--run-dir", str(reference)])
+    res = loco([*ARGS, "--run-dir", str(reference)], capfd)
     assert res.returncode == 2 and "already holds checkpoints" in res.stderr and "Traceback" not in res.stderr
 
 
@@ -116,7 +116,7 @@ def _stop_with(signum, args, run_dir, after_step):
     return proc.returncode, err
 
 
-def test_sigterm_saves_and_resumes_exactly(reference, tmp_path):
+def test_sigterm_saves_and_resumes_exactly(reference, tmp_path, capfd):
     """SIGTERM (a scheduler's preemption, systemd, kill) saves at the current step like Ctrl-C; exit 143."""
     run_dir = tmp_path / "terminated"
     rc, err = _stop_with(signal.SIGTERM, ARGS, run_dir, after_step=15)
@@ -124,7 +124,7 @@ def test_sigterm_saves_and_resumes_exactly(reference, tmp_path):
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("loco train: stopped by SIGTERM; saved")
     step = load_checkpoint_step(run_dir)
     assert 15 <= step < STEPS, "the stop must save the step it reached"
-    res = run_cli(["train", "--run-dir", str(run_dir), "--resume"])
+    res = loco(["train", "--run-dir", str(run_dir), "--resume"], capfd)
     assert res.returncode == 0, res.stderr[-3000:]
     assert _curve(run_dir) == _curve(reference)
 
@@ -135,10 +135,10 @@ def load_checkpoint_step(run_dir) -> int:
     return hit[1]["step"]
 
 
-def test_unreadable_checkpoints_refuse_resume_and_restart_starts_over(tmp_path):
+def test_unreadable_checkpoints_refuse_resume_and_restart_starts_over(tmp_path, capfd):
     run_dir = tmp_path / "broken"
     short = [a if a != str(STEPS) else "20" for a in ARGS]
-    res = run_cli([*short, "--run-dir", str(run_dir)])
+    res = loco([*short, "--run-dir", str(run_dir)], capfd)
     assert res.returncode == 0, res.stderr[-3000:]
     ckpts = list_checkpoints(run_dir / "checkpoints")
     assert [p.name for p in ckpts] == ["step_00000020.pt", "step_00000010.pt"]
@@ -146,14 +146,14 @@ def test_unreadable_checkpoints_refuse_resume_and_restart_starts_over(tmp_path):
         os.truncate(p, 1000)
     metrics = (run_dir / "metrics.jsonl").read_bytes()
 
-    res = run_cli(["train", "--run-dir", str(run_dir), "--resume"])
+    res = loco(["train", "--run-dir", str(run_dir), "--resume"], capfd)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert res.stderr.count("\n") == 1, res.stderr
     assert "step_00000020.pt, step_00000010.pt" in res.stderr and "--restart" in res.stderr and "remove" in res.stderr
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics, "a refused resume must not touch the metrics"
     assert [p.stat().st_size for p in list_checkpoints(run_dir / "checkpoints")] == [1000, 1000]
 
-    res = run_cli(["train", "--run-dir", str(run_dir), "--restart", "--max-steps", "10"])
+    res = loco(["train", "--run-dir", str(run_dir), "--restart", "--max-steps", "10"], capfd)
     assert res.returncode == 0, res.stderr[-3000:]
     assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_00000010.pt"]
     assert _logged_steps(run_dir) == [5, 10, 10], "a new curve from step 0"
@@ -162,15 +162,15 @@ def test_unreadable_checkpoints_refuse_resume_and_restart_starts_over(tmp_path):
     assert (aside / "metrics.jsonl").read_bytes() == metrics
 
 
-def test_resumed_max_time_run_gets_a_fresh_budget(tmp_path):
+def test_resumed_max_time_run_gets_a_fresh_budget(tmp_path, capfd):
     run_dir = tmp_path / "timed"
     timed = ["train", "--config", TINY, *[a for s in FAST + SHORT for a in ("--set", s)], "--max-steps", "100000",
              "--max-time", "2s", "--set", "log.every=1", "--set", "run.eval_every=0", "--run-dir", str(run_dir)]
-    res = run_cli(timed)
+    res = loco(timed, capfd)
     assert res.returncode == 0, res.stderr[-3000:]
     first = json.loads((run_dir / "summary.json").read_text())["steps"]
     for again in ([], ["--max-time", "1s"]):  # the original budget again, or the one given on the resume
-        res = run_cli(["train", "--run-dir", str(run_dir), "--resume", *again])
+        res = loco(["train", "--run-dir", str(run_dir), "--resume", *again], capfd)
         assert res.returncode == 0, res.stderr[-3000:]
         steps = json.loads((run_dir / "summary.json").read_text())["steps"]
         assert steps > first, f"the resumed run trained no step ({first} -> {steps})"
@@ -221,10 +221,10 @@ SIM = ["simulate", "--config", TINY, *[a for s in FAST + SHORT for a in ("--set"
        "--set", "log.every=5", "--set", "run.eval_every=10", "--set", "run.checkpoint_every=100"]
 
 
-def test_simulator_ctrl_c_saves_every_worker_and_resumes_exactly(tmp_path):
+def test_simulator_ctrl_c_saves_every_worker_and_resumes_exactly(tmp_path, capfd):
     """Ctrl-C in `loco simulate` stops all workers at the next sync, saves them all, exits 130; --resume continues."""
     ref = tmp_path / "reference"
-    res = run_cli([*SIM, "--run-dir", str(ref)])
+    res = loco([*SIM, "--run-dir", str(ref)], capfd)
     assert res.returncode == 0, res.stderr[-3000:]
     run_dir = tmp_path / "interrupted"
     rc, err = _stop_with(signal.SIGINT, SIM, run_dir, after_step=5)
@@ -232,7 +232,7 @@ def test_simulator_ctrl_c_saves_every_worker_and_resumes_exactly(tmp_path):
     assert "Traceback" not in err and "loco simulate: stopped by the user (Ctrl-C); saved" in err, err[-3000:]
     _, state = latest_checkpoint(run_dir / "checkpoints", on_skip=None)
     assert state["step"] in (10, 15, 20, 25) and len(state["workers"]) == 2, "every worker, at a sync"
-    res = run_cli(["simulate", "--run-dir", str(run_dir), "--resume"])
+    res = loco(["simulate", "--run-dir", str(run_dir), "--resume"], capfd)
     assert res.returncode == 0, res.stderr[-3000:]
     assert _curve(run_dir) == _curve(ref)
     assert json.loads((run_dir / "summary.json").read_text())["val_loss"] == \

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, ROOT, TINY, run_cli
+from conftest import FAST, ROOT, TINY, loco
 from diloco.comm import TransportError
 from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers, sample_speeds
 from launch.config import load_config
@@ -152,10 +152,10 @@ def test_workers_keep_their_own_grad_mode_across_collectives():
     assert torch.is_grad_enabled()
 
 
-def test_main_demo_prints_a_table_and_plots(tmp_path):
-    res = run_cli(["simulate", "--max-steps", "12", "--set", "algo.inner_steps=4", "--set", "run.eval_every=6",
-                   *[a for s in FAST for a in ("--set", s)], "--set", "run.batch_size=4",
-                   "--run-dir", str(tmp_path / "demo")])
+def test_main_demo_prints_a_table_and_plots(tmp_path, capfd):
+    res = loco(["simulate", "--max-steps", "12", "--set", "algo.inner_steps=4", "--set", "run.eval_every=6",
+                *[a for s in FAST for a in ("--set", s)], "--set", "run.batch_size=4",
+                "--run-dir", str(tmp_path / "demo")], capfd)
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert "diloco x4 (H=4)" in out and "ddp x4" in out and "fewer bytes than DDP" in out

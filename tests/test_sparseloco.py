@@ -140,12 +140,12 @@ def test_resume_continues_exactly(tmp_path):
     assert resumed["bytes_sent"] == full["bytes_sent"] > 0
 
 
-def test_simulator_equals_torchrun(tmp_path):
+def test_simulator_equals_torchrun(tmp_path, capfd):
     """A simulated 2-worker SparseLoCo run and 2 torchrun processes over gloo end with the same parameters."""
     sets = [*FAST, "run.batch_size=4", "run.eval_every=0", "run.checkpoint_every=0", "sim.baseline=none",
             "sim.step_time=0.01", "algo.name=sparseloco", "algo.inner_steps=4", "algo.chunk=256"]
     args = ["--config", TINY, "--max-steps", "8", "--seed", "5", *[a for s in sets for a in ("--set", s)]]
-    a, b, sa, sb = simulate_and_torchrun(tmp_path, args, 2)
+    a, b, sa, sb = simulate_and_torchrun(tmp_path, args, 2, capfd)
     diff = max(float((a["model"][k].float() - b["model"][k].float()).abs().max()) for k in a["model"])
     assert diff < 1e-5
     for wa, wb in zip(a["workers"], b["workers"]):  # the error-feedback buffers agree too

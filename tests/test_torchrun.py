@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, ROOT, TINY, child_env, free_port, run_cli, simulate_and_torchrun
+from conftest import FAST, ROOT, TINY, child_env, free_port, loco, run_cli, simulate_and_torchrun
 from launch.checkpoint import latest_checkpoint, load_checkpoint
 
 SMALL = ["run.batch_size=2", "run.eval_every=0", "sim.baseline=none", "sim.step_time=0.01", "log.every=2"]
@@ -35,11 +35,11 @@ def torchrun(*args: str) -> list[str]:
 @pytest.mark.parametrize("algo", [["algo.name=diloco", "algo.inner_steps=3"], ["algo.name=demo"],
                                   ["algo.name=streaming", "algo.inner_steps=4", "algo.fragments=2", "algo.overlap_steps=1"]],
                          ids=["diloco", "demo", "streaming-overlapped"])
-def test_four_processes_equal_four_simulated_workers(tmp_path, algo):
+def test_four_processes_equal_four_simulated_workers(tmp_path, algo, capfd):
     """``loco simulate --workers 4`` and ``torchrun --nproc-per-node 4 loco train`` end with the same model, every
     worker's own parameters equal too, and the same bytes sent."""
     args = ["--config", TINY, "--max-steps", "6", "--seed", "7", *sets(*algo, "run.checkpoint_every=6")]
-    a, b, sa, sb = simulate_and_torchrun(tmp_path, args, 4)
+    a, b, sa, sb = simulate_and_torchrun(tmp_path, args, 4, capfd)
     assert max_diff(a["model"], b["model"]) < 1e-5
     assert len(a["workers"]) == len(b["workers"]) == 4
     for wa, wb in zip(a["workers"], b["workers"]):
@@ -48,7 +48,7 @@ def test_four_processes_equal_four_simulated_workers(tmp_path, algo):
 
 
 @pytest.mark.parametrize("codec, tol", [("fp32", 1e-5), ("int8", 2e-3)])
-def test_two_nodes_of_two_processes_equal_two_workers_with_double_batch(tmp_path, codec, tol):
+def test_two_nodes_of_two_processes_equal_two_workers_with_double_batch(tmp_path, codec, tol, capfd):
     """--nnodes 2 --nproc-per-node 2: each node is one DiLoCo worker (DDP inside) == 2 simulated workers x batch 4.
 
     With int8 the mesh cuts the buffer into other shards (each local rank encodes its half), so the
@@ -56,8 +56,8 @@ def test_two_nodes_of_two_processes_equal_two_workers_with_double_batch(tmp_path
     """
     common = ["--config", TINY, "--max-steps", "6", "--seed", "11"]
     algo = ["algo.name=diloco", "algo.inner_steps=3", "run.checkpoint_every=6", f"compress.codec={codec}"]
-    sim = run_cli(["simulate", *common, *sets(*algo, "run.batch_size=4"), "--workers", "2",
-                   "--run-dir", str(tmp_path / "sim")])
+    sim = loco(["simulate", *common, *sets(*algo, "run.batch_size=4"), "--workers", "2",
+                "--run-dir", str(tmp_path / "sim")], capfd)
     assert sim.returncode == 0, sim.stderr[-3000:]
     for node in _nodes([["train", *common, *sets(*algo, "run.batch_size=2"), "--run-dir", str(tmp_path / "mesh")]] * 2,
                        per_node=2):
@@ -158,7 +158,7 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(tmp_path):
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
 
 
-def test_sigterm_to_torchrun_saves_and_resume_continues_exactly(tmp_path):
+def test_sigterm_to_torchrun_saves_and_resume_continues_exactly(tmp_path, capfd):
     """torchrun forwards SIGTERM (SLURM, Kubernetes) to every rank: they stop together at a round end, save, and
     resume exactly (DDP stops the same way, through the same broadcast, at a log.every-th step)."""
     run_dir = tmp_path / "real"
@@ -187,7 +187,7 @@ def test_sigterm_to_torchrun_saves_and_resume_continues_exactly(tmp_path):
                        "--resume", "--max-steps", "12"], module="torch.distributed.run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {saved[0]}" in resumed.stderr
-    whole = run_cli(["simulate", *args, "--workers", "2", "--run-dir", str(tmp_path / "sim")])
+    whole = loco(["simulate", *args, "--workers", "2", "--run-dir", str(tmp_path / "sim")], capfd)
     assert whole.returncode == 0, whole.stderr[-3000:]
     a = latest_checkpoint(run_dir / "checkpoints")[1]
     b = latest_checkpoint(tmp_path / "sim" / "checkpoints")[1]

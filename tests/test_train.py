@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from conftest import FAST, ROOT, TINY, HostReads, child_env, run_cli
+from conftest import FAST, ROOT, TINY, HostReads, child_env, loco, run_cli
 from launch.config import config_from_dict
 from launch.trainer import train
 
@@ -68,12 +68,12 @@ def test_sample_from_checkpoint(trained, capsys):
     from launch.cli import main
 
     run_dir, _ = trained
-    res = run_cli(["sample", "--checkpoint", str(run_dir), "--prompt", "def ", "--max-new-tokens", "40",
-                   "--temperature", "0"])
+    res = loco(["sample", "--checkpoint", str(run_dir), "--prompt", "def ", "--max-new-tokens", "40",
+                "--temperature", "0"], capsys)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("def ") and len(res.stdout) > 10
-    again = run_cli(["sample", "--checkpoint", str(run_dir / "checkpoints" / "step_00000080.pt"), "--prompt", "def ",
-                     "--max-new-tokens", "40", "--temperature", "0"])
+    again = loco(["sample", "--checkpoint", str(run_dir / "checkpoints" / "step_00000080.pt"), "--prompt", "def ",
+                  "--max-new-tokens", "40", "--temperature", "0"], capsys)
     assert again.stdout == res.stdout  # greedy decoding is deterministic
     capsys.readouterr()
     rc = main(["sample", "--run-dir", str(run_dir), "--prompt", "def ", "--max-new-tokens", "40", "--temperature",
@@ -84,7 +84,7 @@ def test_sample_from_checkpoint(trained, capsys):
 def test_plot_command_compares_runs(trained, tmp_path):
     run_dir, _ = trained
     out = tmp_path / "cmp.png"
-    res = run_cli(["plot", str(run_dir), str(run_dir), "--out", str(out)])
+    res = loco(["plot", str(run_dir), str(run_dir), "--out", str(out)])
     assert res.returncode == 0, res.stderr
     assert out.read_bytes()[:4] == b"\x89PNG"
 
