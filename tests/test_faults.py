@@ -122,6 +122,11 @@ def test_a_member_killed_in_an_epoch_is_left_out_by_both_survivors_at_once(trio,
         assert out[i][1] < DEADLINE, f"a survivor waited {out[i][1]:.1f}s for a dead member"
     if phase == "ack":  # its payload arrived, yet without its commit it is not counted
         assert all(r.received_bytes > 0 and "did not complete" in " ".join(r.notes) for r in (a, b))
+    # the dead member's own transport sees its daemon gone, and closes without waiting on it (the leave and the
+    # DHT's graceful stop, 3 s each); the survivors' daemons answer
+    from diloco.comm.hivemind.transport import _daemon_answers
+
+    assert [_daemon_answers(t._sockets) for t in trio] == [True, True, False]
 
 
 @pytest.mark.parametrize("fault", ["garbage", "oversized", "wrong-key", "holds-nothing", "holds-only-its-own"])

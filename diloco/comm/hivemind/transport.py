@@ -106,6 +106,22 @@ def _remove_sockets(prefix: str) -> None:
             pass
 
 
+def _daemon_answers(prefix: str) -> bool:
+    """Whether the p2pd of this peer (its control socket under ``prefix``, see :func:`_socket_tag`) accepts a
+    connection: False once the daemon died (killed, crashed), when nothing sent through it can arrive."""
+    for path in glob.glob(glob.escape(prefix) + "p2pd-*.sock"):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+            return True
+        except OSError:
+            pass
+        finally:
+            probe.close()
+    return False
+
+
 def _tcp_endpoint(maddr: str) -> Optional[tuple[str, int]]:
     parts = str(maddr).split("/")
     try:
@@ -227,6 +243,7 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self.state_sources: dict[str, int] = {}  # the last downloaded state: bytes from each peer (base58)
         self._partial = None  # (sha, blob, offsets received) of a download every holder failed part-way
         self._closed = False
+        self._background: set[asyncio.Task] = set()  # tasks started by announce(), held until they end
         self.observer = observer  # only reads the DHT (loco status): no heartbeat, no handlers
 
         kwargs: dict[str, Any] = dict(
@@ -336,17 +353,21 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         if self._closed:
             return
         self._closed = True
+        # a dead daemon (killed, crashed) can neither carry the leave nor stop the DHT process gracefully: both
+        # would wait their timeouts (3 s each) for nothing
+        daemon = _daemon_answers(self._sockets)
         try:
             if self._thread.is_alive():
                 try:
-                    self._call(self._shutdown(), 10)
+                    self._call(self._shutdown(leave=daemon), 10)
                 except Exception as e:
                     log.warning("hivemind: leaving the swarm uncleanly: %s", e)
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._thread.join(5)
         finally:
-            self.dht.shutdown()
-            self._reap_dht(0.5)  # shutdown() waited its grace period: what is left ignores SIGTERM
+            if daemon:
+                self.dht.shutdown()
+            self._reap_dht(0.5 if daemon else 0.0)  # shutdown() waited its grace period: the rest ignores SIGTERM
             _remove_sockets(self._sockets)
 
     def _reap_dht(self, wait: float) -> None:
@@ -362,8 +383,8 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self._reap_dht(self.dht.shutdown_timeout)
         _remove_sockets(self._sockets)
 
-    async def _shutdown(self) -> None:
-        if not self.observer:
+    async def _shutdown(self, leave: bool = True) -> None:
+        if leave and not self.observer:
             try:  # leave the registry now rather than when the entry expires (a dead daemon cannot)
                 await asyncio.wait_for(self.dht.store(f"{self.run}.peers", subkey=self.me, value=None,
                                                       expiration_time=_now() + 1, return_future=True), 3)
@@ -420,7 +441,15 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
     def announce(self) -> None:
         """Heartbeat in the background: a change of phase that must not hold the caller up (a DHT store waits
         on every node it stores to, a hung one included)."""
-        asyncio.run_coroutine_threadsafe(self._heartbeat_or_log(), self._loop)
+        self._loop.call_soon_threadsafe(self._in_background, self._heartbeat_or_log)
+
+    def _in_background(self, work: Callable[[], Any]) -> None:
+        """Run ``work()`` as a task of this peer's loop, held until it ends: the loop itself keeps only a weak
+        reference to a task, and a pending one that nothing else holds is collected mid-way ("Task was
+        destroyed but it is pending!", its heartbeat lost)."""
+        task = self._loop.create_task(work())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ---- collectives ------------------------------------------------------------------------
     def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
