@@ -47,8 +47,10 @@ def test_compiled_equals_eager_and_resumes_exactly(tiny_cfg, tmp_path):
     assert all(torch.equal(weights[k], resumed[k]) for k in weights)
 
 
-def test_simulated_workers_share_the_compiled_graphs(tmp_path):
-    """Three workers take turns on one compiled architecture: no worker switch compiles again."""
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_simulated_workers_share_the_compiled_graphs(tmp_path, codec):
+    """Three workers take turns on one compiled architecture: no worker switch compiles again (int8: each
+    worker's parameters are views of one flat buffer of its own, see DiLoCo)."""
     from torch._dynamo.utils import counters
 
     from launch.config import load_config
@@ -59,7 +61,7 @@ def test_simulated_workers_share_the_compiled_graphs(tmp_path):
         counters.clear()
         cfg, _ = load_config([TINY], [*SMALL, "run.max_steps=4", "run.compile=true", "algo.name=diloco",
                                       "algo.inner_steps=2", "sim.baseline=none", f"sim.workers={workers}",
-                                      f"run.dir={tmp_path / f'sim{workers}'}"])
+                                      f"compress.codec={codec}", f"run.dir={tmp_path / f'sim{workers}'}"])
         simulate(cfg)
         return int(counters["stats"]["unique_graphs"])
 
