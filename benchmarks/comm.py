@@ -7,7 +7,8 @@ pseudo-gradient:
 
 * the vector: by default the cached 150M pseudo-gradient of ``benchmarks/codecs.py``
   (``benchmarks/results/.cache/pseudo_grad_150m.pt``, made there if missing), cut into the
-  ``150m`` model's parameter sizes, the list the DiLoCo outer step hands the transport; with
+  ``150m`` model's parameter sizes, the list the DiLoCo outer step hands the transport (views of
+  one buffer, end to end, as DiLoCo's pseudo-gradients are with a codec); with
   ``--numel N`` a Gaussian vector of N elements instead (pieces of 1M), for quick runs. Worker r
   multiplies it elementwise by ``1 + spread * z_r`` (``z_r`` Gaussian, seeded by r), so the workers
   differ but keep the vector's heavy-tailed magnitudes, and the exact mean is not any one input.
