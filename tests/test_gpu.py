@@ -85,12 +85,14 @@ def test_more_processes_than_gpus_stop_before_any_work(tmp_path):
 
 
 @pytest.mark.gpu
-def test_simulator_offload_on_cuda_changes_nothing(tmp_path):
-    """Parking idle workers in pinned host memory moves bits, not values: equal to the run without it. With
-    ``algo.offload_outer`` the outer step itself runs on the CPU, whose arithmetic differs from the GPU's in
-    the last bits, so that run is only close."""
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_simulator_offload_on_cuda_changes_nothing(tmp_path, codec):
+    """Parking idle workers in pinned host memory moves bits, not values: equal to the run without it (int8: a
+    worker brought back lays its parameters end to end again, see DiLoCo._move). With ``algo.offload_outer`` the
+    outer step itself runs on the CPU, whose arithmetic differs from the GPU's in the last bits, so that run is
+    only close (fp32; int8 may round such a difference to another step of its grid)."""
     common = ["run.max_steps=6", "sim.workers=3", "algo.name=diloco", "algo.inner_steps=3", "sim.baseline=none",
-              "run.checkpoint_every=6"]
+              "run.checkpoint_every=6", f"compress.codec={codec}"]
     runs = {}
     for name, extra in (("plain", []), ("offload", ["sim.offload=true"]),
                         ("outer", ["sim.offload=true", "algo.offload_outer=true"])):
@@ -100,9 +102,11 @@ def test_simulator_offload_on_cuda_changes_nothing(tmp_path):
     for w in range(3):
         a, b, c = (states[n]["workers"][w] for n in ("plain", "offload", "outer"))
         assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-        assert all(torch.allclose(a["model"][k].float(), c["model"][k].float(), atol=1e-5) for k in a["model"])
+        if codec == "fp32":
+            assert all(torch.allclose(a["model"][k].float(), c["model"][k].float(), atol=1e-5) for k in a["model"])
     assert runs["plain"]["val_loss"] == runs["offload"]["val_loss"]
-    assert abs(runs["plain"]["val_loss"] - runs["outer"]["val_loss"]) < 1e-3
+    if codec == "fp32":
+        assert abs(runs["plain"]["val_loss"] - runs["outer"]["val_loss"]) < 1e-3
 
 
 # ---- the device choice, on any machine ------------------------------------------------------------
