@@ -115,8 +115,8 @@ def flatten_parameters_(params: list[torch.Tensor]) -> bool:
     parameters (DiLoCo's exchange), a compressed exchange then reads and writes them where they lie
     (:func:`diloco.comm.base.end_to_end`) instead of concatenating each bucket and copying the result back.
 
-    They move only where every one of them is fp32, contiguous, on one device and alone in its own storage (a
-    tied or viewed parameter stays where it is, and so do the others: False)."""
+    They move only where every one of them is fp32, contiguous, on one device and alone in its own storage (where one
+    is a view into a tensor it shares, it stays there, and so do the others: False)."""
     if not params or end_to_end(params) is not None:
         return bool(params)
     device = params[0].device
