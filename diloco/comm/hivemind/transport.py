@@ -108,8 +108,12 @@ def _remove_sockets(prefix: str) -> None:
 
 def _daemon_answers(prefix: str) -> bool:
     """Whether the p2pd of this peer (its control socket under ``prefix``, see :func:`_socket_tag`) accepts a
-    connection: False once the daemon died (killed, crashed), when nothing sent through it can arrive."""
-    for path in glob.glob(glob.escape(prefix) + "p2pd-*.sock"):
+    connection: False once the daemon died (killed, crashed; its socket file stays behind), when nothing sent
+    through it can arrive. With no socket file to probe it counts as alive."""
+    paths = glob.glob(glob.escape(prefix) + "p2pd-*.sock")
+    if not paths:
+        return True
+    for path in paths:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(1.0)
         try:
