@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from diloco.comm.base import end_to_end
 from diloco.compress import ChunkPlan, dct_basis, from_chunks, to_chunks
 from diloco.compress.kernels import HAVE_TRITON, require_triton, topk_chunks_ref, use_triton
 
@@ -104,18 +105,6 @@ def stacked_view(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
                 or t.untyped_storage().data_ptr() != ptr or t.storage_offset() != off + i * n):
             return None
     return first.as_strided((len(tensors), *first.shape), (n, *first.stride()), off)
-
-
-def back_to_back(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Contiguous tensors of one dtype that lie one after the other in one buffer, as one flat view; else None."""
-    first = tensors[0]
-    ptr, at = first.untyped_storage().data_ptr(), first.storage_offset()
-    for t in tensors:
-        if (t.dtype != first.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != ptr
-                or t.storage_offset() != at):
-            return None
-        at += t.numel()
-    return first.as_strided((at - first.storage_offset(),), (1,), first.storage_offset())
 
 
 def _stacked_plan(plan: ChunkPlan, count: int) -> ChunkPlan:
@@ -381,7 +370,7 @@ def step_encode_many(grads: list[Optional[torch.Tensor]], moms: list[torch.Tenso
         else:
             kernel = [(use_triton(m) if triton is None else triton) and kernel_fits(p) for m, p in zip(ms, ps)]
             for a, b in _runs(ps, kernel):
-                flat = back_to_back(ms[a:b])
+                flat = end_to_end(ms[a:b])
                 c = torch.cat([m.reshape(-1) for m in ms[a:b]]) if flat is None else flat
                 fn = step_encode_triton if kernel[a] else step_encode_batch_ref
                 i, v = fn(gs[a:b], c, ps[a:b], decay, lr)

@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from diloco.algorithm import all_finite
-from diloco.comm.base import SharedResult, Transport
+from diloco.comm.base import SharedResult, Transport, end_to_end
 from diloco.comm.local import LocalTransport
 from diloco.compress import (RULES, ChunkPlan, CorruptPayload, bits_for, from_chunks, pack_bits, packed_size,
                              plan_for, tensor_bytes, to_chunks, unpack_bits, wire)
@@ -283,7 +283,7 @@ class DeMo(torch.optim.Optimizer):
             states = [self.state[entries[j][0]] for j in coef]
             have = [st.get("coeffs") for st in states]
             if (any(h is None or _block(st) != (plans[j].s1, plans[j].s2) for j, h, st in zip(coef, have, states))
-                    or kernels.back_to_back(have) is None):
+                    or end_to_end(have) is None):
                 sizes = [plans[j].num_chunks * plans[j].chunk_size for j in coef]
                 buf = torch.zeros(sum(sizes), dtype=torch.float32, device=entries[coef[0]][0].device)
                 for j, st, piece in zip(coef, states, buf.split(sizes)):

@@ -117,7 +117,7 @@ def flatten_parameters_(params: list[torch.Tensor]) -> bool:
 
     They move only where every one of them is fp32, contiguous, on one device and alone in its own storage (where one
     is a view into a tensor it shares, it stays there, and so do the others: False)."""
-    if not params or end_to_end(params) is not None:
+    if not params or (params[0].dtype == torch.float32 and end_to_end(params) is not None):
         return bool(params)
     device = params[0].device
     storages = set()

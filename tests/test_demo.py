@@ -12,6 +12,7 @@ from conftest import FAST, KERNEL_DEVICES, TINY, HostReads
 from demo_optim import DeMo
 from demo_optim import kernels as K
 from demo_optim.transform import from_chunks, plan_for, to_chunks
+from diloco.comm.base import end_to_end
 from diloco.sim import InProcessGroup, run_workers
 from launch.checkpoint import latest_checkpoint
 from launch.config import load_config
@@ -333,7 +334,7 @@ def test_momentum_kept_as_coefficients_sends_what_the_momentum_in_the_parameters
                   zip(torch.zeros(sum(sizes), device=device).split(sizes), plans)]
     else:
         coeffs = [torch.zeros(p.num_chunks, p.chunk_size, device=device) for p in plans[:5]]
-    assert (K.back_to_back(coeffs) is not None) == in_one_buffer
+    assert (end_to_end(coeffs) is not None) == in_one_buffer
     moms = [*coeffs, torch.zeros(shapes[5], device=device)]
     for step in range(3):
         grads = [torch.randn(s, generator=g).to(device) for s in shapes]

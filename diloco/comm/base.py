@@ -493,20 +493,20 @@ def shard_bounds(n: int, world: int, align: int = 1) -> list[tuple[int, int]]:
 
 
 def end_to_end(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """One flat fp32 view of ``tensors`` where they are contiguous and lie one after the other in one storage
-    (writing the view writes them), else None."""
-    if not tensors or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+    """One flat view of ``tensors`` where they are contiguous, of one dtype, and lie one after the other in one
+    storage (writing the view writes them), else None. DiLoCo's pseudo-gradients with a codec lie so (the
+    compressed collective reduces them where they lie), and so do DeMo's momenta (its kernels step them there)."""
+    if not tensors or any(t.dtype != tensors[0].dtype or not t.is_contiguous() for t in tensors):
         return None
     first = tensors[0].detach()
     if len(tensors) == 1:
         return first.reshape(-1)
-    storage, size = first.untyped_storage(), first.element_size()
-    end = first.data_ptr()
+    storage, at = first.untyped_storage().data_ptr(), first.storage_offset()
     for t in tensors:
-        if t.data_ptr() != end or t.untyped_storage().data_ptr() != storage.data_ptr() or t.device != first.device:
+        if t.untyped_storage().data_ptr() != storage or t.storage_offset() != at:
             return None
-        end += t.numel() * size
-    return first.as_strided(((end - first.data_ptr()) // size,), (1,))
+        at += t.numel()
+    return first.as_strided((at - first.storage_offset(),), (1,), first.storage_offset())
 
 
 def unflatten_into(bucket: Sequence[torch.Tensor], flat: torch.Tensor) -> None:

@@ -208,7 +208,7 @@ def _pipelined(transport: Transport, groups: list[list[torch.Tensor]], alone: li
 def _alone(bucket: Sequence[torch.Tensor]) -> bool:
     """A bucket reduced where it lies, not concatenated: fp32 tensors that lie end to end in one storage (one
     contiguous tensor; or consecutive pieces of one flat buffer, as DiLoCo's pseudo-gradients are)."""
-    return end_to_end(bucket) is not None
+    return bucket[0].dtype == torch.float32 and end_to_end(bucket) is not None
 
 
 def _flat_of(transport: Transport, bucket: Sequence[torch.Tensor], alone: bool, scratch: Optional[torch.Tensor],
@@ -319,7 +319,8 @@ def _robust_all_reduce_(transport: Transport, tensors: Sequence[torch.Tensor], c
                         key: Hashable) -> float:
     if len(buckets(tensors, 1 << 62)) > 1:
         raise ValueError("tensors of one compressed all-reduce must share dtype and device")
-    flat = end_to_end(tensors)  # no copy where they lie end to end: read (encoded) before the result is written
+    # no copy where they lie end to end: read (encoded) before the result is written
+    flat = end_to_end(tensors) if tensors[0].dtype == torch.float32 else None
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
     result = robust_mean(transport, flat, codec, weight, key)
