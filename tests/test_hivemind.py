@@ -790,8 +790,10 @@ def test_peers_of_one_run_with_other_settings_are_named_and_neither_waits_for_th
             assert len(named) == 1 and f"outer_lr: {there} there, {here} here" in named[0], r.notes
             assert not any("did not arrive" in n or "is behind" in n for n in r.notes), r.notes
         assert a.epoch == 1 and b.epoch == 6
-        again = a.exchange(b"y" * 64)  # named once
-        assert not any("other settings" in n for n in again.notes)
+        again = a.exchange(b"y" * 64)  # named once; each lone round says why it is alone
+        assert not any("trains with other settings" in n for n in again.notes), again.notes
+        assert again.alone and again.notes[-1] == ("no other live peer trains with this peer's settings (1 of the "
+                                                   "run's live peers has other settings)"), again.notes
         # a newcomer takes the state of a peer of its own settings, though the other's epoch is later
         a.publish_state(b"state of a")
         b.publish_state(b"state of b")

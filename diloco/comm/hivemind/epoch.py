@@ -169,8 +169,15 @@ class EpochMixin:
         announced = None
         last_links = 0.0
         while True:
-            live = {pid: v for pid, v in (await self._registry()).items()
-                    if pid != self.me and not self._suspected(pid, v) and not self._other_settings(pid, v, notes)}
+            live, apart = {}, 0
+            for pid, v in (await self._registry()).items():
+                if pid == self.me or self._suspected(pid, v):
+                    continue
+                if self._other_settings(pid, v, notes):
+                    apart += 1
+                else:
+                    live[pid] = v
+            self._apart = apart  # live peers of the run with other settings (the lone round's note counts them)
             if time.perf_counter() - last_links >= 0.5:  # a peer whose libp2p connection dropped is not waited for
                 last_links = time.perf_counter()
                 for pid in await self._lost(live):
@@ -332,8 +339,7 @@ class EpochMixin:
             return EpochResult(e, "", [self.peer_id], {self.peer_id: payload}, {self.peer_id: mine}, alone=True,
                                seconds=time.perf_counter() - start, matchmaking_s=mm_s,
                                deadline_s=self.exchange_timeout,
-                               notes=notes + [f"no other peer reached epoch {e} within {mm_s:.0f}s"
-                                              if others else "no other live peer in the run"])
+                               notes=notes + [self._why_alone(e, mm_s, others)])
         members, meta = [], {}
         for pid, blob in zip(group.peer_ids, group.gathered):
             try:
@@ -669,6 +675,15 @@ class EpochMixin:
             notes.append(note)
             log.warning("peer %s: %s", self.me[-8:], note)
         return True
+
+    def _why_alone(self, e: int, waited: float, others: int) -> str:
+        if others:
+            return f"no other peer reached epoch {e} within {waited:.0f}s"
+        apart = self._apart
+        if apart:  # named, with what differs, the first time each was seen
+            return (f"no other live peer trains with this peer's settings ({apart} of the run's live peers "
+                    f"{'has' if apart == 1 else 'have'} other settings)")
+        return "no other live peer in the run"
 
     def _suspected(self, pid: str, entry: dict) -> bool:
         return pid in self.suspects and float(entry.get("time", 0)) <= self.suspects[pid]

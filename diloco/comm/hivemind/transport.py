@@ -215,6 +215,7 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self.schema = hashlib.sha256(f"loco-swarm-v2|{run}|{schema}".encode()).digest()
         self.settings = schema  # announced in the registry: a peer of this run with other settings is named
         self._foreign: set[str] = set()  # the peers of this run announcing other settings, named once each
+        self._apart = 0  # how many of them the latest rendezvous found live
         self.epoch = 0  # exchanges this peer's state has been through (downloaded state carries it)
         self.stale = False  # True from jumping ahead to the others' epoch until this peer downloads their state
         self.fingerprint_fn: Optional[Callable[[], bytes]] = None
