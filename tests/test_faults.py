@@ -127,6 +127,9 @@ def test_a_member_killed_in_an_epoch_is_left_out_by_both_survivors_at_once(trio,
     from diloco.comm.hivemind.transport import _daemon_answers
 
     assert [_daemon_answers(t._sockets) for t in trio] == [True, True, False]
+    # its next round, alone, says why in words a user can act on (not the socket's errno)
+    again = c.exchange(payload(2))
+    assert again.alone and "p2p daemon (p2pd) is gone" in again.notes[-1], again.notes
 
 
 @pytest.mark.parametrize("fault", ["garbage", "oversized", "wrong-key", "holds-nothing", "holds-only-its-own"])

@@ -99,6 +99,9 @@ class EpochMixin:
                                 wait_cap + self.matchmaking_time * 4 + self.exchange_timeout * 3 + 60)
         except Exception as e:  # a failed exchange is a round done alone, never the end of training
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            if not self.daemon_alive():  # for good: say what happened and what to do, not the socket's errno
+                why = ("this peer's p2p daemon (p2pd) is gone, killed or crashed: it cannot reach the swarm again "
+                       "until it is started again (Ctrl-C saves a checkpoint; then run loco join again)")
             log.warning("peer %s | epoch %d: the exchange failed (%s); this round is done alone", self.me[-8:],
                         self.epoch, why)
             result = EpochResult(self.epoch, "", [self.peer_id], {self.peer_id: payload},

@@ -360,7 +360,7 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self._closed = True
         # a dead daemon (killed, crashed) can neither carry the leave nor stop the DHT process gracefully: both
         # would wait their timeouts (3 s each) for nothing
-        daemon = _daemon_answers(self._sockets)
+        daemon = self.daemon_alive()
         try:
             if self._thread.is_alive():
                 try:
@@ -374,6 +374,10 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
                 self.dht.shutdown()
             self._reap_dht(0.5 if daemon else 0.0)  # shutdown() waited its grace period: the rest ignores SIGTERM
             _remove_sockets(self._sockets)
+
+    def daemon_alive(self) -> bool:
+        """Whether this peer's p2pd still answers (see :func:`_daemon_answers`)."""
+        return _daemon_answers(self._sockets)
 
     def _reap_dht(self, wait: float) -> None:
         """Wait up to ``wait`` s for the DHT process to end, then kill it: hivemind's fallback is SIGTERM, which
