@@ -124,9 +124,7 @@ def test_a_member_killed_in_an_epoch_is_left_out_by_both_survivors_at_once(trio,
         assert all(r.received_bytes > 0 and "did not complete" in " ".join(r.notes) for r in (a, b))
     # the dead member's own transport sees its daemon gone, and closes without waiting on it (the leave and the
     # DHT's graceful stop, 3 s each); the survivors' daemons answer
-    from diloco.comm.hivemind.transport import _daemon_answers
-
-    assert [_daemon_answers(t._sockets) for t in trio] == [True, True, False]
+    assert [t.daemon_alive() for t in trio] == [True, True, False]
     # its next round, alone, says why in words a user can act on (not the socket's errno)
     again = c.exchange(payload(2))
     assert again.alone and "p2p daemon (p2pd) is gone" in again.notes[-1], again.notes

@@ -106,26 +106,6 @@ def _remove_sockets(prefix: str) -> None:
             pass
 
 
-def _daemon_answers(prefix: str) -> bool:
-    """Whether the p2pd of this peer (its control socket under ``prefix``, see :func:`_socket_tag`) accepts a
-    connection: False once the daemon died (killed, crashed; its socket file stays behind), when nothing sent
-    through it can arrive. With no socket file to probe it counts as alive."""
-    paths = glob.glob(glob.escape(prefix) + "p2pd-*.sock")
-    if not paths:
-        return True
-    for path in paths:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-            return True
-        except OSError:
-            pass
-        finally:
-            probe.close()
-    return False
-
-
 def _tcp_endpoint(maddr: str) -> Optional[tuple[str, int]]:
     parts = str(maddr).split("/")
     try:
@@ -376,8 +356,23 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
             _remove_sockets(self._sockets)
 
     def daemon_alive(self) -> bool:
-        """Whether this peer's p2pd still answers (see :func:`_daemon_answers`)."""
-        return _daemon_answers(self._sockets)
+        """Whether this peer's p2pd accepts a connection on its control socket (named under ``_sockets``, see
+        :func:`_socket_tag`): False once the daemon died (killed, crashed; its socket file stays behind), when
+        nothing sent through it can arrive. With no socket file to probe it counts as alive."""
+        paths = glob.glob(glob.escape(self._sockets) + "p2pd-*.sock")
+        if not paths:
+            return True
+        for path in paths:
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(1.0)
+            try:
+                probe.connect(path)
+                return True
+            except OSError:
+                pass
+            finally:
+                probe.close()
+        return False
 
     def _reap_dht(self, wait: float) -> None:
         """Wait up to ``wait`` s for the DHT process to end, then kill it: hivemind's fallback is SIGTERM, which
