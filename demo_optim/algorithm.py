@@ -18,6 +18,9 @@ class DeMoAlgorithm(Algorithm):
 
     name = "demo"
     replicated_state = False  # the parameters agree; each worker's momentum (delta) is its own
+    # whether a step tests its gradients on the device, with no host read (None: on accelerators, where a read waits
+    # for the device; on a CPU it costs nothing, and the guarded step's copies would)
+    checks_on_device: Optional[bool] = None
 
     def __init__(self, model: torch.nn.Module, optimizer: DeMo, transport: Optional[Transport] = None,
                  grad_clip: float = 0.0, *, inner: Optional[Transport] = None) -> None:
@@ -41,8 +44,18 @@ class DeMoAlgorithm(Algorithm):
             raise ConfigConflict("compress.codec", "DeMo sends its own DCT top-k payload (tune algo.compression_topk "
                                                    "/ algo.sign_values); leave compress.codec at fp32")
 
+    def _checks_on_device(self) -> bool:
+        """DeMo with ``nonfinite="skip"`` decides on the device: the optimizer gets ``found_inf``, leaves its
+        parameters and momenta as they were where it is set, and says so in its payload's flag byte (see
+        ``DeMo.step``). The step's one host read is then the accept decision of the payloads it received."""
+        if self.optimizer.nonfinite != "skip":
+            return False
+        if self.checks_on_device is not None:
+            return self.checks_on_device
+        return self.optimizer._device().type != "cpu"
+
     def _update(self) -> None:
-        self.optimizer.grads_checked = True  # the loop just checked the gradient norm
+        self.optimizer.grads_checked = True  # the step just checked the gradient norm
         with self.transport.exchange_scope(barrier=False):  # one all-gather a step: its bytes are the peak's
             self.optimizer.step()
 

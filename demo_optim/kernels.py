@@ -239,25 +239,34 @@ if HAVE_TRITON:
         tl.store(delta_ptr + offs, b - rec, mask=mask)
 
     @triton.jit
-    def _step_encode_kernel(g_ptr, c_ptr, d1_ptr, d2_ptr, idx_ptr, val_ptr, decay, R, C, NBR, NBC,
-                            S1: tl.constexpr, S2: tl.constexpr, K: tl.constexpr, HAS_GRAD: tl.constexpr):
-        """One block: ``c = decay * c + d1 @ g @ d2^T`` (lr folded into d2), top-k of |c| out, zeroed in c."""
+    def _step_encode_kernel(g_ptr, c_ptr, d1_ptr, d2_ptr, idx_ptr, val_ptr, ok_ptr, decay, R, C, NBR, NBC,
+                            S1: tl.constexpr, S2: tl.constexpr, K: tl.constexpr, HAS_GRAD: tl.constexpr,
+                            GUARDED: tl.constexpr):
+        """One block: ``c = decay * c + d1 @ g @ d2^T`` (lr folded into d2), top-k of |c| out, zeroed in c.
+        ``GUARDED``: where the flag at ``ok_ptr`` is 0, c stays as it was (the top-k is taken of it, so that a
+        non-finite gradient cannot make it select more than K) and what goes out is not to be sent."""
         pid = tl.program_id(0)
         i1 = tl.arange(0, S1)
         i2 = tl.arange(0, S2)
         coffs = pid.to(tl.int64) * (S1 * S2) + i1[:, None] * S2 + i2[None, :]
-        c = tl.load(c_ptr + coffs) * decay
+        was = tl.load(c_ptr + coffs)
+        c = was * decay
         if HAS_GRAD:
             offs, mask = _block(pid, R, C, NBR, NBC, S1, S2)
             g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             d1 = tl.load(d1_ptr + i1[:, None] * S1 + i1[None, :])
             d2 = tl.load(d2_ptr + i2[:, None] * S2 + i2[None, :])
             c = c + tl.dot(tl.dot(d1, g, input_precision="ieee"), tl.trans(d2), input_precision="ieee")
+        if GUARDED:
+            go = tl.load(ok_ptr) != 0
+            c = tl.where(go, c, was)
         flat = tl.reshape(c, (S1 * S2,))
         sel, rank = select_topk(tl.abs(flat).to(tl.int32, bitcast=True), K)
         pos = pid.to(tl.int64) * K + rank
         tl.store(idx_ptr + pos, tl.arange(0, S1 * S2), mask=sel)
         tl.store(val_ptr + pos, flat, mask=sel)
+        if GUARDED:
+            sel = sel & go
         tl.store(c_ptr + coffs, tl.reshape(tl.where(sel, 0.0, flat), (S1, S2)))
 
     @triton.jit
@@ -310,10 +319,10 @@ STACK_BYTES = 64 << 20  # same-shaped gradients up to this size are stacked for 
 
 
 def step_encode_triton(grads: list[Optional[torch.Tensor]], coeffs: torch.Tensor, plans: list[ChunkPlan],
-                       decay: float, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       decay: float, lr: float, ok: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`step_encode_batch_ref` of same-shaped parameters in one launch: their gradients read in place when
     they lie back to back in one buffer, else stacked (a copy), or, above :data:`STACK_BYTES` of them, a launch
-    per parameter."""
+    per parameter. ``ok``: as in :func:`step_encode_many`, read by the kernel."""
     require_triton(coeffs)
     plan = _stacked_plan(plans[0], len(plans))
     if not kernel_fits(plan) or plan.padded or coeffs.dtype != torch.float32 or not coeffs.is_contiguous():
@@ -324,7 +333,7 @@ def step_encode_triton(grads: list[Optional[torch.Tensor]], coeffs: torch.Tensor
         g = stacked_view(grads) if len(have) == len(grads) else None
         if g is None and len(grads) > 1 and sum(x.numel() * x.element_size() for x in have) > STACK_BYTES:
             n = plans[0].num_chunks * plans[0].chunk_size  # large gradients: a launch each rather than a copy
-            pieces = [step_encode_triton([x], coeffs[i * n:(i + 1) * n], plans[:1], decay, lr)
+            pieces = [step_encode_triton([x], coeffs[i * n:(i + 1) * n], plans[:1], decay, lr, ok)
                       for i, x in enumerate(grads)]
             return torch.cat([i for i, _ in pieces]), torch.cat([v for _, v in pieces])
         if g is None:
@@ -334,14 +343,16 @@ def step_encode_triton(grads: list[Optional[torch.Tensor]], coeffs: torch.Tensor
     idx = torch.empty(n * plan.k, dtype=torch.int32, device=coeffs.device)
     vals = torch.empty(n * plan.k, dtype=torch.float32, device=coeffs.device)
     d1, d2 = dct_basis(plan.s1, coeffs.device), dct_basis(plan.s2, coeffs.device) * lr
-    _step_encode_kernel[(n,)](g if g is not None else coeffs, coeffs, d1, d2, idx, vals, float(decay), plan.rows,
-                              plan.cols, nbr, nbc, S1=plan.s1, S2=plan.s2, K=plan.k, HAS_GRAD=g is not None)
+    flag = ok.reshape(1).to(torch.uint8) if ok is not None else coeffs  # not read unless GUARDED
+    _step_encode_kernel[(n,)](g if g is not None else coeffs, coeffs, d1, d2, idx, vals, flag, float(decay),
+                              plan.rows, plan.cols, nbr, nbc, S1=plan.s1, S2=plan.s2, K=plan.k,
+                              HAS_GRAD=g is not None, GUARDED=ok is not None)
     return idx, vals
 
 
 def step_encode_many(grads: list[Optional[torch.Tensor]], moms: list[torch.Tensor], plans: list[ChunkPlan],
-                     decays: list[float], lrs: list[float],
-                     triton: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     decays: list[float], lrs: list[float], triton: Optional[bool] = None,
+                     ok: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of DeMo's momentum and its encode for every parameter, in the given order; the (indices,
     values) concatenated. ``moms[j]``: for an unpadded plan the momentum's coefficients ``(num_chunks,
     chunk_size)`` (see the module's docstring), for a padded one the momentum in the parameter's shape.
@@ -349,7 +360,14 @@ def step_encode_many(grads: list[Optional[torch.Tensor]], moms: list[torch.Tenso
     Runs of consecutive parameters of one kind, decay and lr go together: the coefficients of a run are
     worked on in place when they lie back to back in one buffer (DeMo keeps them so), else through a copy
     that is written back; on the kernel path each run of one shape is one launch. ``triton`` as in
-    :func:`encode_many`."""
+    :func:`encode_many`.
+
+    ``ok``: a 0-d bool tensor on the device, decided there (the gradients are finite). Where it is False every
+    momentum is left bit for bit as it was and the (indices, values) are not to be sent (indices still lie in
+    their chunks); nothing is read back to the host. The kernel reads the flag; the reference paths keep a copy
+    of what they change and put it back where the flag is False."""
+    if ok is not None:
+        ok = ok.reshape(()).to(torch.bool)
     out_i, out_v = [], []
     start = 0
     while start < len(plans):
@@ -360,11 +378,17 @@ def step_encode_many(grads: list[Optional[torch.Tensor]], moms: list[torch.Tenso
         gs, ms, ps = grads[start:end], moms[start:end], plans[start:end]
         decay, lr = key[1:]
         if key[0]:  # the momentum in the parameters' shape: the published update, then encode
+            kept = _keep(ms) if ok is not None else None
             torch._foreach_mul_(ms, decay)
             with_grad = [(m, g) for m, g in zip(ms, gs) if g is not None]
             if with_grad:
-                torch._foreach_add_([m for m, _ in with_grad], [g.float() for _, g in with_grad], alpha=lr)
+                # a gradient the flag refuses may hold NaN or Inf: zeros go in its place, so the encode (which the
+                # flag does not reach) selects among finite values
+                fresh = [g.float() if ok is None else torch.where(ok, g.float(), 0.0) for _, g in with_grad]
+                torch._foreach_add_([m for m, _ in with_grad], fresh, alpha=lr)
             i, v = encode_many(ms, ps, triton)
+            if kept is not None:
+                _put_back(kept, ok)
             out_i.append(i)
             out_v.append(v)
         else:
@@ -372,8 +396,13 @@ def step_encode_many(grads: list[Optional[torch.Tensor]], moms: list[torch.Tenso
             for a, b in _runs(ps, kernel):
                 flat = end_to_end(ms[a:b])
                 c = torch.cat([m.reshape(-1) for m in ms[a:b]]) if flat is None else flat
-                fn = step_encode_triton if kernel[a] else step_encode_batch_ref
-                i, v = fn(gs[a:b], c, ps[a:b], decay, lr)
+                if kernel[a]:
+                    i, v = step_encode_triton(gs[a:b], c, ps[a:b], decay, lr, ok)
+                else:
+                    kept = _keep([c]) if ok is not None else None
+                    i, v = step_encode_batch_ref(gs[a:b], c, ps[a:b], decay, lr)
+                    if kept is not None:
+                        _put_back(kept, ok)
                 if flat is None:
                     torch._foreach_copy_(ms[a:b], [x.view_as(m) for x, m in
                                                    zip(c.split([m.numel() for m in ms[a:b]]), ms[a:b])])
@@ -383,6 +412,19 @@ def step_encode_many(grads: list[Optional[torch.Tensor]], moms: list[torch.Tenso
     if len(out_i) == 1:
         return out_i[0], out_v[0]
     return torch.cat(out_i), torch.cat(out_v)
+
+
+def _keep(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tensor, copy) pairs of what a guarded step changes: one pair when they lie end to end (one copy, not one
+    each)."""
+    flat = end_to_end(tensors)
+    return [(flat, flat.clone())] if flat is not None else [(t, t.clone()) for t in tensors]
+
+
+def _put_back(kept: list[tuple[torch.Tensor, torch.Tensor]], ok: torch.Tensor) -> None:
+    """Where ``ok`` is False, the tensors :func:`_keep` copied become their copies (bit for bit); else they stay."""
+    for t, k in kept:
+        torch.where(ok, t, k, out=t)
 
 
 def encode(delta: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:

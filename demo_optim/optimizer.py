@@ -86,13 +86,24 @@ class DeMo(torch.optim.Optimizer):
         self.transport = transport or LocalTransport()
         self.chunk_rule, self.sign_values, self.nonfinite = chunk_rule, sign_values, nonfinite
         self.max_payload_bytes = max_payload_bytes
-        self.skipped_steps = 0  # steps this worker sent nothing (non-finite gradients)
+        self._skipped = 0  # steps this worker sent nothing (non-finite gradients), counted on the host
+        self._skipped_on_device: Optional[torch.Tensor] = None  # and those decided on the device (found_inf)
         self.rejected_payloads = 0  # peer payloads left out of the mean
         self.last_contributors = 0
         self._rejected_now: list[tuple[int, Any]] = []  # (rank, reason) of the payloads the last mean left out
         self.contribute = True  # the trainer clears it for one step when it found non-finite gradients
         self.grads_checked = False  # the trainer sets it when it already checked the gradients this step
         self._layouts: dict[tuple[str, torch.device], _Layout] = {}
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps this worker sent nothing for non-finite gradients (reading it waits for the device's count)."""
+        extra = int(self._skipped_on_device.item()) if self._skipped_on_device is not None else 0
+        return self._skipped + extra
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped, self._skipped_on_device = int(value), None
 
     # ---- layout ---------------------------------------------------------------------------------
     def _entries(self) -> list[tuple[torch.Tensor, dict[str, Any], ChunkPlan]]:
@@ -141,14 +152,26 @@ class DeMo(torch.optim.Optimizer):
         chain = self._chain(plans)
         if entries:
             self._layout(plans, chain, self._device())  # built once, outside the per-step work
-        contribute = self.contribute and (self.grads_checked or self._grads_finite(entries))
+        # ``found_inf`` (set for this step by loco's trainer, as torch's GradScaler sets it): a 0-d device tensor,
+        # nonzero where the gradients are not finite. The step then decides on the device and reads nothing back
+        ok = None
+        found_inf = getattr(self, "found_inf", None)
+        if isinstance(found_inf, torch.Tensor) and self.contribute and entries:
+            ok = found_inf.reshape(()) == 0
+            contribute = True
+            if self._skipped_on_device is None:
+                self._skipped_on_device = torch.zeros((), dtype=torch.int64, device=ok.device)
+            self._skipped_on_device += ~ok
+        else:
+            contribute = self.contribute and (self.grads_checked or self._grads_finite(entries))
+            self._skipped += not self.contribute  # the trainer found them not finite
         self.contribute, self.grads_checked = True, False
         if entries and self.transport.device_gather:  # the payloads stay where they are made
             layout = self._layout(plans, chain, self._device())
-            data = self._encode_device(entries, chain, layout) if contribute else layout.silent(chain)
+            data = self._encode_device(entries, chain, layout, ok) if contribute else layout.silent(chain)
             payloads = self.transport.all_gather_tensor(data)
         else:
-            payload = self._encode(entries, chain) if contribute else self._silent_payload(entries, chain)
+            payload = self._encode(entries, chain, ok) if contribute else self._silent_payload(entries, chain)
             # every worker's payload has this length (same settings, same model; a silent one is padded to it), so
             # a transport whose processes agreed on their settings skips the size exchange
             sizes = [len(payload)] * self.transport.world_size if self.transport.fixed_ranks else None
@@ -221,18 +244,31 @@ class DeMo(torch.optim.Optimizer):
         if not finite:
             if self.nonfinite == "raise":
                 raise FloatingPointError("DeMo: non-finite gradients (set nonfinite='skip' to sit the step out)")
-            self.skipped_steps += 1
-            log.warning("DeMo worker %d: non-finite gradients, sending nothing this step (the others' update "
-                        "still applies)", self.transport.rank)
+            self._skipped += 1
+            self._say_skipped()
         return finite
 
-    def _encode(self, entries, chain: str) -> bytes:
-        """The wire payload (header + body) of this step's momenta: see the module's docstring."""
+    def _say_skipped(self) -> None:
+        log.warning("DeMo worker %d: non-finite gradients, sending nothing this step (the others' update still "
+                    "applies)", self.transport.rank)
+
+    def _encode(self, entries, chain: str, ok: Optional[torch.Tensor] = None) -> bytes:
+        """The wire payload (header + body) of this step's momenta: see the module's docstring. With ``ok`` (the
+        gradients' finiteness, on the device) its byte travels behind the body in the one copy to the host, and
+        where it is 0 the silent payload goes out instead."""
         if not entries:
             return wire.pack(b"", torch.float32, (0,), chain)
         layout = self._layout([plan for _, _, plan in entries], chain, self._device())
-        body = torch.cat(self._sections(entries, layout))
-        return wire.pack(tensor_bytes(body), torch.float32, (layout.sent,), chain)
+        sections = self._sections(entries, layout, ok)
+        if ok is not None:
+            sections.append(ok.reshape(1).to(torch.uint8))
+        raw = tensor_bytes(torch.cat(sections))
+        if ok is not None:
+            if not raw[-1]:
+                self._say_skipped()
+                return self._silent_payload(entries, chain)
+            raw = memoryview(raw)[:-1]
+        return wire.pack(raw, torch.float32, (layout.sent,), chain)
 
     def _silent_payload(self, entries, chain: str) -> bytes:
         """The wire payload of a worker that sends nothing this step: no values (shape (0,)), and zeros in place of
@@ -242,27 +278,34 @@ class DeMo(torch.optim.Optimizer):
         layout = self._layout([plan for _, _, plan in entries], chain, self._device())
         return wire.pack(bytes(layout.value_bytes + layout.index_bytes), torch.float32, (0,), chain)
 
-    def _encode_device(self, entries, chain: str, layout: "_Layout") -> torch.Tensor:
+    def _encode_device(self, entries, chain: str, layout: "_Layout",
+                       ok: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The payload as one uint8 tensor on the parameters' device, for transports that move it there: a
         prefix of the wire header's size whose first byte says "sent" (1), then the body of :meth:`_encode`. The
-        same bytes on the network as the wire payload; no header is needed between trusted members."""
-        return torch.cat([layout.prefix(chain, sent=True), *self._sections(entries, layout)])
+        same bytes on the network as the wire payload; no header is needed between trusted members. With ``ok``
+        the first byte is that flag (0: nothing sent; the receivers skip the body unread)."""
+        data = torch.cat([layout.prefix(chain, sent=True), *self._sections(entries, layout, ok)])
+        if ok is not None:
+            data[:1].copy_(ok.reshape(1))
+        return data
 
-    def _sections(self, entries, layout: "_Layout") -> list[torch.Tensor]:
+    def _sections(self, entries, layout: "_Layout", ok: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """Weight decay, then the momentum step and DCT + top-k of every parameter
-        (:func:`kernels.step_encode_many`): the body's sections (uint8 tensors, in order)."""
+        (:func:`kernels.step_encode_many`): the body's sections (uint8 tensors, in order). With ``ok`` False (a 0-d
+        device tensor) neither the parameters nor the momenta change, and the sections are not to be sent."""
         self._stack_momenta(entries, layout)
         groups: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}
         for p, group, _ in entries:
             groups.setdefault(id(group), (group, []))[1].append(p)
         for group, params in groups.values():  # one op per group, not per parameter
             if group["weight_decay"]:
-                torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
+                factor = 1.0 - group["lr"] * group["weight_decay"]
+                torch._foreach_mul_(params, factor if ok is None else torch.where(ok, factor, 1.0))
         order, plans = layout.order, layout.plans
         moms = [self.state[entries[j][0]][_momentum_key(plans[j])] for j in order]
         idx, flat = kernels.step_encode_many([entries[j][0].grad for j in order], moms, [plans[j] for j in order],
                                              [entries[j][1]["compression_decay"] for j in order],
-                                             [entries[j][1]["lr"] for j in order])
+                                             [entries[j][1]["lr"] for j in order], ok=ok)
         sections = [pack_bits((flat > 0).to(torch.int32), 1) if self.sign_values else flat.view(torch.uint8)]
         at = 0
         for width, count, _ in layout.stream_sizes:  # one bit stream per index width

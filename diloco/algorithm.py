@@ -271,7 +271,8 @@ class Algorithm:
 
         True for the plain update (no subclass hook that must know on the host) with a fused Adam/AdamW or SGD,
         which skips a step itself when it is handed ``found_inf`` (as under a GradScaler): the step then costs no
-        host sync, and ``info`` carries the norm and the skip flag as device tensors.
+        host sync, and ``info`` carries the norm and the skip flag as device tensors. A subclass whose optimizer
+        honours ``found_inf`` in its own way says so here (DeMo).
         """
         opt = self.optimizer
         return (type(self)._update is Algorithm._update and type(self)._skipped_update is Algorithm._skipped_update
@@ -294,7 +295,7 @@ class Algorithm:
             torch._foreach_mul_(grads, scale)
         self.optimizer.found_inf = found_inf
         try:
-            self.optimizer.step()
+            self._update()
         finally:
             del self.optimizer.found_inf
         if self._skipped_on_device is None:

@@ -13,6 +13,7 @@ from demo_optim import DeMo
 from demo_optim import kernels as K
 from demo_optim.transform import from_chunks, plan_for, to_chunks
 from diloco.comm.base import end_to_end
+from diloco.compress.kernels import topk
 from diloco.sim import InProcessGroup, run_workers
 from launch.checkpoint import latest_checkpoint
 from launch.config import load_config
@@ -352,6 +353,117 @@ def test_momentum_kept_as_coefficients_sends_what_the_momentum_in_the_parameters
             want = d if plan.padded else to_chunks(d, plan)
             assert torch.allclose(m.cpu(), want.cpu(), rtol=1e-4, atol=1e-6), (step, plan.shape)
     assert all(float(m.abs().max()) > 0 for m in moms)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("triton", [False, True], ids=["reference", "kernel"])
+def test_a_refused_flag_leaves_every_momentum_as_it_was(device, triton):
+    """step_encode_many with ``ok`` (decided on the device): where it is False, a step with NaN and Inf gradients
+    leaves every momentum bit for bit as it was (coefficients of one buffer or apart, a padded parameter's, a
+    vector's) and its indices still lie in their chunks; where it is True the step is the unguarded one."""
+    shapes = [(64, 128), (64, 128), (32, 64), (100,), (40, 70)]
+    plans = [plan_for(s, 32, 16, "pad" if s == (40, 70) else "auto") for s in shapes]
+    assert [p.padded for p in plans] == [False] * 4 + [True]
+    decays, lrs = [0.9] * 5, [0.01] * 3 + [0.03] * 2
+    g = torch.Generator().manual_seed(4)
+
+    def moms():
+        sizes = [p.num_chunks * p.chunk_size for p in plans[:2]]
+        run = [c.view(p.num_chunks, p.chunk_size) for c, p in zip(torch.randn(sum(sizes), generator=g).split(sizes),
+                                                                   plans)]
+        alone = [torch.randn(p.num_chunks, p.chunk_size, generator=g) for p in plans[2:4]]
+        return [m.to(device) for m in run] + [m.to(device) for m in alone] + [torch.randn(shapes[4], generator=g).to(
+            device)]
+
+    start = moms()
+    if device == "cpu":  # the first two lie end to end on the device too
+        start[:2] = list(torch.cat([m.reshape(-1) for m in start[:2]]).split([m.numel() for m in start[:2]]))
+        start[:2] = [m.view(p.num_chunks, p.chunk_size) for m, p in zip(start[:2], plans)]
+    assert end_to_end(start[:2]) is not None
+    grads = [torch.randn(s, generator=g).to(device) for s in shapes]
+    bad = [x.clone() for x in grads]
+    bad[0][3, 5], bad[2][0, 0], bad[3][7], bad[4][1, 1] = math.nan, math.inf, -math.inf, math.nan
+    ms = [m.clone() for m in start]
+    ms[:2] = list(end_to_end(start[:2]).clone().split([m.numel() for m in start[:2]]))
+    ms[:2] = [m.view(p.num_chunks, p.chunk_size) for m, p in zip(ms[:2], plans)]
+    refused = torch.tensor(False, device=device)
+    idx, _ = K.step_encode_many(bad, ms, plans, decays, lrs, triton=triton, ok=refused)
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(ms, start)), "a refused step changed a momentum"
+    limits = torch.cat([torch.full((p.sent,), p.chunk_size) for p in plans])
+    assert idx.shape == limits.shape and bool(((idx.cpu() >= 0) & (idx.cpu() < limits)).all())
+
+    plain = [m.clone() for m in start]
+    want_i, want_v = K.step_encode_many(grads, plain, plans, decays, lrs, triton=triton)
+    got_i, got_v = K.step_encode_many(grads, ms, plans, decays, lrs, triton=triton,
+                                      ok=torch.tensor(True, device=device))
+    assert torch.equal(got_i.cpu(), want_i.cpu()) and torch.equal(got_v.cpu(), want_v.cpu())
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(ms, plain))
+
+
+def _demo_run(world: int, on_device: bool, device_gather: bool, nan_at: tuple[int, int], steps: int = 3,
+              sign_values: bool = False, device: str = "cpu"):
+    """``steps`` steps of DeMoAlgorithm on ``world`` simulated workers of the 2-layer tiny model, worker
+    ``nan_at[0]`` with NaN gradients at step ``nan_at[1]``: per worker the parameters, the momenta, contributors
+    per step and the skipped steps (algorithm, optimizer); and the host reads of the whole run (the workers are
+    greenlets of one thread: one counter sees them all)."""
+    from demo_optim.algorithm import DeMoAlgorithm
+
+    def body(rank, transport):
+        transport.device_gather = device_gather
+        model = _tiny(2).to(device)
+        opt = DeMo(model.parameters(), lr=1e-3, weight_decay=0.1, transport=transport, sign_values=sign_values)
+        algo = DeMoAlgorithm(model, opt, transport)
+        algo.checks_on_device = on_device
+        seen = []
+        for step in range(steps):
+            for i, p in enumerate(model.parameters()):
+                x = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * rank + 10 * step + i))
+                p.grad = (x if (rank, step) != nan_at else torch.full(p.shape, math.nan)).to(device)
+            info = algo.step()
+            assert torch.is_tensor(info["grad_norm"]) == on_device  # read back only where the step needs it
+            seen.append(info["contributors"])
+        momenta = [t.cpu() for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+        return ([p.detach().cpu() for p in model.parameters()], momenta, seen,
+                (algo.skipped_steps, opt.skipped_steps))
+
+    with HostReads() as counter:
+        results = run_workers(InProcessGroup(world), body)
+    return results, counter.count
+
+
+ON_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+@pytest.mark.parametrize("device_gather", [True, False], ids=["device-payloads", "wire-payloads"])
+@pytest.mark.parametrize("sign_values", [False, True], ids=["fp32-values", "sign-values"])
+def test_a_step_decided_on_the_device_equals_one_decided_on_the_host(device_gather, sign_values, device, caplog):
+    """DeMoAlgorithm tests its gradients on the device (checks_on_device, the default on accelerators): the
+    optimizer gets ``found_inf``; a worker whose gradients are not finite leaves its parameters and momenta
+    untouched and says so in its payload, and still applies the others' update. Parameters, momenta,
+    contributors and skipped counts equal those of the host decision, bit for bit."""
+    with caplog.at_level(logging.WARNING, logger="demo_optim"):
+        decided, _ = _demo_run(3, True, device_gather, (1, 1), sign_values=sign_values, device=device)
+    host, _ = _demo_run(3, False, device_gather, (1, 1), sign_values=sign_values, device=device)
+    for (pd, md, cd, sd), (ph, mh, ch, sh) in zip(decided, host):
+        assert cd == ch == [3, 2, 3] and sd == sh
+        assert all(torch.equal(a, b) for a, b in zip(pd, ph))
+        assert len(md) == len(mh) and all(torch.equal(a, b) for a, b in zip(md, mh))
+    assert [s for *_, s in decided] == [(0, 0), (1, 1), (0, 0)]
+    if not device_gather:  # the wire path learns it on the host with the payload's bytes, and says so there
+        assert "DeMo worker 1: non-finite gradients, sending nothing this step" in caplog.text
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_a_demo_step_reads_back_once_per_simulated_step(device, monkeypatch):
+    """Simulated workers whose payloads stay on the device, their gradients tested on the device: a simulated
+    step of three workers reads back once, to accept or refuse the payloads (the first worker checks the list
+    they all received, the others take its mean). Deciding on the host reads once more per worker and step."""
+    monkeypatch.setattr(topk, "_top_indices", topk._top_by_bits)  # as on a GPU (see _step_cost)
+    reads = {(on_device, steps): _demo_run(3, on_device, True, (-1, -1), steps=steps, device=device)[1]
+             for on_device in (True, False) for steps in (1, 3)}
+    assert reads[True, 3] - reads[True, 1] == 2, reads  # two more simulated steps: one read each
+    assert reads[False, 3] - reads[False, 1] == 2 + 2 * 3, reads
 
 
 def test_a_saved_momentum_of_either_kind_or_other_blocks_resumes():
