@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from diloco.algorithm import all_finite
+from diloco.algorithm import SkipCount, all_finite
 from diloco.comm.base import SharedResult, Transport, end_to_end
 from diloco.comm.local import LocalTransport
 from diloco.compress import (RULES, ChunkPlan, CorruptPayload, bits_for, from_chunks, pack_bits, packed_size,
@@ -86,8 +86,7 @@ class DeMo(torch.optim.Optimizer):
         self.transport = transport or LocalTransport()
         self.chunk_rule, self.sign_values, self.nonfinite = chunk_rule, sign_values, nonfinite
         self.max_payload_bytes = max_payload_bytes
-        self._skipped = 0  # steps this worker sent nothing (non-finite gradients), counted on the host
-        self._skipped_on_device: Optional[torch.Tensor] = None  # and those decided on the device (found_inf)
+        self.skips = SkipCount()  # steps this worker sent nothing (non-finite gradients), on the host or the device
         self.rejected_payloads = 0  # peer payloads left out of the mean
         self.last_contributors = 0
         self._rejected_now: list[tuple[int, Any]] = []  # (rank, reason) of the payloads the last mean left out
@@ -95,15 +94,7 @@ class DeMo(torch.optim.Optimizer):
         self.grads_checked = False  # the trainer sets it when it already checked the gradients this step
         self._layouts: dict[tuple[str, torch.device], _Layout] = {}
 
-    @property
-    def skipped_steps(self) -> int:
-        """Steps this worker sent nothing for non-finite gradients (reading it waits for the device's count)."""
-        extra = int(self._skipped_on_device.item()) if self._skipped_on_device is not None else 0
-        return self._skipped + extra
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self._skipped, self._skipped_on_device = int(value), None
+    skipped_steps = SkipCount.steps  # steps this worker sent nothing for non-finite gradients
 
     # ---- layout ---------------------------------------------------------------------------------
     def _entries(self) -> list[tuple[torch.Tensor, dict[str, Any], ChunkPlan]]:
@@ -159,12 +150,10 @@ class DeMo(torch.optim.Optimizer):
         if isinstance(found_inf, torch.Tensor) and self.contribute and entries:
             ok = found_inf.reshape(()) == 0
             contribute = True
-            if self._skipped_on_device is None:
-                self._skipped_on_device = torch.zeros((), dtype=torch.int64, device=ok.device)
-            self._skipped_on_device += ~ok
+            self.skips.add(found_inf)
         else:
             contribute = self.contribute and (self.grads_checked or self._grads_finite(entries))
-            self._skipped += not self.contribute  # the trainer found them not finite
+            self.skips.host += not self.contribute  # the trainer found them not finite
         self.contribute, self.grads_checked = True, False
         if entries and self.transport.device_gather:  # the payloads stay where they are made
             layout = self._layout(plans, chain, self._device())
@@ -244,7 +233,7 @@ class DeMo(torch.optim.Optimizer):
         if not finite:
             if self.nonfinite == "raise":
                 raise FloatingPointError("DeMo: non-finite gradients (set nonfinite='skip' to sit the step out)")
-            self._skipped += 1
+            self.skips.host += 1
             self._say_skipped()
         return finite
 

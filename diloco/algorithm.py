@@ -165,6 +165,37 @@ def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> N
                     opt.state[p]["step"] = step.to(p.device, torch.float32)
 
 
+class SkipCount:
+    """Steps skipped for non-finite gradients: counted on the host, and on the device where a step decides there
+    (:meth:`add`, no host read); reading :attr:`total` waits for the device's count."""
+
+    def __init__(self, value: int = 0) -> None:
+        self.host = int(value)
+        self.device: Optional[torch.Tensor] = None
+
+    def add(self, flag: torch.Tensor) -> None:
+        """Count the step if ``flag`` (a 0-d device tensor) is nonzero, on the device."""
+        if self.device is None:
+            self.device = torch.zeros((), dtype=torch.int64, device=flag.device)
+        self.device += flag != 0
+
+    @property
+    def total(self) -> int:
+        return self.host + (int(self.device.item()) if self.device is not None else 0)
+
+    @staticmethod
+    def _read(holder: Any) -> int:
+        return holder.skips.total
+
+    @staticmethod
+    def _restart(holder: Any, value: int) -> None:
+        holder.skips = SkipCount(value)
+
+    # ``skipped_steps`` of a class that keeps a SkipCount in ``skips``: its total (reading it waits for the device's
+    # count); assigning a number (a checkpoint's) starts the count again from it
+    steps = property(_read, _restart)
+
+
 class Algorithm:
     name = "base"
     round_based = False  # True: workers meet only at round ends (stop and checkpoint there)
@@ -182,8 +213,7 @@ class Algorithm:
         self.grad_clip = grad_clip
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.steps = 0
-        self._skipped = 0  # steps skipped for non-finite gradients, counted on the host
-        self._skipped_on_device: Optional[torch.Tensor] = None  # and on the device (see _checks_on_device)
+        self.skips = SkipCount()  # steps skipped for non-finite gradients (see _checks_on_device)
         self.inner = inner  # the processes of one worker (a node), averaged every step
 
     # ---- built from config ------------------------------------------------------------------
@@ -256,15 +286,7 @@ class Algorithm:
                     p.grad = torch.zeros_like(p)
             self.inner.all_reduce_([p.grad for p in self.params], op="mean")
 
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for non-finite gradients (reading it waits for the device's count)."""
-        extra = int(self._skipped_on_device.item()) if self._skipped_on_device is not None else 0
-        return self._skipped + extra
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self._skipped, self._skipped_on_device = int(value), None
+    skipped_steps = SkipCount.steps  # steps skipped for non-finite gradients
 
     def _checks_on_device(self) -> bool:
         """Whether a step can test finiteness and clip without reading anything back to the host.
@@ -298,9 +320,7 @@ class Algorithm:
             self._update()
         finally:
             del self.optimizer.found_inf
-        if self._skipped_on_device is None:
-            self._skipped_on_device = torch.zeros((), device=found_inf.device)
-        self._skipped_on_device += found_inf
+        self.skips.add(found_inf)
         self.steps += 1
         info: dict[str, Any] = {"grad_norm": norm, "skipped": found_inf}
         info.update(self._after_step())
@@ -319,7 +339,7 @@ class Algorithm:
         grad_norm = float(norm)
         info: dict[str, Any] = {"grad_norm": grad_norm, "skipped": not math.isfinite(grad_norm)}
         if info["skipped"]:
-            self._skipped += 1
+            self.skips.host += 1
             self._skipped_update()
         else:
             if self.grad_clip > 0 and grad_norm > self.grad_clip:
