@@ -24,8 +24,8 @@ follow that order, and each width's indices form one bit stream (padded to a who
 once per width, not once per parameter). So a payload is validated and accumulated with a
 fixed number of tensor ops whatever the number of parameters: the index streams are unpacked
 (one ``unpack_bits`` per width), the range, the strict increase within every chunk and the
-finiteness of the values are checked in one vectorised expression, with one host sync to
-accept or reject, and one ``scatter_add_`` each adds the values and the counts into flat
+finiteness of the values are checked in one vectorised expression (every payload's body a
+row of one tensor), with one host sync to accept or reject them all, and one ``scatter_add_`` each adds the values and the counts into flat
 buffers that hold every parameter's chunks back to back (flat position = the chunk's offset
 + the index). Every worker aggregates the same payloads in rank order, so every worker
 applies the same update. A payload that fails validation is left out of the mean and logged;
@@ -346,47 +346,44 @@ class DeMo(torch.optim.Optimizer):
     def _aggregate(self, payloads: list[bytes], plans: list[ChunkPlan], chain: str) -> tuple["_Views", "_Views"]:
         """Per coefficient, the sum of what the valid payloads sent and how many sent it, in two flat buffers
         (all parameters' chunks back to back); indexing the returned views gives parameter j's
-        ``(num_chunks, chunk_size)`` block. A fixed number of tensor ops and one host sync per payload."""
+        ``(num_chunks, chunk_size)`` block. Headers are checked on the host; the bodies (all of one length) go to
+        the device as rows of one buffer and are checked together: a fixed number of tensor ops and one host sync
+        for all of them, then each valid one summed in rank order."""
         device = self._device() if plans else torch.device("cpu")
         layout = self._layout(plans, chain, device)
         self._rejected_now: list[tuple[int, Any]] = []
         sums = torch.zeros(layout.total, device=device)
         counts = torch.zeros(layout.total, device=device)
-        bodies: list[Any] = []  # per rank: a CorruptPayload, None (nothing sent) or the body's (start, end)
-        chunks, at = [], 0
+        verdicts: list[Any] = []  # per rank: a CorruptPayload, None (nothing sent) or the body's row
+        bodies: list[memoryview] = []
         for payload in payloads:
             try:
                 body = self._check_header(payload, chain, layout)
             except CorruptPayload as e:
-                bodies.append(e)
+                verdicts.append(e)
                 continue
-            if body is None:
-                bodies.append(None)
-                continue
-            at += -at % 8  # every body starts aligned, so its fp32 values can be viewed in place
-            chunks.append((at, body))
-            bodies.append((at, at + len(body)))
-            at += len(body)
-        data = None
-        if at:  # all bodies copied once into one (pinned, on CUDA) host buffer, then one transfer to the device
-            host = torch.empty(at, dtype=torch.uint8, pin_memory=device.type == "cuda")  # pads never read
-            for start, body in chunks:
-                host[start:start + len(body)].copy_(wire.tensor_view(body))
-            data = host.to(device, non_blocking=True)
+            verdicts.append(None if body is None else len(bodies))
+            if body is not None:
+                bodies.append(body)
+        if bodies:  # every body has the length the layout gives (the header check): rows of one buffer
+            size = len(bodies[0])
+            stride = size + -size % 8  # each row starts aligned, so its fp32 values can be viewed in place
+            host = torch.empty(len(bodies) * stride, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            for i, body in enumerate(bodies):  # copied once into (pinned, on CUDA) host memory, one transfer on
+                host[i * stride:i * stride + size].copy_(wire.tensor_view(body))
+            rows = host.to(device, non_blocking=True).view(len(bodies), stride)[:, :size]
+            values, idx, bad, row_bad = self._check_rows(rows, layout)
+            refused = row_bad.tolist()  # the one host sync
         contributors = 0
-        for rank, body in enumerate(bodies):  # rank order: the same sums on every worker
-            if isinstance(body, tuple):
-                try:
-                    idx, values = self._decode(data[body[0]:body[1]], layout)
-                except CorruptPayload as e:
-                    body = e
+        for rank, verdict in enumerate(verdicts):  # rank order: the same sums on every worker
+            if isinstance(verdict, int):
+                if refused[verdict]:
+                    verdict = self._why(values[verdict], bad[verdict], layout)
                 else:
                     contributors += 1
-                    pos = layout.base + idx
-                    sums.scatter_add_(0, pos, values)
-                    counts.scatter_add_(0, pos, layout.ones)
-            if isinstance(body, CorruptPayload):
-                self._reject(rank, body)
+                    _add_row(sums, counts, idx[verdict], values[verdict], layout)
+            if isinstance(verdict, CorruptPayload):
+                self._reject(rank, verdict)
         self.last_contributors = contributors
         return _Views(sums, layout), _Views(counts, layout)
 
@@ -435,9 +432,7 @@ class DeMo(torch.optim.Optimizer):
                 self._reject(rank, self._why(values[i], bad[i], layout))
                 continue
             contributors += 1
-            pos = layout.base + idx[i]
-            sums.scatter_add_(0, pos, values[i])
-            counts.scatter_add_(0, pos, layout.ones)
+            _add_row(sums, counts, idx[i], values[i], layout)
         self.last_contributors = contributors
         return _Views(sums, layout), _Views(counts, layout)
 
@@ -454,14 +449,6 @@ class DeMo(torch.optim.Optimizer):
                                  f"{expected}")
         return memoryview(payload)[header.offset:header.offset + header.length]
 
-    def _decode(self, data: torch.Tensor, layout: "_Layout") -> tuple[torch.Tensor, torch.Tensor]:
-        """(indices int64, values fp32) of one body, in wire order; CorruptPayload unless every index lies in its
-        chunk and increases strictly within it and every value is finite: one vectorised check, one host sync."""
-        values, idx, bad, row_bad = self._check_rows(data[None], layout)
-        if bool(row_bad[0]):  # the one host sync per payload; the rest runs only to word the rejection
-            raise self._why(values[0], bad[0], layout)
-        return idx[0], values[0]
-
     def _check_rows(self, body: torch.Tensor, layout: "_Layout") -> tuple[torch.Tensor, ...]:
         """Bodies as rows (uint8, one payload each): (values, indices, bad index, bad row), a row bad when one
         of its indices leaves its chunk or does not increase strictly within it, or a value is not finite."""
@@ -469,7 +456,10 @@ class DeMo(torch.optim.Optimizer):
         if self.sign_values:
             values = unpack_bits(body[:, :vb], 1, layout.sent).float() * 2 - 1
         else:
-            values = body[:, :vb].reshape(-1).view(torch.float32).view(len(body), -1)  # one row: no copy
+            raw = body[:, :vb]
+            if raw.stride(0) % 4 or raw.storage_offset() % 4:  # rows not aligned to fp32: one copy that is
+                raw = raw.contiguous()
+            values = raw.view(torch.float32)
         streams, b = [], vb
         for width, count, nbytes in layout.stream_sizes:
             streams.append(unpack_bits(body[:, b:b + nbytes], width, count))
@@ -496,6 +486,15 @@ class DeMo(torch.optim.Optimizer):
         chain = self._chain(plans)
         layout = _Layout(plans, self.sign_values, None)
         return len(wire.pack(bytes(layout.value_bytes + layout.index_bytes), torch.float32, (layout.sent,), chain))
+
+
+def _add_row(sums: torch.Tensor, counts: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
+             layout: "_Layout") -> None:
+    """Add one accepted payload (its row of indices and values, in wire order) into the flat sums and counts: one
+    ``scatter_add_`` each (flat position = the chunk's offset + the index)."""
+    pos = layout.base + idx
+    sums.scatter_add_(0, pos, values)
+    counts.scatter_add_(0, pos, layout.ones)
 
 
 def _momentum_key(plan: ChunkPlan) -> str:
