@@ -25,9 +25,9 @@ once per width, not once per parameter). So a payload is validated and accumulat
 fixed number of tensor ops whatever the number of parameters: the index streams are unpacked
 (one ``unpack_bits`` per width), the range, the strict increase within every chunk and the
 finiteness of the values are checked in one vectorised expression (every payload's body a
-row of one tensor), with one host sync to accept or reject them all, and one ``scatter_add_`` each adds the values and the counts into flat
-buffers that hold every parameter's chunks back to back (flat position = the chunk's offset
-+ the index). Every worker aggregates the same payloads in rank order, so every worker
+row of one tensor), with one host sync to accept or reject them all, and one
+``scatter_add_`` each adds the values and the counts into flat buffers that hold every
+parameter's chunks back to back (flat position = the chunk's offset + the index). Every worker aggregates the same payloads in rank order, so every worker
 applies the same update. A payload that fails validation is left out of the mean and logged;
 a worker whose gradients are not finite sends nothing that step (``nonfinite="skip"``) or
 raises (``"raise"``) and still applies the others' update, so the replicas stay equal.
