@@ -322,7 +322,7 @@ def step_encode_triton(grads: list[Optional[torch.Tensor]], coeffs: torch.Tensor
                        decay: float, lr: float, ok: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`step_encode_batch_ref` of same-shaped parameters in one launch: their gradients read in place when
     they lie back to back in one buffer, else stacked (a copy), or, above :data:`STACK_BYTES` of them, a launch
-    per parameter. ``ok``: as in :func:`step_encode_many`, read by the kernel."""
+    per parameter. ``ok``: as in :func:`step_encode_many` (or already as one uint8), read by the kernel."""
     require_triton(coeffs)
     plan = _stacked_plan(plans[0], len(plans))
     if not kernel_fits(plan) or plan.padded or coeffs.dtype != torch.float32 or not coeffs.is_contiguous():
@@ -343,7 +343,7 @@ def step_encode_triton(grads: list[Optional[torch.Tensor]], coeffs: torch.Tensor
     idx = torch.empty(n * plan.k, dtype=torch.int32, device=coeffs.device)
     vals = torch.empty(n * plan.k, dtype=torch.float32, device=coeffs.device)
     d1, d2 = dct_basis(plan.s1, coeffs.device), dct_basis(plan.s2, coeffs.device) * lr
-    flag = ok.reshape(1).to(torch.uint8) if ok is not None else coeffs  # not read unless GUARDED
+    flag = coeffs if ok is None else ok if ok.dtype == torch.uint8 else ok.reshape(1).to(torch.uint8)
     _step_encode_kernel[(n,)](g if g is not None else coeffs, coeffs, d1, d2, idx, vals, flag, float(decay),
                               plan.rows, plan.cols, nbr, nbc, S1=plan.s1, S2=plan.s2, K=plan.k,
                               HAS_GRAD=g is not None, GUARDED=ok is not None)
@@ -366,8 +366,10 @@ def step_encode_many(grads: list[Optional[torch.Tensor]], moms: list[torch.Tenso
     momentum is left bit for bit as it was and the (indices, values) are not to be sent (indices still lie in
     their chunks); nothing is read back to the host. The kernel reads the flag; the reference paths keep a copy
     of what they change and put it back where the flag is False."""
+    flag = None
     if ok is not None:
         ok = ok.reshape(()).to(torch.bool)
+        flag = ok.reshape(1).to(torch.uint8)  # what the kernel reads: made once for every launch
     out_i, out_v = [], []
     start = 0
     while start < len(plans):
@@ -397,7 +399,7 @@ def step_encode_many(grads: list[Optional[torch.Tensor]], moms: list[torch.Tenso
                 flat = end_to_end(ms[a:b])
                 c = torch.cat([m.reshape(-1) for m in ms[a:b]]) if flat is None else flat
                 if kernel[a]:
-                    i, v = step_encode_triton(gs[a:b], c, ps[a:b], decay, lr, ok)
+                    i, v = step_encode_triton(gs[a:b], c, ps[a:b], decay, lr, flag)
                 else:
                     kept = _keep([c]) if ok is not None else None
                     i, v = step_encode_batch_ref(gs[a:b], c, ps[a:b], decay, lr)
