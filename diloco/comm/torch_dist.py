@@ -66,15 +66,20 @@ class _Lane:
     """One daemon thread that runs the overlapped exchanges in order, on process groups of its own.
 
     A daemon, so a process whose training thread fails never waits at exit for an exchange that other
-    ranks will not finish (a thread pool's workers are joined at exit).
+    ranks will not finish (a thread pool's workers are joined at exit). On a GPU the thread takes the process's
+    device as its current one: a new thread starts on cuda:0, and Triton launches its kernels on the current
+    device's stream, whatever device their tensors are on.
     """
 
-    def __init__(self, groups: dict[str, Any], lanes: threading.local) -> None:
+    def __init__(self, groups: dict[str, Any], lanes: threading.local, device: torch.device) -> None:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, args=(groups, lanes), name="loco-exchange", daemon=True)
+        self.thread = threading.Thread(target=self._loop, args=(groups, lanes, device), name="loco-exchange",
+                                       daemon=True)
         self.thread.start()
 
-    def _loop(self, groups: dict[str, Any], lanes: threading.local) -> None:
+    def _loop(self, groups: dict[str, Any], lanes: threading.local, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         lanes.groups = groups
         while (job := self.jobs.get()) is not None:
             fn, future = job
@@ -218,7 +223,7 @@ class TorchDistTransport(Transport):
         if self.backend != "gloo" or self.world_size == 1:
             return super()._start(fn)
         if self._background is None:
-            self._background = _Lane(self._side_groups(), self._lanes)
+            self._background = _Lane(self._side_groups(), self._lanes, self.device)
         return _Future(self._background.submit(fn))
 
     def _drain(self, wait: bool = True) -> None:
@@ -248,11 +253,22 @@ class TorchDistTransport(Transport):
             self._run("waiting for every worker (monitored barrier)", dist.monitored_barrier, group=self._g(),
                       timeout=datetime.timedelta(seconds=self.timeout), wait_all_ranks=True)
 
+    def _reachable(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, or a copy of it on this process's GPU where the backend cannot take it: NCCL moves device
+        memory only, and an outer step kept on the host (``algo.offload_outer``) hands it host tensors."""
+        return t.to(self.device) if self.backend == "nccl" and t.device.type != "cuda" else t
+
     def _all_reduce_sum_(self, flat: torch.Tensor) -> None:
-        self._run("all_reduce", dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=self._g())
+        work = self._reachable(flat)
+        self._run("all_reduce", dist.all_reduce, work, op=dist.ReduceOp.SUM, group=self._g())
+        if work is not flat:
+            flat.copy_(work)
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        self._run("broadcast", dist.broadcast, tensor, src=self._src(src), group=self._g())
+        work = self._reachable(tensor)
+        self._run("broadcast", dist.broadcast, work, src=self._src(src), group=self._g())
+        if work is not tensor:
+            tensor.copy_(work)
         return tensor
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -366,9 +382,10 @@ class TorchDistTransport(Transport):
                                      f"({', '.join(map(str, sizes))} bytes by rank): do they train the same model "
                                      "with the same settings?")
             self._gather_sizes.add(t.numel())
-        out = list(torch.empty((self.world_size, t.numel()), dtype=t.dtype, device=t.device).unbind(0))
-        self._run("all_gather(tensor)", dist.all_gather, out, t.contiguous(), group=self._g())
-        return out
+        work = self._reachable(t.contiguous())
+        out = list(torch.empty((self.world_size, t.numel()), dtype=t.dtype, device=work.device).unbind(0))
+        self._run("all_gather(tensor)", dist.all_gather, out, work, group=self._g())
+        return out if work.device == t.device else [x.to(t.device) for x in out]
 
     def _all_to_all_bytes(self, payloads: Sequence[bytes | bytearray | memoryview]) -> list[memoryview]:
         return self._all_to_all_start(payloads, False)()
@@ -467,6 +484,11 @@ class NodeMeshTransport(TorchDistTransport):
     def _on_my_share(self, flat: torch.Tensor, align: int, reduce: Callable[[torch.Tensor], Any]) -> Any:
         """Cut ``flat`` into one share per local rank (at multiples of ``align``), ``reduce`` mine in place
         (across nodes), then all-gather the shares inside the node back into ``flat``."""
+        work = self._reachable(flat)
+        if work is not flat:  # a host buffer under NCCL: the whole of it goes through the device
+            result = self._on_my_share(work, align, reduce)
+            flat.copy_(work)
+            return result
         bounds = shard_bounds(flat.numel(), self.per_node, align)
         lo, hi = bounds[self.local_rank]
         share = flat[lo:hi].clone()
