@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from diloco import Algorithm
 from diloco.comm import Transport, make_transport
+from diloco.comm.base import DeviceSpan
 from launch.algorithms import algorithm_class
 from launch.checkpoint import (CheckpointError, checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint,
                                rng_state, save_checkpoint, set_rng_state)
@@ -705,6 +706,8 @@ class Trainer:
                 m.info(f"resumed from {self.resumed_from}{changes}", self.step)
         self._t0 = time.perf_counter()
         window_t = time.perf_counter()
+        # the simulator's virtual time wants each step's compute: on a GPU, timed on the device (no host wait)
+        device_timed = self.device.type == "cuda" and self.transport.measures_compute
         listening = self.stop_on_request
         if listening:
             STOP.listening += 1
@@ -715,12 +718,14 @@ class Trainer:
                 lr = self._set_lr()
                 step_loss = None  # stays on the device: read back only at log steps (no host sync per step)
                 compute_start = time.perf_counter()
+                span = DeviceSpan(self.device) if device_timed else None
                 for micro in range(run.grad_accum):
                     loss = self.loss_on(*self.batcher.train_batch(self.step, self.micro_offset + micro))
                     (loss / run.grad_accum).backward()
                     part = loss.detach() / run.grad_accum
                     step_loss = part if step_loss is None else step_loss + part
-                self.transport.advance_compute(time.perf_counter() - compute_start)
+                self.transport.advance_compute(span.stop() if span is not None else
+                                               time.perf_counter() - compute_start)
                 info = self.algo.step()
                 synced = bool(info.get("synced"))
                 self.algo.zero_grad()

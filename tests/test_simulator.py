@@ -213,6 +213,53 @@ def test_virtual_step_time_is_the_median_of_the_measured_steps():
     assert summary["virtual_compute_s_per_worker"] == pytest.approx([0.6, 1.2])
 
 
+def test_steps_timed_on_a_device_join_the_median_once_the_device_is_past_them():
+    """On a GPU a step's compute is a DeviceSpan (two CUDA events), read once the device has passed it: spans join
+    the median in order as they complete, and the median waits for the oldest only when it has nothing else.
+    Here spans are stood in for by objects that say when they are done (CUDA events are not on this machine; the
+    GPU-marked test below times real ones)."""
+    from diloco.sim.group import RunningMedian
+
+    class Span:
+        def __init__(self, seconds: float) -> None:
+            self.value, self.finished, self.read = seconds, False, False
+
+        def done(self) -> bool:
+            return self.finished
+
+        def seconds(self) -> float:
+            self.read = True
+            return self.value
+
+    median = RunningMedian()
+    spans = [Span(s) for s in (0.3, 0.1, 0.2, 5.0)]
+    for span in spans:
+        median.add_later(span)
+    assert median.median() == 0.3 and spans[0].read and not spans[1].read  # nothing else: waits for the oldest
+    spans[1].finished = spans[3].finished = True
+    assert median.median() == pytest.approx(0.2) and spans[1].read  # 0.3 and 0.1; 5.0 waits behind 0.2
+    assert not spans[3].read
+    assert len(median) == 4 and spans[3].read  # the length counts every span: it waits for them all
+    assert median.median() == pytest.approx(0.25)
+
+
+@pytest.mark.gpu
+def test_simulated_steps_on_a_gpu_are_timed_on_the_device(tmp_path):
+    """A simulated step on a GPU is timed by CUDA events around its compute (the host's clock would see the
+    launches only): the median measured step is a real share of the loop's time, and no more than all of it."""
+    from conftest import FAST, TINY
+    from launch.config import load_config
+    from launch.simulate import simulate_once
+
+    cfg, _ = load_config([TINY], [*FAST, "run.device=cuda", "run.max_steps=30", "sim.workers=2", "sim.baseline=none",
+                                  "algo.name=diloco", "algo.inner_steps=10", "run.eval_every=0",
+                                  f"run.dir={tmp_path / 'run'}"])
+    summary = simulate_once(cfg)
+    measured, steps = summary["measured_step_time_s"], summary["measured_steps"]
+    assert steps == 60 and measured > 0
+    assert measured * steps <= summary["wall_s"]
+
+
 def test_a_fixed_step_time_makes_virtual_time_independent_of_the_machine():
     quiet = _timed_run(0.25, [[0.01] * 6, [0.01] * 6])
     busy = _timed_run(0.25, [[0.3, 2.0, 0.01, 9.0, 0.5, 0.02], [1.0, 0.01, 3.0, 0.2, 0.2, 7.0]])

@@ -108,6 +108,30 @@ class _Later(Handle):
         return self.result
 
 
+class DeviceSpan:
+    """A step's compute on a GPU: the device time between two events recorded on the current stream, read once the
+    device has passed the second. The host's clock would measure the launches only (nothing waits for the device
+    inside a step), and a queue that filled up would lend a step the other workers' kernels."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.start.record(torch.cuda.current_stream(device))
+        self.device = device
+
+    def stop(self) -> "DeviceSpan":
+        self.end.record(torch.cuda.current_stream(self.device))
+        return self
+
+    def done(self) -> bool:
+        return self.end.query()
+
+    def seconds(self) -> float:
+        """The span's seconds, waiting for the device if it has not passed the end yet."""
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3
+
+
 class Transport(ABC):
     """A group of workers: ``rank`` in ``[0, world_size)``; rank 0 leads (logs, writes files)."""
 
@@ -244,7 +268,11 @@ class Transport(ABC):
         """Seconds on this worker's clock (sync.mode=time measures rounds with it)."""
         return time.monotonic()
 
-    def advance_compute(self, seconds: float) -> None:
+    #: True where :meth:`advance_compute` uses what it is told (the simulator): on a GPU the loop then measures a
+    #: step on the device (:class:`DeviceSpan`) rather than by the host's clock
+    measures_compute: bool = False
+
+    def advance_compute(self, seconds: Any) -> None:
         """The loop reports each step's compute time; the simulator turns it into virtual time."""
 
     def steps_trained(self) -> Optional[int]:

@@ -18,7 +18,8 @@ Time is virtual. Each worker has a clock that its compute advances by one
 virtual step time per step, divided by the worker's speed. The virtual step
 time is ``step_time`` when given; otherwise it is the median of every step's
 measured compute time in the run (all workers share one device, so they are
-measured alike), which a busy machine's slow or fast moments do not move. A
+measured alike; on a GPU by CUDA events around the compute, see
+:class:`~diloco.comm.base.DeviceSpan`), which a busy machine's slow or fast moments do not move. A
 collective starts when the last worker arrives (the maximum of the clocks) and
 the link is free, and lasts what the :class:`NetworkModel` says the bytes take.
 A synchronous collective moves the clocks to its end; an asynchronous one
@@ -51,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 import greenlet
 import torch
 
-from diloco.comm.base import Handle, Transport, TransportError
+from diloco.comm.base import DeviceSpan, Handle, Transport, TransportError
 from diloco.sim.network import NetworkModel
 
 if TYPE_CHECKING:
@@ -59,14 +60,27 @@ if TYPE_CHECKING:
 
 
 class RunningMedian:
-    """The median of a growing sample, O(log n) per value: a max-heap holds the lower half, a min-heap the upper."""
+    """The median of a growing sample, O(log n) per value: a max-heap holds the lower half, a min-heap the upper.
+
+    A value may come later (:meth:`add_later`: a :class:`~diloco.comm.base.DeviceSpan`, or anything with
+    ``done()`` and ``seconds()``): it joins the sample once it is done, in the order given; the median waits for
+    the oldest only when nothing is in the sample yet, and the length waits for all of them."""
 
     def __init__(self) -> None:
         self._lo: list[float] = []  # negated
         self._hi: list[float] = []
+        self._later: deque = deque()
 
     def __len__(self) -> int:
+        self._harvest(everything=True)
         return len(self._lo) + len(self._hi)
+
+    def add_later(self, value: Any) -> None:
+        self._later.append(value)
+
+    def _harvest(self, everything: bool = False) -> None:
+        while self._later and (everything or self._later[0].done() or not self._lo):
+            self.add(self._later.popleft().seconds())
 
     def add(self, x: float) -> None:
         if self._lo and x > -self._lo[0]:
@@ -79,6 +93,7 @@ class RunningMedian:
             heapq.heappush(self._lo, -heapq.heappop(self._hi))
 
     def median(self) -> Optional[float]:
+        self._harvest()
         if not self._lo:
             return None
         if len(self._lo) > len(self._hi):
@@ -352,6 +367,7 @@ class InProcessTransport(Transport):
     shared_results = True  # every worker's all_gather_bytes returns the one list rendezvous combined
     device_gather = True  # all_gather_tensor hands the workers each other's tensors, where they lie
     settings_agreed = True  # every simulated worker runs the one config
+    measures_compute = True  # advance_compute turns each step's measured compute into virtual time
 
     def __init__(self, group: InProcessGroup, rank: int) -> None:
         super().__init__()
@@ -483,10 +499,14 @@ class InProcessTransport(Transport):
     def now(self) -> float:
         return self.group.seconds(self.group.clock[self.rank])
 
-    def advance_compute(self, seconds: float) -> None:
-        """One step done: ``seconds`` is what its compute measured; the clock advances by one virtual step."""
+    def advance_compute(self, seconds: "float | DeviceSpan") -> None:
+        """One step done: ``seconds`` is what its compute measured (on a GPU a :class:`DeviceSpan`, read when the
+        device has passed it); the clock advances by one virtual step."""
         g = self.group
-        g.measured.add(seconds)
+        if isinstance(seconds, (int, float)):
+            g.measured.add(seconds)
+        else:
+            g.measured.add_later(seconds)
         steps = 1.0 / g.speeds[self.rank]
         g.clock[self.rank] = g.clock[self.rank].plus(steps=steps)
         g.compute_steps[self.rank] += steps
