@@ -323,6 +323,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def one_block(x: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
+    """The contiguous ``(B, T + 1)`` block whose ``[:, :-1]`` is ``x`` and ``[:, 1:]`` is ``y`` (as the batcher cuts
+    inputs and targets), or None."""
+    block = x._base
+    if (block is None or y._base is not block or block.dim() != 2 or not block.is_contiguous()
+            or x.shape != (block.shape[0], block.shape[1] - 1) or y.shape != x.shape):
+        return None
+    if x.data_ptr() != block.data_ptr() or y.data_ptr() != block.data_ptr() + block.element_size():
+        return None
+    return block
+
+
 class Trainer:
     def __init__(self, cfg: Config, model: Optional[nn.Module] = None, transport: Optional[Transport] = None,
                  data: Optional[TokenData] = None, on_step: Optional[Callable[[int, dict], None]] = None,
@@ -599,12 +611,24 @@ class Trainer:
         return self.wall_s() - self.wall_prior
 
     def loss_on(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":  # from pinned memory the copies do not wait for the queued kernels
-            x, y = x.pin_memory(), y.pin_memory()
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x, y = self._on_device(x, y)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             logits = self._forward(x)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def _on_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch on the run's device. On a GPU it goes from pinned memory, so the copy does not wait for the
+        queued kernels; a pinned tensor keeps its strides, and a strided one would be staged through pageable
+        memory (a copy the host waits for). The batcher cuts inputs and targets from one block of windows one
+        token longer: that block goes over once, whole, and is cut again on the device."""
+        if self.device.type != "cuda":
+            return x.to(self.device), y.to(self.device)
+        block = one_block(x, y)
+        if block is not None:
+            on = block.pin_memory().to(self.device, non_blocking=True)
+            return on[:, :-1], on[:, 1:]
+        return x.contiguous().pin_memory().to(self.device, non_blocking=True), \
+            y.contiguous().pin_memory().to(self.device, non_blocking=True)
 
     def _compile(self) -> None:
         """``run.compile``: torch.compile the model in place (its state_dict keeps its names).

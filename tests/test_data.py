@@ -714,3 +714,19 @@ def test_affine_path_is_a_bijection_per_epoch(monkeypatch):
 def test_worker_index_out_of_range():
     with pytest.raises(ValueError, match="worker_index"):
         Batcher(_synthetic(), SEQ, 4, worker_index=2, num_workers=2)
+
+
+def test_a_batch_is_cut_from_one_block_that_goes_to_the_device_whole():
+    """Inputs and targets are ``[:, :-1]`` and ``[:, 1:]`` of one contiguous block of windows one token longer:
+    on a GPU the trainer pins and moves that block once (a pinned strided view would be staged through pageable
+    memory, a copy the host waits for). ``one_block`` finds it for training and validation batches, and only for
+    such a pair."""
+    from launch.trainer import one_block
+
+    b = Batcher(_synthetic(), SEQ, 3)
+    for x, y in (b.train_batch(2), b.val_batch(0)):
+        block = one_block(x, y)
+        assert block is not None and block.is_contiguous() and block.shape == (3, SEQ + 1)
+        assert torch.equal(block[:, :-1], x) and torch.equal(block[:, 1:], y)
+    x, y = b.train_batch(0)
+    assert one_block(x.clone(), y) is None and one_block(y, x) is None and one_block(x, x) is None
