@@ -214,7 +214,7 @@ if HAVE_TRITON:
         rem = pid % per
         rr = (rem // NBC) * S1 + tl.arange(0, S1)
         cc = (rem % NBC) * S2 + tl.arange(0, S2)
-        offs = lead.to(tl.int64) * R * C + rr[:, None] * C + cc[None, :]
+        offs = lead.to(tl.int64) * R * C + rr[:, None].to(tl.int64) * C + cc[None, :]  # no int32 overflow
         mask = (rr < R)[:, None] & (cc < C)[None, :]
         return offs, mask
 
