@@ -132,11 +132,14 @@ if HAVE_TRITON:
     @triton.jit
     def select_topk(bits, k):
         """Mask of the k largest of ``bits`` (|x| as int32 bit patterns; -1 for padding; ties: lowest index)
-        and each kept entry's position among the kept ones. Binary search for the k-th largest: no sort."""
+        and each kept entry's position among the kept ones. Binary search for the k-th largest: no sort. The
+        search spans every non-negative pattern, NaN's above Inf's included (as in the reference's ranking), so
+        exactly k are kept whatever the values: a NaN cannot make it keep more and write past its k slots."""
         lo = tl.zeros((), tl.int32)
-        hi = tl.full((), 0x7F800000, tl.int32)
+        hi = tl.full((), 0x7FFFFFFF, tl.int32)
         for _ in range(31):
-            mid = lo + (hi - lo + 1) // 2
+            gap = hi - lo  # hi - lo + 1 would overflow int32 on the first pass
+            mid = lo + (gap >> 1) + (gap & 1)
             ok = tl.sum((bits >= mid).to(tl.int32), axis=0) >= k
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid - 1)
