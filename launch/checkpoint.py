@@ -253,4 +253,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state per GPU the saving process saw: a machine with fewer (or a narrower CUDA_VISIBLE_DEVICES)
+        # takes those it has (torch's set_rng_state_all would fail on the first missing one)
+        for index, saved in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(saved, index)
