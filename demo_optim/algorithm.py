@@ -70,3 +70,7 @@ class DeMoAlgorithm(Algorithm):
         state = super().state_dict()
         state.update(skipped_payloads=self.optimizer.rejected_payloads)
         return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.optimizer.rejected_payloads = int(state.get("skipped_payloads", 0))

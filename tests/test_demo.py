@@ -850,3 +850,19 @@ def test_forged_payloads_are_rejected_whatever_their_header_says(caplog):
         outcomes.add(valid(bytes(b)))
         assert kept(forge(bytes(b))) == valid(bytes(b))
     assert outcomes == {True, False}
+
+
+def test_the_counts_of_refused_payloads_and_skipped_steps_survive_a_resume():
+    """A resumed DeMo run goes on counting the peer payloads it left out and the steps it sat out from where the
+    checkpoint left them (the summary and the logs report both)."""
+    from demo_optim.algorithm import DeMoAlgorithm
+
+    def made():
+        model = _tiny(2)
+        return DeMoAlgorithm(model, DeMo(model.parameters(), lr=1e-3))
+
+    saved = made()
+    saved.optimizer.rejected_payloads, saved.skipped_steps = 3, 2
+    resumed = made()
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.optimizer.rejected_payloads == 3 and resumed.skipped_steps == 2
