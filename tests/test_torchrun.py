@@ -72,6 +72,30 @@ def test_two_nodes_of_two_processes_equal_two_workers_with_double_batch(tmp_path
     assert summary["tokens"] == json.loads((tmp_path / "sim" / "summary.json").read_text())["tokens"]
 
 
+def test_a_node_of_two_processes_resumes_its_error_feedback_exactly(tmp_path):
+    """On a node mesh each process encodes its own share of the buffer and keeps that share's error-feedback
+    residual; a checkpoint holds every process's (not only the first's), so a run resumed mid-way ends as the
+    unbroken one, to the bit."""
+    import shutil
+
+    common = ["train", "--config", TINY, "--max-steps", "6", "--seed", "5",
+              *sets("algo.name=diloco", "algo.inner_steps=3", "run.checkpoint_every=3", "run.batch_size=2",
+                    "compress.codec=topk:0.1+int8")]
+    for node in _nodes([[*common, "--run-dir", str(tmp_path / "full")]] * 2, per_node=2):
+        assert node.returncode == 0, node.stderr[-3000:]
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "full", broken)
+    (broken / "checkpoints" / "step_00000006.pt").unlink()
+    _, state = latest_checkpoint(broken / "checkpoints")
+    assert state["step"] == 3 and all(w["algo"]["codec"]["residuals"] for w in state["workers"])
+    for node in _nodes([[*common, "--run-dir", str(broken), "--resume"]] * 2, per_node=2):
+        assert node.returncode == 0, node.stderr[-3000:]
+    want = latest_checkpoint(tmp_path / "full" / "checkpoints")[1]
+    got = latest_checkpoint(broken / "checkpoints")[1]
+    assert got["step"] == want["step"] == 6
+    assert all(torch.equal(want["model"][k], got["model"][k]) for k in want["model"])
+
+
 def _nodes(args: list[list[str]], per_node: int | list[int] = 1,
            timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """One torchrun per node on this machine (``--nnodes len(args)``), node i running ``launch.cli args[i]`` in

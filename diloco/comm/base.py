@@ -268,6 +268,14 @@ class Transport(ABC):
         """Seconds on this worker's clock (sync.mode=time measures rounds with it)."""
         return time.monotonic()
 
+    #: this process's place among the processes of its worker (a node of a torchrun mesh); 0 where a worker is one
+    local_rank: int = 0
+
+    def gather_in_worker(self, obj: Any) -> Optional[list[Any]]:
+        """``obj`` of every process of this worker, in local-rank order, at its first process (None at the others);
+        ``[obj]`` where a worker is one process."""
+        return [obj]
+
     #: True where :meth:`advance_compute` uses what it is told (the simulator): on a GPU the loop then measures a
     #: step on the device (:class:`DeviceSpan`) rather than by the host's clock
     measures_compute: bool = False

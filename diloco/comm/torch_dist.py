@@ -529,6 +529,14 @@ class NodeMeshTransport(TorchDistTransport):
         self._run("gather_object", dist.gather_object, obj, out, dst=dst * self.per_node, group=self._g("world"))
         return out[::self.per_node] if out is not None else None
 
+    def gather_in_worker(self, obj: Any) -> Optional[list[Any]]:
+        """Every process of this node's ``obj`` at its local rank 0 (each holds state of its own share: the
+        error-feedback residuals of the pieces it encodes)."""
+        out: Optional[list[Any]] = [None] * self.per_node if self.local_rank == 0 else None
+        self._run("gather_object (inside the node)", dist.gather_object, obj, out, dst=self.node * self.per_node,
+                  group=self._g("node_group"))
+        return out
+
     def barrier(self) -> None:
         self._run("barrier", dist.barrier, group=self._g("world"))
 
