@@ -251,9 +251,18 @@ class Algorithm:
         in pinned host memory and brings them back with asynchronous copies)."""
         source = next((p.device for p in self.params), torch.device("cpu"))
         self._move(device)
+        if self.codec is not None:  # the error-feedback residuals go where the exchanges will read them
+            home = self._exchange_device(device)
+            for key, residual in list(self.codec.residuals.items()):
+                self.codec.residuals[key] = move_tensor(residual, home)
         if torch.device(device).type == "cpu":
             settle(source)  # parked state is whole before anyone on the host reads it (a checkpoint)
         return self
+
+    def _exchange_device(self, device: torch.device) -> torch.device:
+        """Where this algorithm's exchanges run once it is on ``device`` (the gradients'; DiLoCo: its outer
+        device)."""
+        return torch.device(device)
 
     def _move(self, device: torch.device) -> None:
         """What :meth:`to` moves; subclasses add their own state."""

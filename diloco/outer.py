@@ -234,6 +234,9 @@ class DiLoCo(Algorithm):
             # device's stream, behind the copies; a worker parked on the host waits unflattened, in pinned memory)
             self.flat_params = self.params[0].device == self.outer_device and flatten_parameters_(self.params)
 
+    def _exchange_device(self, device: torch.device) -> torch.device:
+        return self.outer_device  # the host with offload_outer, else where _move put the global copy
+
     def global_parameters(self) -> list[torch.Tensor]:
         return self.global_params
 

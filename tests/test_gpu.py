@@ -85,10 +85,11 @@ def test_more_processes_than_gpus_stop_before_any_work(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("codec", ["fp32", "int8"])
+@pytest.mark.parametrize("codec", ["fp32", "int8", "topk:0.1+int8"])
 def test_simulator_offload_on_cuda_changes_nothing(tmp_path, codec):
     """Parking idle workers in pinned host memory moves bits, not values: equal to the run without it (int8: a
-    worker brought back lays its parameters end to end again, see DiLoCo._move). With ``algo.offload_outer`` the
+    worker brought back lays its parameters end to end again, see DiLoCo._move; top-k: its error-feedback
+    residuals are parked and brought back too, Algorithm.to). With ``algo.offload_outer`` the
     outer step itself runs on the CPU, whose arithmetic differs from the GPU's in the last bits, so that run is
     only close (fp32; int8 may round such a difference to another step of its grid)."""
     common = ["run.max_steps=6", "sim.workers=3", "algo.name=diloco", "algo.inner_steps=3", "sim.baseline=none",
