@@ -27,10 +27,13 @@ fixed number of tensor ops whatever the number of parameters: the index streams 
 finiteness of the values are checked in one vectorised expression (every payload's body a
 row of one tensor), with one host sync to accept or reject them all, and one
 ``scatter_add_`` each adds the values and the counts into flat buffers that hold every
-parameter's chunks back to back (flat position = the chunk's offset + the index). Every worker aggregates the same payloads in rank order, so every worker
-applies the same update. A payload that fails validation is left out of the mean and logged;
-a worker whose gradients are not finite sends nothing that step (``nonfinite="skip"``) or
-raises (``"raise"``) and still applies the others' update, so the replicas stay equal.
+parameter's chunks back to back (flat position = the chunk's offset + the index). Every
+worker aggregates the same payloads in rank order, so every worker applies the same update.
+A payload that fails validation is left out of the mean and logged; a worker whose gradients
+are not finite sends nothing that step (``nonfinite="skip"``) or raises (``"raise"``) and
+still applies the others' update, so the replicas stay equal. In loco's loop on a GPU that
+decision is taken on the device (``found_inf``, see :meth:`DeMo.step`): nothing is read back
+for it.
 
 Transports that move tensors where they lie (``Transport.device_gather``: the simulator, NCCL)
 skip the host: the payload is one uint8 tensor on the parameters' device, the size of the wire
