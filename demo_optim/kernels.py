@@ -240,11 +240,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _step_encode_kernel(g_ptr, c_ptr, d1_ptr, d2_ptr, idx_ptr, val_ptr, ok_ptr, decay, R, C, NBR, NBC,
-                            S1: tl.constexpr, S2: tl.constexpr, K: tl.constexpr, HAS_GRAD: tl.constexpr,
-                            GUARDED: tl.constexpr):
+                            S1: tl.constexpr, S2: tl.constexpr, K: tl.constexpr, HAS_GRAD: tl.constexpr):
         """One block: ``c = decay * c + d1 @ g @ d2^T`` (lr folded into d2), top-k of |c| out, zeroed in c.
-        ``GUARDED``: where the flag at ``ok_ptr`` is 0, c stays as it was (the top-k is taken of it, so that a
-        non-finite gradient cannot make it select more than K) and what goes out is not to be sent."""
+        Where the flag at ``ok_ptr`` is 0, c stays as it was (the top-k is taken of it, so that a non-finite
+        gradient cannot make it select more than K) and what goes out is not to be sent. Every step runs this
+        one compiled kernel, flagged or not, so a step decided on the device rounds as one decided on the host."""
         pid = tl.program_id(0)
         i1 = tl.arange(0, S1)
         i2 = tl.arange(0, S2)
@@ -257,17 +257,14 @@ if HAVE_TRITON:
             d1 = tl.load(d1_ptr + i1[:, None] * S1 + i1[None, :])
             d2 = tl.load(d2_ptr + i2[:, None] * S2 + i2[None, :])
             c = c + tl.dot(tl.dot(d1, g, input_precision="ieee"), tl.trans(d2), input_precision="ieee")
-        if GUARDED:
-            go = tl.load(ok_ptr) != 0
-            c = tl.where(go, c, was)
+        go = tl.load(ok_ptr) != 0
+        c = tl.where(go, c, was)
         flat = tl.reshape(c, (S1 * S2,))
         sel, rank = select_topk(tl.abs(flat).to(tl.int32, bitcast=True), K)
         pos = pid.to(tl.int64) * K + rank
         tl.store(idx_ptr + pos, tl.arange(0, S1 * S2), mask=sel)
         tl.store(val_ptr + pos, flat, mask=sel)
-        if GUARDED:
-            sel = sel & go
-        tl.store(c_ptr + coffs, tl.reshape(tl.where(sel, 0.0, flat), (S1, S2)))
+        tl.store(c_ptr + coffs, tl.reshape(tl.where(sel & go, 0.0, flat), (S1, S2)))
 
     @triton.jit
     def _decode_sign_kernel(agg_ptr, p_ptr, d1_ptr, d2_ptr, lr, R, C, NBR, NBC,
@@ -343,11 +340,22 @@ def step_encode_triton(grads: list[Optional[torch.Tensor]], coeffs: torch.Tensor
     idx = torch.empty(n * plan.k, dtype=torch.int32, device=coeffs.device)
     vals = torch.empty(n * plan.k, dtype=torch.float32, device=coeffs.device)
     d1, d2 = dct_basis(plan.s1, coeffs.device), dct_basis(plan.s2, coeffs.device) * lr
-    flag = coeffs if ok is None else ok if ok.dtype == torch.uint8 else ok.reshape(1).to(torch.uint8)
+    flag = _go(coeffs.device) if ok is None else ok if ok.dtype == torch.uint8 else ok.reshape(1).to(torch.uint8)
     _step_encode_kernel[(n,)](g if g is not None else coeffs, coeffs, d1, d2, idx, vals, flag, float(decay),
                               plan.rows, plan.cols, nbr, nbc, S1=plan.s1, S2=plan.s2, K=plan.k,
-                              HAS_GRAD=g is not None, GUARDED=ok is not None)
+                              HAS_GRAD=g is not None)
     return idx, vals
+
+
+_GO: dict[torch.device, torch.Tensor] = {}
+
+
+def _go(device: torch.device) -> torch.Tensor:
+    """The step kernel's flag for a step nobody flagged: a 1, one per device, made once."""
+    flag = _GO.get(device)
+    if flag is None:
+        flag = _GO[device] = torch.ones(1, dtype=torch.uint8, device=device)
+    return flag
 
 
 def step_encode_many(grads: list[Optional[torch.Tensor]], moms: list[torch.Tensor], plans: list[ChunkPlan],
