@@ -20,11 +20,11 @@ With P=1, tau=0, alpha=0 this is exactly DiLoCo (a test proves it).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from diloco.algorithm import ConfigConflict, move_tensor, register
+from diloco.algorithm import ConfigConflict, register
 from diloco.comm.base import Handle, Transport
 from diloco.outer import DiLoCo
 
@@ -159,6 +159,7 @@ class StreamingDiLoCo(DiLoCo):
         self.pending = [x for x in self.pending if x["apply_at"] > step]
         for x in due:
             x["handle"].wait()
+            self._place(x)
             total = self._total(x["total"])
             indices = self.fragments[x["fragment"]]
             # "keep" merge, and any exchange applied before its step (training ended): global + steps since the send
@@ -203,19 +204,13 @@ class StreamingDiLoCo(DiLoCo):
             if not x.pop("averaged", False) and float(x["total"].item()) > 0:
                 for d in x["deltas"]:
                     d.div_(float(x["total"].item()))
-        self._place_pending(lambda t, device: t.to(device))  # a checkpoint loads on the CPU
 
-    def _move(self, device: torch.device) -> None:
-        for x in self.pending:  # an exchange in flight writes its deltas where they lie: it ends first
-            x["handle"].wait()
-        super()._move(device)
-        self._place_pending(move_tensor)
-
-    def _place_pending(self, move: Callable[[torch.Tensor, torch.device], torch.Tensor]) -> None:
-        """Each exchange in flight beside what it is applied to: its averaged deltas on the global copy's device
-        (they become its gradients), what was sent on the local parameters' (the steps since are local - sent)."""
-        for x in self.pending:
-            indices = self.fragments[x["fragment"]]
-            x["deltas"] = [move(d, self.global_views[k].device) for k, d in zip(indices, x["deltas"])]
-            if x.get("sent") is not None:
-                x["sent"] = [move(t, self._local(k).device) for k, t in zip(indices, x["sent"])]
+    def _place(self, x: dict[str, Any]) -> None:
+        """An exchange that ended, beside what it is applied to: its averaged deltas on the global copy's device
+        (they become its gradients), what was sent on the local parameters' (the steps since are local - sent).
+        They may lie elsewhere: a checkpoint loads on the CPU, and a simulated worker parked while the exchange
+        was in flight moved its model but not these (waiting for the exchange there would move its virtual clock)."""
+        indices = self.fragments[x["fragment"]]
+        x["deltas"] = [d.to(self.global_views[k].device) for k, d in zip(indices, x["deltas"])]
+        if x.get("sent") is not None:
+            x["sent"] = [t.to(self._local(k).device) for k, t in zip(indices, x["sent"])]

@@ -268,7 +268,7 @@ def test_simulated_run_resumes_exactly(tmp_path):
 def test_streaming_resumed_with_exchanges_in_flight_equals_the_unbroken_run(tmp_path, device):
     """A Streaming checkpoint holds exchanges still in flight (their averaged deltas and what was sent); a
     checkpoint loads on the CPU, and on a GPU they must go back beside the global copy and the local parameters
-    (StreamingDiLoCo._place_pending) before they are applied. Resumed from the middle, the run ends as the unbroken
+    (StreamingDiLoCo._place) before they are applied. Resumed from the middle, the run ends as the unbroken
     one, to the bit."""
     import shutil
 
