@@ -292,7 +292,15 @@ class DeMo(torch.optim.Optimizer):
         for group, params in groups.values():  # one op per group, not per parameter
             if group["weight_decay"]:
                 factor = 1.0 - group["lr"] * group["weight_decay"]
-                torch._foreach_mul_(params, factor if ok is None else torch.where(ok, factor, 1.0))
+                if ok is None:
+                    torch._foreach_mul_(params, factor)
+                    continue
+                fp32 = [p for p in params if p.dtype == torch.float32]
+                if fp32:  # the factor as an fp32 device tensor: the same product as the Python number gives
+                    torch._foreach_mul_(fp32, torch.where(ok, factor, 1.0))
+                for p in params:  # other dtypes would round such a factor to theirs: the product, then a choice
+                    if p.dtype != torch.float32:
+                        torch.where(ok, p * factor, p, out=p)
         order, plans = layout.order, layout.plans
         moms = [self.state[entries[j][0]][_momentum_key(plans[j])] for j in order]
         idx, flat = kernels.step_encode_many([entries[j][0].grad for j in order], moms, [plans[j] for j in order],

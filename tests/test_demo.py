@@ -866,3 +866,29 @@ def test_the_counts_of_refused_payloads_and_skipped_steps_survive_a_resume():
     resumed = made()
     resumed.load_state_dict(saved.state_dict())
     assert resumed.optimizer.rejected_payloads == 3 and resumed.skipped_steps == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_decay_decided_on_the_device_equals_the_hosts(dtype):
+    """With ``found_inf`` the weight decay is applied on the device, by a factor that is 1 where the step is sat out:
+    equal to the plain step where it goes, in fp32 and in bf16 parameters alike (a bf16 factor would round 0.9999
+    to 1), and nothing changes where it is sat out."""
+    def run(found_inf):
+        g = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(64, 64, generator=g).to(dtype)),
+                  torch.nn.Parameter(torch.randn(64, generator=g).to(dtype))]
+        opt = DeMo(params, lr=1e-3, weight_decay=0.1)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(dtype)
+        before = [p.detach().clone() for p in params]
+        if found_inf is not None:
+            opt.found_inf = torch.tensor(found_inf)
+        opt.step()
+        return before, [p.detach().clone() for p in params]
+
+    _, plain = run(None)
+    _, decided = run(0.0)
+    before, sat_out = run(1.0)
+    assert all(torch.equal(a, b) for a, b in zip(plain, decided))
+    # sat out: the others' update still applies (here: none, one worker sent nothing), no weight decay
+    assert all(torch.equal(a, b) for a, b in zip(before, sat_out))

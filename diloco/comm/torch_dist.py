@@ -72,6 +72,8 @@ class _Lane:
     """
 
     def __init__(self, groups: dict[str, Any], lanes: threading.local, device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:  # "cuda": the device current here, named
+            device = torch.device("cuda", torch.cuda.current_device())
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, args=(groups, lanes, device), name="loco-exchange",
                                        daemon=True)

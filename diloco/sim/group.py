@@ -77,9 +77,10 @@ class RunningMedian:
 
     def add_later(self, value: Any) -> None:
         self._later.append(value)
+        self._harvest(wait=False)  # those done already join now: a run that never asks for the median keeps few
 
-    def _harvest(self, everything: bool = False) -> None:
-        while self._later and (everything or self._later[0].done() or not self._lo):
+    def _harvest(self, everything: bool = False, wait: bool = True) -> None:
+        while self._later and (everything or self._later[0].done() or (wait and not self._lo)):
             self.add(self._later.popleft().seconds())
 
     def add(self, x: float) -> None:
