@@ -819,6 +819,13 @@ def test_state_sketches_tolerate_rounding_but_not_a_different_round():
     moved = [p - 1e-3 * torch.randn_like(p) for p in params]  # one more outer step
     assert not same_state(a, fingerprint(moved))
     assert not same_state(a, fingerprint(params[:2]))
+    # a tensor of more than 2^24 values (an embedding of a 50k vocabulary): its last sample is its last value
+    # (float32 positions rounded 2^24 + 3 up to 2^24 + 4, one past the end, and the round ended in an IndexError)
+    big = torch.zeros(2 ** 24 + 4, dtype=torch.uint8)
+    big[-1] = 7
+    sketch = torch.frombuffer(bytearray(fingerprint([params[0], big])), dtype=torch.float32)
+    assert sketch.numel() == 16 and sketch[-1] == 7 and torch.equal(sketch[:8], torch.frombuffer(
+        bytearray(fingerprint(params[:1])), dtype=torch.float32))
 
 
 def test_the_ledger_merges_observers_by_median():

@@ -370,12 +370,22 @@ def _check_stripe(piece: bytes, off: int, stripe: int, hashes: bytes, total: int
 
 
 def fingerprint(tensors: Sequence[torch.Tensor], per_tensor: int = 8) -> bytes:
-    """A sketch of a list of tensors: ``per_tensor`` evenly spaced values of each, as float32 bytes."""
-    parts = []
-    for t in tensors:
+    """A sketch of a list of tensors: ``per_tensor`` evenly spaced values of each, as float32 bytes.
+
+    The positions are worked out in float64 on the tensor's device: in float32 the last one of a tensor of more
+    than 2^24 values could round past its end. The samples of the tensors on one device are read back together
+    (one wait for a GPU, not two per tensor)."""
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, t in enumerate(tensors):
         flat = t.detach().reshape(-1)
-        idx = torch.linspace(0, max(flat.numel() - 1, 0), min(per_tensor, flat.numel())).round().long()
-        parts.append(flat[idx.to(flat.device)].float().cpu())
+        n = flat.numel()
+        idx = torch.linspace(0, max(n - 1, 0), min(per_tensor, n), dtype=torch.float64, device=flat.device)
+        by_device.setdefault(flat.device, []).append((i, flat[idx.round().long().clamp_(max=max(n - 1, 0))]))
+    parts: list[Optional[torch.Tensor]] = [None] * len(tensors)
+    for samples in by_device.values():
+        values = torch.cat([x.float() for _, x in samples]).cpu()
+        for (i, _), piece in zip(samples, values.split([x.numel() for _, x in samples])):
+            parts[i] = piece
     return torch.cat(parts).numpy().tobytes() if parts else b""
 
 
