@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.simulator import device_name  # noqa: E402  (the one owner of a report's device name)
 
 # what the benchmarks import (hivemind and wandb are not among them: nothing in gpu.sh needs either)
-NEEDED = ["torch", "triton", "numpy", "einops", "zstandard", "yaml", "matplotlib", "greenlet"]
+NEEDED = ["torch", "triton", "numpy", "einops", "zstandard", "xxhash", "tqdm", "yaml", "matplotlib", "greenlet"]
 STAMP_MARK = "- produced by `bash benchmarks/gpu.sh`"
 
 

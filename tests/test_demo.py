@@ -367,18 +367,14 @@ def test_a_refused_flag_leaves_every_momentum_as_it_was(device, triton):
     decays, lrs = [0.9] * 5, [0.01] * 3 + [0.03] * 2
     g = torch.Generator().manual_seed(4)
 
-    def moms():
+    def moms():  # the first two end to end in one buffer on the device, the others apart
         sizes = [p.num_chunks * p.chunk_size for p in plans[:2]]
-        run = [c.view(p.num_chunks, p.chunk_size) for c, p in zip(torch.randn(sum(sizes), generator=g).split(sizes),
-                                                                   plans)]
-        alone = [torch.randn(p.num_chunks, p.chunk_size, generator=g) for p in plans[2:4]]
-        return [m.to(device) for m in run] + [m.to(device) for m in alone] + [torch.randn(shapes[4], generator=g).to(
-            device)]
+        run = [c.view(p.num_chunks, p.chunk_size)
+               for c, p in zip(torch.randn(sum(sizes), generator=g).to(device).split(sizes), plans)]
+        alone = [torch.randn(p.num_chunks, p.chunk_size, generator=g).to(device) for p in plans[2:4]]
+        return run + alone + [torch.randn(shapes[4], generator=g).to(device)]
 
     start = moms()
-    if device == "cpu":  # the first two lie end to end on the device too
-        start[:2] = list(torch.cat([m.reshape(-1) for m in start[:2]]).split([m.numel() for m in start[:2]]))
-        start[:2] = [m.view(p.num_chunks, p.chunk_size) for m, p in zip(start[:2], plans)]
     assert end_to_end(start[:2]) is not None
     grads = [torch.randn(s, generator=g).to(device) for s in shapes]
     bad = [x.clone() for x in grads]
