@@ -242,8 +242,8 @@ if HAVE_TRITON:
     def _step_encode_kernel(g_ptr, c_ptr, d1_ptr, d2_ptr, idx_ptr, val_ptr, ok_ptr, decay, R, C, NBR, NBC,
                             S1: tl.constexpr, S2: tl.constexpr, K: tl.constexpr, HAS_GRAD: tl.constexpr):
         """One block: ``c = decay * c + d1 @ g @ d2^T`` (lr folded into d2), top-k of |c| out, zeroed in c.
-        Where the flag at ``ok_ptr`` is 0, c stays as it was (the top-k is taken of it, so that a non-finite
-        gradient cannot make it select more than K) and what goes out is not to be sent. Every step runs this
+        Where the flag at ``ok_ptr`` is 0, c stays as it was (the top-k is taken of it, and its selected entries
+        are not zeroed) and what goes out is not to be sent. Every step runs this
         one compiled kernel, flagged or not, so a step decided on the device rounds as one decided on the host."""
         pid = tl.program_id(0)
         i1 = tl.arange(0, S1)
@@ -392,11 +392,8 @@ def step_encode_many(grads: list[Optional[torch.Tensor]], moms: list[torch.Tenso
             torch._foreach_mul_(ms, decay)
             with_grad = [(m, g) for m, g in zip(ms, gs) if g is not None]
             if with_grad:
-                # a gradient the flag refuses may hold NaN or Inf: zeros go in its place, so the encode (which the
-                # flag does not reach) selects among finite values
-                fresh = [g.float() if ok is None else torch.where(ok, g.float(), 0.0) for _, g in with_grad]
-                torch._foreach_add_([m for m, _ in with_grad], fresh, alpha=lr)
-            i, v = encode_many(ms, ps, triton)
+                torch._foreach_add_([m for m, _ in with_grad], [g.float() for _, g in with_grad], alpha=lr)
+            i, v = encode_many(ms, ps, triton)  # NaN from a refused gradient is safe: select_topk keeps exactly k
             if kept is not None:
                 _put_back(kept, ok)
             out_i.append(i)
