@@ -159,9 +159,9 @@ class StreamingDiLoCo(DiLoCo):
         self.pending = [x for x in self.pending if x["apply_at"] > step]
         for x in due:
             x["handle"].wait()
-            self._place(x)
-            total = self._total(x["total"])
             indices = self.fragments[x["fragment"]]
+            self._place(x, indices)
+            total = self._total(x["total"])
             # "keep" merge, and any exchange applied before its step (training ended): global + steps since the send
             keep = x.get("sent") is not None and (self.overlap_merge == "keep" or x["apply_at"] > self.steps)
             progress = [self._local(k) - s for k, s in zip(indices, x["sent"])] if keep else []
@@ -205,12 +205,11 @@ class StreamingDiLoCo(DiLoCo):
                 for d in x["deltas"]:
                     d.div_(float(x["total"].item()))
 
-    def _place(self, x: dict[str, Any]) -> None:
+    def _place(self, x: dict[str, Any], indices: list[int]) -> None:
         """An exchange that ended, beside what it is applied to: its averaged deltas on the global copy's device
         (they become its gradients), what was sent on the local parameters' (the steps since are local - sent).
         They may lie elsewhere: a checkpoint loads on the CPU, and a simulated worker parked while the exchange
         was in flight moved its model but not these (waiting for the exchange there would move its virtual clock)."""
-        indices = self.fragments[x["fragment"]]
         x["deltas"] = [d.to(self.global_views[k].device) for k, d in zip(indices, x["deltas"])]
         if x.get("sent") is not None:
             x["sent"] = [t.to(self._local(k).device) for k, t in zip(indices, x["sent"])]
