@@ -152,7 +152,9 @@ def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool =
         return trainer
 
     def worker(rank: int, transport) -> Any:
-        trainer = Trainer(cfg, transport=transport, data=data, restart=restart)
+        # parked from its first wait on (the start-up collectives that find the run folder and the checkpoint)
+        trainer = Trainer(cfg, transport=transport, data=data, restart=restart,
+                          on_built=lambda t: trainers.__setitem__(rank, t))
         if membership is not None and rank == 0:
             membership.start(trainer)
         try:

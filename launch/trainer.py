@@ -338,10 +338,14 @@ def one_block(x: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
 class Trainer:
     def __init__(self, cfg: Config, model: Optional[nn.Module] = None, transport: Optional[Transport] = None,
                  data: Optional[TokenData] = None, on_step: Optional[Callable[[int, dict], None]] = None,
-                 restart: bool = False, join_run: Optional[Path] = None) -> None:
+                 restart: bool = False, join_run: Optional[Path] = None,
+                 on_built: Optional[Callable[["Trainer"], None]] = None) -> None:
         """``restart``: start over from step 0 in ``run.dir``, moving its checkpoints and metrics aside.
         ``join_run``: the folder of a run in progress that this worker joins (a simulated worker coming back):
-        it starts without the start-up collectives, and the caller loads the run's state (:meth:`join_at`)."""
+        it starts without the start-up collectives, and the caller loads the run's state (:meth:`join_at`).
+        ``on_built``: called with this trainer once its model and algorithm exist, before the start-up
+        collectives that find the run folder and the checkpoint (the simulator parks the worker while it waits
+        in them)."""
         self.cfg = cfg
         self.restart = restart
         self.joining = join_run
@@ -369,7 +373,8 @@ class Trainer:
         self.data = data or load_data(cfg.data)
         self.batcher = Batcher(self.data, cfg.data.seq_len, run.batch_size * procs, self.rank, self.world, run.seed,
                                run.grad_accum * procs)
-        if model is None:
+        built_here = model is None  # from the run's seed (a model handed in may differ from worker to worker)
+        if built_here:
             self.model_args = model_args_from_config(cfg.model, self.data.vocab_size, cfg.data.seq_len)
             check_model_fits(self.model_args, self.device)
             torch.manual_seed(run.seed)
@@ -381,10 +386,14 @@ class Trainer:
         self._compile()
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, transport=self.transport, cfg=cfg)
         self.tokens_per_step = run.batch_size * procs * cfg.data.seq_len  # per worker
-        if self.world > 1 and join_run is None:  # every worker starts from rank 0's parameters (and DiLoCo's copy)
+        # every worker starts from rank 0's parameters (and DiLoCo's copy), which models built alike already are
+        seeded = self.transport.seeded_alike and built_here
+        if self.world > 1 and join_run is None and not seeded:
             with torch.no_grad():
                 self.transport.broadcast_tensors_([p.data for p in self.model.parameters()], 0)
         self.algo = build_algorithm(cfg, self.model, self.optimizer, self.transport, self.tokens_per_step, self.inner)
+        if on_built is not None:
+            on_built(self)
         # rounds that end on a time budget: workers' step counts differ, so they meet only after syncs
         self.time_rounds = self.algo.round_based and cfg.sync.mode == "time"
         for group in self.optimizer.param_groups:

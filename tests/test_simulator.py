@@ -179,16 +179,28 @@ def test_main_demo_prints_a_table_and_plots(tmp_path, capfd):
                                   ["algo.name=streaming", "algo.inner_steps=4", "algo.fragments=2",
                                    "algo.overlap_steps=2", "sim.step_time=1", "sim.bandwidth=1Mbit"]],
                          ids=["diloco", "streaming-overlap"])
-def test_offload_paths_run_and_change_nothing_on_cpu(tmp_path, algo):
+def test_offload_paths_run_and_change_nothing_on_cpu(tmp_path, algo, monkeypatch):
     """Parking idle workers changes neither the numbers nor the virtual times: a worker parked with a Streaming
-    exchange in flight does not wait for it (which would move its clock to the exchange's end)."""
-    common = [*QUICK, "run.max_steps=8", "sim.workers=2", *algo]
+    exchange in flight does not wait for it (which would move its clock to the exchange's end). Every worker is
+    parked from its first wait, at start-up, not from its first exchange: N workers' models never meet on the
+    device."""
+    from launch import simulate as sim_module
+
+    moves = []  # (rank, step) of every park and unpark
+    real_move = sim_module.move_worker_state
+    monkeypatch.setattr(sim_module, "move_worker_state",
+                        lambda trainer, device: (moves.append((trainer.rank, trainer.step)),
+                                                 real_move(trainer, device)))
+    common = [*QUICK, "run.max_steps=8", "sim.workers=3", *algo]
     runs = {}
     for name, extra in (("plain", []), ("offload", ["sim.offload=true", "algo.offload_outer=true"])):
         cfg, _ = load_config([TINY], [*common, *extra, f"run.dir={tmp_path / name}"])
         runs[name] = simulate_once(cfg)
     for key in ("val_loss", "bytes_sent", "virtual_wall_s", "virtual_wait_s_per_worker"):
         assert runs["plain"][key] == runs["offload"][key], key
+    first = {rank: step for rank, step in reversed(moves)}  # each worker's first move
+    # workers 0 and 1 wait for worker 2 in the start-up collectives, parked; worker 2 completes them without a wait
+    assert first[0] == first[1] == 0 and first[2] > 0, moves
 
 
 def _timed_run(step_time, measured):

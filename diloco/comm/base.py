@@ -160,6 +160,10 @@ class Transport(ABC):
     #: True where every worker was found to run with the same settings before the run began (torch_dist given
     #: ``settings``), so that payload sizes stated by a fixed-size codec hold on every worker
     settings_agreed: bool = False
+    #: True where every worker builds its model in this process, on the one device, from the run's seed (the
+    #: simulator): the models start equal, and the start-up broadcast of rank 0's parameters is left out (with
+    #: ``sim.offload`` it would hold every worker's model on the GPU at once, as none is parked before it ends)
+    seeded_alike: bool = False
     #: True where the byte collectives' ``*_start`` leave the transfer in flight, so that a compressed all-reduce
     #: works on one bucket while others are on the wire (torch_dist on gloo)
     overlaps_exchange: bool = False

@@ -369,6 +369,7 @@ class InProcessTransport(Transport):
     device_gather = True  # all_gather_tensor hands the workers each other's tensors, where they lie
     settings_agreed = True  # every simulated worker runs the one config
     measures_compute = True  # advance_compute turns each step's measured compute into virtual time
+    seeded_alike = True  # every worker builds its model here, on the one device, from the run's seed
 
     def __init__(self, group: InProcessGroup, rank: int) -> None:
         super().__init__()
