@@ -27,11 +27,13 @@ The kernel handles one s1 x s2 block per program with two small matmuls each way
 (``tl.dot`` at IEEE fp32 precision) and the same bit-pattern binary search for the k-th
 largest magnitude as ``diloco.compress.kernels`` (``select_topk``). It runs for CUDA tensors whose block
 sides are powers of two >= 16 (matrices; 64 x 64 by default); vectors and odd blocks use
-the reference. Tests run it with ``TRITON_INTERPRET=1`` on CPU tensors.
+the reference, as do blocks the device refuses for want of shared memory (after one warning:
+:data:`REFUSED`). Tests run it with ``TRITON_INTERPRET=1`` on CPU tensors.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Optional
 
@@ -41,9 +43,37 @@ from diloco.comm.base import end_to_end
 from diloco.compress import ChunkPlan, dct_basis, from_chunks, to_chunks
 from diloco.compress.kernels import HAVE_TRITON, require_triton, topk_chunks_ref, use_triton
 
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # pragma: no cover - platform without Triton
+    class OutOfResources(Exception):  # type: ignore[no-redef]
+        """Never raised: there are no kernels to run."""
+
 
 def kernel_fits(plan: ChunkPlan) -> bool:
     return all(s >= 16 and s & (s - 1) == 0 for s in (plan.s1, plan.s2)) and plan.s1 * plan.s2 <= 16384
+
+
+# (kernel, device, s1, s2) that a device could not run: a 128 x 128 block's DCT operands need more shared memory
+# than a consumer GPU gives a program (about 100 KB; an H100 gives 227 KB). Those blocks take the reference path.
+REFUSED: set[tuple[str, str, int, int]] = set()
+
+
+def _launch(kernel: object, name: str, device: torch.device, plan: ChunkPlan, *args: object, **meta: object) -> bool:
+    """Launch ``kernel`` over ``plan``'s blocks; False, with nothing written, where the device lacks the resources
+    for its block (Triton refuses it before it runs): remembered in :data:`REFUSED`, and said once."""
+    key = (name, str(device), plan.s1, plan.s2)
+    if key in REFUSED:
+        return False
+    try:
+        kernel[(plan.num_chunks,)](*args, **meta)
+    except OutOfResources as e:
+        REFUSED.add(key)
+        warnings.warn(f"DeMo: {device} cannot run the {name} kernel on {plan.s1} x {plan.s2} blocks ({e}); "
+                      f"those blocks take the slower torch path (a smaller optim.compression_chunk fits)",
+                      stacklevel=2)
+        return False
+    return True
 
 
 # ---- torch reference --------------------------------------------------------------------------
@@ -289,7 +319,8 @@ def _grid(plan: ChunkPlan) -> tuple[int, int, int]:
     return plan.num_chunks, plan.rows_padded // plan.s1, plan.cols_padded // plan.s2
 
 
-def encode_triton(delta: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_triton(delta: torch.Tensor, plan: ChunkPlan) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`encode_ref` in one launch; None, with ``delta`` untouched, where the device cannot run the block."""
     require_triton(delta)
     if not kernel_fits(plan) or delta.dtype != torch.float32 or not delta.is_contiguous():
         raise ValueError("the DeMo kernel needs a contiguous fp32 tensor with power-of-two blocks >= 16")
@@ -297,29 +328,34 @@ def encode_triton(delta: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tensor, t
     idx = torch.empty(n * plan.k, dtype=torch.int32, device=delta.device)
     vals = torch.empty(n * plan.k, dtype=torch.float32, device=delta.device)
     d1, d2 = dct_basis(plan.s1, delta.device), dct_basis(plan.s2, delta.device)
-    _encode_kernel[(n,)](delta, d1, d2, idx, vals, plan.rows, plan.cols, nbr, nbc, S1=plan.s1, S2=plan.s2, K=plan.k)
+    if not _launch(_encode_kernel, "encode", delta.device, plan, delta, d1, d2, idx, vals, plan.rows, plan.cols,
+                   nbr, nbc, S1=plan.s1, S2=plan.s2, K=plan.k):
+        return None
     return idx, vals
 
 
-def decode_sign_triton(agg: torch.Tensor, param: torch.Tensor, lr: Optional[float], plan: ChunkPlan) -> None:
-    """``param -= lr * sign(IDCT(agg))``; with ``lr`` None, ``param = sign(IDCT(agg))``."""
+def decode_sign_triton(agg: torch.Tensor, param: torch.Tensor, lr: Optional[float], plan: ChunkPlan) -> bool:
+    """``param -= lr * sign(IDCT(agg))``; with ``lr`` None, ``param = sign(IDCT(agg))``. False, with ``param``
+    untouched, where the device cannot run the block."""
     require_triton(param)
     if not kernel_fits(plan) or not param.is_contiguous():
         raise ValueError("the DeMo kernel needs a contiguous tensor with power-of-two blocks >= 16")
     n, nbr, nbc = _grid(plan)
     d1, d2 = dct_basis(plan.s1, param.device), dct_basis(plan.s2, param.device)
-    _decode_sign_kernel[(n,)](agg.float().contiguous(), param, d1, d2, float(lr or 0.0), plan.rows, plan.cols, nbr,
-                              nbc, S1=plan.s1, S2=plan.s2, APPLY=lr is not None)
+    return _launch(_decode_sign_kernel, "decode", param.device, plan, agg.float().contiguous(), param, d1, d2,
+                   float(lr or 0.0), plan.rows, plan.cols, nbr, nbc, S1=plan.s1, S2=plan.s2, APPLY=lr is not None)
 
 
 STACK_BYTES = 64 << 20  # same-shaped gradients up to this size are stacked for one launch; larger ones launch each
 
 
 def step_encode_triton(grads: list[Optional[torch.Tensor]], coeffs: torch.Tensor, plans: list[ChunkPlan],
-                       decay: float, lr: float, ok: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       decay: float, lr: float, ok: Optional[torch.Tensor] = None
+                       ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`step_encode_batch_ref` of same-shaped parameters in one launch: their gradients read in place when
     they lie back to back in one buffer, else stacked (a copy), or, above :data:`STACK_BYTES` of them, a launch
-    per parameter. ``ok``: as in :func:`step_encode_many` (or already as one uint8), read by the kernel."""
+    per parameter. ``ok``: as in :func:`step_encode_many` (or already as one uint8), read by the kernel. None,
+    with ``coeffs`` untouched, where the device cannot run the block (it says so at the first launch)."""
     require_triton(coeffs)
     plan = _stacked_plan(plans[0], len(plans))
     if not kernel_fits(plan) or plan.padded or coeffs.dtype != torch.float32 or not coeffs.is_contiguous():
@@ -330,8 +366,12 @@ def step_encode_triton(grads: list[Optional[torch.Tensor]], coeffs: torch.Tensor
         g = stacked_view(grads) if len(have) == len(grads) else None
         if g is None and len(grads) > 1 and sum(x.numel() * x.element_size() for x in have) > STACK_BYTES:
             n = plans[0].num_chunks * plans[0].chunk_size  # large gradients: a launch each rather than a copy
-            pieces = [step_encode_triton([x], coeffs[i * n:(i + 1) * n], plans[:1], decay, lr, ok)
-                      for i, x in enumerate(grads)]
+            pieces = []
+            for i, x in enumerate(grads):
+                piece = step_encode_triton([x], coeffs[i * n:(i + 1) * n], plans[:1], decay, lr, ok)
+                if piece is None:  # at the first launch: the later ones would run the same compiled kernel
+                    return None
+                pieces.append(piece)
             return torch.cat([i for i, _ in pieces]), torch.cat([v for _, v in pieces])
         if g is None:
             g = torch.stack([x if x is not None else torch.zeros_like(have[0]) for x in grads])
@@ -341,9 +381,10 @@ def step_encode_triton(grads: list[Optional[torch.Tensor]], coeffs: torch.Tensor
     vals = torch.empty(n * plan.k, dtype=torch.float32, device=coeffs.device)
     d1, d2 = dct_basis(plan.s1, coeffs.device), dct_basis(plan.s2, coeffs.device) * lr
     flag = _go(coeffs.device) if ok is None else ok if ok.dtype == torch.uint8 else ok.reshape(1).to(torch.uint8)
-    _step_encode_kernel[(n,)](g if g is not None else coeffs, coeffs, d1, d2, idx, vals, flag, float(decay),
-                              plan.rows, plan.cols, nbr, nbc, S1=plan.s1, S2=plan.s2, K=plan.k,
-                              HAS_GRAD=g is not None)
+    if not _launch(_step_encode_kernel, "step", coeffs.device, plan, g if g is not None else coeffs, coeffs, d1, d2,
+                   idx, vals, flag, float(decay), plan.rows, plan.cols, nbr, nbc, S1=plan.s1, S2=plan.s2, K=plan.k,
+                   HAS_GRAD=g is not None):
+        return None
     return idx, vals
 
 
@@ -403,8 +444,9 @@ def step_encode_many(grads: list[Optional[torch.Tensor]], moms: list[torch.Tenso
             for a, b in _runs(ps, kernel):
                 flat = end_to_end(ms[a:b])
                 c = torch.cat([m.reshape(-1) for m in ms[a:b]]) if flat is None else flat
-                if kernel[a]:
-                    i, v = step_encode_triton(gs[a:b], c, ps[a:b], decay, lr, flag)
+                done = step_encode_triton(gs[a:b], c, ps[a:b], decay, lr, flag) if kernel[a] else None
+                if done is not None:
+                    i, v = done
                 else:
                     kept = _keep([c]) if ok is not None else None
                     i, v = step_encode_batch_ref(gs[a:b], c, ps[a:b], decay, lr)
@@ -435,16 +477,17 @@ def _put_back(kept: list[tuple[torch.Tensor, torch.Tensor]], ok: torch.Tensor) -
 
 
 def encode(delta: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch: the fused kernel on CUDA when the plan fits it, else the reference."""
+    """Dispatch: the fused kernel on CUDA when the plan fits it (and the device runs it), else the reference."""
     if use_triton(delta) and kernel_fits(plan) and delta.dtype == torch.float32 and delta.is_contiguous():
-        return encode_triton(delta, plan)
+        done = encode_triton(delta, plan)
+        if done is not None:
+            return done
     return encode_ref(delta, plan)
 
 
 def decode_sign_(agg: torch.Tensor, param: torch.Tensor, lr: float, plan: ChunkPlan) -> None:
-    if use_triton(param) and kernel_fits(plan) and param.is_contiguous():
-        decode_sign_triton(agg, param, lr, plan)
-    else:
+    if not (use_triton(param) and kernel_fits(plan) and param.is_contiguous()
+            and decode_sign_triton(agg, param, lr, plan)):
         decode_sign_ref(agg, param, lr, plan)
 
 
@@ -464,16 +507,16 @@ def encode_many(deltas: list[torch.Tensor], plans: list[ChunkPlan],
     kernel = [_encode_fits(d, p, triton) for d, p in zip(deltas, plans)]
     idx, vals = [], []
     for a, b in _runs(plans, kernel):
-        if not kernel[a]:
-            i, v = encode_batch_ref(deltas[a:b], plans[a:b])
-        elif b - a == 1:
-            i, v = encode_triton(deltas[a], plans[a])
-        else:
+        done = None
+        if kernel[a] and b - a == 1:
+            done = encode_triton(deltas[a], plans[a])
+        elif kernel[a]:
             view = stacked_view(deltas[a:b])
             x = torch.stack(deltas[a:b]) if view is None else view
-            i, v = encode_triton(x, _stacked_plan(plans[a], b - a))
-            if view is None:
+            done = encode_triton(x, _stacked_plan(plans[a], b - a))
+            if view is None and done is not None:
                 torch._foreach_copy_(deltas[a:b], list(x.unbind(0)))
+        i, v = done if done is not None else encode_batch_ref(deltas[a:b], plans[a:b])
         idx.append(i)
         vals.append(v)
     if len(idx) == 1:
@@ -493,17 +536,18 @@ def decode_sign_many(agg: torch.Tensor, params: list[torch.Tensor], lrs: Optiona
     for a, b in _runs(plans, kernel, lrs):
         piece = agg[starts[a]:starts[b]]
         lr = None if lrs is None else lrs[a]
-        if not kernel[a]:
-            decode_sign_batch_ref(piece, params[a:b], None if lrs is None else lrs[a:b], plans[a:b])
-        elif b - a == 1:
-            decode_sign_triton(piece.view(plans[a].num_chunks, plans[a].chunk_size), params[a], lr, plans[a])
-        else:  # one launch over the run's parameters stacked (a copy, written back, unless they are one buffer)
+        done = False
+        if kernel[a] and b - a == 1:
+            done = decode_sign_triton(piece.view(plans[a].num_chunks, plans[a].chunk_size), params[a], lr, plans[a])
+        elif kernel[a]:  # one launch over the run's parameters stacked (a copy, written back, unless one buffer)
             view = stacked_view(params[a:b])
             x = torch.stack(params[a:b]) if view is None else view
             plan = _stacked_plan(plans[a], b - a)
-            decode_sign_triton(piece.view(plan.num_chunks, plan.chunk_size), x, lr, plan)
-            if view is None:
+            done = decode_sign_triton(piece.view(plan.num_chunks, plan.chunk_size), x, lr, plan)
+            if view is None and done:
                 torch._foreach_copy_(params[a:b], list(x.unbind(0)))
+        if not done:
+            decode_sign_batch_ref(piece, params[a:b], None if lrs is None else lrs[a:b], plans[a:b])
 
 
 def signs_many(agg: torch.Tensor, outs: list[torch.Tensor], plans: list[ChunkPlan],

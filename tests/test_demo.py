@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 
 import pytest
 import torch
@@ -394,6 +395,58 @@ def test_a_refused_flag_leaves_every_momentum_as_it_was(device, triton):
                                       ok=torch.tensor(True, device=device))
     assert torch.equal(got_i.cpu(), want_i.cpu()) and torch.equal(got_v.cpu(), want_v.cpu())
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(ms, plain))
+
+
+class _TooBigForThisDevice:
+    """A kernel as Triton hands it back on a GPU whose programs get too little shared memory for the block (a
+    consumer card and 128 x 128 blocks): its launch raises OutOfResources before anything runs."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.launches += 1
+            raise K.OutOfResources(147456, 101376, "shared memory")
+        return launch
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_blocks_a_device_cannot_run_take_the_torch_path_with_one_warning(device, monkeypatch):
+    """Where the device refuses a kernel for a block size, encode, the step's encode and decode fall back to the
+    reference for it: the same results as the reference, one warning per kernel, no second try."""
+    monkeypatch.setattr(K, "REFUSED", set())
+    stand_ins = {name: _TooBigForThisDevice() for name in ("_encode_kernel", "_step_encode_kernel",
+                                                             "_decode_sign_kernel")}
+    for name, kernel in stand_ins.items():
+        monkeypatch.setattr(K, name, kernel)
+    shapes = [(64, 128), (64, 128), (32, 64)]
+    plans = [plan_for(s, 32, 16, "divisor") for s in shapes]
+    g = torch.Generator().manual_seed(8)
+    grads = [torch.randn(s, generator=g).to(device) for s in shapes]
+    agg = torch.randn(sum(p.num_chunks * p.chunk_size for p in plans), generator=g).to(device)
+    results = {}
+    for triton in (False, True, True):  # the reference, then the kernel path twice
+        deltas = [x.clone() for x in grads]
+        moms = [torch.zeros(p.num_chunks, p.chunk_size, device=device) for p in plans]
+        params = [x.clone() for x in grads]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = (K.encode_many(deltas, plans, triton=triton),
+                   K.step_encode_many(grads, moms, plans, [0.9] * 3, [0.01] * 3, triton=triton))
+            K.decode_sign_many(agg, params, [0.01] * 3, plans, triton=triton)
+        flat = [t.cpu() for pair in out for t in pair] + [t.cpu() for t in (*deltas, *moms, *params)]
+        results.setdefault(triton, []).append((flat, [str(w.message) for w in caught]))
+    (want, none), = results[False]
+    (first, said), (again, quiet) = results[True]
+    assert none == [] and quiet == []
+    assert len(said) == 3 and all("take the slower torch path" in m and "32 x 32 blocks" in m for m in said), said
+    for got in (first, again):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # every kernel was tried once on the one block size, then remembered as refused
+    assert {(name, s1, s2) for name, _, s1, s2 in K.REFUSED} == {("encode", 32, 32), ("step", 32, 32),
+                                                                  ("decode", 32, 32)}
+    assert [k.launches for k in stand_ins.values()] == [1, 1, 1]
 
 
 def _demo_run(world: int, on_device: bool, device_gather: bool, nan_at: tuple[int, int], steps: int = 3,
