@@ -660,8 +660,17 @@ class Trainer:
         wanted = self.cfg.run.compile
         self.compiled = self.device.type == "cuda" if wanted is None else bool(wanted)
         self.compiled_modes: set[tuple[bool, bool]] = set()  # (training, grad enabled) that ran compiled
+        self.backward_compiled = False  # the backward graph compiles at the first backward, apart from the forward
         if self.compiled:
             self.model.compile()
+
+    def _uncompile(self, e: Exception) -> None:
+        """A compilation failed: one line saying so, and the run goes on with the eager model."""
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        self.metrics.info(f"run.compile: torch.compile failed ({type(e).__name__}: {first}); "
+                          "continuing without compiling (set run.compile=false to skip the attempt)", self.step)
+        self.model._compiled_call_impl = None  # what nn.Module.compile set: back to the eager forward
+        self.compiled = False
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         mode = (self.model.training, torch.is_grad_enabled())
@@ -670,14 +679,29 @@ class Trainer:
         try:  # the first call in a mode compiles; if that fails, the run goes on uncompiled
             out = self.model(x)
         except Exception as e:
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            self.metrics.info(f"run.compile: torch.compile failed ({type(e).__name__}: {first}); "
-                              "continuing without compiling (set run.compile=false to skip the attempt)", self.step)
-            self.model._compiled_call_impl = None  # what nn.Module.compile set: back to the eager forward
-            self.compiled = False
+            self._uncompile(e)
             return self.model(x)
         self.compiled_modes.add(mode)
         return out
+
+    def _loss_and_backward(self, micro: int) -> torch.Tensor:
+        """The loss of micro-batch ``micro`` of this step, its gradients added to the parameters'. The first
+        compiled backward compiles its own graph: if that fails, nothing was added, and the micro-batch runs
+        again on the eager model."""
+        batch = self.batcher.train_batch(self.step, self.micro_offset + micro)
+        loss = self.loss_on(*batch)
+        if not self.compiled or self.backward_compiled:
+            (loss / self.cfg.run.grad_accum).backward()
+            return loss
+        try:
+            (loss / self.cfg.run.grad_accum).backward()
+        except Exception as e:
+            self._uncompile(e)
+            loss = self.loss_on(*batch)
+            (loss / self.cfg.run.grad_accum).backward()
+            return loss
+        self.backward_compiled = True
+        return loss
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -765,8 +789,7 @@ class Trainer:
                 compute_start = time.perf_counter()
                 span = DeviceSpan(self.device) if device_timed else None
                 for micro in range(run.grad_accum):
-                    loss = self.loss_on(*self.batcher.train_batch(self.step, self.micro_offset + micro))
-                    (loss / run.grad_accum).backward()
+                    loss = self._loss_and_backward(micro)
                     part = loss.detach() / run.grad_accum
                     step_loss = part if step_loss is None else step_loss + part
                 self.transport.advance_compute(span.stop() if span is not None else

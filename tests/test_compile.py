@@ -47,6 +47,35 @@ def test_compiled_equals_eager_and_resumes_exactly(tiny_cfg, tmp_path):
     assert all(torch.equal(weights[k], resumed[k]) for k in weights)
 
 
+def test_a_backward_that_fails_to_compile_leaves_the_run_going_uncompiled(tiny_cfg, tmp_path, monkeypatch, capfd):
+    """The backward graph compiles at the first backward, after the forward compiled: a compiler that fails there
+    (an unsupported kernel on the user's GPU) gets the same one line, and the step runs again eagerly: the same
+    losses as an eager run, nothing added twice to the gradients."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    tried = []
+
+    def backward_fails(gm, example_inputs):
+        tried.append(len(example_inputs))
+        raise RuntimeError("no kernel for this GPU")
+
+    backend = aot_autograd(fw_compiler=lambda gm, example_inputs: gm.forward, bw_compiler=backward_fails)
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_module(self, backend=backend))
+    torch._dynamo.reset()
+    train(tiny_cfg(*SMALL, "run.max_steps=4", "run.grad_accum=2", "run.compile=true", run_dir=tmp_path / "broken"))
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if "run.compile" in line]
+    assert len(tried) == 1 and len(lines) == 1, err[-3000:]
+    assert "torch.compile failed (RuntimeError: no kernel for this GPU" in lines[0] and \
+        "continuing without compiling" in lines[0]
+    monkeypatch.undo()
+    train(tiny_cfg(*SMALL, "run.max_steps=4", "run.grad_accum=2", "run.compile=false", run_dir=tmp_path / "eager"))
+    assert _losses(tmp_path / "broken") == _losses(tmp_path / "eager")
+    assert all(torch.equal(a, b) for a, b in zip(_weights(tmp_path / "broken").values(),
+                                                  _weights(tmp_path / "eager").values()))
+
+
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
 def test_simulated_workers_share_the_compiled_graphs(tmp_path, codec):
     """Three workers take turns on one compiled architecture: no worker switch compiles again (int8: each
