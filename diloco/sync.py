@@ -9,7 +9,7 @@ each one processed, which is what ``round_weight`` returns.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 MODES = ("steps", "time")
 
@@ -25,13 +25,16 @@ class SyncPolicy:
         self.mode, self.inner_steps, self.time_budget_s = mode, inner_steps, time_budget_s
         self.round_start = 0.0
 
-    def start_round(self, now: float) -> None:
-        self.round_start = now
+    # the clock is a function, read in time mode only: a worker's clock may be a collective (a node of a torchrun
+    # mesh agrees on its first process's), which a round of fixed steps should not pay at every step
+    def start_round(self, clock: Callable[[], float]) -> None:
+        if self.mode == "time":
+            self.round_start = clock()
 
-    def round_done(self, steps_in_round: int, now: float) -> bool:
+    def round_done(self, steps_in_round: int, clock: Callable[[], float]) -> bool:
         if self.mode == "steps":
             return steps_in_round >= self.inner_steps
-        return steps_in_round >= 1 and now - self.round_start >= self.time_budget_s
+        return steps_in_round >= 1 and clock() - self.round_start >= self.time_budget_s
 
     @staticmethod
     def round_weight(steps_in_round: int, tokens_per_step: int) -> float:

@@ -631,6 +631,22 @@ class Trainer:
         """Seconds spent of ``run.max_time``: a resumed run gets its budget afresh, counted from the resume."""
         return self.wall_s() - self.wall_prior
 
+    @property
+    def solo(self) -> bool:
+        """One process is the whole run: its own clock and signals decide, with nobody to agree with."""
+        return self.world == 1 and self.inner is None
+
+    def agreed_budget_s(self) -> float:
+        """:meth:`budget_s` as every process of the run counts it alike (the time-keyed lr schedule reads it:
+        replicas that must stay equal, DDP's, DeMo's, a node's processes, must take one lr). Rank 0's clock at
+        the latest point where the processes agreed on it (:meth:`_should_stop`), moved on by the steps since at
+        the rate seen until then; one process alone reads its own clock."""
+        if self.solo:
+            return self.budget_s()
+        step, spent = self.agreed
+        rate = spent / (step - self.start_step) if step > self.start_step else 0.0
+        return spent + (self.step - step) * rate
+
     def loss_on(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x, y = self._on_device(x, y)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
@@ -719,7 +735,7 @@ class Trainer:
         if run.max_steps:
             progress = (self.step - o.warmup_steps) / max(1, run.max_steps - o.warmup_steps)
         else:  # by time: the schedule ends where this segment's budget does (stretched on a resume)
-            progress = self.wall_s() / (self.wall_prior + run.max_time)
+            progress = (self.wall_prior + self.agreed_budget_s()) / (self.wall_prior + run.max_time)
         factor = lr_factor(self.step, o.warmup_steps, progress, o.schedule, o.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * factor
@@ -737,20 +753,24 @@ class Trainer:
                 self.algo.tokens_agreed >= run.max_steps * self.tokens_per_step * self.world
         else:
             stop = bool(run.max_steps and self.step >= run.max_steps)
-        if run.max_time is not None and not stop:
-            if self.world == 1:
-                stop = self.budget_s() >= run.max_time
-            elif synced or not self.algo.round_based:  # a point every worker reaches together
-                stop = bool(self.transport.broadcast_object(self.budget_s() >= run.max_time))
-        if self.stop_on_request and not stop:  # a signal asked to stop (stop_signals): here if every worker can
-            signum = None
-            if self.world == 1 and self.inner is None:
-                signum = STOP.signum
-            elif synced if self.algo.round_based else self.step % self.cfg.log.every == 0:
-                signum = self.transport.broadcast_object(STOP.signum)  # rank 0's view decides for every process
-            if signum is not None:
-                self.stopped_by, stop = int(signum), True
-        return stop
+        timed = run.max_time is not None
+        if stop or not (timed or self.stop_on_request):
+            return stop
+        # the clock and a signal (stop_signals): one process decides alone; several where every one of them is
+        # (round-based: a sync; else every log.every-th step), on rank 0's view, in one broadcast
+        if self.solo:
+            spent, signum = self.budget_s(), STOP.signum
+        elif synced if self.algo.round_based else self.step % self.cfg.log.every == 0:
+            spent, signum = self.transport.broadcast_object((self.budget_s(), STOP.signum))
+            self.agreed = (self.step, float(spent))
+        else:
+            return False
+        if timed and spent >= run.max_time:
+            return True
+        if self.stop_on_request and signum is not None:
+            self.stopped_by = int(signum)
+            return True
+        return False
 
     def _checkpoint_due(self, synced: bool) -> bool:
         every = self.cfg.run.checkpoint_every
@@ -774,6 +794,7 @@ class Trainer:
                 changes = f"; settings changed since it was saved: {self.resume_changes}" if self.resume_changes else ""
                 m.info(f"resumed from {self.resumed_from}{changes}", self.step)
         self._t0 = time.perf_counter()
+        self.agreed = (self.step, 0.0)  # (step, budget_s) as rank 0 saw it at the latest agreement: none yet
         window_t = time.perf_counter()
         # the simulator's virtual time wants each step's compute: on a GPU, timed on the device (no host wait)
         device_timed = self.device.type == "cuda" and self.transport.measures_compute

@@ -156,3 +156,20 @@ def test_ddp_with_a_codec_checks_its_gradients_in_one_read_whatever_the_number_o
 
     assert step(2) == step(8)
 
+
+
+def test_a_round_of_fixed_steps_never_reads_the_clock():
+    """sync.mode=steps ends a round on its step count alone: the clock (on a node of a torchrun mesh, a broadcast
+    among the node's processes and a read back) is not read at every step; sync.mode=time reads it."""
+    from diloco.sync import SyncPolicy
+
+    def clock():
+        raise AssertionError("the clock was read")
+
+    steps = SyncPolicy("steps", inner_steps=3)
+    steps.start_round(clock)
+    assert [steps.round_done(k, clock) for k in (1, 2, 3)] == [False, False, True]
+    times = iter([10.0, 10.4, 11.2])
+    timed = SyncPolicy("time", time_budget_s=1.0)
+    timed.start_round(lambda: next(times))
+    assert [timed.round_done(k, lambda: next(times)) for k in (1, 2)] == [False, True]

@@ -1,11 +1,14 @@
-"""DDP over gloo under torchrun equals one process with the combined batch; the gloo transport itself."""
+"""DDP over gloo under torchrun equals one process with the combined batch; the gloo transport itself; replicas
+stay equal under a time-keyed lr schedule."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+import time
 
+import pytest
 import torch
 
 from conftest import FAST, TINY, child_env, free_port, loco, run_cli
@@ -107,3 +110,42 @@ def test_gloo_transport_collectives(tmp_path):
         dense = (10 * 4 + 7 * 8 + 6 * 4)
         assert o["sent"] >= 2 * 2 * dense // 3 + r * 5 * 2 - 3 * 3
         assert o["recv"] > 0
+
+
+def test_a_time_keyed_lr_schedule_keeps_replicas_equal(tmp_path):
+    """With run.max_time and no max_steps the lr decays with the clock. Replicas that must stay equal (DDP's, here
+    two simulated workers whose clocks start apart) take rank 0's clock as agreed at the stop checks, not each its
+    own: the same lr at every step, the same parameters at the end, and the run stops on the one budget."""
+    from launch.config import load_config
+    from launch.data import load_data
+    from launch.trainer import Trainer
+    from diloco.sim import InProcessGroup, run_workers
+
+    cfg, _ = load_config([TINY], [*FAST, "algo.name=ddp", "run.max_steps=null", "run.max_time=2s", "log.every=2",
+                                  "optim.warmup_steps=2", "run.eval_every=0", "run.checkpoint_every=0",
+                                  f"run.dir={tmp_path / 'run'}"])
+    data = load_data(cfg.data)
+
+    def worker(rank, transport):
+        trainer = Trainer(cfg, transport=transport, data=data)
+        lrs, set_lr = [], trainer._set_lr
+        trainer._set_lr = lambda: lrs.append(set_lr()) or lrs[-1]
+        if rank == 1:
+            time.sleep(0.3)  # this worker's clock starts later, so its own clock would run 0.3 s behind
+        trainer.fit()
+        return lrs, [p.detach().clone() for p in trainer.model.parameters()]
+
+    (lrs0, params0), (lrs1, params1) = run_workers(InProcessGroup(2), worker)
+    assert len(lrs0) == len(lrs1) > 4 and lrs0 == lrs1
+    assert lrs0[-1] < lrs0[2], "the lr did not decay with the clock"
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1))
+
+
+def test_nccl_on_a_cpu_process_is_refused_naming_both_settings():
+    from diloco.comm import TransportError
+    from diloco.comm.torch_dist import TorchDistTransport
+
+    with pytest.raises(TransportError) as e:
+        TorchDistTransport(backend="nccl", device=torch.device("cpu"))
+    assert "transport.dist_backend=nccl" in str(e.value) and "run.device" in str(e.value)
+    assert not torch.distributed.is_initialized()

@@ -169,12 +169,19 @@ class TorchDistTransport(Transport):
         self.device = device or torch.device("cpu")
         if backend == "auto":
             backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if backend == "nccl" and self.device.type != "cuda":
+            raise TransportError(f"transport.dist_backend=nccl moves CUDA tensors, but this process trains on "
+                                 f"{self.device}: use run.device=cuda (or auto), or transport.dist_backend=gloo")
         self.backend = backend
         self.timeout = timeout
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
+            # NCCL's groups get gloo beside them for what lies in host memory: the object collectives (a checkpoint
+            # gathers every worker's state through them) pickle into CPU tensors and go over gloo, where NCCL would
+            # stage each object on the GPU, and rank 0's gather would take world x the largest state there
+            both = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
             try:
-                dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout),
+                dist.init_process_group(backend=both, timeout=datetime.timedelta(seconds=timeout),
                                         **_elastic_store(timeout))
             except Exception as e:
                 raise TransportError(
