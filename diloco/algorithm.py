@@ -332,6 +332,7 @@ class Algorithm:
         self.skips.add(found_inf)
         self.steps += 1
         info: dict[str, Any] = {"grad_norm": norm, "skipped": found_inf}
+        self.zero_grad()  # spent: not held through a round's exchange (a simulator's workers all wait in it at once)
         info.update(self._after_step())
         return info
 
@@ -358,6 +359,7 @@ class Algorithm:
             self._update()
         # a skipped step still counts: round schedules must stay in step on every worker
         self.steps += 1
+        self.zero_grad()  # spent: not held through a round's exchange (a simulator's workers all wait in it at once)
         info.update(self._after_step())
         return info
 

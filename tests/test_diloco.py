@@ -347,3 +347,29 @@ def test_skipped_steps_keep_the_round_schedule():
     (s0, k0), (s1, k1) = run_workers(InProcessGroup(2), body)
     assert s0 == s1 == [False, True, False, True]
     assert (k0, k1) == (0, 1)
+
+
+@pytest.mark.parametrize("algo", [["algo.name=diloco"], ["algo.name=streaming", "algo.fragments=2"]],
+                         ids=["diloco", "streaming"])
+def test_workers_waiting_in_an_exchange_hold_no_gradients(tmp_path, algo):
+    """The gradients are spent once the inner step is taken: a simulated worker waiting for the others in a round's
+    exchange does not keep them (N workers wait at once: N gradients' worth of memory on one GPU)."""
+    from diloco.sim import InProcessGroup, run_workers
+    from launch.data import load_data
+    from launch.trainer import Trainer
+
+    cfg, _ = load_config([TINY], [*FAST, *algo, "algo.inner_steps=2", "run.max_steps=4", "run.eval_every=0",
+                                  "run.checkpoint_every=0", "run.checkpoint_final=false",
+                                  f"run.dir={tmp_path / 'run'}"])
+    data = load_data(cfg.data)
+    group = InProcessGroup(2)
+    trainers, held = {}, []
+    group.on_release = lambda rank: rank in trainers and trainers[rank].step > 0 and held.append(
+        sum(p.grad is not None for p in trainers[rank].model.parameters()))
+
+    def worker(rank, transport):
+        trainers[rank] = trainer = Trainer(cfg, transport=transport, data=data)
+        return trainer.fit()
+
+    run_workers(group, worker)
+    assert len(held) >= 2 and held == [0] * len(held), held
