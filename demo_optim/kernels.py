@@ -346,7 +346,9 @@ def decode_sign_triton(agg: torch.Tensor, param: torch.Tensor, lr: Optional[floa
                    float(lr or 0.0), plan.rows, plan.cols, nbr, nbc, S1=plan.s1, S2=plan.s2, APPLY=lr is not None)
 
 
-STACK_BYTES = 64 << 20  # same-shaped gradients up to this size are stacked for one launch; larger ones launch each
+# same-shaped gradients (and parameters, to decode) up to this size are stacked for one launch; larger ones launch
+# each (unless they lie back to back in one buffer already)
+STACK_BYTES = 64 << 20
 
 
 def step_encode_triton(grads: list[Optional[torch.Tensor]], coeffs: torch.Tensor, plans: list[ChunkPlan],
@@ -536,18 +538,24 @@ def decode_sign_many(agg: torch.Tensor, params: list[torch.Tensor], lrs: Optiona
     for a, b in _runs(plans, kernel, lrs):
         piece = agg[starts[a]:starts[b]]
         lr = None if lrs is None else lrs[a]
-        done = False
-        if kernel[a] and b - a == 1:
-            done = decode_sign_triton(piece.view(plans[a].num_chunks, plans[a].chunk_size), params[a], lr, plans[a])
-        elif kernel[a]:  # one launch over the run's parameters stacked (a copy, written back, unless one buffer)
-            view = stacked_view(params[a:b])
-            x = torch.stack(params[a:b]) if view is None else view
-            plan = _stacked_plan(plans[a], b - a)
-            done = decode_sign_triton(piece.view(plan.num_chunks, plan.chunk_size), x, lr, plan)
-            if view is None and done:
-                torch._foreach_copy_(params[a:b], list(x.unbind(0)))
-        if not done:
+        if not kernel[a]:
             decode_sign_batch_ref(piece, params[a:b], None if lrs is None else lrs[a:b], plans[a:b])
+            continue
+        view = stacked_view(params[a:b]) if b - a > 1 else None
+        if b - a == 1 or (view is None and sum(p.numel() * p.element_size() for p in params[a:b]) > STACK_BYTES):
+            # a launch a parameter: large ones apart rather than stacked (a copy: 2 GB a step of a 1B model's MLPs)
+            for j in range(a, b):
+                one = agg[starts[j]:starts[j + 1]]
+                if not decode_sign_triton(one.view(plans[j].num_chunks, plans[j].chunk_size), params[j], lr, plans[j]):
+                    decode_sign_batch_ref(one, params[j:j + 1], None if lrs is None else lrs[j:j + 1], plans[j:j + 1])
+            continue
+        # one launch over the run's parameters stacked (a copy, written back, unless they are one buffer)
+        x = torch.stack(params[a:b]) if view is None else view
+        plan = _stacked_plan(plans[a], b - a)
+        if not decode_sign_triton(piece.view(plan.num_chunks, plan.chunk_size), x, lr, plan):
+            decode_sign_batch_ref(piece, params[a:b], None if lrs is None else lrs[a:b], plans[a:b])
+        elif view is None:
+            torch._foreach_copy_(params[a:b], list(x.unbind(0)))
 
 
 def signs_many(agg: torch.Tensor, outs: list[torch.Tensor], plans: list[ChunkPlan],

@@ -274,10 +274,15 @@ def test_kernels_match_the_reference(shape, device):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("in_one_buffer", [True, False], ids=["one-buffer", "separate"])
-def test_same_shaped_parameters_take_one_launch_and_match_one_by_one(device, in_one_buffer):
+@pytest.mark.parametrize("in_one_buffer, stack_bytes", [(True, None), (False, None), (False, 0)],
+                         ids=["one-buffer", "separate", "separate-large"])
+def test_same_shaped_parameters_take_one_launch_and_match_one_by_one(device, in_one_buffer, stack_bytes,
+                                                                     monkeypatch):
     """encode_many/decode_sign_many stack a run of same-shaped parameters into one launch (in place when they
-    lie back to back in one buffer, else through a copy written back): the same result as one at a time."""
+    lie back to back in one buffer, else through a copy written back; decode: above STACK_BYTES of them, a launch
+    each rather than a copy): the same result as one at a time."""
+    if stack_bytes is not None:
+        monkeypatch.setattr(K, "STACK_BYTES", stack_bytes)
     shapes = [(64, 128), (64, 128), (64, 128), (32, 64), (32, 64), (64, 64)]
     plans = [plan_for(s, 64, 16, "divisor") for s in shapes]
     g = torch.Generator().manual_seed(5)
