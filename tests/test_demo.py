@@ -110,6 +110,7 @@ def test_aggregate_is_the_mean_over_the_workers_that_sent_it():
     for agg, counts, contributors in run_workers(InProcessGroup(3), body):
         assert torch.allclose(agg, torch.tensor([[0.0, 3.0, 0.0, 0.0]]), atol=1e-6)
         assert counts[0, 1] == 2 and contributors == 2
+        assert counts.dtype == torch.uint8  # a byte a coefficient for fewer than 256 payloads, not fp32's four
 
 
 def test_one_sender_of_two_gives_two():
