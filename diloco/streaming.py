@@ -149,7 +149,10 @@ class StreamingDiLoCo(DiLoCo):
         self.fragment_steps[p] = 0
         # an exchange applied later keeps a copy of what was sent: the steps made meanwhile are local - sent
         sent = [self._local(k).detach().clone() for k in self.fragments[p]] if apply_at > self.steps else None
-        deltas, total, handle = self.start_exchange(self.fragments[p], weight, key=p)
+        # applied now and not mixed: the fragment's local parameters are set from the global copy right after, so
+        # they can hold its pseudo-gradient (as DiLoCo's do): no second copy of the fragment while it is exchanged
+        in_place = self.transport.world_size > 1 and sent is None and self.mix_alpha == 0
+        deltas, total, handle = self.start_exchange(self.fragments[p], weight, key=p, in_place=in_place)
         self.pending.append({"apply_at": apply_at, "fragment": p, "deltas": deltas, "total": total, "handle": handle,
                              "sent": sent})
 
