@@ -692,7 +692,10 @@ class Codec:
 
     # ---- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"chain": self.chain, "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
+        """The chain and the live residuals (as torch's own ``state_dict`` hands out tensors): a caller copies
+        them, or writes them, before the next exchange (a checkpoint copies them to host memory; a clone here was
+        a second copy on the GPU, 4 bytes a parameter, at every checkpoint)."""
+        return {"chain": self.chain, "residuals": {k: v.detach() for k, v in self.residuals.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take the residuals of a state saved by this chain, or by another whose residuals mean the same here:
