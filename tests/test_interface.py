@@ -137,6 +137,25 @@ def test_peers_without_fixed_ranks_average_through_the_codec_path():
     assert dense.codec is None  # fixed ranks: the exact dense all-reduce
 
 
+def test_a_robust_mean_writes_over_the_encoded_vector_unless_the_result_is_shared():
+    """A peer's robust mean takes the vector it encoded as the mean's buffer (no second model-sized vector on its
+    GPU); simulated members share the result, so theirs is a buffer of its own. The mean is right either way."""
+    from diloco.compress.collective import robust_mean
+    from diloco.compress.codec import make_codec
+
+    class NoRanks(LocalTransport):
+        fixed_ranks = False
+
+    for shared in (False, True):
+        transport = NoRanks()
+        transport.shared_results = shared
+        x = torch.randn(1000, generator=torch.Generator().manual_seed(2))
+        flat = x.clone()
+        result = robust_mean(transport, flat, make_codec("fp32"), 2.0, key=None)
+        assert torch.equal(result.mean, x) and result.total == 2.0
+        assert (result.mean.data_ptr() == flat.data_ptr()) == (not shared)
+
+
 # ---- layering: imports point down only ---------------------------------------------------------
 def _imports(path: Path) -> set[str]:
     found = set()

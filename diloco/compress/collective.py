@@ -239,7 +239,7 @@ def robust_all_reduce_(transport: Transport, tensors: Sequence[torch.Tensor], op
     flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
     result = robust_mean(transport, flat, make_codec("fp32"), None, key=None)
     mean = result.mean * result.total if op == "sum" else result.mean  # not in place: the result may be shared
-    unflatten_into(list(tensors), mean.to(tensors[0].device))
+    unflatten_into(list(tensors), mean)  # piece by piece from host memory: no second model-sized copy on a GPU
 
 
 # ---- sharded: reduce-scatter by shards ------------------------------------------------------------
@@ -332,7 +332,8 @@ def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight
                 key: Hashable) -> RobustResult:
     """Exchange ``flat`` with every member and average what passes validation and the norm bound.
 
-    ``weight`` None sends no weight (every member counts 1).
+    ``weight`` None sends no weight (every member counts 1). ``flat`` (fp32) is the caller's to give: once
+    encoded it may become the mean's buffer.
     """
     with transport.exchange_scope():
         prefix = b"" if weight is None else pack_weight(weight)
@@ -343,8 +344,12 @@ def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight
     if shared is not None:  # simulated members of one collective: the mean was computed once, from the same bytes
         transport.record_contributions(shared.accepted, shared.rejected, shared.clipped)
         return shared
-    # the mean's own tensor is pass 1's buffer too: one vector for the whole mean (on a GPU, 4 GB less for 1B)
-    result = RobustResult(torch.empty(flat.numel(), dtype=torch.float32, device=flat.device), 0.0)
+    # the mean's own tensor is pass 1's buffer too: one vector for the whole mean (on a GPU, 4 GB less for 1B); a
+    # member alone with this list writes it over ``flat``, encoded already (4 GB less again); simulated members
+    # share the result, so it gets its own
+    own = transport.shared_results or flat.dtype != torch.float32 or not flat.is_contiguous()
+    result = RobustResult(torch.empty(flat.numel(), dtype=torch.float32, device=flat.device) if own
+                          else flat.view(-1), 0.0)
     # pass 1: validate every member's update and measure its norm, each decoded into that buffer in turn
     rows: list[tuple[str, memoryview, float, float]] = []  # (member, body, weight, norm)
     x = result.mean
