@@ -506,7 +506,7 @@ def _add_row(sums: torch.Tensor, counts: torch.Tensor, idx: torch.Tensor, values
     ``scatter_add_`` each (flat position = the chunk's offset + the index)."""
     pos = layout.base + idx
     sums.scatter_add_(0, pos, values)
-    counts.scatter_add_(0, pos, layout.ones if counts.dtype == layout.ones.dtype else layout.ones.to(counts.dtype))
+    counts.scatter_add_(0, pos, layout.ones.to(counts.dtype))  # the same tensor where the dtypes agree
 
 
 def _momentum_key(plan: ChunkPlan) -> str:

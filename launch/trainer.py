@@ -706,17 +706,15 @@ class Trainer:
         again on the eager model."""
         batch = self.batcher.train_batch(self.step, self.micro_offset + micro)
         loss = self.loss_on(*batch)
-        if not self.compiled or self.backward_compiled:
-            (loss / self.cfg.run.grad_accum).backward()
-            return loss
         try:
             (loss / self.cfg.run.grad_accum).backward()
         except Exception as e:
+            if not self.compiled or self.backward_compiled:
+                raise  # not a compilation: the run's own error
             self._uncompile(e)
             loss = self.loss_on(*batch)
             (loss / self.cfg.run.grad_accum).backward()
-            return loss
-        self.backward_compiled = True
+        self.backward_compiled = self.compiled
         return loss
 
     @torch.no_grad()
