@@ -434,6 +434,19 @@ class DDP(Algorithm):
             if p.grad is None:  # every worker must send the same buffers
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in self.params]
+        # the exchange holds the gradients, off the parameters: a simulated worker that waits in it with
+        # ``sim.offload`` moves its model and moments to the host (once an exchange) and leaves these on the GPU,
+        # where the exchange reads and writes them and the other workers' are (moved with the model, its
+        # buckets would be read on the host)
+        for p in self.params:
+            p.grad = None
+        try:
+            self._exchange(grads)
+        finally:
+            for p, g in zip(self.params, grads):
+                p.grad = g
+
+    def _exchange(self, grads: list[torch.Tensor]) -> None:
         if self.codec is None:
             self.transport.all_reduce_(grads, op="mean")
         elif all_finite(grads):

@@ -86,12 +86,16 @@ def test_more_processes_than_gpus_stop_before_any_work(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("codec", ["fp32", "int8", "topk:0.1+int8"])
-def test_simulator_offload_on_cuda_changes_nothing(tmp_path, codec):
+def test_simulator_offload_on_cuda_changes_nothing(tmp_path, codec, monkeypatch):
     """Parking idle workers in pinned host memory moves bits, not values: equal to the run without it (int8: a
     worker brought back lays its parameters end to end again, see DiLoCo._move; top-k: its error-feedback
     residuals are parked and brought back too, Algorithm.to). With ``algo.offload_outer`` the
     outer step itself runs on the CPU, whose arithmetic differs from the GPU's in the last bits, so that run is
-    only close (fp32; int8 may round such a difference to another step of its grid)."""
+    only close (fp32; int8 may round such a difference to another step of its grid). Small buckets: a worker
+    parked at an exchange's first bucket runs the others on the GPU with the pseudo-gradients it began with."""
+    from diloco.sim.group import InProcessTransport
+
+    monkeypatch.setattr(InProcessTransport, "bucket_bytes", 64 << 10)
     common = ["run.max_steps=6", "sim.workers=3", "algo.name=diloco", "algo.inner_steps=3", "sim.baseline=none",
               "run.checkpoint_every=6", f"compress.codec={codec}"]
     runs = {}
@@ -108,6 +112,25 @@ def test_simulator_offload_on_cuda_changes_nothing(tmp_path, codec):
     assert runs["plain"]["val_loss"] == runs["offload"]["val_loss"]
     if codec == "fp32":
         assert abs(runs["plain"]["val_loss"] - runs["outer"]["val_loss"]) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_simulated_ddp_with_offload_on_cuda_changes_nothing(tmp_path, codec, monkeypatch):
+    """DDP's workers are parked at the first bucket of every step's exchange and brought back at its end; the
+    gradients stay on the GPU meanwhile (the exchange holds them, off the parameters), so every bucket is reduced
+    there, as without offload: the same weights to the bit."""
+    from diloco.sim.group import InProcessTransport
+
+    monkeypatch.setattr(InProcessTransport, "bucket_bytes", 64 << 10)
+    common = ["run.max_steps=4", "sim.workers=3", "algo.name=ddp", "sim.baseline=none", "run.checkpoint_every=4",
+              f"compress.codec={codec}"]
+    runs = {name: simulate_once(gpu_cfg(tmp_path / name, *common, *extra))
+            for name, extra in (("plain", []), ("offload", ["sim.offload=true"]))}
+    states = {n: latest_checkpoint(tmp_path / n / "checkpoints")[1] for n in runs}
+    a, b = states["plain"]["model"], states["offload"]["model"]  # one replica: rank 0 saves it
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert runs["plain"]["val_loss"] == runs["offload"]["val_loss"]
 
 
 # ---- the device choice, on any machine ------------------------------------------------------------

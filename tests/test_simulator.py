@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -201,6 +202,62 @@ def test_offload_paths_run_and_change_nothing_on_cpu(tmp_path, algo, monkeypatch
     first = {rank: step for rank, step in reversed(moves)}  # each worker's first move
     # workers 0 and 1 wait for worker 2 in the start-up collectives, parked; worker 2 completes them without a wait
     assert first[0] == first[1] == 0 and first[2] > 0, moves
+
+
+@pytest.mark.parametrize("algo", [["algo.name=ddp"],
+                                  ["algo.name=diloco", "algo.inner_steps=2"],
+                                  ["algo.name=diloco", "algo.inner_steps=2", "compress.codec=topk:0.1+int8"],
+                                  ["algo.name=streaming", "algo.inner_steps=4", "algo.fragments=2",
+                                   "algo.overlap_steps=1"]],
+                         ids=["ddp", "diloco", "diloco-topk", "streaming-overlap"])
+def test_an_offloaded_worker_leaves_the_device_once_an_exchange_not_once_a_bucket(tmp_path, algo, monkeypatch):
+    """With ``sim.offload`` a worker that waits in an exchange of many buckets is parked at its first wait and
+    brought back when the exchange ends, not at every bucket (a 1B model's exchange has over a hundred, each of
+    which moved the whole worker both ways). Its exchange goes on with the tensors it began with, and the run ends
+    as without offload. There is no second device here: a stand-in move gives every moved tensor new storage, as
+    a move to the host does, so a result written into a copy the worker no longer reads would show."""
+    import diloco.algorithm as algorithm_module
+    import diloco.outer as outer_module
+    from diloco.sim.group import InProcessTransport
+    from launch import simulate as sim_module
+
+    monkeypatch.setattr(InProcessTransport, "bucket_bytes", 16 << 10)  # tiny's exchange in dozens of buckets
+    moved, waits = [0] * 3, [0] * 3  # per worker: moves of its state, collectives it joined
+    exchanges = []  # (collectives, moves) of each exchange, per worker
+    real_move, real_rendezvous = sim_module.move_worker_state, InProcessGroup.rendezvous
+    real_scope = InProcessTransport.exchange_scope
+
+    def counted_move(trainer, device):
+        moved[trainer.rank] += 1
+        real_move(trainer, device)
+
+    def counted_rendezvous(self, rank, *args, **kwargs):
+        waits[rank] += 1
+        return real_rendezvous(self, rank, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def counted_scope(self, barrier=True):
+        r, before = self.rank, (waits[self.rank], moved[self.rank])
+        with real_scope(self, barrier):
+            yield
+        exchanges.append((waits[r] - before[0], moved[r] - before[1]))
+
+    common = [*QUICK, "run.max_steps=6", "sim.workers=3", "sim.step_time=1", *algo]
+    runs = {}
+    for name, extra in (("plain", []), ("offload", ["sim.offload=true"])):
+        if name == "offload":
+            monkeypatch.setattr(sim_module, "move_worker_state", counted_move)
+            monkeypatch.setattr(InProcessGroup, "rendezvous", counted_rendezvous)
+            monkeypatch.setattr(InProcessTransport, "exchange_scope", counted_scope)
+            fresh = lambda t, device: t.clone()  # noqa: E731 (the stand-in: new storage, same device)
+            monkeypatch.setattr(algorithm_module, "move_tensor", fresh)
+            monkeypatch.setattr(outer_module, "move_tensor", fresh)
+        cfg, _ = load_config([TINY], [*common, *extra, f"run.dir={tmp_path / name}"])
+        runs[name] = simulate_once(cfg)
+    for key in ("val_loss", "bytes_sent", "virtual_wall_s"):
+        assert runs["plain"][key] == runs["offload"][key], key
+    many = [moves for collectives, moves in exchanges if collectives >= 10]
+    assert len(many) >= 6 and max(many) <= 2, exchanges  # parked and brought back once, however many buckets
 
 
 def _timed_run(step_time, measured):

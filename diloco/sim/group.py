@@ -44,10 +44,11 @@ ranks, so averages travel with their weights and are validated
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import greenlet
 import torch
@@ -127,6 +128,10 @@ class InProcessGroup:
         self.step_time = step_time
         self.on_release: Optional[Callable[[int], None]] = None  # e.g. move an idle worker's state off the GPU
         self.on_acquire: Optional[Callable[[int], None]] = None
+        # an exchange of many collectives (a bucket each) releases a worker at its first wait and acquires it at
+        # its end, not at every bucket (see :meth:`exchanging`)
+        self._exchanges = [0] * world  # how deep in such exchanges each worker is
+        self._released = [False] * world  # released inside the exchange it is in, acquired again when it ends
         self._values: list[Any] = [None] * world
         self._present = [False] * world
         self._result: Any = None
@@ -235,12 +240,31 @@ class InProcessGroup:
         if self.hub is None:
             raise TransportError(f"worker {rank}: a collective outside run_workers() would wait forever")
         grad = torch.is_grad_enabled()  # thread-local torch state, shared by the greenlets of this thread
-        if self.on_release is not None:
+        if self.on_release is not None and not self._released[rank]:
             self.on_release(rank)
+            self._released[rank] = self._exchanges[rank] > 0  # stays released until the exchange ends
         self.hub.switch()
-        if self.on_acquire is not None:
+        if self.on_acquire is not None and not self._released[rank]:
             self.on_acquire(rank)
         torch.set_grad_enabled(grad)
+
+    @contextlib.contextmanager
+    def exchanging(self, rank: int) -> Iterator[None]:
+        """``rank`` runs an exchange of many collectives (one a bucket): released at its first wait, it is
+        acquired again when the exchange ends, not after each wait. With ``sim.offload`` a worker's state thus
+        leaves the GPU and comes back once an exchange instead of once a bucket (a 1B model's exchange has over a
+        hundred). What the exchange reads and writes stays where it began (it holds DiLoCo's pseudo-gradients and
+        DDP's gradients, which a move of the model leaves alone; a codec's residuals come back on first use), so
+        the exchange of a released worker runs on the GPU while its parameters and moments wait on the host."""
+        self._exchanges[rank] += 1
+        try:
+            yield
+        finally:
+            self._exchanges[rank] -= 1
+            if not self._exchanges[rank] and self._released[rank]:
+                self._released[rank] = False
+                if self.on_acquire is not None:
+                    self.on_acquire(rank)
 
     def waiting(self) -> list[int]:
         return [r for r, here in enumerate(self._present) if here]
@@ -377,6 +401,15 @@ class InProcessTransport(Transport):
         # under churn the members change: averages go the way of peers without fixed ranks (loco join's)
         self.fixed_ranks = group.churn is None
         self._deferred: Optional[list[tuple[VirtualTime, VirtualTime]]] = None
+
+    @contextlib.contextmanager
+    def exchange_scope(self, barrier: bool = True) -> Iterator[None]:
+        """An exchange of many collectives (``barrier``) keeps a worker that waits in it released until it ends
+        (:meth:`InProcessGroup.exchanging`); an exchange of one collective (DeMo's all-gather, whose scope also
+        holds the update that follows it) is released and acquired around its one wait."""
+        with super().exchange_scope(barrier), (self.group.exchanging(self.rank) if barrier
+                                               else contextlib.nullcontext()):
+            yield
 
     def _finish(self, done: VirtualTime, start: VirtualTime) -> None:
         if self._deferred is not None:
