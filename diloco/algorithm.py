@@ -252,7 +252,7 @@ class Algorithm:
         source = next((p.device for p in self.params), torch.device("cpu"))
         self._move(device)
         if self.codec is not None:  # the error-feedback residuals go where the exchanges will read them
-            home = self._exchange_device(device)
+            home = self.codec.home = self._exchange_device(device)
             for key, residual in list(self.codec.residuals.items()):
                 self.codec.residuals[key] = move_tensor(residual, home)
         if torch.device(device).type == "cpu":
@@ -444,7 +444,8 @@ class DDP(Algorithm):
             self._exchange(grads)
         finally:
             for p, g in zip(self.params, grads):
-                p.grad = g
+                if p.device == g.device:  # not on a failed exchange that left the worker parked on the host
+                    p.grad = g
 
     def _exchange(self, grads: list[torch.Tensor]) -> None:
         if self.codec is None:

@@ -115,6 +115,27 @@ def test_simulator_offload_on_cuda_changes_nothing(tmp_path, codec, monkeypatch)
 
 
 @pytest.mark.gpu
+def test_a_residual_parked_on_the_host_visits_the_gpu_for_one_encode_and_goes_back():
+    """A simulated worker parked inside an exchange (``sim.offload``) encodes each bucket on the GPU with its
+    residual, which Algorithm.to left in pinned host memory (``Codec.home``): the residual comes over for the
+    encode and goes back, so N parked workers' residuals do not gather on the GPU bucket by bucket. The payload
+    and the residual equal those of a codec whose residual never left the GPU."""
+    from diloco.compress.codec import make_codec
+
+    stay, parked = make_codec("topk:0.1+int8"), make_codec("topk:0.1+int8")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(100_000, device="cuda", generator=g)
+    for codec in (stay, parked):
+        codec.encode(x, key="k")
+    parked.home = torch.device("cpu")  # as Algorithm.to(cpu) parks it
+    parked.residuals["k"] = parked.residuals["k"].cpu().pin_memory()
+    y = torch.randn(100_000, device="cuda", generator=g)
+    assert bytes(stay.encode(y, key="k")) == bytes(parked.encode(y, key="k"))
+    assert parked.residuals["k"].device.type == "cpu" and parked.residuals["k"].is_pinned()
+    assert torch.equal(stay.residuals["k"].cpu(), parked.residuals["k"])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
 def test_simulated_ddp_with_offload_on_cuda_changes_nothing(tmp_path, codec, monkeypatch):
     """DDP's workers are parked at the first bucket of every step's exchange and brought back at its end; the

@@ -279,6 +279,8 @@ class Codec:
         self.chain = self.spec.canonical()
         self.max_numel = max_numel
         self.residuals: dict[Hashable, torch.Tensor] = {}
+        # where the residuals were put to wait between encodes (Algorithm.to sets it; None: where they are used)
+        self.home: Optional[torch.device] = None
         self.stats = CodecStats()
         s = self.spec
         self.is_identity = self.chain == "fp32"
@@ -405,11 +407,11 @@ class Codec:
             x = dct_chunks(x, s.dct_chunk)
             if not _finite(x):
                 raise ValueError("values too large to encode: the DCT overflows float32")
-        residual = None
+        residual = parked = None
         flat_idx = None
         if s.topk_chunk:
             if self.error_feedback:
-                residual = self._residual(key, dense, x.device)
+                residual, parked = self._residual(key, dense, x.device)
             idx, values = tk.topk_chunks(x, s.topk_chunk, s.topk_k, residual, s.ef_decay)
             late.append((value_bytes, pack_bits(idx, bits_for(s.topk_chunk))))
             if residual is not None:
@@ -443,6 +445,8 @@ class Codec:
             late.append((0, cast))
             if flat_idx is not None and s.value != "fp32":
                 residual.index_add_(0, flat_idx, values - cast.float())
+        if parked is not None:  # back where it waits (behind the sections, in the one synchronize below)
+            parked.copy_(residual, non_blocking=x.is_cuda and parked.is_pinned())
         if x.is_cuda:
             if late:
                 host = torch.frombuffer(mem, dtype=torch.uint8)
@@ -483,13 +487,22 @@ class Codec:
         """Forget the output buffers kept for reuse (they are freed once nothing else holds them)."""
         self._buffers.clear()
 
-    def _residual(self, key: Hashable, length: int, device: torch.device) -> torch.Tensor:
+    def _residual(self, key: Hashable, length: int, device: torch.device
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The residual of ``key`` on ``device``, and where the encode copies it back when it is done: the
+        residual's own tensor where it was parked at :attr:`home` on purpose (a simulated worker waiting in an
+        exchange, with ``sim.offload``: each bucket's residual visits the device for its encode and goes back, or
+        every parked worker's would gather on the GPU bucket by bucket); else None, and it stays on ``device``
+        (one loaded from a checkpoint on the host moves over on first use)."""
         r = self.residuals.get(key)
+        device = torch.device(device)
         if r is None or r.numel() != length:  # new buffer (or its size changed: the group did): start empty
             r = self.residuals[key] = torch.zeros(length, dtype=torch.float32, device=device)
-        elif r.device != torch.device(device):
+        elif r.device != device:
+            if self.home is not None and r.device == self.home:
+                return r.to(device, non_blocking=r.is_pinned()), r
             r = self.residuals[key] = r.to(device)
-        return r
+        return r, None
 
     # ---- decode -----------------------------------------------------------------------------
     def decode(self, payload: bytes | bytearray | memoryview, *, expect_numel: Optional[int] = None,

@@ -259,12 +259,15 @@ class InProcessGroup:
         self._exchanges[rank] += 1
         try:
             yield
-        finally:
-            self._exchanges[rank] -= 1
-            if not self._exchanges[rank] and self._released[rank]:
-                self._released[rank] = False
-                if self.on_acquire is not None:
-                    self.on_acquire(rank)
+        except BaseException:  # the run is failing (or unwinding): no worker is moved back to the GPU to die there
+            self._exchanges[rank] = 0
+            self._released[rank] = False
+            raise
+        self._exchanges[rank] -= 1
+        if not self._exchanges[rank] and self._released[rank]:
+            self._released[rank] = False
+            if self.on_acquire is not None:
+                self.on_acquire(rank)
 
     def waiting(self) -> list[int]:
         return [r for r, here in enumerate(self._present) if here]
