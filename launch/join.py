@@ -30,12 +30,16 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from diloco.comm import check_run_name, fingerprint, make_transport, merge_ledgers, read_swarm, schema_differs
+from diloco.compress import make_codec
 from launch.config import Config
 from launch.data import Batcher, load_data
 from launch.metrics import human_bytes
 from launch.trainer import STOP, RunError, Trainer, stop_signals
 
 DEFAULT_RUN = "loco"
+# the run's state a peer downloads, per parameter of the model at most: DiLoCo's global copy and outer momentum
+# are 8 bytes; twice that leaves room for what else an algorithm shares (an optimizer's moments)
+STATE_BYTES_PER_PARAM = 16
 
 
 @dataclass
@@ -141,6 +145,15 @@ class Peer:
             os.replace(tmp, path)
         self.trainer = Trainer(self.cfg, transport=t, data=self.data)
         tr = self.trainer
+        # the run's state is this model's, whatever its size: global parameters and outer momentum (DiLoCo, 8 bytes
+        # a parameter), with room for more; a state announced larger than that is refused before it is read
+        numel = sum(p.numel() for p in tr.algo.global_parameters())
+        t.max_state_bytes = max(t.max_payload_bytes, STATE_BYTES_PER_PARAM * numel + (64 << 20))
+        limit = (tr.algo.codec or make_codec()).max_numel  # a round's one payload: the whole pseudo-gradient
+        if numel > limit:
+            raise RunError(f"this model has {numel:,} parameters and loco join exchanges them in one payload of at "
+                           f"most {limit:,} values: train it over torchrun or in loco simulate, or join with a "
+                           f"smaller model")
         # hivemind draws group ids and tie-breaks from Python's global random, which run.seed just fixed
         # alike on every peer: give it this machine's entropy back
         random.seed()

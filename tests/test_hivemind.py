@@ -264,6 +264,55 @@ def test_a_stranger_streaming_junk_leaves_memory_flat_and_training_unaffected(tm
             assert abs(first - 1.5) < 0.02 and abs(last - 1.5) < 0.02
 
 
+def test_a_payload_larger_than_the_default_limit_is_taken_when_the_model_makes_it(swarm):
+    """The window of sizes a peer takes follows from its own payload (its model and codec), however large: a 1B
+    model's fp32 payload (4.4 GB) is above ``max_payload_bytes`` (4 GiB), which bounds only payloads whose size
+    nothing derives. Here the limit is set below a small model's payload to show it."""
+    from diloco.compress.codec import make_codec
+
+    def step(i, t):
+        t.max_payload_bytes = 1000  # below the 12 KB payloads of 3,000 fp32 values
+        try:
+            total = t.all_reduce_compressed_([torch.full((3000,), float(i))], make_codec("fp32"), 1.0, key="big")
+        finally:
+            t.max_payload_bytes = 4 << 30
+        return total, len(t.last.members), t.last.payloads
+
+    out = run_together(swarm, step)
+    assert all(total == 3.0 and members == 3 for total, members, _ in out.values()), out
+    # the payloads were handed to the collective: the result kept until the next epoch holds none of them
+    assert all(payloads == {} for _, _, payloads in out.values())
+
+
+def test_a_member_announcing_a_malformed_state_is_left_out_and_the_others_go_on(swarm):
+    """A member's announcement (its state's sketch, whether it is behind, how many peers averaged its state, its
+    payload's hash) is checked when the group forms: one that says its state came out of a group of a billion
+    peers is left out with a note, the others average without it. A sketch of another type, a flag that is not
+    one, a group that is not a number would have stopped the others in the epoch's bookkeeping."""
+    from diloco.comm.hivemind.epoch import _malformed
+    from diloco.compress.codec import make_codec
+
+    good = {"fp": b"\0" * 8, "stale": False, "g": 3, "sha": b"s" * 32}
+    assert _malformed(good, b"\1" * 8) is None
+    for bad in ({"fp": 5}, {"fp": b"\0" * 4}, {"stale": "no"}, {"g": "x"}, {"g": True}, {"g": 0}, {"g": 10 ** 9},
+                {"sha": None}):
+        assert _malformed({**good, **bad}, b"\1" * 8), bad
+
+    def step(i, t):
+        if i == 2:
+            t.last_group = 10 ** 9
+        total = t.all_reduce_compressed_([torch.full((3000,), float(i))], make_codec("fp32"), 1.0, key="meta")
+        t.last_group = len(t.last.members)
+        return total, [p.to_base58() for p in t.last.members], list(t.last.notes)
+
+    out = run_together(swarm, step)
+    liar = swarm[2].me
+    for i in (0, 1):
+        total, members, notes = out[i]
+        assert total == 2.0 and liar not in members, out[i]
+        assert any(liar[-8:] in n and "averaged by 1000000000 peers" in n for n in notes), notes
+
+
 def test_a_push_header_is_refused_before_its_body_is_read(swarm):
     """A second libp2p peer (no DHT, no run key) opens streams to a keyed peer's push handler and sends only a
     header: one announcing a size this run's model and codec do not make, one without the run key's MAC. The

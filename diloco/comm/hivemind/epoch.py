@@ -49,6 +49,27 @@ def _servicer_class():
     return RoundServicer
 
 
+
+MAX_GROUP = 1 << 16  # the most peers a state can say it was averaged by (``g``)
+
+
+def _malformed(meta: dict, fp: bytes) -> Optional[str]:
+    """What is wrong with a member's announcement, as :meth:`EpochMixin._after_epoch` reads it, or None: its
+    state's sketch (``fp``, as long as this peer's own), whether it is behind (``stale``), the group its state
+    came out of (``g``) and its payload's hash. Anything else there (a string, a number of another type) would
+    stop every other member in the epoch's bookkeeping."""
+    if not (isinstance(meta.get("fp"), bytes) and len(meta["fp"]) == len(fp)):
+        return "a state sketch of another size"
+    if not isinstance(meta.get("stale"), bool):
+        return "no 'behind' flag"
+    g = meta.get("g")
+    if not (isinstance(g, int) and not isinstance(g, bool) and 1 <= g <= MAX_GROUP):
+        return f"a state averaged by {g!r} peers"
+    if not (isinstance(meta.get("sha"), bytes) and len(meta["sha"]) == 32):
+        return "no payload hash"
+    return None
+
+
 def schema_differs(theirs: object, mine: str) -> str:
     """The keys of two peers' settings (JSON objects, as ``launch.join.schema_of`` makes them) that differ, as
     ``key: theirs there, mine here; ...`` (the keys of a nested object, the model's, named one by one)."""
@@ -70,7 +91,7 @@ class EpochResult:
     epoch: int
     group: str
     members: list  # PeerIDs that delivered and committed, sorted
-    payloads: dict  # PeerID -> bytes
+    payloads: dict  # PeerID -> bytes (emptied once the transport hands them to the collective)
     meta: dict  # PeerID -> gathered metadata
     alone: bool = False
     seconds: float = 0.0
@@ -235,8 +256,9 @@ class EpochMixin:
 
     def _open_window(self, epoch: int, payload: bytes, group: int) -> Window:
         """Start accepting pushes for ``epoch``: sizes from this peer's own payload, room for ``group`` members."""
+        # sizes from this peer's own payload (its model and codec), however large: a 1B model's fp32 payload is
+        # 4.4 GB; max_payload_bytes bounds only a payload whose size nothing derives
         least, most, exact = payload_sizes(payload, self.max_payload_bytes)
-        most = min(most, self.max_payload_bytes)
         self._window = Window(epoch, least, most, exact, inbox_cap(most, group))
         self._inbox.clear()
         return self._window
@@ -353,6 +375,8 @@ class EpochMixin:
                 good = False
             if not good:
                 notes.append(f"peer {pid.to_base58()[-8:]} has no valid run-key token: left out")
+            elif pid != self.peer_id and _malformed(m, fp):
+                notes.append(f"peer {pid.to_base58()[-8:]} announces {_malformed(m, fp)}: left out")
             elif not (isinstance(m.get("n"), int) and window.fits(m["n"])):
                 notes.append(f"peer {pid.to_base58()[-8:]} announces a payload of {m.get('n')} bytes; this run's "
                              f"model and codec make {window.expected()}: left out")

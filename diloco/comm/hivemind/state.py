@@ -142,14 +142,16 @@ class StateMixin:
         try:
             await _write_framed(writer, head, body)
             # the reply's header may come only once the peer has the epoch asked for: up to STATE_WAIT_S
-            header, piece = await _read_framed(reader, self.max_payload_bytes, self.state_timeout,
+            largest = self.max_state_bytes or self.max_payload_bytes
+            header, piece = await _read_framed(reader, largest, self.state_timeout,
                                                header_timeout=STATE_WAIT_S + 10)
             epoch, total, digest = int(header["e"]), int(header.get("total", len(piece))), header["sha"]
             if not hmac.compare_digest(header["m"], mac(self.key, b"state-reply", peer.to_bytes(),
                                                         self.peer_id.to_bytes(), str(epoch).encode(), digest)):
                 raise PermissionError("the state's MAC does not check (no or another run key)")
-            if int(header.get("off", 0)) != off or total > self.max_payload_bytes:
-                raise ValueError(f"a stripe at {header.get('off', 0)} of {total} bytes, asked for one at {off}")
+            if int(header.get("off", 0)) != off or total > largest:
+                raise ValueError(f"a stripe at {header.get('off', 0)} of a state of {total} bytes (at most {largest} "
+                                 f"taken), asked for one at {off}")
             man = header.get("man")
             if off == 0 and not (isinstance(man, bytes) and hashlib.sha256(man).digest() == digest):
                 raise ValueError("the state's manifest does not match its signed hash")

@@ -192,6 +192,9 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self._live_seen = 0  # how many other live peers its latest rendezvous found (bounds the next group)
         self.heartbeat_ttl, self.norm_clip, self.clip_action = heartbeat_ttl, float(norm_clip), clip_action
         self.max_payload_bytes, self.client_mode = max_payload_bytes, client_mode
+        # the largest state this peer downloads (None: max_payload_bytes); a driver sets it from its model
+        # (launch.join: 16 bytes a parameter), since a 1B DiLoCo state is about 8.8 GB
+        self.max_state_bytes: Optional[int] = None
         self.schema = hashlib.sha256(f"loco-swarm-v2|{run}|{schema}".encode()).digest()
         self.settings = schema  # announced in the registry: a peer of this run with other settings is named
         self._foreign: set[str] = set()  # the peers of this run announcing other settings, named once each
@@ -460,7 +463,11 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         """Every member's payload (this peer's included) in canonical order (:meth:`member_names`)."""
         result = self.exchange(payload)
         # a member whose own payload did not reach everyone is left out of the agreed set (its update too)
-        return [result.payloads[p] for p in result.members]
+        out = [result.payloads[p] for p in result.members]
+        # handed over: ``last`` (kept until the next epoch) holds no payload, or every member's would stay in
+        # memory through the next round's training and meet the next round's (2 x 4.4 GB a member for 1B fp32)
+        result.payloads = {}
+        return out
 
     def _moved(self, kind: str, sent: Sequence[int], received: Sequence[int]) -> tuple[int, int]:
         """What this peer's pushes really delivered, and what it took from the members it kept."""
