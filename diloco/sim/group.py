@@ -254,8 +254,9 @@ class InProcessGroup:
         acquired again when the exchange ends, not after each wait. With ``sim.offload`` a worker's state thus
         leaves the GPU and comes back once an exchange instead of once a bucket (a 1B model's exchange has over a
         hundred). What the exchange reads and writes stays where it began (it holds DiLoCo's pseudo-gradients and
-        DDP's gradients, which a move of the model leaves alone; a codec's residuals come back on first use), so
-        the exchange of a released worker runs on the GPU while its parameters and moments wait on the host."""
+        DDP's gradients, which a move of the model leaves alone; a codec's residual visits the GPU for its
+        bucket's encode and goes back, ``Codec.home``), so the exchange of a released worker runs on the GPU while
+        its parameters, moments and residuals wait on the host. An exchange that fails moves nobody back."""
         self._exchanges[rank] += 1
         try:
             yield

@@ -49,7 +49,6 @@ def _servicer_class():
     return RoundServicer
 
 
-
 MAX_GROUP = 1 << 16  # the most peers a state can say it was averaged by (``g``)
 
 
