@@ -374,8 +374,8 @@ class EpochMixin:
                 good = False
             if not good:
                 notes.append(f"peer {pid.to_base58()[-8:]} has no valid run-key token: left out")
-            elif pid != self.peer_id and _malformed(m, fp):
-                notes.append(f"peer {pid.to_base58()[-8:]} announces {_malformed(m, fp)}: left out")
+            elif pid != self.peer_id and (why := _malformed(m, fp)):
+                notes.append(f"peer {pid.to_base58()[-8:]} announces {why}: left out")
             elif not (isinstance(m.get("n"), int) and window.fits(m["n"])):
                 notes.append(f"peer {pid.to_base58()[-8:]} announces a payload of {m.get('n')} bytes; this run's "
                              f"model and codec make {window.expected()}: left out")
