@@ -25,7 +25,8 @@ use only this interface and never ask which algorithm runs.
 * ``to(device)`` moves everything it holds (model, inner and outer state);
 * ``round`` and ``tokens_agreed``: rounds done and tokens every worker agreed on;
 * ``global_parameters()``, ``shared_state()`` / ``load_shared_state()``: what
-  every worker shares, for a peer that joins or falls out of step.
+  every worker shares, for a peer that joins or falls out of step; another
+  worker's is checked whole (``check_shared_state``) before any of it is taken.
 """
 
 from __future__ import annotations
@@ -282,10 +283,21 @@ class Algorithm:
         return {"params": [p.detach() for p in self.params], "round": self.round,
                 "global_tokens": self.global_tokens}
 
+    def check_shared_state(self, state: dict[str, Any]) -> None:
+        """Whether ``state`` (another worker's :meth:`shared_state`, from a peer) fits this algorithm: ValueError
+        naming the first thing that does not, before :meth:`load_shared_state` changes anything. Its tensors
+        fit this model's shapes, its counts are numbers, and nothing in it is NaN or infinite (a peer's broken
+        state must not become this one's)."""
+        _check_fits(self.params, _list_at(state, "params"), "params")
+        _counts(state)
+        _check_finite(state, "the state")
+
     def load_shared_state(self, state: dict[str, Any]) -> None:
-        """Take another worker's :meth:`shared_state`; a shape that does not fit raises ValueError."""
-        _copy_checked(self.params, state["params"])
-        self.round, self.global_tokens = int(state["round"]), float(state["global_tokens"])
+        """Take another worker's :meth:`shared_state`, all of it or (ValueError, :meth:`check_shared_state`)
+        none of it."""
+        self.check_shared_state(state)
+        _copy(self.params, state["params"])
+        self.round, self.global_tokens = _counts(state)
 
     def _sync_inner(self) -> None:
         """A worker made of several processes (a node of a torchrun mesh): average their gradients first."""
@@ -463,8 +475,13 @@ class DDP(Algorithm):
         takes them too (with fresh moments its replica would drift from the others')."""
         return {**super().shared_state(), "optimizer": self.optimizer.state_dict()}
 
+    def check_shared_state(self, state: dict[str, Any]) -> None:
+        super().check_shared_state(state)
+        if "optimizer" in state:
+            check_optimizer_state(self.optimizer, state["optimizer"], "optimizer")
+
     def load_shared_state(self, state: dict[str, Any]) -> None:
-        super().load_shared_state(state)
+        super().load_shared_state(state)  # checks the optimizer's state too, before anything is taken
         if "optimizer" in state:
             load_optimizer_state(self.optimizer, state["optimizer"])
 
@@ -480,13 +497,81 @@ class DDP(Algorithm):
             self.codec.load_state_dict(state["codec"])
 
 
-def _copy_checked(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """Copy ``src`` into ``dst`` (same count and shapes, else ValueError naming the first mismatch)."""
+def _list_at(state: Any, key: str) -> list:
+    """``state[key]``, a list or tuple: ValueError naming the key otherwise."""
+    if not isinstance(state, dict) or key not in state:
+        raise ValueError(f"no {key!r}")
+    value = state[key]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{key!r} is a {type(value).__name__}, not a list")
+    return list(value)
+
+
+def _counts(state: dict[str, Any]) -> tuple[int, float]:
+    """A shared state's round and tokens: a non-negative whole number and a finite non-negative one."""
+    r, tokens = state.get("round"), state.get("global_tokens")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+        raise ValueError(f"'round' is {r!r}, not a round number")
+    if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not math.isfinite(tokens) or tokens < 0:
+        raise ValueError(f"'global_tokens' is {tokens!r}, not a count of tokens")
+    return r, float(tokens)
+
+
+def _check_fits(dst: list[torch.Tensor], src: list[Any], what: str = "params") -> None:
+    """``src`` holds a floating tensor of each shape of ``dst``, in order: ValueError naming the first misfit."""
     if len(src) != len(dst):
-        raise ValueError(f"{len(src)} parameters, this model has {len(dst)}")
-    for d, s in zip(dst, src):
+        raise ValueError(f"{what}: {len(src)} parameters, this model has {len(dst)}")
+    for i, (d, s) in enumerate(zip(dst, src)):
+        if not isinstance(s, torch.Tensor) or not s.is_floating_point():
+            raise ValueError(f"{what}[{i}] is not a floating-point tensor")
         if d.shape != s.shape:
-            raise ValueError(f"a parameter of shape {tuple(s.shape)}, this model's is {tuple(d.shape)}")
+            raise ValueError(f"{what}[{i}]: a parameter of shape {tuple(s.shape)}, this model's is {tuple(d.shape)}")
+
+
+def _check_finite(tree: Any, where: str) -> None:
+    """Every floating-point tensor in ``tree`` (dicts, lists) finite: ValueError naming the first one that is not.
+    One reduction per tensor; the caller holds a peer's state in host memory, where that costs no device sync."""
+    if isinstance(tree, torch.Tensor):
+        if tree.is_floating_point() and tree.numel() and not bool(torch.isfinite(tree).all()):
+            raise ValueError(f"{where} holds NaN or infinite values")
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            _check_finite(v, f"{where}[{k!r}]")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            _check_finite(v, f"{where}[{i}]")
+    elif isinstance(tree, float) and not math.isfinite(tree):
+        raise ValueError(f"{where} is {tree}")
+
+
+def check_optimizer_state(opt: torch.optim.Optimizer, saved: Any, what: str = "optimizer") -> None:
+    """Whether ``saved`` (an optimizer's ``state_dict()`` from a peer) fits ``opt`` before anything is loaded:
+    ValueError naming the first misfit. torch's ``load_state_dict`` checks the groups' number and sizes only; a
+    moment of another shape would load and fail at the next step, after the rest of the state was taken."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) or \
+            not isinstance(saved.get("param_groups"), (list, tuple)):
+        raise ValueError(f"{what}: no 'state' and 'param_groups'")
+    groups = list(saved["param_groups"])
+    sizes = [len(g["params"]) for g in opt.param_groups]
+    theirs = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) else None
+              for g in groups]
+    if theirs != sizes:
+        raise ValueError(f"{what}: groups of {theirs} parameters, this optimizer's are of {sizes}")
+    params = {}
+    for g, mine in zip(groups, opt.param_groups):
+        for i, p in zip(g["params"], mine["params"]):
+            params[i] = p
+    for i, entry in saved["state"].items():
+        if i not in params or not isinstance(entry, dict):
+            raise ValueError(f"{what}: a state for parameter {i!r}, which no group lists")
+        for key, v in entry.items():
+            if isinstance(v, torch.Tensor) and v.numel() != 1 and v.shape != params[i].shape:
+                raise ValueError(f"{what}: {key!r} of parameter {i} has shape {tuple(v.shape)}, the parameter's "
+                                 f"is {tuple(params[i].shape)}")
+
+
+def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Copy ``src`` into ``dst``, checked by :func:`_check_fits` before."""
     with torch.no_grad():
         for d, s in zip(dst, src):
             d.copy_(s.to(d.device, d.dtype))

@@ -29,8 +29,9 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from diloco.algorithm import (Algorithm, _copy_checked, _move_optimizer_state, all_finite, flatten_parameters_,
-                              load_optimizer_state, move_tensor, register)
+from diloco.algorithm import (Algorithm, _check_finite, _check_fits, _copy, _counts, _list_at, _move_optimizer_state,
+                              all_finite, check_optimizer_state, flatten_parameters_, load_optimizer_state,
+                              move_tensor, register)
 from diloco.comm.base import Handle, Transport
 from diloco.compress import collective
 from diloco.compress.codec import Codec, make_codec
@@ -245,14 +246,25 @@ class DiLoCo(Algorithm):
                 "outer_optimizers": [o.state_dict() for o in self.outer_optimizers],
                 "round": self.round, "global_tokens": self.global_tokens}
 
+    def check_shared_state(self, state: dict[str, Any]) -> None:
+        _check_fits(self.global_params, _list_at(state, "global_params"), "global_params")
+        saved = _list_at(state, "outer_optimizers")
+        if len(saved) != len(self.outer_optimizers):
+            raise ValueError(f"{len(saved)} outer optimizers, this run has {len(self.outer_optimizers)}")
+        for k, (opt, s) in enumerate(zip(self.outer_optimizers, saved)):
+            check_optimizer_state(opt, s, f"outer_optimizers[{k}]")
+        _counts(state)
+        _check_finite(state, "the state")
+
     def load_shared_state(self, state: dict[str, Any]) -> None:
         """The global model, outer state, round and tokens of another worker; this worker starts a new round
-        from that global model."""
-        _copy_checked(self.global_params, state["global_params"])
-        _copy_checked(self.params, state["global_params"])
+        from that global model. All of it or (ValueError, :meth:`check_shared_state`) none of it."""
+        self.check_shared_state(state)
+        _copy(self.global_params, state["global_params"])
+        _copy(self.params, state["global_params"])
         for opt, saved in zip(self.outer_optimizers, state["outer_optimizers"]):
             load_optimizer_state(opt, saved)
-        self.round, self.global_tokens = int(state["round"]), float(state["global_tokens"])
+        self.round, self.global_tokens = _counts(state)
         self.round_steps = 0
         self.policy.start_round(self.transport.now)
 

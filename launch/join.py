@@ -66,6 +66,10 @@ class JoinOptions:
     extra: dict = field(default_factory=dict)
 
 
+class OtherSettings(RunError):
+    """A state from a run of other settings than this peer's config (see :func:`schema_of`)."""
+
+
 def read_run_key(key: Optional[str], key_file: Optional[str]) -> Optional[bytes]:
     """The run key from --run-key, --run-key-file or $LOCO_RUN_KEY (in that order); None: an open run."""
     if key:
@@ -179,9 +183,12 @@ class Peer:
                        "from the stripes already here while the run's state is the same)", 0)
             elif got is None:
                 m.info("no peer serves a state yet: starting from this peer's own initialisation", 0)
+            elif (refused := self._refused(got[1], "peer " + ", ".join(t.state_sources) if t.state_sources
+                                           else "a peer")) is not None:
+                m.info(f"the run's state was refused ({refused}): starting from this peer's own initialisation, "
+                       f"and a later round takes the group's state", 0)
             else:
                 epoch, blob = got
-                self.load_state(blob)
                 self._align_step()
                 sources = len(t.state_sources)
                 m.info(f"downloaded the run's state (round {epoch}, {len(blob) / 1e6:.1f} MB"
@@ -198,14 +205,32 @@ class Peer:
         return fingerprint(self.trainer.algo.global_parameters())
 
     def load_state(self, blob: bytes, source: str = "a peer") -> None:
+        """Take a state another peer served, whole or (RunError) not at all. A state of other settings raises
+        :class:`OtherSettings`: this peer's config is not the run's, a mistake to stop at."""
         def same_run(state: dict[str, Any]) -> None:
             if state.get("schema") != self.schema:
-                raise RunError(f"{source} trains with other settings than this config "
-                               f"({schema_differs(state.get('schema'), self.schema)}): join with the run's --config")
+                raise OtherSettings(f"{source} trains with other settings than this config "
+                                    f"({schema_differs(state.get('schema'), self.schema)}): join with the run's "
+                                    f"--config")
+            epoch = state.get("epoch")
+            if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+                raise RunError(f"the state from {source} has no round number ('epoch' is {epoch!r})")
 
         state = self.trainer.load_shared_blob(blob, source, check=same_run)
         self.transport.epoch = int(state["epoch"])
         self.transport.stale = False
+
+    def _refused(self, blob: bytes, source: str) -> Optional[str]:
+        """:meth:`load_state`, or why the state was refused (it does not load, does not fit this model, holds NaN
+        or infinite values): a peer serving a broken state must not stop this one, which keeps its own state
+        as it was. A state of other settings still stops it (:class:`OtherSettings`)."""
+        try:
+            self.load_state(blob, source)
+        except OtherSettings:
+            raise
+        except RunError as e:
+            return str(e)
+        return None
 
     def _align_step(self) -> int:
         """After taking another peer's state: this peer's step is the state's (its round x the round's steps,
@@ -240,8 +265,13 @@ class Peer:
             rec["deadline_s"] = round(t.last.deadline_s, 1)
         if t.resync_from:
             got = t.download_state(t.resync_from, min_epoch=t.epoch)
-            if got is not None:
-                self.load_state(got[1], f"peer {t.resync_from[0].to_base58()}")
+            refused = None if got is None else self._refused(got[1], f"peer {t.resync_from[0].to_base58()}")
+            if refused is not None:
+                m.info(f"round {t.epoch - 1}: this peer's state differs from the group's, whose state was refused "
+                       f"({refused}); training on from this peer's own, and the next round tries again", tr.step)
+                rec["resync_pending"] = True
+                rec["resync_refused"] = refused
+            elif got is not None:
                 moved = self._align_step()
                 m.info(f"round {t.epoch - 1}: this peer's state differed from the group's; downloaded theirs"
                        + (f" (round {tr.algo.round}: step {tr.step - moved} -> {tr.step})" if moved else ""),

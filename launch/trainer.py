@@ -589,16 +589,20 @@ class Trainer:
 
     def load_shared_blob(self, blob: bytes, source: str = "a peer",
                          check: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
-        """Take a :meth:`shared_state_blob`; ``check(state)`` may refuse it with a RunError first. Returns it."""
+        """Take a :meth:`shared_state_blob`; ``check(state)`` may refuse it with a RunError first. Returns it.
+        A state that does not load, does not fit this model, or holds NaN or infinite values is refused whole
+        (RunError naming ``source`` and what is wrong), and this worker's state stays as it was."""
         try:
             state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         except Exception as e:
             raise RunError(f"the state from {source} does not load: {e}") from None
+        if not isinstance(state, dict):
+            raise RunError(f"the state from {source} is a {type(state).__name__}, not a run's state")
         if check is not None:
             check(state)
-        try:
+        try:  # checked whole first: a refused state leaves this one as it was
             self.algo.load_shared_state(state)
-        except (ValueError, KeyError) as e:
+        except (ValueError, KeyError, TypeError) as e:
             raise RunError(f"the state from {source} does not fit this model: {e}") from None
         return state
 

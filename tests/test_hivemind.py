@@ -546,6 +546,65 @@ def stale_sockets(before: set) -> list[str]:
     return stale
 
 
+def test_a_peer_refuses_a_broken_state_and_trains_on_from_its_own(tmp_path, capfd):
+    """A peer serving a broken state (here a NaN in its global parameters) stops nobody: a joiner refuses it,
+    says why, and starts from its own initialisation; a peer resyncing after a round refuses it, keeps its own
+    state as it was and tries again the next round (``resync_refused`` in ``rounds.jsonl``), and takes the
+    group's state once a sound one is served. Before, the joiner stopped with the error, and a resyncing peer
+    would have taken the NaN."""
+    import io
+
+    from launch.config import load_config
+    from launch.join import JoinOptions, Peer
+
+    sets = [*FAST, "data.seq_len=64", "run.batch_size=4", "algo.inner_steps=10", "run.eval_every=0",
+            "run.checkpoint_every=0", "algo.name=diloco"]
+
+    def peer(name, peers=()):
+        cfg, _ = load_config([TINY], [*sets, f"run.dir={tmp_path / name}", f"run.seed={len(name)}"])
+        return Peer(cfg, JoinOptions(peers=list(peers), run="refuse", run_key=KEY, host="127.0.0.1",
+                                     matchmaking_time=3, round_timeout=20))
+
+    def state_of(p, nan=False):
+        state = torch.load(io.BytesIO(p.trainer.shared_state_blob(schema=p.schema, epoch=p.transport.epoch)),
+                           weights_only=True)
+        if nan:
+            state["global_params"][2][0] = float("nan")
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return buf.getvalue()
+
+    def params(p):
+        return [g.detach().clone() for g in p.trainer.algo.global_parameters()]
+
+    a = peer("a")
+    b = None
+    try:
+        a.transport.publish_state(state_of(a, nan=True))
+        b = peer("bb", a.transport.visible_maddrs()[:1])
+        err = capfd.readouterr().err
+        assert "the run's state was refused" in err and "holds NaN or infinite values" in err, err[-2000:]
+        own = params(b)
+        assert not all(torch.equal(x, y) for x, y in zip(own, params(a)))  # its own initialisation, not a's
+
+        b.transport.resync_from = [a.transport.peer_id]
+        b._on_round({})
+        assert all(torch.equal(x, y) for x, y in zip(own, params(b)))
+        rec = rounds(tmp_path, "bb")[-1]
+        assert rec["resync_pending"] and "NaN" in rec["resync_refused"] and not rec.get("resynced"), rec
+        assert "whose state was refused" in capfd.readouterr().err
+
+        a.transport.publish_state(state_of(a))  # sound again: the next round takes it
+        b.transport.resync_from = [a.transport.peer_id]
+        b._on_round({})
+        assert rounds(tmp_path, "bb")[-1].get("resynced")
+        assert all(torch.equal(x, y) for x, y in zip(params(a), params(b)))
+    finally:
+        for p in (b, a):
+            if p is not None:
+                p.close()
+
+
 def test_a_refused_or_unreachable_join_says_why_and_leaves_no_sockets(swarm):
     import glob
     import tempfile

@@ -133,6 +133,110 @@ def test_a_published_state_is_the_live_tensors_copied_to_host_once(tiny_cfg):
         trainer.transport.close()
 
 
+@pytest.mark.parametrize("algo", ["ddp", "diloco", "streaming", "sparseloco", "demo"])
+def test_a_broken_shared_state_is_refused_whole_and_this_one_stays_as_it_was(algo, tiny_cfg):
+    """What a ``loco join`` peer (or a simulated worker coming back) takes from another is checked whole before
+    any of it is taken: a state with a NaN, a tensor of another shape, a round that is not a number, an
+    optimizer moment of another shape (DDP's AdamW, an outer Nesterov momentum) is refused with one line naming
+    its source and what is wrong, and every tensor of this worker's state stays as it was. Before, a NaN or a
+    moment of another shape was taken, and a round that was not a number failed after the parameters and the
+    optimizers' state were taken."""
+    import io
+
+    import torch
+
+    from launch.trainer import RunError, Trainer
+
+    extra = ["algo.inner_steps=2"] if algo != "ddp" and algo != "demo" else []
+    if algo == "streaming":
+        extra.append("algo.fragments=2")
+    cfg = tiny_cfg(f"algo.name={algo}", "run.max_steps=4", "run.eval_every=0", "run.checkpoint_every=0", *extra)
+    mine, theirs = Trainer(cfg), Trainer(tiny_cfg(f"algo.name={algo}", "run.max_steps=4", "run.eval_every=0",
+                                                  "run.checkpoint_every=0", "run.seed=7", *extra))
+    try:
+        for tr in (mine, theirs):  # moments and outer momenta exist after a few steps and rounds
+            tr.fit()
+
+        def tensors(tr):
+            flat = []
+
+            def walk(x):
+                if isinstance(x, torch.Tensor):
+                    flat.append(x.detach().clone())
+                elif isinstance(x, dict):
+                    for k in sorted(x, key=str):
+                        walk(x[k])
+                elif isinstance(x, (list, tuple)):
+                    for v in x:
+                        walk(v)
+            walk(tr.algo.shared_state())
+            return flat
+
+        before, counts = tensors(mine), (mine.algo.round, mine.algo.global_tokens)
+        good = torch.load(io.BytesIO(theirs.shared_state_blob()), weights_only=True)
+        key = "params" if "params" in good else "global_params"
+
+        def blob(change):
+            state = torch.load(io.BytesIO(theirs.shared_state_blob()), weights_only=True)
+            change(state)
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            return buf.getvalue()
+
+        def nan_last(s):
+            s[key][-1][0] = float("nan")
+
+        def reshaped(s):
+            s[key][-1] = s[key][-1].reshape(-1)[:5].clone()
+
+        def bad_round(s):
+            s["round"] = "three"
+
+        broken = {"holds NaN or infinite": blob(nan_last), "shape (5,)": blob(reshaped), "'round' is 'three'":
+                  blob(bad_round), "does not load": b"not a state", "not a run's state": _saved_list()}
+        if algo == "ddp":
+            def moment(s):
+                entry = s["optimizer"]["state"][len(s["params"]) - 1]
+                entry["exp_avg"] = entry["exp_avg"].reshape(-1)[:7].clone()
+            broken["'exp_avg' of parameter"] = blob(moment)
+        if algo in ("diloco", "streaming"):
+            def momentum(s):
+                opt = s["outer_optimizers"][-1]
+                i = max(opt["state"])
+                opt["state"][i]["momentum_buffer"] = torch.zeros(3)
+            broken["'momentum_buffer' of parameter"] = blob(momentum)
+
+            def nan_momentum(s):  # checked with the global parameters, which come first in the state
+                opt = s["outer_optimizers"][-1]
+                opt["state"][max(opt["state"])]["momentum_buffer"][0] = float("inf")
+            broken["['momentum_buffer'] holds NaN or infinite"] = blob(nan_momentum)
+        for what, b in broken.items():
+            with pytest.raises(RunError) as e:
+                mine.load_shared_blob(b, "peer QmBroken")
+            assert "peer QmBroken" in str(e.value) and what in str(e.value), (what, str(e.value))
+            after = tensors(mine)
+            assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(before, after)), what
+        assert (mine.algo.round, mine.algo.global_tokens) == counts
+        # a sound state is taken whole
+        mine.load_shared_blob(theirs.shared_state_blob(), "peer QmGood")
+        assert all(torch.equal(a, b) for a, b in zip(tensors(mine), tensors(theirs)))
+        assert torch.equal(torch.cat([p.detach().flatten() for p in mine.algo.global_parameters()]),
+                           torch.cat([g.flatten() for g in good[key]]))
+    finally:
+        mine.transport.close()
+        theirs.transport.close()
+
+
+def _saved_list() -> bytes:
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save([torch.zeros(2)], buf)
+    return buf.getvalue()
+
+
 def test_max_time_stops_evaluates_and_saves(tiny_cfg, tmp_path):
     cfg = tiny_cfg("run.max_steps=null", "run.max_time=2s", "run.checkpoint_every=0")
     summary = train(cfg)
