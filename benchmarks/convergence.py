@@ -72,7 +72,8 @@ def measure_step_time(args, data) -> float:
     from launch.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg, _ = load_config([], _base(args, 0) + ["run.max_steps=25", f"run.dir={tmp}"])
+        cfg, _ = load_config([], _base(args, 0) + list(args.set) + ["run.max_steps=25", "run.eval_every=0",
+                                                                    f"run.dir={tmp}"])
         trainer = Trainer(cfg, data=data)
         times = []
         trainer.transport.advance_compute = times.append  # the loop reports each step's compute time here
@@ -291,7 +292,7 @@ def main() -> None:
             _save(saved, args, step_time, results)
         _write(args, results, step_time, device)
         return
-    cfg, _ = load_config([], _base(args, 0))
+    cfg, _ = load_config([], _base(args, 0) + args.set)
     data = load_data(cfg.data)
     step_time = args.step_time or (merged[0]["step_time"] if merged else measure_step_time(args, data))
     results = []

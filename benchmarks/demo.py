@@ -14,6 +14,12 @@
     python benchmarks/demo.py --steps 300 --seeds 0,1,2                       # tiny on CPU
     python benchmarks/demo.py --model small --device cuda --out benchmarks/results/demo_gpu.md
     python benchmarks/demo.py --encode-only --encode-models small,150m,1b --device cuda --out demo_enc.md
+    python benchmarks/demo.py --seeds 0 --methods ddp,demo-k32 --demo-lr 1e-3,2e-3 --demo-warmup 100,300   # a sweep
+
+A comma-separated list in ``--demo-lr``, ``--demo-warmup``, ``--demo-decay`` or ``--demo-min-lr`` makes a sweep:
+every DeMo method runs once per combination (seeds alike), and the report adds a table of every try, best
+first. ``--set KEY=VALUE`` (repeatable) overrides the config of every run, DDP's too (``--set model.dim=256``:
+a model between the presets).
 
 ``--encode-only`` skips part 1 and times the encode alone, for every model of ``--encode-models``
 (default: ``--model``); the parameters are only shaped like the model's (random gradients, no model built).
@@ -156,6 +162,31 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28) -> float:
     return 2 * nbytes / median_time(lambda: dst.copy_(src), device, 5)
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+
+
+def demo_tries(args) -> list[dict]:
+    """Every combination of the DeMo settings given (one, unless a flag holds a list), in the order given."""
+    warmups = [args.warmup] if args.demo_warmup is None else args.demo_warmup
+    return [{"lr": lr, "warmup": w, "decay": d, "min_lr": m}
+            for lr in args.demo_lr for w in warmups for d in args.demo_decay for m in args.demo_min_lr]
+
+
+def try_label(t: dict) -> str:
+    return f"lr{t['lr']:g}_wu{t['warmup']}_decay{t['decay']:g}_min{t['min_lr']:g}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny")
@@ -165,12 +196,14 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW lr of the DDP baseline")
-    p.add_argument("--demo-lr", type=float, default=3e-3)
+    p.add_argument("--demo-lr", type=_floats, default=[3e-3], help="DeMo's peak lr (a comma list: a sweep)")
     p.add_argument("--warmup", type=int, default=50, help="warmup steps of the DDP baseline (and of DeMo by default)")
-    p.add_argument("--demo-warmup", type=int, help="warmup steps of the DeMo runs (default: --warmup)")
-    p.add_argument("--demo-decay", type=float, default=0.999, help="DeMo's compression_decay")
-    p.add_argument("--demo-min-lr", type=float, default=0.1,
-                   help="DeMo's final lr as a fraction of its peak (the DDP baseline decays to 0.1)")
+    p.add_argument("--demo-warmup", type=_ints, help="warmup steps of the DeMo runs (default: --warmup; a list: a sweep)")
+    p.add_argument("--demo-decay", type=_floats, default=[0.999], help="DeMo's compression_decay (a list: a sweep)")
+    p.add_argument("--demo-min-lr", type=_floats, default=[0.1],
+                   help="DeMo's final lr as a fraction of its peak (the DDP baseline decays to 0.1; a list: a sweep)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every run, DDP's too (repeatable)")
     p.add_argument("--methods", default="ddp,demo-k32,demo-k8")
     p.add_argument("--device", default=None)
     p.add_argument("--repeats", type=int, default=5)
@@ -191,14 +224,28 @@ def main() -> None:
     from launch.trainer import resolve_device
 
     args.seeds = [int(s) for s in args.seeds.split(",")]
-    args.methods = args.methods.split(",")
-    args.evals, args.eval_batches, args.bandwidth, args.latency, args.set = 6, 16, "1Gbit", "80ms", []
-    demo_warmup = args.warmup if args.demo_warmup is None else args.demo_warmup
-    args.method_set = {m: [f"optim.lr={args.demo_lr}", "optim.weight_decay=0", f"optim.warmup_steps={demo_warmup}",
-                           f"algo.compression_decay={args.demo_decay}", f"optim.min_lr_ratio={args.demo_min_lr}"]
-                       for m in args.methods if m.startswith("demo")}
+    asked = args.methods.split(",")
+    unknown = [m for m in asked if m not in conv.METHODS]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(conv.METHODS)}")
+    args.evals, args.eval_batches, args.bandwidth, args.latency = 6, 16, "1Gbit", "80ms"
+    tries = demo_tries(args)
+    sweep, t0 = len(tries) > 1, tries[0]
+    # every DeMo method once per try; a sweep names each run after its settings
+    args.methods, args.method_set, settings = [], {}, {}
+    for m in asked:
+        if not m.startswith("demo"):
+            args.methods.append(m)
+            continue
+        for t in tries:
+            name = f"{m}@{try_label(t)}" if sweep else m
+            conv.METHODS.setdefault(name, conv.METHODS[m])
+            args.methods.append(name)
+            settings[name] = (m, t)
+            args.method_set[name] = [f"optim.lr={t['lr']}", "optim.weight_decay=0", f"optim.warmup_steps={t['warmup']}",
+                                     f"algo.compression_decay={t['decay']}", f"optim.min_lr_ratio={t['min_lr']}"]
     device = resolve_device(args.device or "auto")
-    cfg, _ = load_config([], conv._base(args, 0))
+    cfg, _ = load_config([], conv._base(args, 0) + args.set)
     data = load_data(cfg.data)
     step_time = conv.measure_step_time(args, data)
     results = []
@@ -217,9 +264,11 @@ def main() -> None:
         f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; device: {device_name(args.device or 'auto')}; "
         f"torch {torch.__version__}, Python {platform.python_version()}",
         f"- model {args.model}, {args.workers} workers x batch {args.batch_size} x {args.seq_len}, {args.steps} steps, "
-        f"seeds {','.join(map(str, args.seeds))}; DDP: AdamW lr {args.lr}, warmup {args.warmup}; DeMo: lr "
-        f"{args.demo_lr}, decay {args.demo_decay}, chunk 64, no weight decay, warmup {demo_warmup}; cosine to 10% "
-        f"of the peak (DeMo: to {100 * args.demo_min_lr:g}%)",
+        f"seeds {','.join(map(str, args.seeds))}; DDP: AdamW lr {args.lr}, warmup {args.warmup}; DeMo: "
+        + (f"lr {t0['lr']}, decay {t0['decay']}, chunk 64, no weight decay, warmup {t0['warmup']}; cosine to 10% "
+           f"of the peak (DeMo: to {100 * t0['min_lr']:g}%)" if not sweep else
+           f"a sweep of {len(tries)} settings (below), chunk 64, no weight decay; cosine to 10% of the peak (DeMo: "
+           f"to its min lr)") + (f"; overrides {' '.join(args.set)}" if args.set else ""),
         f"- `python benchmarks/demo.py {' '.join(sys.argv[1:])}`", "",
         "| method | val loss (median) | seeds | vs DDP | bytes / worker / step | DDP bytes / these | wall s (median) "
         "| wall / DDP's |",
@@ -233,6 +282,16 @@ def main() -> None:
         slower = f"{wall[m] / wall['ddp']:.2f}x" if "ddp" in wall and wall["ddp"] else ""
         lines.append(f"| {m} | {med[m]:.4f} | {seeds} | {gap} | {human_bytes(per_step[m])} | {fewer} | "
                      f"{wall[m]:.1f} | {slower} |")
+    if sweep:
+        lines += ["", "Every try, best first (DeMo lr, warmup steps, compression_decay, final lr as a fraction of "
+                  "the peak):", "", "| method | lr | warmup | decay | min lr | val loss (median) | seeds | vs DDP |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+        for name in sorted(settings, key=lambda n: med[n]):
+            m, t = settings[name]
+            seeds = ", ".join(f"{r['val_loss']:.3f}" for r in results if r["method"] == name)
+            gap = f"{100 * (med[name] / med['ddp'] - 1):+.1f}%" if "ddp" in med else ""
+            lines.append(f"| {m} | {t['lr']:g} | {t['warmup']} | {t['decay']:g} | {t['min_lr']:g} | {med[name]:.4f} "
+                         f"| {seeds} | {gap} |")
     lines += ["", f"Encode (all parameters of `{args.model}`, k=32, median of {args.repeats}): loco "
               f"{times['loco'] * 1e3:.1f} ms ({'Triton kernel' if device.type == 'cuda' else 'torch reference'}), "
               f"plain einsum+topk {times['plain'] * 1e3:.1f} ms: {times['plain'] / times['loco']:.2f}x."]
