@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an update whose norm is above X times the median of the others' is clipped (0: off)")
     g.add_argument("--clip-action", choices=["clip", "drop"], default="clip",
                    help="scale such an update down to the bound, or leave it out")
+    g.add_argument("--weight-clip", type=float, default=10.0, metavar="X",
+                   help="an update counts at most X times the median of the others' weights (tokens of their "
+                        "round), whatever its peer announces (0: off)")
 
     p = sub.add_parser("sample", help="generate text from a checkpoint", formatter_class=fmt,
                        description="Generate text from a trained checkpoint.", epilog=EXAMPLES["sample"])
@@ -291,6 +294,10 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     matchmaking_time = _seconds_or_auto("--matchmaking-time", args.matchmaking_time)
     round_timeout = _seconds_or_auto("--round-timeout", args.round_timeout)
+    if not args.norm_clip >= 0:
+        raise UserError(f"--norm-clip {args.norm_clip:g}: a factor of at least 0 (0 turns clipping off)")
+    if not (args.weight_clip == 0 or args.weight_clip >= 1):
+        raise UserError(f"--weight-clip {args.weight_clip:g}: a factor of at least 1 (0 turns it off)")
     cfg = _load(args)
     require("hivemind", "loco join")
     opts = JoinOptions(peers=args.peers, run=args.run, address_file=args.address_file,
@@ -298,7 +305,8 @@ def cmd_join(args: argparse.Namespace) -> int:
                        announce=args.announce, identity=args.identity, use_relay=args.use_relay,
                        auto_relay=args.auto_relay, upnp=args.upnp, client_mode=args.client_mode,
                        matchmaking_time=matchmaking_time,
-                       round_timeout=round_timeout, norm_clip=args.norm_clip, clip_action=args.clip_action)
+                       round_timeout=round_timeout, norm_clip=args.norm_clip, clip_action=args.clip_action,
+                       weight_clip=args.weight_clip)
     join(cfg, opts)
     return 0
 

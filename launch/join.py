@@ -63,6 +63,7 @@ class JoinOptions:
     round_timeout: Union[float, str, None] = None
     norm_clip: float = 10.0
     clip_action: str = "clip"
+    weight_clip: float = 10.0
     extra: dict = field(default_factory=dict)
 
 
@@ -131,7 +132,7 @@ class Peer:
             use_relay=opts.use_relay, use_auto_relay=opts.auto_relay, nat_port_map=opts.upnp,
             client_mode=opts.client_mode,
             matchmaking_time=opts.matchmaking_time, exchange_timeout=opts.round_timeout, norm_clip=opts.norm_clip,
-            clip_action=opts.clip_action, schema=self.schema)
+            clip_action=opts.clip_action, weight_clip=opts.weight_clip, schema=self.schema)
         try:
             self._start()
         except BaseException:

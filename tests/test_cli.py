@@ -277,6 +277,8 @@ def test_bad_yaml_file_in_process(capsys, tmp_path):
     (["join", "--config", TINY, "--set", "algo.name=streaming"], "loco join runs algo.name=diloco"),
     (["join", "--config", TINY, "--run", "a.b"], "--run: run name 'a.b'"),
     (["join", "--config", TINY, "--run-key-file", "/nonexistent/key"], "--run-key-file /nonexistent/key: no such file"),
+    (["join", "--config", TINY, "--norm-clip", "-1"], "--norm-clip -1: a factor of at least 0"),
+    (["join", "--config", TINY, "--weight-clip", "0.5"], "--weight-clip 0.5: a factor of at least 1"),
     (["status"], "loco status needs --peers MULTIADDR"),
 ])
 def test_swarm_commands_name_bad_input(capsys, argv, expected):

@@ -284,6 +284,30 @@ def test_a_payload_larger_than_the_default_limit_is_taken_when_the_model_makes_i
     assert all(payloads == {} for _, _, payloads in out.values())
 
 
+def test_a_member_announcing_a_huge_weight_counts_at_most_weight_clip_times_the_others(swarm):
+    """A member's update travels with its weight (the tokens of its round), which nobody can check. One that
+    announces a billion tokens counts as ``weight_clip`` (10) times the median of the others' weights: the
+    mean is not its own update, the tokens every member adds to the run are bounded, and every member logs it
+    and counts it in its ledger alike. Before, the mean was that member's update and the run gained a billion
+    tokens."""
+    from diloco.compress.codec import make_codec
+
+    def step(i, t):
+        weight = 1e9 if i == 2 else 1.0
+        x = torch.full((3000,), float(i + 1))
+        total = t.all_reduce_compressed_([x], make_codec("fp32"), weight, key="weights")
+        return total, x[0].item(), t.history[-1]
+
+    out = run_together(swarm, step)
+    liar = swarm[2].me
+    for total, value, rec in out.values():
+        assert total == 12.0  # 1 + 1 + 10 x median(1, 1)
+        assert value == pytest.approx((1.0 + 2.0 + 10 * 3.0) / 12.0)
+        assert rec["weights_clipped"] == {liar: pytest.approx(1e8)}, rec
+    assert all(t.ledger[liar].clipped >= 1 for t in swarm)
+    assert swarm[0].weight_clip == 10.0
+
+
 def test_a_member_announcing_a_malformed_state_is_left_out_and_the_others_go_on(swarm):
     """A member's announcement (its state's sketch, whether it is behind, how many peers averaged its state, its
     payload's hash) is checked when the group forms: one that says its state came out of a group of a billion

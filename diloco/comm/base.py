@@ -143,6 +143,9 @@ class Transport(ABC):
     fixed_ranks: bool = True
     norm_clip: float = 0.0
     clip_action: str = "clip"
+    #: in that mean, a member's weight (the tokens it trained) counts at most this many times the median of the
+    #: other members' weights (0: off)
+    weight_clip: float = 0.0
     #: True where a stop signal reaches every process of the run at once (torchrun passes SIGTERM on to every
     #: rank) and ``broadcast_object`` spans them all, so the processes can agree to stop and save at one step
     shared_stop: bool = False
@@ -264,8 +267,10 @@ class Transport(ABC):
         return [str(r) for r in range(self.world_size)]
 
     def record_contributions(self, accepted: dict[str, float], rejected: dict[str, str],
-                             clipped: dict[str, float]) -> None:
-        """What a robust mean made of each member's update (hivemind keeps a ledger of it)."""
+                             clipped: dict[str, float], weights_clipped: Optional[dict[str, float]] = None) -> None:
+        """What a robust mean made of each member's update (hivemind keeps a ledger of it): the weight each accepted
+        one counted with, why others were left out, the factor by which a norm or an announced weight was above
+        its bound."""
 
     # ---- time: real here, virtual in the simulator ------------------------------------------
     def now(self) -> float:

@@ -39,8 +39,11 @@ Three aggregators share one decode/accumulate core (:func:`split_weight`, then
   (``all_gather_bytes``, canonical order); each member decodes all of them,
   leaves out what fails validation (wire format, weight, finiteness), clips
   (or drops, ``transport.clip_action``) a contribution whose norm is more than
-  ``transport.norm_clip`` times the median of the *other* members' norms, and
-  takes the weighted mean in the canonical order. Every member decides alike,
+  ``transport.norm_clip`` times the median of the *other* members' norms,
+  counts a weight above ``transport.weight_clip`` times the median of the
+  others' weights as that bound (a member announcing more tokens than it
+  trained cannot outweigh the group), and takes the weighted mean in the
+  canonical order. Every member decides alike,
   so every member ends with the same result; the transport is told who was
   accepted, left out and clipped (``transport.record_contributions``).
 """
@@ -313,6 +316,7 @@ class RobustResult:
     accepted: dict = field(default_factory=dict)  # member -> weight
     rejected: dict = field(default_factory=dict)  # member -> why
     clipped: dict = field(default_factory=dict)  # member -> its norm over the bound
+    weights_clipped: dict = field(default_factory=dict)  # member -> its announced weight over the bound
 
 
 def _robust_all_reduce_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "Codec", weight: float,
@@ -339,10 +343,11 @@ def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight
         prefix = b"" if weight is None else pack_weight(weight)
         payloads = transport.all_gather_bytes(codec.encode(flat, key=key, prefix=prefix))
     names = transport.member_names()
-    shared_key = (codec.chain, flat.numel(), flat.device, weight is None, transport.norm_clip, transport.clip_action)
+    shared_key = (codec.chain, flat.numel(), flat.device, weight is None, transport.norm_clip, transport.clip_action,
+                  transport.weight_clip)
     shared = _SHARED_ROBUST.take(payloads, shared_key) if transport.shared_results else None
     if shared is not None:  # simulated members of one collective: the mean was computed once, from the same bytes
-        transport.record_contributions(shared.accepted, shared.rejected, shared.clipped)
+        transport.record_contributions(shared.accepted, shared.rejected, shared.clipped, shared.weights_clipped)
         return shared
     # the mean's own tensor is pass 1's buffer too: one vector for the whole mean (on a GPU, 4 GB less for 1B); a
     # member alone with this list writes it over ``flat``, encoded already (4 GB less again); simulated members
@@ -382,6 +387,18 @@ def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight
                     scale[name] = bound / n
                     result.clipped[name] = n / bound
     rows = [r for r in rows if r[0] not in result.rejected]
+    # a weight far above the others' median counts as that bound: honest members differ by their batch sizes and
+    # speeds, while a member announcing a billion tokens would otherwise make the mean its own update
+    if weight is not None and transport.weight_clip > 0 and len(rows) > 1:
+        announced = [r[2] for r in rows]
+        for i, (name, body, w, n) in enumerate(rows):
+            others = [a for j, a in enumerate(announced) if j != i and a > 0]
+            if not others:
+                continue
+            bound = transport.weight_clip * statistics.median(others)
+            if w > bound:
+                rows[i] = (name, body, bound, n)
+                result.weights_clipped[name] = w / bound
     result.total = sum(r[2] for r in rows)
     # pass 2: the weighted mean, accumulated in the canonical member order
     if result.total > 0:
@@ -390,7 +407,7 @@ def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight
     result.accepted = {r[0]: r[2] for r in rows}
     if transport.shared_results:
         _SHARED_ROBUST.fill(payloads, shared_key, result, len(payloads) - 1)
-    transport.record_contributions(result.accepted, result.rejected, result.clipped)
+    transport.record_contributions(result.accepted, result.rejected, result.clipped, result.weights_clipped)
     return result
 
 

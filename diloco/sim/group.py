@@ -488,7 +488,7 @@ class InProcessTransport(Transport):
         return [str(r) for r in self.group.last_members]
 
     def record_contributions(self, accepted: dict[str, float], rejected: dict[str, str],
-                             clipped: dict[str, float]) -> None:
+                             clipped: dict[str, float], weights_clipped: Optional[dict[str, float]] = None) -> None:
         self.group.contributions = dict(accepted)  # every member computes the same; rounds.jsonl reads it
 
     def _start_all_gather_bytes(self, payload: bytes, sizes: Optional[Sequence[int]] = None

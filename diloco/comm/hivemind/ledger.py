@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from diloco.comm.hivemind.framing import _now, log
 
@@ -38,23 +38,30 @@ class LedgerMixin:
     """Contribution accounting of :class:`~diloco.comm.hivemind.HivemindTransport`."""
 
     def record_contributions(self, accepted: dict[str, float], rejected: dict[str, str],
-                             clipped: dict[str, float]) -> None:
+                             clipped: dict[str, float], weights_clipped: Optional[dict[str, float]] = None) -> None:
         epoch = self.last.epoch if self.last is not None else self.epoch
+        weights_clipped = weights_clipped or {}
         for name, why in rejected.items():
             log.warning("peer %s | epoch %d: left peer %s's update out: %s", self.me[-8:], epoch, name[-8:], why)
         for name, factor in clipped.items():
             log.warning("peer %s | epoch %d: clipped peer %s's update (its norm was %.3gx the bound)",
                         self.me[-8:], epoch, name[-8:], factor)
+        for name, factor in weights_clipped.items():
+            log.warning("peer %s | epoch %d: counted peer %s's update at %.6g tokens (it announced %.3gx that bound: "
+                        "--weight-clip x the others' median)", self.me[-8:], epoch, name[-8:],
+                        accepted.get(name, 0.0), factor)
         if self.last is not None:
-            self._account(self.last, accepted, rejected, clipped)
+            self._account(self.last, accepted, rejected, clipped, weights_clipped)
 
-    def _account(self, result: EpochResult, accepted: dict, rejected: dict, clipped: dict) -> None:
+    def _account(self, result: EpochResult, accepted: dict, rejected: dict, clipped: dict,
+                 weights_clipped: Optional[dict] = None) -> None:
+        weights_clipped = weights_clipped or {}
         for name, w in accepted.items():
             rec = self.ledger.setdefault(name, PeerRecord())
             rec.tokens += w
             rec.epochs += 1
             rec.accepted += 1
-            rec.clipped += int(name in clipped)
+            rec.clipped += int(name in clipped or name in weights_clipped)
         for name in rejected:
             rec = self.ledger.setdefault(name, PeerRecord())
             rec.epochs += 1
@@ -62,7 +69,8 @@ class LedgerMixin:
         self.history.append({
             "epoch": result.epoch, "group": result.group, "alone": result.alone,
             "members": [p.to_base58() for p in result.members], "accepted": sorted(accepted),
-            "rejected": rejected, "clipped": clipped, "total_weight": sum(accepted.values()),
+            "rejected": rejected, "clipped": clipped, "weights_clipped": weights_clipped,
+            "total_weight": sum(accepted.values()),
             "seconds": round(result.seconds, 3), "matchmaking_s": round(result.matchmaking_s, 3),
             "bytes_sent": self.stats.bytes_sent, "bytes_received": self.stats.bytes_received, "notes": result.notes})
         try:

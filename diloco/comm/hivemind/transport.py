@@ -158,6 +158,8 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
     announced arrival, at most this many of its own rounds (so peers up to that much slower still meet it).
     ``norm_clip`` / ``clip_action``: contributions above ``norm_clip`` x the median norm of the other
     members are scaled down to that bound (``clip``) or left out (``drop``); 0 turns this off.
+    ``weight_clip``: a member's announced weight (the tokens of its round) counts at most this many times the
+    median of the other members' weights; 0 turns this off.
     """
 
     rank = 0
@@ -170,7 +172,7 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
                  nat_port_map: bool = False, client_mode: bool = False,
                  matchmaking_time: Union[float, str, None] = 5.0, exchange_timeout: Union[float, str, None] = None,
                  heartbeat_ttl: float = 60.0, norm_clip: float = 10.0,
-                 clip_action: str = "clip", schema: str = "", max_payload_bytes: int = 4 << 30,
+                 clip_action: str = "clip", weight_clip: float = 10.0, schema: str = "", max_payload_bytes: int = 4 << 30,
                  startup_timeout: float = 30.0, observer: bool = False, wait_rounds: float = 4.0) -> None:
         super().__init__()
         self.run = check_run_name(run)
@@ -178,6 +180,8 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
             raise ValueError(f"clip_action must be 'clip' or 'drop', got {clip_action!r}")
         if not norm_clip >= 0:
             raise ValueError(f"norm_clip must be >= 0, got {norm_clip}")
+        if not (weight_clip == 0 or weight_clip >= 1):
+            raise ValueError(f"weight_clip must be 0 (off) or at least 1, got {weight_clip}")
         self.key = run_key or b""
         # the deadlines: fixed (seconds given) or None, adaptive; the current ones are matchmaking_time and
         # exchange_timeout, which an adaptive peer resets every epoch from its measurements (rate, forming)
@@ -191,6 +195,7 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self.forming = Pace()  # seconds its recent complete groups took to form
         self._live_seen = 0  # how many other live peers its latest rendezvous found (bounds the next group)
         self.heartbeat_ttl, self.norm_clip, self.clip_action = heartbeat_ttl, float(norm_clip), clip_action
+        self.weight_clip = float(weight_clip)
         self.max_payload_bytes, self.client_mode = max_payload_bytes, client_mode
         # the largest state this peer downloads (None: max_payload_bytes); a driver sets it from its model
         # (launch.join: 16 bytes a parameter), since a 1B DiLoCo state is about 8.8 GB
