@@ -36,7 +36,7 @@ import time
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -317,6 +317,46 @@ def _saved(state: dict[str, Any]) -> bytes:
     return buf.getvalue()  # the buffer itself, not a copy
 
 
+class BufferReader(io.RawIOBase):
+    """A read-only file over a ``bytes``/``bytearray``/memoryview, without copying it: ``torch.load`` reads each
+    tensor straight into its storage. ``io.BytesIO`` copies a ``bytearray`` (a downloaded state is one) whole
+    first, a third copy of the state in host memory at a join (8.8 GB more for a 1B DiLoCo state)."""
+
+    def __init__(self, data: Union[bytes, bytearray, memoryview]) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        memoryview(b).cast("B")[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        if base + offset < 0:
+            raise ValueError(f"seek to {base + offset}, before the start")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def close(self) -> None:
+        try:
+            self._view.release()  # the caller's buffer may be resized again
+        except BufferError:  # a slice still held somewhere: it goes with its last reference
+            pass
+        super().close()
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
@@ -593,7 +633,8 @@ class Trainer:
         A state that does not load, does not fit this model, or holds NaN or infinite values is refused whole
         (RunError naming ``source`` and what is wrong), and this worker's state stays as it was."""
         try:
-            state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            with BufferReader(blob) as f:
+                state = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:
             raise RunError(f"the state from {source} does not load: {e}") from None
         if not isinstance(state, dict):
