@@ -115,6 +115,33 @@ def test_simulator_offload_on_cuda_changes_nothing(tmp_path, codec, monkeypatch)
 
 
 @pytest.mark.gpu
+def test_a_published_state_is_copied_to_pinned_memory_without_waiting_and_read_as_it_was(tmp_path):
+    """``Trainer.shared_state_later`` on a GPU (what a ``loco join`` peer publishes every round) copies the state
+    into pinned host memory without the training thread waiting for it; training goes on at once and changes the
+    live tensors, and the bytes made later are still the state as published."""
+    import io
+
+    from launch.trainer import Trainer
+
+    trainer = Trainer(gpu_cfg(tmp_path, "algo.name=diloco", "algo.inner_steps=2"))
+    try:
+        algo = trainer.algo
+        with torch.no_grad():
+            for g in algo.global_params:
+                g.normal_()
+        expected = [g.detach().cpu() for g in algo.global_params]
+        later = trainer.shared_state_later(epoch=7)
+        with torch.no_grad():  # training goes on: queued on the stream after the copies
+            for g in algo.global_params:
+                g.mul_(3.0).add_(1.0)
+        got = torch.load(io.BytesIO(later()), weights_only=True)
+        assert got["epoch"] == 7
+        assert all(torch.equal(a, b) for a, b in zip(expected, got["global_params"]))
+    finally:
+        trainer.transport.close()
+
+
+@pytest.mark.gpu
 def test_a_residual_parked_on_the_host_visits_the_gpu_for_one_encode_and_goes_back():
     """A simulated worker parked inside an exchange (``sim.offload``) encodes each bucket on the GPU with its
     residual, which Algorithm.to left in pinned host memory (``Codec.home``): the residual comes over for the
