@@ -337,8 +337,16 @@ def cmd_sample(args: argparse.Namespace) -> int:
     byte_level = state.get("tokenizer") == "bytes"
     if byte_level:
         ids = encode_text(args.prompt).astype("int64")
-    else:
-        ids = [int(t) for t in args.prompt.split()] if args.prompt.strip() else []
+    else:  # a tokenized run: the prompt is token ids
+        try:
+            ids = [int(t) for t in args.prompt.split()]
+        except ValueError:
+            raise UserError(f"{path}: trained on token ids (data.source=shards), so --prompt is ids separated by "
+                            f"spaces, e.g. --prompt '17 4051 9'; got {args.prompt[:40]!r}") from None
+        vocab = int(state["model_args"].get("vocab_size", 0))
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise UserError(f"--prompt: token id {bad[0]} is outside this model's vocabulary of {vocab}")
     if len(ids) == 0:
         ids = [0]  # start of a document
     idx = torch.tensor([list(ids)], dtype=torch.long, device=device)

@@ -395,9 +395,13 @@ class ConfigBuilder:
         if not p.is_file():
             raise ConfigError(f"{p}: config file not found")
         try:
-            data = yaml.safe_load(p.read_text())
+            data = yaml.safe_load(p.read_text(encoding="utf-8"))
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p}: not a YAML text file (not UTF-8): name a .yaml config") from None
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot be read: {e.strerror or e}") from None
         if isinstance(data, dict) and "extends" in data:
             parent = (p.parent / str(data.pop("extends"))).resolve()
             if parent in _chain or parent == p.resolve():

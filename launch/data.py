@@ -147,7 +147,7 @@ def _text_files(path: Path, pattern: str) -> tuple[Path, list[Path], int]:
                             "name a text file or a folder of them, or use data.source=shards for token files")
         return path.parent, [path], 0
     files, binary = [], 0
-    for name in sorted(glob.glob(str(path / pattern), recursive=True)):
+    for name in sorted(glob.glob(os.path.join(glob.escape(str(path)), pattern), recursive=True)):  # [ in a name
         p = Path(name)
         rel = p.relative_to(path)
         if not p.is_file() or any(part.startswith(".") for part in rel.parts):

@@ -184,7 +184,10 @@ def resolve_device(name: str) -> torch.device:
     """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise RunError(f"device {name!r} is not one: auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RunError(f"run.device={name!r} but CUDA is not available on this machine; use run.device=cpu")
     if device.type == "cuda":
@@ -438,6 +441,10 @@ class Trainer:
         built_here = model is None  # from the run's seed (a model handed in may differ from worker to worker)
         if built_here:
             self.model_args = model_args_from_config(cfg.model, self.data.vocab_size, cfg.data.seq_len)
+            if self.model_args.vocab_size < self.data.vocab_size:  # a token past the embedding: a device assert
+                raise RunError(f"model.vocab_size={self.model_args.vocab_size} is smaller than the data's "
+                               f"vocabulary of {self.data.vocab_size} tokens: raise it, or leave it unset to take "
+                               f"the data's")
             check_model_fits(self.model_args, self.device)
             torch.manual_seed(run.seed)
             with torch.device(self.device):  # initialised where it trains: a 1B model takes seconds on a CPU
@@ -524,7 +531,14 @@ class Trainer:
                 raise RunError(f"{path} already holds checkpoints of an earlier run; "
                                f"pass --resume to continue it, --restart to start it over from step 0 "
                                f"(its checkpoints and metrics are moved aside), or choose another --run-dir")
-            path.mkdir(parents=True, exist_ok=True)
+            if not run.resume and not self.restart and (path / "metrics.jsonl").exists():
+                # an earlier run without checkpoints (a crash before the first, checkpoint_every=0): its curve
+                # would be appended to, and its wandb run continued; both are moved aside, nothing is lost
+                discard_run(path, "an earlier run's metrics (no checkpoints)")
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise RunError(f"{path}: the run folder cannot be made: {e.strerror or e}") from None
         return path
 
     def _write_config(self) -> None:
@@ -1046,13 +1060,14 @@ class Trainer:
         return summary
 
 
-def discard_run(path: Path) -> Optional[Path]:
-    """Move a run folder's checkpoints and metrics into ``path/discarded-<time>/`` (``--restart``).
+def discard_run(path: Path, why: str = "--restart") -> Optional[Path]:
+    """Move a run folder's checkpoints, metrics and wandb run id into ``path/discarded-<time>/`` (``--restart``,
+    or a new run in the folder of one that left no checkpoint).
 
     Nothing is deleted: the unreadable (or unwanted) files stay there for a look, and go with ``rm -r``.
     """
     movable = list_checkpoints(path / "checkpoints")
-    movable += [path / n for n in ("metrics.jsonl", "summary.json", "loss.png") if (path / n).exists()]
+    movable += [path / n for n in ("metrics.jsonl", "summary.json", "loss.png", ".wandb_id") if (path / n).exists()]
     if not movable:
         return None
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -1063,7 +1078,7 @@ def discard_run(path: Path) -> Optional[Path]:
     (dest / "checkpoints").mkdir(parents=True)
     for p in movable:
         shutil.move(str(p), str(dest / p.relative_to(path)))
-    print(f"loco: --restart: moved {len(movable)} file(s) of the earlier run to {dest}", file=sys.stderr, flush=True)
+    print(f"loco: {why}: moved {len(movable)} file(s) of the earlier run to {dest}", file=sys.stderr, flush=True)
     return dest
 
 

@@ -348,7 +348,7 @@ def test_sample_requires_checkpoint_flag(capsys):
     assert "--checkpoint" in capsys.readouterr().err
 
 
-def _save_tiny_checkpoint(folder: Path, with_args: bool = True) -> None:
+def _save_tiny_checkpoint(folder: Path, with_args: bool = True, tokenizer: bool = True) -> None:
     import torch
 
     from launch.checkpoint import save_checkpoint
@@ -359,7 +359,7 @@ def _save_tiny_checkpoint(folder: Path, with_args: bool = True) -> None:
     model = Transformer(args)
     save_checkpoint(folder / "checkpoints", 1, {"model": model.state_dict(),
                                                   "model_args": vars(args) if with_args else None,
-                                                  "tokenizer": "bytes"})
+                                                  "tokenizer": "bytes" if tokenizer else None})
 
 
 def test_sample_from_run_folder(capsys, tmp_path):
@@ -377,6 +377,33 @@ def test_sample_custom_model_checkpoint(capsys, tmp_path):
     _save_tiny_checkpoint(tmp_path, with_args=False)
     assert main(["sample", "--checkpoint", str(tmp_path), "--device", "cpu"]) == 2
     assert "custom model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--prompt", "def f"], "trained on token ids (data.source=shards), so --prompt is ids separated by spaces"),
+    (["--prompt", "3 999"], "--prompt: token id 999 is outside this model's vocabulary of 256"),
+    (["--prompt", "3", "--device", "gpu"], "device 'gpu' is not one: auto, cpu, cuda or cuda:N"),
+])
+def test_sample_names_a_prompt_or_device_it_cannot_take(capsys, tmp_path, argv, expected):
+    """A text prompt for a model trained on token ids, an id past the vocabulary, a device torch does not know:
+    one line each. They were a ValueError, an IndexError (a device assert on CUDA) and a RuntimeError."""
+    _save_tiny_checkpoint(tmp_path, tokenizer=False)
+    assert main(["sample", "--checkpoint", str(tmp_path), "--max-new-tokens", "2", *argv]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith("loco sample: error: ") and expected in lines[0], lines
+
+
+def test_a_config_that_is_not_text_or_a_run_folder_that_cannot_be_made_is_one_line(capsys, tmp_path):
+    binary = tmp_path / "step_00000001.pt"
+    binary.write_bytes(b"PK\x03\x04\xff\xfe\x00\x81 not yaml")
+    assert main(["train", "--config", str(binary)]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and f"{binary}: not a YAML text file (not UTF-8)" in lines[0], lines
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert main(["train", "--config", TINY, "--run-dir", str(blocker / "run"), "--set", "data.max_docs=20"]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and f"{blocker / 'run'}: the run folder cannot be made" in lines[0], lines
 
 
 def test_help_checker_flags_an_option_without_explanation():

@@ -293,6 +293,16 @@ def test_text_folder_nested_skips_hidden_and_binary(tmp_path):
     assert sorted(_docs(wide.train) + _docs(wide.val)) == sorted([*keep.values(), b"markdown, not matched by the pattern " * 40])
 
 
+def test_a_folder_whose_name_has_glob_characters_is_read(tmp_path):
+    """``[``, ``*`` and ``?`` in the folder's own path are its name, not a pattern: ``runs/data[1]`` was reported
+    as holding no text."""
+    corpus = tmp_path / "corpus[1]*?"
+    corpus.mkdir()
+    (corpus / "a.txt").write_bytes(b"one text file, long enough for a few windows " * 20)
+    data = load_data(DataConfig(source="text", path=str(corpus), val_fraction=0.1, seq_len=16))
+    assert "(1 files" in data.description or "1 file" in data.description, data.description
+
+
 @pytest.mark.parametrize("body, reason", [
     (bytes(range(256)) * 64, "NUL bytes"),
     (b"\x7fELF" + bytes([0xFF, 0xFE, 0x80]) * 500, "not UTF-8"),

@@ -256,6 +256,35 @@ def test_a_downloaded_state_loads_without_a_copy_of_its_bytes(tiny_cfg):
         theirs.transport.close()
 
 
+def test_a_model_vocabulary_smaller_than_the_data_is_refused_in_one_line(tiny_cfg):
+    """A byte-level corpus has 256 tokens; a model of 100 would look a token past its embedding up (an IndexError
+    on the CPU, a device assert that ends the CUDA context on a GPU)."""
+    from launch.trainer import RunError, Trainer
+
+    with pytest.raises(RunError, match="model.vocab_size=100 is smaller than the data's vocabulary of 256 tokens"):
+        Trainer(tiny_cfg("model.vocab_size=100"))
+
+
+def test_a_new_run_in_the_folder_of_one_without_checkpoints_starts_its_own_curve(tiny_cfg, tmp_path, capfd):
+    """A run that left no checkpoint (``checkpoint_every=0``, a crash before the first) run again in its folder:
+    its metrics and wandb id are moved aside, as ``--restart`` does, instead of the new steps being appended to
+    the old curve (and the old wandb run continued)."""
+    run_dir = tmp_path / "again"
+    cfg = lambda: tiny_cfg("run.max_steps=3", "run.eval_every=0", "run.checkpoint_every=0",  # noqa: E731
+                           "run.checkpoint_final=false", "log.every=1", run_dir=run_dir)
+    train(cfg())
+    (run_dir / ".wandb_id").write_text("earlier\n")
+    first = (run_dir / "metrics.jsonl").read_text()
+    train(cfg())
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in line]
+    assert steps == sorted(set(steps)) and steps[-1] == 3, steps  # one curve, not two
+    moved = list(run_dir.glob("discarded-*"))
+    assert len(moved) == 1 and (moved[0] / "metrics.jsonl").read_text() == first
+    assert (moved[0] / ".wandb_id").read_text() == "earlier\n" and not (run_dir / ".wandb_id").exists()
+    assert "an earlier run's metrics (no checkpoints): moved" in capfd.readouterr().err
+
+
 def _saved_list() -> bytes:
     import io
 
