@@ -77,6 +77,7 @@ class DiLoCo(Algorithm):
         ]
         self.round = 0
         self.rejected_updates = 0  # rounds this worker sat out with a non-finite pseudo-gradient
+        self.left_out = False  # the latest exchange started with a non-finite pseudo-gradient (weight 0)
         self.round_steps = 0  # inner steps since this worker's last full sync
         self.global_tokens = 0.0  # tokens trained by all workers, as agreed through the averages
         self.policy.start_round(self.transport.now)
@@ -148,8 +149,10 @@ class DiLoCo(Algorithm):
                     out = room[offset:offset + local.numel()].view_as(local)
                     deltas.append(torch.sub(self.global_views[k], local.to(self.outer_device, torch.float32), out=out))
                     offset += local.numel()
-            if not all_finite(deltas):  # one host sync per exchange, not one per parameter
-                # a diverged worker is left out of this average (weight 0) and re-syncs to the new global model
+            # a diverged worker is left out of this average (weight 0) and re-syncs to the new global model: its
+            # local values are replaced, not mixed or kept (the caller reads ``left_out``)
+            self.left_out = not all_finite(deltas)  # one host sync per exchange, not one per parameter
+            if self.left_out:
                 self.rejected_updates += 1
                 weight = 0.0
                 for d in deltas:

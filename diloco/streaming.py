@@ -153,8 +153,9 @@ class StreamingDiLoCo(DiLoCo):
         # they can hold its pseudo-gradient (as DiLoCo's do): no second copy of the fragment while it is exchanged
         in_place = self.transport.world_size > 1 and sent is None and self.mix_alpha == 0
         deltas, total, handle = self.start_exchange(self.fragments[p], weight, key=p, in_place=in_place)
+        # left out (not finite): the fragment takes the global values as they are, neither mixed nor kept
         self.pending.append({"apply_at": apply_at, "fragment": p, "deltas": deltas, "total": total, "handle": handle,
-                             "sent": sent})
+                             "sent": None if self.left_out else sent, "left_out": self.left_out})
 
     def _apply_due(self, step: float, alpha: Optional[float] = None) -> dict[str, Any]:
         info: dict[str, Any] = {}
@@ -168,7 +169,8 @@ class StreamingDiLoCo(DiLoCo):
             # "keep" merge, and any exchange applied before its step (training ended): global + steps since the send
             keep = x.get("sent") is not None and (self.overlap_merge == "keep" or x["apply_at"] > self.steps)
             progress = [self._local(k) - s for k, s in zip(indices, x["sent"])] if keep else []
-            self.apply_exchange(indices, x["deltas"], total, 0.0 if keep else self.mix_alpha if alpha is None else alpha)
+            mix = 0.0 if keep or x.get("left_out") else self.mix_alpha if alpha is None else alpha
+            self.apply_exchange(indices, x["deltas"], total, mix)
             with torch.no_grad():
                 for k, d in zip(indices, progress):
                     self._local(k).add_(d)

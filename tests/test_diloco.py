@@ -329,6 +329,41 @@ def test_a_diverged_worker_is_left_out_and_resynced():
     assert (r0, r1) == (0, 1) and t0 == t1 == 1.0
 
 
+@pytest.mark.parametrize("extra", [{"mix_alpha": 0.5}, {"overlap_steps": 1, "overlap_merge": "keep"},
+                                   {"overlap_steps": 1, "mix_alpha": 0.5}], ids=["mix", "overlap-keep", "overlap-mix"])
+def test_a_diverged_streaming_worker_takes_the_global_fragments_and_trains_on(extra):
+    """A Streaming worker whose parameters turn NaN sends weight 0 and takes the new global values of each
+    fragment as they are: mixed (``mix_alpha``) or with its progress kept (``overlap_merge=keep``), NaN stayed NaN
+    for good, and every later exchange of the worker was refused."""
+    from diloco import StreamingDiLoCo
+    from diloco.sim import InProcessGroup, run_workers
+    from launch.models import ModelArgs, Transformer
+
+    def body(rank, transport):
+        torch.manual_seed(0)
+        model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=16))
+        algo = StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), transport, fragments=2,
+                               inner_steps=4, outer_lr=1.0, outer_momentum=0.0, **extra)
+        g = torch.Generator().manual_seed(rank)
+        for step in range(16):
+            x = torch.randint(0, 64, (2, 9), generator=g)
+            logits = model(x[:, :-1])
+            torch.nn.functional.cross_entropy(logits.reshape(-1, 64), x[:, 1:].reshape(-1)).backward()
+            if rank == 1 and step == 2:
+                with torch.no_grad():
+                    model.layers[0].attn.wq.weight.fill_(float("nan"))
+            algo.step()
+            algo.zero_grad()
+        algo.finalize()
+        finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        return finite, algo.rejected_updates, [g.detach().clone() for g in algo.global_params]
+
+    (f0, r0, g0), (f1, r1, g1) = run_workers(InProcessGroup(2), body)
+    assert f0 and f1, "the diverged worker stayed NaN"
+    assert r0 == 0 and 1 <= r1 <= 2, (r0, r1)  # its first exchange of the NaN fragment, at most one more
+    assert all(torch.equal(a, b) and bool(torch.isfinite(a).all()) for a, b in zip(g0, g1))
+
+
 def test_skipped_steps_keep_the_round_schedule():
     """A worker that skips a non-finite step still reaches the sync with the others (no deadlock)."""
     from diloco.sim import InProcessGroup, run_workers
