@@ -101,6 +101,30 @@ def test_error_feedback_sends_what_an_earlier_round_dropped():
     assert without[-1] > 0.95 * without[0], without[::5]
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["sharded", "gathered"])
+def test_a_payload_sent_with_weight_zero_leaves_the_error_feedback_as_it_was(gather):
+    """A worker that sits a round out (weight 0: a non-finite pseudo-gradient, a joiner with no steps) sends a
+    payload every worker discards. Its error feedback must not be spent on it: before, the residual's largest
+    values were sent with weight 0 and cut from the residual, lost without a word."""
+    xs = inputs(2)
+
+    def body(rank, transport):
+        codec = make_codec("topk:0.05+2bit")
+        ts = [t.clone() for t in xs[rank]]
+        all_reduce_compressed_(transport, ts, codec, 1.0, key="k", gather=gather)  # builds the residuals
+        before = {k: r.clone() for k, r in codec.residuals.items()}
+        ts = [torch.zeros_like(t) for t in xs[rank]] if rank == 1 else [t.clone() for t in xs[rank]]
+        total = all_reduce_compressed_(transport, ts, codec, 0.0 if rank == 1 else 1.0, key="k",
+                                       gather=gather)
+        return before, {k: r.clone() for k, r in codec.residuals.items()}, total
+
+    (b0, a0, t0), (b1, a1, t1) = run_workers(InProcessGroup(2), body)
+    assert t0 == t1 == 1.0
+    mine = [k for k in b1 if "mean" not in str(k)]  # what worker 1 sends of its own
+    assert mine and all(torch.equal(b1[k], a1[k]) for k in mine), "the residual was spent on a weight-0 payload"
+    assert any(not torch.equal(b0[k], a0[k]) for k in b0)  # the worker that sent with weight 1 used its own
+
+
 def test_all_weights_zero_gives_zeros_and_total_zero():
     _, results = reduce_in_process("int8", [0.0, 0.0])
     for ts, total, _ in results:

@@ -327,8 +327,12 @@ class Codec:
         return wire.header_size(ndim, self.chain) + self.payload_bytes(numel)
 
     # ---- encode -----------------------------------------------------------------------------
-    def encode(self, tensor: torch.Tensor, key: Hashable = None, *, prefix: bytes = b"") -> bytearray | memoryview:
+    def encode(self, tensor: torch.Tensor, key: Hashable = None, *, prefix: bytes = b"",
+               feedback: bool = True) -> bytearray | memoryview:
         """The wire bytes of ``tensor`` (header + payload), written once into one buffer of exactly their size.
+
+        ``feedback=False``: the error feedback of ``key`` is neither added nor changed (a payload sent with
+        weight 0, which every worker discards: its residual would be spent on nothing).
 
         Returns a ``bytearray``; for a CUDA tensor a ``memoryview`` of pinned host memory, filled by one
         asynchronous device-to-host copy per section and a single synchronize. ``prefix``: bytes the caller
@@ -366,7 +370,7 @@ class Codec:
             h = wire.begin_header(mem, pre, tensor.dtype, shape, self.chain, raw)  # the values hashed as copied
             self._put_floats(x, mem, base, s.value, h)
         else:
-            self._sections(x, key, mem, base)
+            self._sections(x, key, mem, base, feedback)
         if self._zc is not None:  # compress the sections, then header + compressed bytes in the output
             zc = self._zc
             if raw > ZSTD_THREADS_ABOVE:
@@ -391,7 +395,7 @@ class Codec:
         self.stats.wire_bytes += len(mem) - pre
         return mem if isinstance(buf, torch.Tensor) else buf
 
-    def _sections(self, x: torch.Tensor, key: Hashable, mem: memoryview, base: int) -> None:
+    def _sections(self, x: torch.Tensor, key: Hashable, mem: memoryview, base: int, feedback: bool = True) -> None:
         """Write the payload's sections (scales, values, packed indices) of ``x`` (fp32, flat) at ``mem[base:]``.
 
         On the CPU the quantizer and the float copy write straight into ``mem``; on CUDA the sections are made
@@ -410,7 +414,7 @@ class Codec:
         residual = parked = None
         flat_idx = None
         if s.topk_chunk:
-            if self.error_feedback:
+            if self.error_feedback and feedback:
                 residual, parked = self._residual(key, dense, x.device)
             idx, values = tk.topk_chunks(x, s.topk_chunk, s.topk_k, residual, s.ef_decay)
             late.append((value_bytes, pack_bits(idx, bits_for(s.topk_chunk))))

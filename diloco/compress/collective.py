@@ -256,7 +256,8 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
     bounds = shard_bounds(flat.numel(), w, codec.align)
     prefix = pack_weight(weight)
     sizes = _known_sizes(codec, [b - a for a, b in bounds], len(prefix))  # shard j's payloads, and its mean's
-    sends = [codec.encode(flat[a:b], key=(key, "shard", j), prefix=prefix) for j, (a, b) in enumerate(bounds)]
+    sends = [codec.encode(flat[a:b], key=(key, "shard", j), prefix=prefix, feedback=weight > 0)
+             for j, (a, b) in enumerate(bounds)]
     started = transport.all_to_all_bytes_start(sends, None if sizes is None else [sizes[me]] * w)
     del sends  # the transport holds what it still sends; the buffers are free for the next encode
     received = _split_all((yield started), me, f"payload for shard {me}")
@@ -270,7 +271,7 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
     if total <= 0:  # every payload is still checked; the mean of nothing is zero
         acc.zero_()
     del received  # its buffer is free for the next receive
-    mine = codec.encode(acc, key=(key, "mean"), prefix=pack_weight(total))
+    mine = codec.encode(acc, key=(key, "mean"), prefix=pack_weight(total), feedback=total > 0)
     del acc
     transport.give_scratch(room, "mean")
     started = transport.all_gather_bytes_start(mine, sizes)
@@ -297,7 +298,9 @@ def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", we
     me = transport.rank
     prefix = pack_weight(weight)
     sizes = _known_sizes(codec, [flat.numel()] * transport.world_size, len(prefix))
-    started = transport.all_gather_bytes_start(codec.encode(flat, key=key, prefix=prefix), sizes)
+    mine = codec.encode(flat, key=key, prefix=prefix, feedback=weight > 0)
+    started = transport.all_gather_bytes_start(mine, sizes)
+    del mine
     received = _split_all((yield started), me, "payload")
     total = sum(wi for wi, _ in received)
     if total > 0:
@@ -341,7 +344,8 @@ def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight
     """
     with transport.exchange_scope():
         prefix = b"" if weight is None else pack_weight(weight)
-        payloads = transport.all_gather_bytes(codec.encode(flat, key=key, prefix=prefix))
+        payloads = transport.all_gather_bytes(codec.encode(flat, key=key, prefix=prefix,
+                                                           feedback=weight is None or weight > 0))
     names = transport.member_names()
     shared_key = (codec.chain, flat.numel(), flat.device, weight is None, transport.norm_clip, transport.clip_action,
                   transport.weight_clip)
