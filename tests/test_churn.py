@@ -69,6 +69,7 @@ def test_the_shipped_example_trace_reads():
     ("worker,event\n1,leave\n", "the header must name worker, event and time or round"),
     ("round,time,worker,event\n1,5s,1,leave\n", "row 2: give either a time or a round"),
     ("round,worker,event\n", "no events"),
+    ("# workers that come and go\nround,worker,event\n\n# the first\n1,1,vanish\n", "row 5: event 'vanish'"),
 ])
 def test_a_bad_trace_names_its_file_and_row(tmp_path, text, expected):
     path = tmp_path / "churn.csv"

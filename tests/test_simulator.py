@@ -388,9 +388,12 @@ def test_the_table_compares_at_equal_time_too():
     assert "diloco x4 (H=50) never reaches DDP's final 2.0000" in text
 
 
-def _trace(tmp_path, text: str, name: str = "links.csv"):
+def _trace(tmp_path, text: "str | bytes", name: str = "links.csv"):
     path = tmp_path / name
-    path.write_text(text)
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
     return path
 
 
@@ -416,6 +419,11 @@ def test_link_traces_read_csv_and_yaml_and_repeat(tmp_path):
     ("time,worker,bandwidth\n0,*,1Gbit\n", "lacks latency"),
     ("time,worker,bandwidth,latency\n0,*,fast,1ms\n", "row 2"),
     ("time,worker,bandwidth,latency\n0,*,1Gbit,soon\n", "row 2"),
+    # the line in the file, comments and blank lines counted; a byte-order mark (a spreadsheet's export) is no
+    # part of the header; a file that is not text is one line
+    ("# a comment\n\ntime,worker,bandwidth,latency\n# another\n0,*,1Gbit,1ms\n\n60,*,fast,1ms\n", "row 7: "),
+    ("\ufefftime,worker,bandwidth,latency\n0,*,fast,1ms\n", "row 2: "),
+    (b"time,worker\xff\xfe\n", "not a text file (not UTF-8)"),
     ("time,worker,bandwidth,latency\n0,9,1Gbit,1ms\n", "worker 9"),
     ("time,worker,bandwidth,latency\n0,0,1Gbit,1ms\n", "worker 1 has no rows"),
 ])

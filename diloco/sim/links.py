@@ -30,7 +30,12 @@ def read_rows(path: Path, key: str, error: type[Exception], fields: str,
     (or a mapping whose ``key`` holds it), or CSV under a header that ``check_header`` accepts (it raises), with
     ``#`` comment lines and blank lines skipped. ``error`` is raised for a file that is neither; ``fields``
     names the keys a row has, for that message."""
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a spreadsheet's export may begin with a byte-order mark
+    except UnicodeDecodeError:
+        raise error(f"{path}: not a text file (not UTF-8): expected CSV rows with {fields}") from None
+    except OSError as e:
+        raise error(f"{path}: cannot be read: {e.strerror or e}") from None
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
 
@@ -43,10 +48,11 @@ def read_rows(path: Path, key: str, error: type[Exception], fields: str,
         if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
             raise error(f"{path}: expected a list of rows with {fields}")
         return [(i + 1, r) for i, r in enumerate(data)]
-    lines = [l for l in text.splitlines() if l.strip() and not l.lstrip().startswith("#")]
-    reader = csv.DictReader(io.StringIO("\n".join(lines)), skipinitialspace=True)
+    kept = [(n, l) for n, l in enumerate(text.splitlines(), 1) if l.strip() and not l.lstrip().startswith("#")]
+    reader = csv.DictReader(io.StringIO("\n".join(l for _, l in kept)), skipinitialspace=True)
     check_header(set(reader.fieldnames or []))
-    return [(i + 2, r) for i, r in enumerate(reader)]
+    # each row with its line in the file, comments and blank lines counted (the reader counts the kept ones)
+    return [(kept[reader.line_num - 1][0], r) for r in reader]
 
 
 class LinkTraceError(ValueError):
