@@ -80,7 +80,7 @@ class DiLoCo(Algorithm):
         self.left_out = False  # the latest exchange started with a non-finite pseudo-gradient (weight 0)
         self.round_steps = 0  # inner steps since this worker's last full sync
         self.global_tokens = 0.0  # tokens trained by all workers, as agreed through the averages
-        self.policy.start_round(self.transport.now)
+        self.policy.start_round(self.transport.mark)
 
     @classmethod
     def from_config(cls, cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,
@@ -98,7 +98,7 @@ class DiLoCo(Algorithm):
     # ---- the round --------------------------------------------------------------------------
     def _after_step(self) -> dict[str, Any]:
         self.round_steps += 1
-        if self.policy.round_done(self.round_steps, self.transport.now):
+        if self.policy.round_done(self.round_steps, self.transport.seconds_since):
             return self.sync()
         return {}
 
@@ -109,7 +109,7 @@ class DiLoCo(Algorithm):
         self.round += 1
         self.round_steps = 0
         self.global_tokens += total
-        self.policy.start_round(self.transport.now)
+        self.policy.start_round(self.transport.mark)
         return {"synced": True, "round": self.round, "round_tokens": total}
 
     def exchange(self, fragment: Optional[int], weight: float) -> float:
@@ -269,7 +269,7 @@ class DiLoCo(Algorithm):
             load_optimizer_state(opt, saved)
         self.round, self.global_tokens = _counts(state)
         self.round_steps = 0
-        self.policy.start_round(self.transport.now)
+        self.policy.start_round(self.transport.mark)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -302,7 +302,7 @@ class DiLoCo(Algorithm):
         self.global_tokens = state["global_tokens"]
         if self.codec is not None and "codec" in state:
             self.codec.load_state_dict(state["codec"])
-        self.policy.start_round(self.transport.now)
+        self.policy.start_round(self.transport.mark)
 
 
 def _rows_of(t: torch.Tensor, rows: Optional[tuple[int, int]]) -> torch.Tensor:

@@ -9,7 +9,7 @@ each one processed, which is what ``round_weight`` returns.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 MODES = ("steps", "time")
 
@@ -23,18 +23,20 @@ class SyncPolicy:
         if mode == "time" and not (time_budget_s and time_budget_s > 0):
             raise ValueError("sync.mode=time needs sync.time_budget_s > 0")
         self.mode, self.inner_steps, self.time_budget_s = mode, inner_steps, time_budget_s
-        self.round_start = 0.0
+        self.round_start: Any = 0.0
 
-    # the clock is a function, read in time mode only: a worker's clock may be a collective (a node of a torchrun
-    # mesh agrees on its first process's), which a round of fixed steps should not pay at every step
-    def start_round(self, clock: Callable[[], float]) -> None:
+    # the clock is read in time mode only: a worker's clock may be a collective (a node of a torchrun mesh agrees
+    # on its first process's), which a round of fixed steps should not pay at every step. ``mark()`` is a point
+    # on it and ``since(point)`` the seconds from there (Transport.mark / seconds_since: the simulator's points
+    # keep their steps apart from their network seconds, priced when compared)
+    def start_round(self, mark: Callable[[], Any]) -> None:
         if self.mode == "time":
-            self.round_start = clock()
+            self.round_start = mark()
 
-    def round_done(self, steps_in_round: int, clock: Callable[[], float]) -> bool:
+    def round_done(self, steps_in_round: int, since: Callable[[Any], float]) -> bool:
         if self.mode == "steps":
             return steps_in_round >= self.inner_steps
-        return steps_in_round >= 1 and clock() - self.round_start >= self.time_budget_s
+        return steps_in_round >= 1 and since(self.round_start) >= self.time_budget_s
 
     @staticmethod
     def round_weight(steps_in_round: int, tokens_per_step: int) -> float:

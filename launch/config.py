@@ -185,7 +185,7 @@ class RunConfig:
     dir: Optional[str] = _f(None, "Run folder (config.yaml, metrics.jsonl, summary.json, checkpoints/).")
     seed: int = _f(0, "Seed for initialisation and data order.", ge=0)
     max_steps: Optional[int] = _f(1000, "Stop after this many optimizer steps (empty: only max_time stops).", gt=0)
-    max_time: Optional[float] = _f(None, "Stop after this much training time, e.g. 90s, 30m, 24h; then evaluate and save (several processes: on rank 0's clock, checked at each sync, or every log.every steps for DDP and DeMo).", gt=0, duration=True)
+    max_time: Optional[float] = _f(None, "Stop after this much training time, e.g. 90s, 30m, 24h; then evaluate and save (several processes: on rank 0's clock, checked at each sync, or every log.every steps for DDP and DeMo; in loco simulate, the simulated workers' virtual time).", gt=0, duration=True)
     batch_size: int = _f(16, "Sequences per worker per optimizer step.", gt=0)
     grad_accum: int = _f(1, "Micro-batches per step (batch_size must be divisible by it).", gt=0)
     device: str = _f("auto", "auto, cpu, cuda or cuda:N.")

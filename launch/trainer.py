@@ -475,6 +475,7 @@ class Trainer:
 
         self.step = 0
         self._t0: Optional[float] = None
+        self._budget_mark: Any = None
         self.last_val: Optional[tuple[int, float]] = None  # (step, val_loss) of the latest evaluation
         self.wall_prior = 0.0  # training seconds of earlier segments of a resumed run
         self.window_loss, self.window_steps = 0.0, 0  # train loss summed since the last metrics line
@@ -721,7 +722,11 @@ class Trainer:
         return self.wall_prior + (time.perf_counter() - self._t0 if self._t0 is not None else 0.0)
 
     def budget_s(self) -> float:
-        """Seconds spent of ``run.max_time``: a resumed run gets its budget afresh, counted from the resume."""
+        """Seconds spent of ``run.max_time``: a resumed run gets its budget afresh, counted from the resume. In the
+        simulator, virtual seconds (this worker's clock), as its rounds and network count them: a simulated run
+        of 10 minutes is the run 10 minutes of those workers would train, whatever this machine's load."""
+        if self._budget_mark is not None:
+            return self.transport.seconds_since(self._budget_mark)
         return self.wall_s() - self.wall_prior
 
     @property
@@ -885,6 +890,8 @@ class Trainer:
                 changes = f"; settings changed since it was saved: {self.resume_changes}" if self.resume_changes else ""
                 m.info(f"resumed from {self.resumed_from}{changes}", self.step)
         self._t0 = time.perf_counter()
+        # a simulated run's budget is virtual time (the simulator's transport measures the compute it is told of)
+        self._budget_mark = self.transport.mark() if self.transport.measures_compute else None
         self.agreed = (self.step, 0.0)  # (step, budget_s) as rank 0 saw it at the latest agreement: none yet
         window_t = time.perf_counter()
         # the simulator's virtual time wants each step's compute: on a GPU, timed on the device (no host wait)

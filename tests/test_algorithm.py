@@ -163,7 +163,7 @@ def test_a_round_of_fixed_steps_never_reads_the_clock():
     among the node's processes and a read back) is not read at every step; sync.mode=time reads it."""
     from diloco.sync import SyncPolicy
 
-    def clock():
+    def clock(*_):
         raise AssertionError("the clock was read")
 
     steps = SyncPolicy("steps", inner_steps=3)
@@ -172,4 +172,26 @@ def test_a_round_of_fixed_steps_never_reads_the_clock():
     times = iter([10.0, 10.4, 11.2])
     timed = SyncPolicy("time", time_budget_s=1.0)
     timed.start_round(lambda: next(times))
-    assert [timed.round_done(k, lambda: next(times)) for k in (1, 2)] == [False, True]
+    assert [timed.round_done(k, lambda start: next(times) - start) for k in (1, 2)] == [False, True]
+
+
+def test_a_simulated_time_budgeted_round_is_not_stretched_by_a_moving_step_time():
+    """The simulator prices a step at the median of the measured step times, which moves as the run goes on. A
+    round's elapsed time prices the steps since its start at one price: with ``now() - start``, every step of the
+    run before the round was re-priced too, and 2,000 steps at a median 0.5% higher made a 0.5 s round read 1.5 s."""
+    from diloco.sim.group import InProcessGroup, InProcessTransport, VirtualTime
+    from diloco.sync import SyncPolicy
+
+    g = InProcessGroup(1)
+    t = InProcessTransport(g, 0)
+    price = [0.1]
+    g.step_time_s = lambda: price[0]
+    g.clock[0] = VirtualTime(3.0, 2000.0)
+    policy = SyncPolicy("time", time_budget_s=1.0)
+    policy.start_round(t.mark)
+    g.clock[0] = g.clock[0].plus(steps=5)  # five steps of 0.1 s: half the budget
+    price[0] = 0.1005
+    assert t.seconds_since(policy.round_start) == pytest.approx(5 * 0.1005)
+    assert not policy.round_done(5, t.seconds_since)
+    g.clock[0] = g.clock[0].plus(steps=5)
+    assert policy.round_done(10, t.seconds_since)

@@ -68,6 +68,17 @@ def test_speed_distributions_are_seeded_and_normalised():
         resolve_speeds(3, "1,1", None)
 
 
+def test_a_simulated_time_budget_is_virtual_time(tmp_path):
+    """``run.max_time`` in ``loco simulate`` is the simulated workers' time: 10 virtual seconds at 0.5 s a step
+    are 20 steps (DiLoCo stops at the first sync past the budget), on any machine and under any load. It was
+    this machine's real time: as many steps as fitted into 10 s here."""
+    cfg, _ = load_config([TINY], [*QUICK, "run.max_steps=null", "run.max_time=10s", "sim.workers=2", "algo.name=diloco",
+                                  "algo.inner_steps=4", "sim.step_time=0.5", "sim.bandwidth=null", "sim.latency=0",
+                                  f"run.dir={tmp_path / 'timed'}"])
+    done = simulate_once(cfg)
+    assert done["steps"] == 20 and done["virtual_wall_s"] == pytest.approx(10.0), done
+
+
 def test_virtual_time_follows_compute_and_network(tmp_path):
     steps, H, W = 12, 4, 2
     common = [*QUICK, f"run.max_steps={steps}", f"sim.workers={W}", "algo.name=diloco", f"algo.inner_steps={H}",

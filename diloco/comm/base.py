@@ -277,6 +277,14 @@ class Transport(ABC):
         """Seconds on this worker's clock (sync.mode=time measures rounds with it)."""
         return time.monotonic()
 
+    def mark(self) -> Any:
+        """A point on this worker's clock, for :meth:`seconds_since` (a time-budgeted round's start)."""
+        return self.now()
+
+    def seconds_since(self, mark: Any) -> float:
+        """Seconds on this worker's clock since ``mark`` (from :meth:`mark`)."""
+        return self.now() - mark
+
     #: this process's place among the processes of its worker (a node of a torchrun mesh); 0 where a worker is one
     local_rank: int = 0
 

@@ -538,6 +538,18 @@ class InProcessTransport(Transport):
     def now(self) -> float:
         return self.group.seconds(self.group.clock[self.rank])
 
+    def mark(self) -> VirtualTime:
+        return self.group.clock[self.rank]
+
+    def seconds_since(self, mark: Any) -> float:
+        """The virtual seconds since ``mark``, its steps priced at today's step time: ``now() - mark`` would price
+        the steps before the mark at today's and those after at the mark's, and a moving median would stretch or
+        shrink a time-budgeted round by every step of the run since its start."""
+        if not isinstance(mark, VirtualTime):
+            return self.now() - float(mark)
+        t = self.group.clock[self.rank]
+        return self.group.seconds(VirtualTime(t.seconds - mark.seconds, t.steps - mark.steps))
+
     def advance_compute(self, seconds: "float | DeviceSpan") -> None:
         """One step done: ``seconds`` is what its compute measured (on a GPU a :class:`DeviceSpan`, read when the
         device has passed it); the clock advances by one virtual step."""
