@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import yaml
 
+from diloco.algorithm import algorithm_class
 from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers
 from diloco.sim.churn import ChurnError, ChurnSchedule
 from diloco.sim.group import WorkerLeft
@@ -196,7 +198,34 @@ def baseline_config(cfg: Config, run_dir: Path) -> Config:
     if run.eval_every and run.max_steps:
         # about 20 evaluations: the comparison reads the baseline's loss at the time the run finished
         run.eval_every = min(run.eval_every, max(1, run.max_steps // BASELINE_EVALS))
+    if cfg.sim.churn and not str(cfg.sim.churn).strip().startswith("poisson:"):
+        base.sim.churn = _churn_for_baseline(cfg, Path(base.run.dir))
     return base
+
+
+def _churn_for_baseline(cfg: Config, folder: Path) -> str:
+    """``sim.churn`` as the DDP baseline reads it: DDP's round is one step, so an event keyed by the run's round r
+    is keyed by its step there (r x algo.inner_steps for rounds of fixed steps; r x sync.time_budget_s of virtual
+    time for time-budgeted ones), and both runs lose and regain workers at the same point of training. A trace
+    keyed by time, or by the rounds of an algorithm that meets every step, is the run's own."""
+    sched = ChurnSchedule.load(cfg.sim.churn)
+    if not algorithm_class(cfg.algo.name).round_based or not any(e.round is not None for e in sched.events):
+        return str(cfg.sim.churn)
+    timed = cfg.sync.mode == "time"
+    rows = []
+    for e in sched.events:
+        row: dict[str, Any] = {"worker": e.worker, "event": e.kind}
+        if e.round is None:
+            row["time"] = f"{e.time}s"
+        elif timed:
+            row["time"] = f"{e.round * cfg.sync.time_budget_s}s"
+        else:
+            row["round"] = e.round * cfg.algo.inner_steps
+        rows.append(row)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "churn-as-steps.yaml"
+    path.write_text(yaml.safe_dump({"churn": rows}, sort_keys=False))
+    return str(path)
 
 
 def simulate(cfg: Config, restart: bool = False) -> dict[str, Any]:

@@ -255,3 +255,29 @@ def test_streaming_with_a_joiner_at_the_last_boundary_finishes_in_step(tmp_path)
     assert rounds[-1]["joining"] == [1]
     losses = [w["val_loss"] for w in summary["workers"]]
     assert len(losses) == 3 and len(set(losses)) == 1, losses
+
+
+@pytest.mark.parametrize("sets, expected", [
+    (["algo.inner_steps=5"], [("leave", 10, None), ("join", 20, None), ("leave", None, 90.0)]),
+    (["sync.mode=time", "sync.time_budget_s=30s"], [("leave", None, 60.0), ("join", None, 120.0),
+                                                     ("leave", None, 90.0)]),
+], ids=["steps", "time"])
+def test_the_ddp_baseline_reads_a_round_keyed_trace_at_the_same_point_of_training(tmp_path, sets, expected):
+    """DDP's round is one step: a trace keyed by DiLoCo's rounds (round 2 of H=5 is step 10) is handed to the
+    baseline keyed by steps (or, for time-budgeted rounds, by the virtual time the round starts at), so both runs
+    lose and regain workers at the same point; before, the baseline lost worker 1 at its step 2. Events keyed by
+    time stay as they are."""
+    from launch.simulate import baseline_config
+
+    trace = tmp_path / "churn.csv"
+    trace.write_text("worker,event,round,time\n1,leave,2,\n1,join,4,\n2,leave,,90s\n")
+    cfg, _ = load_config([TINY], [*FAST, "algo.name=diloco", "sim.workers=3", f"sim.churn={trace}",
+                                  f"run.dir={tmp_path / 'run'}", *sets])
+    base = baseline_config(cfg, tmp_path / "run")
+    assert base.sim.churn != str(trace)
+    got = ChurnSchedule.parse(base.sim.churn, 3).events
+    assert [(e.kind, e.round, e.time) for e in got] == expected
+    plain = tmp_path / "time.csv"
+    plain.write_text("time,worker,event\n30s,1,leave\n")
+    cfg, _ = load_config([TINY], [*FAST, "algo.name=diloco", "sim.workers=3", f"sim.churn={plain}"])
+    assert baseline_config(cfg, tmp_path / "run2").sim.churn == str(plain)
