@@ -204,6 +204,7 @@ class Algorithm:
     codec: Optional["Codec"] = None  # what its exchanges go through (None: exact dense all-reduce)
     round = 0  # exchanges every worker took part in (round-based algorithms)
     global_tokens = 0.0  # tokens trained by all workers, as agreed through the exchanges
+    default_outer_lr = 0.7  # algo.outer_lr left empty: DiLoCo's outer SGD lr (see outer_lr_of)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  transport: Optional[Transport] = None, grad_clip: float = 0.0, *,
@@ -229,6 +230,12 @@ class Algorithm:
                        transport: Optional[Transport]) -> Optional[torch.optim.Optimizer]:
         """The inner optimizer this algorithm must run with, or None for the configured one (``optim.name``)."""
         return None
+
+    @classmethod
+    def outer_lr_of(cls, cfg: Any) -> float:
+        """``algo.outer_lr``, or this algorithm's own where it is left empty (SparseLoCo's alpha is 1, DiLoCo's
+        outer lr 0.7): the one reading of the key, for the algorithm and for what peers must share."""
+        return cls.default_outer_lr if cfg.algo.outer_lr is None else float(cfg.algo.outer_lr)
 
     @classmethod
     def check_config(cls, cfg: Any, n_layers: int) -> None:

@@ -88,10 +88,10 @@ class DiLoCo(Algorithm):
         return cls(model, optimizer, transport, cfg.optim.grad_clip, tokens_per_step=tokens_per_step,
                    codec=cls._codec(cfg), inner=inner, **cls._settings(cfg))
 
-    @staticmethod
-    def _settings(cfg: Any) -> dict[str, Any]:
+    @classmethod
+    def _settings(cls, cfg: Any) -> dict[str, Any]:
         a = cfg.algo
-        return dict(inner_steps=a.inner_steps, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
+        return dict(inner_steps=a.inner_steps, outer_lr=cls.outer_lr_of(cfg), outer_momentum=a.outer_momentum,
                     nesterov=a.nesterov, offload_outer=a.offload_outer, sync_mode=cfg.sync.mode,
                     time_budget_s=cfg.sync.time_budget_s)
 

@@ -34,20 +34,21 @@ import torch
 
 from diloco.algorithm import ConfigConflict, register
 from diloco.comm.base import Transport
-from diloco.compress.codec import VALUE_FORMATS, Codec, CodecSpecError, make_codec
+from diloco.compress.codec import VALUE_FORMATS, Codec, CodecSpecError, exact_number, make_codec
 from diloco.outer import DiLoCo
 
 
 def sparse_chain(density: float, chunk: int, ef_decay: float, value_format: str) -> str:
     """The codec chain of one SparseLoCo payload."""
     k = max(1, round(density * chunk))
-    return f"topk:chunk={chunk},k={k},ef={ef_decay:g}+{value_format}"
+    return f"topk:chunk={chunk},k={k},ef={exact_number(ef_decay)}+{value_format}"
 
 
 @register
 class SparseLoCo(DiLoCo):
     name = "sparseloco"
     gather = True
+    default_outer_lr = 1.0  # alpha, as published (not DiLoCo's 0.7)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Optional[Transport] = None,
                  grad_clip: float = 0.0, *, topk_density: float = 0.02, chunk: int = 4096, ef_decay: float = 0.95,

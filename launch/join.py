@@ -31,6 +31,7 @@ from typing import Any, Optional, Sequence, Union
 
 from diloco.comm import check_run_name, fingerprint, make_transport, merge_ledgers, read_swarm, schema_differs
 from diloco.compress import make_codec
+from launch.algorithms import algorithm_class
 from launch.config import Config
 from launch.data import Batcher, load_data
 from launch.metrics import human_bytes
@@ -94,7 +95,8 @@ def schema_of(cfg: Config) -> str:
     a peer refuses a state from a run of other settings (its optimizers keep their own settings on a load)."""
     a = cfg.algo
     schema = {"model": cfg.to_dict()["model"], "seq_len": cfg.data.seq_len, "algo": a.name,
-              "inner_steps": a.inner_steps, "codec": cfg.compress.codec, "outer_lr": a.outer_lr}
+              "inner_steps": a.inner_steps, "codec": cfg.compress.codec,
+              "outer_lr": algorithm_class(a.name).outer_lr_of(cfg)}
     if a.name == "sparseloco":  # no outer momentum: its error feedback is the momentum
         schema.update(topk_density=a.topk_density, chunk=a.chunk, ef_decay=a.ef_decay, value_format=a.value_format)
     else:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import FAST, TINY, simulate_and_torchrun
+from conftest import FAST, ROOT, TINY, simulate_and_torchrun
 from diloco import SparseLoCo
 from diloco.sim import InProcessGroup, run_workers
 from launch.config import ConfigError, load_config
@@ -152,3 +152,28 @@ def test_simulator_equals_torchrun(tmp_path, capfd):
         ra, rb = wa["algo"]["codec"]["residuals"], wb["algo"]["codec"]["residuals"]
         assert ra.keys() == rb.keys() and all(torch.allclose(ra[k], rb[k], atol=1e-5) for k in ra)
     assert sa["bytes_sent"] == sb["bytes_sent"] > 0
+
+
+def test_alpha_left_empty_is_sparselocos_own_and_a_fine_decay_keeps_its_digits():
+    """``algo.outer_lr`` left empty is each algorithm's own: SparseLoCo's alpha is 1 as published, DiLoCo's outer
+    lr 0.7. It was DiLoCo's 0.7 for SparseLoCo on every preset that does not set it (small, 150m, 1b). A decay
+    written into the chain keeps every digit it needs: 0.9999995 became 1 (no decay)."""
+    from diloco.compress import make_codec
+    from diloco.sparseloco import sparse_chain
+    from launch.config import load_config
+
+    from launch.algorithms import algorithm_class
+    from launch.join import schema_of
+
+    small = [str(ROOT / "configs" / "small.yaml")]
+    for name, alpha in (("sparseloco", 1.0), ("diloco", 0.7), ("streaming", 0.7)):
+        cfg, _ = load_config(small, [f"algo.name={name}"])
+        assert algorithm_class(name).outer_lr_of(cfg) == alpha, name
+        assert algorithm_class(name)._settings(cfg)["outer_lr"] == alpha, name
+    cfg, _ = load_config(small, ["algo.name=sparseloco", "algo.outer_lr=4"])
+    assert algorithm_class("sparseloco").outer_lr_of(cfg) == 4.0
+    # peers that leave it empty and peers that write the algorithm's own share a schema
+    assert schema_of(load_config(small, ["algo.name=diloco"])[0]) == \
+        schema_of(load_config(small, ["algo.name=diloco", "algo.outer_lr=0.7"])[0])
+    assert make_codec(sparse_chain(0.02, 4096, 0.9999995, "2bit")).spec.ef_decay == 0.9999995
+    assert sparse_chain(0.02, 4096, 0.95, "2bit") == "topk:chunk=4096,k=82,ef=0.95+2bit"

@@ -102,11 +102,18 @@ class ChainSpec:
         if self.dct_chunk is not None:
             parts.append(f"dct:chunk={self.dct_chunk}")
         if self.topk_chunk is not None:
-            parts.append(f"topk:chunk={self.topk_chunk},k={self.topk_k},ef={self.ef_decay:g}")
+            parts.append(f"topk:chunk={self.topk_chunk},k={self.topk_k},ef={exact_number(self.ef_decay)}")
         parts.append(f"{self.value}:block={self.block}" if self.value in q.FORMATS else self.value)
         if self.zstd_level is not None:
             parts.append(f"zstd:level={self.zstd_level}")
         return "+".join(parts)
+
+
+def exact_number(x: float) -> str:
+    """``x`` as short as ``:g`` writes it where that reads back as ``x``, else every digit: a decay of 0.9999995
+    must not become 1 (no decay at all) in a chain."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(float(x))
 
 
 def _number(stage: str, key: str, text: str, kind: type) -> Any:
