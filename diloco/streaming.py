@@ -92,6 +92,7 @@ class StreamingDiLoCo(DiLoCo):
         num = len(self.fragments)
         self.offsets = [p * self.policy.inner_steps // num for p in range(num)]
         self.fragment_steps = [0] * num  # inner steps since each fragment was last sent
+        self.finalized_at: Optional[int] = None  # the step whose finalize() sent every fragment's unsent steps
         self.pending: list[dict[str, Any]] = []  # exchanges started, not yet applied
 
     @staticmethod
@@ -190,8 +191,13 @@ class StreamingDiLoCo(DiLoCo):
         return self._apply_due(self.steps, alpha=0.0) or info
 
     def finalize(self) -> None:
+        # done at this step already (a run resumed from its final checkpoint): the schedule alone would still count
+        # unsent steps, and every fragment would go out again with weight 0, one round more
+        if self.finalized_at == self.steps and not self.pending:
+            return
         if self.pending or any(self._unsent(p) for p in range(len(self.fragments))):
             self.sync()
+        self.finalized_at = self.steps
 
     def state_dict(self) -> dict[str, Any]:
         for x in self.pending:  # first: an exchange in flight still updates the codec's residuals
@@ -199,11 +205,13 @@ class StreamingDiLoCo(DiLoCo):
         state = super().state_dict()
         state["pending"] = [{**{k: v for k, v in x.items() if k != "handle"}, "averaged": True} for x in self.pending]
         state["fragment_steps"] = list(self.fragment_steps)
+        state["finalized_at"] = self.finalized_at
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.fragment_steps = list(state["fragment_steps"])
+        self.finalized_at = state.get("finalized_at")
         self.pending = [{**x, "handle": Handle()} for x in state["pending"]]
         for x in self.pending:  # checkpoints of earlier versions kept the weighted sums
             if not x.pop("averaged", False) and float(x["total"].item()) > 0:

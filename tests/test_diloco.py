@@ -364,6 +364,41 @@ def test_a_diverged_streaming_worker_takes_the_global_fragments_and_trains_on(ex
     assert all(torch.equal(a, b) and bool(torch.isfinite(a).all()) for a, b in zip(g0, g1))
 
 
+def test_streaming_finalize_is_not_repeated_when_resumed_from_the_final_checkpoint():
+    """A finished Streaming run resumed from its final checkpoint (``--resume`` at its last step) finalizes once:
+    the schedule alone still counts unsent steps there, so every fragment went out again with weight 0 and the
+    run counted one round more (and an error-feedback codec would have spent its residuals on nothing)."""
+    import copy
+
+    from diloco import StreamingDiLoCo
+    from launch.models import ModelArgs, Transformer
+
+    def make():
+        torch.manual_seed(0)
+        model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=16))
+        return model, StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), fragments=2,
+                                      inner_steps=4, outer_lr=0.7)
+
+    model, algo = make()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        x = torch.randint(0, 64, (2, 9), generator=g)
+        torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, 64), x[:, 1:].reshape(-1)).backward()
+        algo.step()
+        algo.zero_grad()
+    algo.finalize()
+    done = (algo.round, algo.global_tokens)
+    algo.finalize()  # a second call at the same step changes nothing
+    assert (algo.round, algo.global_tokens) == done
+    state, weights = copy.deepcopy(algo.state_dict()), copy.deepcopy(model.state_dict())
+    model2, again = make()
+    model2.load_state_dict(weights)
+    again.load_state_dict(state)
+    again.finalize()
+    assert (again.round, again.global_tokens) == done
+    assert all(torch.equal(a, b) for a, b in zip(again.global_params, algo.global_params))
+
+
 def test_skipped_steps_keep_the_round_schedule():
     """A worker that skips a non-finite step still reaches the sync with the others (no deadlock)."""
     from diloco.sim import InProcessGroup, run_workers
