@@ -385,7 +385,7 @@ class Link:
     note: str = ""  # where the figures come from (a trace's median)
 
 
-def parse_link(bandwidth: Optional[str], latency: Optional[str], links: Optional[str]) -> Link:
+def parse_link(bandwidth: Optional[str], latency: Optional[str], links: Optional[str], workers: int = 1) -> Link:
     from diloco.sim import parse_bandwidth
     from launch.config import parse_duration
 
@@ -398,9 +398,14 @@ def parse_link(bandwidth: Optional[str], latency: Optional[str], links: Optional
             trace = LinkTrace.load(links)
         except (OSError, LinkTraceError) as e:
             raise PlanError(f"--links {links}: {e}") from None
-        bw, lat = trace.median_bandwidth(), trace.median_latency()
-        note = (f"the median of {links}: {bw * 8 / 1e6:g} Mbit/s and {lat * 1e3:g} ms "
-                f"(over {trace.span_s() / 3600:g} h of the trace)")
+        try:
+            trace.check_workers(workers)
+        except LinkTraceError as e:
+            raise PlanError(f"--links {links}: {e}") from None
+        bw, lat = trace.effective(workers)
+        note = (f"{links} as {workers} workers' exchanges see it: the slowest member's link at each moment, "
+                f"{bw * 8 / 1e6:.4g} Mbit/s and {lat * 1e3:.4g} ms averaged over "
+                f"{trace.span_s() / 3600:g} h of the trace")
     if bandwidth is not None:
         try:
             bw = parse_bandwidth(bandwidth)
@@ -455,7 +460,7 @@ def make_plan(model: str, workers: int, bandwidth: Optional[str], latency: Optio
               step_time: Optional[str] = None, links: Optional[str] = None) -> Plan:
     if not isinstance(workers, int) or workers < 1:
         raise PlanError(f"--workers {workers}: must be a whole number >= 1")
-    link = parse_link(bandwidth, latency, links)
+    link = parse_link(bandwidth, latency, links, workers)
     step, given = parse_step_time(step_time)
     m = resolve_model(model)
     net = NetworkModel(link.bandwidth, link.latency)

@@ -132,11 +132,22 @@ def test_bad_input_is_one_line(capsys, argv, expected):
     assert err.startswith("loco plan: error:") and expected in err and "\n" not in err
 
 
-def test_plan_with_a_link_trace_uses_its_median(tmp_path):
+def test_plan_with_a_link_trace_sees_the_slowest_link_over_time_as_the_simulator_does(tmp_path):
+    """A trace's link for the plan is what an exchange of the plan's workers sees, as the simulator times it: at
+    each moment the slowest member's link, its bandwidth averaged over the period as transfer time (harmonic,
+    weighted by duration), its latency by duration. A plain median of the rows made one worker on 10 Mbit/s among
+    1 Gbit/s ones a 505 Mbit/s link, 50x faster than the simulator's."""
     trace = tmp_path / "links.csv"
     trace.write_text("time,worker,bandwidth,latency\n0,*,10Mbit,10ms\n1h,*,30Mbit,30ms\n2h,*,20Mbit,20ms\n")
     plan = make_plan("tiny", 4, None, None, "0.2", str(trace))
-    assert plan.link.bandwidth == 20e6 / 8 and plan.link.latency == pytest.approx(0.02)
-    assert "median" in format_plan(plan)
+    assert plan.link.bandwidth == pytest.approx(3 / (1 / 10 + 1 / 30 + 1 / 20) * 1e6 / 8)
+    assert plan.link.latency == pytest.approx(0.02)
+    assert "the slowest member's link" in format_plan(plan)
+    one_slow = tmp_path / "slow.csv"
+    one_slow.write_text("time,worker,bandwidth,latency\n0,*,1Gbit,20ms\n0,3,10Mbit,20ms\n")
+    assert make_plan("tiny", 4, None, None, "0.2", str(one_slow)).link.bandwidth == pytest.approx(10e6 / 8)
+    assert make_plan("tiny", 3, None, None, "0.2", str(trace)).link.bandwidth < 20e6 / 8
+    with pytest.raises(PlanError, match="rows for worker 3, but there are 2 workers"):
+        make_plan("tiny", 2, None, None, "0.2", str(one_slow))
     shipped = make_plan("150m", 8, None, None, "1", str(ROOT / "configs" / "links-home-uplink.csv"))
     assert 20e6 / 8 < shipped.link.bandwidth < 100e6 / 8

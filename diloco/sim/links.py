@@ -132,6 +132,23 @@ class LinkTrace:
     def median_bandwidth(self) -> float:
         return statistics.median(r.bandwidth for r in self.rows)
 
+    def effective(self, world: int) -> tuple[float, float]:
+        """(bytes/s, latency s) that a collective of ``world`` workers sees over one period of the trace, as the
+        simulator times it: at each moment the slowest member's link (lowest bandwidth, highest latency),
+        the bandwidth averaged as transfer time is (a harmonic mean weighted by how long each lasts) and the
+        latency by duration. A plain median of the rows ignores both: one worker on a 10 Mbit/s link among
+        1 Gbit/s ones holds every exchange to 10 Mbit/s."""
+        times = sorted({r.time for r in self.rows})
+        end = self.period if math.isfinite(self.period) else (times[-1] + 1.0)
+        spans = [(t, nxt - t) for t, nxt in zip(times, times[1:] + [end]) if nxt > t] or [(times[0], 1.0)]
+        total = sum(d for _, d in spans)
+        slow, lat = 0.0, 0.0
+        for t, d in spans:
+            links = [self.at(w, t) for w in range(world)]
+            slow += d / min(bw for bw, _ in links)
+            lat += d * max(la for _, la in links)
+        return total / slow, lat / total
+
     def median_latency(self) -> float:
         return statistics.median(r.latency for r in self.rows)
 
