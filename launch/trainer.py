@@ -1039,8 +1039,10 @@ class Trainer:
         if self.cfg.run.checkpoint_final:  # again at_end too: the checkpoint there may predate algo.finalize()
             self.save()
         stats = self.transport.stats
-        mine = {"worker": self.rank, "tokens": self.step * self.tokens_per_step, "bytes_sent": stats.bytes_sent,
-                "bytes_received": stats.bytes_received, "val_loss": val, "steps": self.step}
+        trained = self.transport.my_steps_trained()  # under churn: not the steps of the run while it was away
+        steps = self.step if trained is None else trained
+        mine = {"worker": self.rank, "tokens": steps * self.tokens_per_step, "bytes_sent": stats.bytes_sent,
+                "bytes_received": stats.bytes_received, "val_loss": val, "steps": steps}
         workers = self.transport.all_gather_object(mine)
         tokens = sum(w["tokens"] for w in workers)
         if self.transport.steps_trained() is not None:  # also what workers away at the end trained

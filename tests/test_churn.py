@@ -172,6 +172,10 @@ def test_diloco_with_a_scripted_trace_records_its_members_and_joiners_take_the_s
     # the joiner took the run's state: at the end it evaluates the very model worker 0 holds
     losses = {w["worker"]: w["val_loss"] for w in summary["workers"]}
     assert sorted(losses) == [0, 1] and losses[0] == losses[1]
+    # each worker's own entry counts what it trained, not the run's steps while it was away (it said 40 for 1)
+    assert {w["worker"]: w["steps"] for w in summary["workers"]} == {0: 40, 1: 21}
+    assert {w["worker"]: w["tokens"] for w in summary["workers"]} == {0: 40 * 4 * cfg.data.seq_len,
+                                                                     1: 21 * 4 * cfg.data.seq_len}
     assert torch.isfinite(torch.tensor(summary["val_loss"]))
     # the joiner downloaded the state over its link: bytes received, time not counted as compute
     assert summary["bytes_received_per_worker"][1] > summary["bytes_received_per_worker"][2]

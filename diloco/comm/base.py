@@ -305,6 +305,11 @@ class Transport(ABC):
         every worker trains every step (then it is ``world_size x step``)."""
         return None
 
+    def my_steps_trained(self) -> Optional[int]:
+        """Steps this worker trained, where it may have been away for some of the run's (the simulator under
+        churn: a worker that comes back takes the run's step count); None where that is its step count."""
+        return None
+
     def metrics(self) -> dict[str, Any]:
         """Extra per-log-line metrics of this transport (virtual time in the simulator)."""
         return {}

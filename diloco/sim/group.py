@@ -571,6 +571,9 @@ class InProcessTransport(Transport):
         step`` would count the time away too); else None."""
         return sum(self.group.steps_done) if self.group.churn is not None else None
 
+    def my_steps_trained(self) -> Optional[int]:
+        return self.group.steps_done[self.rank] if self.group.churn is not None else None
+
     def metrics(self) -> dict[str, Any]:
         """``virtual_s``: this worker's clock with the step time known so far; ``virtual_net_s`` and
         ``virtual_steps`` are the clock's parts, so a report can price the steps at the run's final step time."""
