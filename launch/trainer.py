@@ -476,6 +476,7 @@ class Trainer:
         self.step = 0
         self._t0: Optional[float] = None
         self._budget_mark: Any = None
+        self.synced_step = 0
         self.last_val: Optional[tuple[int, float]] = None  # (step, val_loss) of the latest evaluation
         self.wall_prior = 0.0  # training seconds of earlier segments of a resumed run
         self.window_loss, self.window_steps = 0.0, 0  # train loss summed since the last metrics line
@@ -829,13 +830,24 @@ class Trainer:
     def _set_lr(self) -> float:
         run, o = self.cfg.run, self.cfg.optim
         if run.max_steps:
-            progress = (self.step - o.warmup_steps) / max(1, run.max_steps - o.warmup_steps)
+            progress = (self.run_step() - o.warmup_steps) / max(1, run.max_steps - o.warmup_steps)
         else:  # by time: the schedule ends where this segment's budget does (stretched on a resume)
             progress = (self.wall_prior + self.agreed_budget_s()) / (self.wall_prior + run.max_time)
         factor = lr_factor(self.step, o.warmup_steps, progress, o.schedule, o.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * factor
         return self.optimizer.param_groups[0]["lr"]
+
+    def run_step(self) -> float:
+        """How far the run is, in steps of ``run.max_steps``: this worker's step, except with time-budgeted rounds,
+        where workers' step counts differ and the run stops on the tokens they agreed on (:meth:`_should_stop`):
+        then those tokens as steps of every worker, plus this worker's steps since that agreement. The lr
+        schedule follows it, so a slow worker ends its decay with the run instead of stopping at a third of it
+        (and a fast one does not spend the run's last third at the floor)."""
+        if not self.time_rounds:
+            return self.step
+        agreed = self.algo.tokens_agreed / max(1, self.tokens_per_step * self.world)
+        return agreed + (self.step - self.synced_step)
 
     def _should_stop(self, synced: bool) -> bool:
         """Stop where every worker stops too: DDP at any step, round-based algorithms after a sync.
@@ -890,6 +902,7 @@ class Trainer:
                 changes = f"; settings changed since it was saved: {self.resume_changes}" if self.resume_changes else ""
                 m.info(f"resumed from {self.resumed_from}{changes}", self.step)
         self._t0 = time.perf_counter()
+        self.synced_step = self.step  # the step of this worker's latest sync (the run's progress counts from it)
         # a simulated run's budget is virtual time (the simulator's transport measures the compute it is told of)
         self._budget_mark = self.transport.mark() if self.transport.measures_compute else None
         self.agreed = (self.step, 0.0)  # (step, budget_s) as rank 0 saw it at the latest agreement: none yet
@@ -917,6 +930,8 @@ class Trainer:
                 synced = bool(info.get("synced"))
                 self.algo.zero_grad()
                 self.step += 1
+                if synced:
+                    self.synced_step = self.step
                 if synced and self.on_round is not None:
                     self.on_round(info)
                 self.window_loss = self.window_loss + step_loss

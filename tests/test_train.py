@@ -285,6 +285,32 @@ def test_a_new_run_in_the_folder_of_one_without_checkpoints_starts_its_own_curve
     assert "an earlier run's metrics (no checkpoints): moved" in capfd.readouterr().err
 
 
+def test_with_time_budgeted_rounds_the_lr_follows_the_runs_agreed_tokens_not_the_workers_own_steps(tiny_cfg):
+    """With ``sync.mode=time`` a fast worker makes more steps than a slow one, and the run stops on the tokens
+    they agreed on. The lr schedule follows the same: those tokens as steps of every worker plus this worker's
+    steps since the last sync. A worker at a quarter of the speed decayed only a third of the way by the run's
+    end; a fast one spent the last third at the floor."""
+    from launch.trainer import Trainer, lr_factor
+
+    cfg = tiny_cfg("algo.name=diloco", "sync.mode=time", "sync.time_budget_s=1s", "run.max_steps=100",
+                   "optim.warmup_steps=0", "optim.min_lr_ratio=0.1", "optim.lr=1e-3")
+    trainer = Trainer(cfg)
+    try:
+        per_step = trainer.tokens_per_step * trainer.world
+
+        def lr_at(own_step, agreed_steps, since_sync):
+            trainer.step, trainer.synced_step = own_step, own_step - since_sync
+            trainer.algo.global_tokens = agreed_steps * per_step
+            return trainer._set_lr()
+
+        slow, fast = lr_at(30, 80, 0), lr_at(140, 80, 0)  # both just synced at 80 steps' worth of agreed tokens
+        assert slow == fast == pytest.approx(1e-3 * lr_factor(80, 0, 0.8, "cosine", 0.1))
+        assert lr_at(30, 80, 5) == pytest.approx(1e-3 * lr_factor(85, 0, 0.85, "cosine", 0.1))
+        assert lr_at(30, 100, 0) == pytest.approx(1e-4)  # the end of the run is the end of the schedule
+    finally:
+        trainer.transport.close()
+
+
 def _saved_list() -> bytes:
     import io
 
