@@ -7,6 +7,9 @@
 #   bash benchmarks/gpu.sh --only simulator,demo
 #   GPU_SH_1B_OFFLOAD=1 bash benchmarks/gpu.sh  # also the 1b simulator run with offload (also: --with-1b-offload);
 #                                               # over the 9-minute budget: it alone took > 4.5 min on an H100
+#   GPU_SH_DEMO_QUALITY=1 bash benchmarks/gpu.sh --only demo   # also DeMo k=32 against DDP on small at 2,000
+#                                               # steps with configs/small-demo.yaml's settings (also:
+#                                               # --with-demo-quality); about 10 min on an H100, not yet timed
 #
 # Stages (each a script of benchmarks/, each report stamped with the device name and the torch,
 # triton and CUDA versions right under its title):
@@ -17,6 +20,7 @@
 #                  asked for, 1b with 4 workers and --offload)                -> simulator_gpu.md
 #   4 demo         demo.py --encode-only: DeMo encode and the decode of 4
 #                  payloads on small, 150m, 1b                             -> demo_gpu.md
+#                  (asked for: DeMo's quality against DDP at 2,000 steps   -> demo_quality_gpu.md)
 #   5 convergence  convergence.py: ddp, diloco-h50, single, demo-k32 on small -> convergence_gpu.{md,json,png}
 # and a record of the commands and the stage times                           -> gpu_sh_gpu.md
 #
@@ -41,6 +45,7 @@ DEVICE="${LOCO_BENCH_DEVICE:-cuda}"
 OUT_DIR="${LOCO_BENCH_OUT:-}"
 ONLY=""
 WITH_1B="${GPU_SH_1B_OFFLOAD:-0}"
+WITH_DEMO_Q="${GPU_SH_DEMO_QUALITY:-0}"
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) QUICK=1 ;;
@@ -51,6 +56,7 @@ while [ $# -gt 0 ]; do
         --only) ONLY="${2:?--only needs a value}"; shift ;;
         --only=*) ONLY="${1#*=}" ;;
         --with-1b-offload) WITH_1B=1 ;;
+        --with-demo-quality) WITH_DEMO_Q=1 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "[gpu.sh] unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -58,6 +64,7 @@ while [ $# -gt 0 ]; do
 done
 case "$QUICK" in 0|"") QUICK=0 ;; *) QUICK=1 ;; esac
 case "$WITH_1B" in 0|"") WITH_1B=0 ;; *) WITH_1B=1 ;; esac
+case "$WITH_DEMO_Q" in 0|"") WITH_DEMO_Q=0 ;; *) WITH_DEMO_Q=1 ;; esac
 
 STAGES="throughput codecs simulator demo convergence"
 if [ -n "$ONLY" ]; then
@@ -115,7 +122,8 @@ end() {
     echo "[gpu.sh] ----- stage $STAGE: ${s} s (total so far $(secs "$T_START" "$(now)") s)"
 }
 
-echo "[gpu.sh] root $ROOT; device $DEVICE; quick $QUICK; 1b offload run $WITH_1B; reports -> $RESULTS/*_$SUFFIX.*"
+echo "[gpu.sh] root $ROOT; device $DEVICE; quick $QUICK; 1b offload run $WITH_1B; DeMo quality run $WITH_DEMO_Q;" \
+     "reports -> $RESULTS/*_$SUFFIX.*"
 "$PY" benchmarks/gpu_tools.py preflight --device "$DEVICE" --stamp-out "$WORK/stamp"
 
 # ---- sizes: the real run is budgeted for < 9 min on one H100; quick shrinks everything to tiny ----------
@@ -130,6 +138,7 @@ if [ "$QUICK" = 1 ]; then
     SIM_OFFLOAD="tiny-offload|tiny, 2 workers, H=2, offload|--model tiny --workers 2 --inner-steps 2 --repeats 1 --batch-size 2 --seq-len 32 --offload --warmup light --mem-workers 1,2"
     SIM_RUNS+=("$SIM_OFFLOAD")  # quick mode always runs the offload path, on tiny
     DEMO_ARGS=(--encode-models tiny --repeats 1)
+    DEMO_Q_ARGS=(--model tiny --steps 20 --seeds 0 --batch-size 2 --seq-len 32 --methods ddp,demo-k32 --repeats 1)
     CONV_ARGS=(--model tiny --methods ddp,diloco-h50,single,demo-k32 --seeds 0 --steps 100 --batch-size 2 --seq-len 32
                --warmup 5 --evals 4 --eval-batches 2)
 else
@@ -151,6 +160,11 @@ else
     if [ "$WITH_1B" = 1 ]; then SIM_RUNS+=("$SIM_OFFLOAD"); fi
     # 4 demo: one encode of every parameter, median of 3, per model
     DEMO_ARGS=(--encode-models small,150m,1b --repeats 3)
+    # opt-in: the issue's quality check, 4 workers x batch 16 x 256, 2,000 steps, DDP (AdamW lr 1e-3, warmup 200)
+    #   against DeMo k=32 with configs/small-demo.yaml's settings (lr, warmup, decay, final lr)
+    DEMO_Q_ARGS=(--model small --steps 2000 --seeds 0 --batch-size 16 --seq-len 256 --lr 1e-3 --warmup 200
+                 --methods ddp,demo-k32 --demo-lr 1e-3 --demo-warmup 200 --demo-decay 0.99 --demo-min-lr 0.3
+                 --repeats 3)
     # 5 convergence: 4 workers x 250 steps x 16 x 256 tokens (DiLoCo: 5 rounds of 50), one seed,
     #   10 evaluations of 16 batches; demo-k32 on the same steps gives DeMo's wall-clock against DDP's (the
     #   report's "real / DDP's"; issue target 1.15x; its lr is the run's, not tuned)
@@ -192,6 +206,13 @@ if wanted simulator; then
 fi
 
 one_report demo 4 demo demo.py --encode-only "${DEMO_ARGS[@]}"
+if [ "$WITH_DEMO_Q" = 1 ] && wanted demo; then
+    begin demo-quality 4
+    out="$RESULTS/demo_quality_$SUFFIX.md"
+    run "$PY" benchmarks/demo.py "${DEMO_Q_ARGS[@]}" --device "$DEVICE" --out "$out"
+    end
+    stamp "$out" "stage demo-quality, ${TIMES[-1]#* } s"
+fi
 
 if wanted convergence; then
     begin convergence 5

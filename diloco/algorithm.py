@@ -232,6 +232,12 @@ class Algorithm:
         return None
 
     @classmethod
+    def steps_per_round(cls, cfg: Any) -> float:
+        """Inner steps between two of this algorithm's exchanges (rounds) under ``cfg`` with rounds of fixed
+        steps: 1 where it exchanges every step (what a churn trace keyed by rounds counts)."""
+        return 1.0
+
+    @classmethod
     def outer_lr_of(cls, cfg: Any) -> float:
         """``algo.outer_lr``, or this algorithm's own where it is left empty (SparseLoCo's alpha is 1, DiLoCo's
         outer lr 0.7): the one reading of the key, for the algorithm and for what peers must share."""
@@ -529,8 +535,8 @@ def _check_fits(dst: list[torch.Tensor], src: list[Any], what: str = "params") -
     if len(src) != len(dst):
         raise ValueError(f"{what}: {len(src)} parameters, this model has {len(dst)}")
     for i, (d, s) in enumerate(zip(dst, src)):
-        if not isinstance(s, torch.Tensor) or not s.is_floating_point():
-            raise ValueError(f"{what}[{i}] is not a floating-point tensor")
+        if not isinstance(s, torch.Tensor) or not s.is_floating_point() or s.layout != torch.strided:
+            raise ValueError(f"{what}[{i}] is not a dense floating-point tensor")
         if d.shape != s.shape:
             raise ValueError(f"{what}[{i}]: a parameter of shape {tuple(s.shape)}, this model's is {tuple(d.shape)}")
 
@@ -539,6 +545,8 @@ def _check_finite(tree: Any, where: str) -> None:
     """Every floating-point tensor in ``tree`` (dicts, lists) finite: ValueError naming the first one that is not.
     One reduction per tensor; the caller holds a peer's state in host memory, where that costs no device sync."""
     if isinstance(tree, torch.Tensor):
+        if tree.layout != torch.strided:
+            raise ValueError(f"{where} is a {tree.layout} tensor, not a dense one")
         if tree.is_floating_point() and tree.numel() and not bool(torch.isfinite(tree).all()):
             raise ValueError(f"{where} holds NaN or infinite values")
     elif isinstance(tree, dict):
@@ -568,13 +576,33 @@ def check_optimizer_state(opt: torch.optim.Optimizer, saved: Any, what: str = "o
     for g, mine in zip(groups, opt.param_groups):
         for i, p in zip(g["params"], mine["params"]):
             params[i] = p
+    needed = _moments(opt)
     for i, entry in saved["state"].items():
         if i not in params or not isinstance(entry, dict):
             raise ValueError(f"{what}: a state for parameter {i!r}, which no group lists")
+        missing = sorted(needed - set(entry))
+        if missing:
+            raise ValueError(f"{what}: parameter {i} has no {missing[0]!r}")
         for key, v in entry.items():
-            if isinstance(v, torch.Tensor) and v.numel() != 1 and v.shape != params[i].shape:
-                raise ValueError(f"{what}: {key!r} of parameter {i} has shape {tuple(v.shape)}, the parameter's "
-                                 f"is {tuple(params[i].shape)}")
+            if key == "step":  # a count: a number or a one-value tensor
+                if isinstance(v, torch.Tensor) and v.numel() != 1:
+                    raise ValueError(f"{what}: 'step' of parameter {i} holds {v.numel()} values")
+                continue
+            if v is None and key not in needed:  # SGD without momentum keeps a None buffer
+                continue
+            if not isinstance(v, torch.Tensor) or v.layout != torch.strided or v.shape != params[i].shape:
+                shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ValueError(f"{what}: {key!r} of parameter {i} is {shape}, the parameter's shape is "
+                                 f"{tuple(params[i].shape)}")
+
+
+def _moments(opt: torch.optim.Optimizer) -> set[str]:
+    """The per-parameter state an optimizer of this kind cannot step without (where it has stepped at all)."""
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return {"exp_avg", "exp_avg_sq"}
+    if isinstance(opt, torch.optim.SGD) and any(g.get("momentum", 0) for g in opt.param_groups):
+        return {"momentum_buffer"}
+    return set()
 
 
 def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

@@ -89,6 +89,10 @@ class DiLoCo(Algorithm):
                    codec=cls._codec(cfg), inner=inner, **cls._settings(cfg))
 
     @classmethod
+    def steps_per_round(cls, cfg: Any) -> float:
+        return float(cfg.algo.inner_steps)
+
+    @classmethod
     def _settings(cls, cfg: Any) -> dict[str, Any]:
         a = cfg.algo
         return dict(inner_steps=a.inner_steps, outer_lr=cls.outer_lr_of(cfg), outer_momentum=a.outer_momentum,

@@ -126,6 +126,11 @@ class StreamingDiLoCo(DiLoCo):
                    codec=cls._codec(cfg), inner=inner, fragments=a.fragments, overlap_steps=a.overlap_steps,
                    mix_alpha=a.mix_alpha, overlap_merge=a.overlap_merge, **cls._settings(cfg))
 
+    @classmethod
+    def steps_per_round(cls, cfg: Any) -> float:
+        """A round is one fragment's exchange: P of them every H steps, evenly staggered."""
+        return cfg.algo.inner_steps / max(1, cfg.algo.fragments)
+
     def _due(self, step: int) -> list[int]:
         H = self.policy.inner_steps
         return [p for p, off in enumerate(self.offsets) if step >= max(off, 1) and (step - off) % H == 0]

@@ -88,11 +88,13 @@ def read_run_key(key: Optional[str], key_file: Optional[str]) -> Optional[bytes]
     return env.encode() if env else None
 
 
-def schema_of(cfg: Config) -> str:
+def schema_of(cfg: Config, opts: Optional["JoinOptions"] = None) -> str:
     """What peers must share to average together: model, sequence length, algorithm, round length, codec, and
     the outer step's settings. Every peer applies the outer step to the same averaged update, so peers whose
     outer lr or momentum differ would part ways after one round; with this in the schema they never group, and
-    a peer refuses a state from a run of other settings (its optimizers keep their own settings on a load)."""
+    a peer refuses a state from a run of other settings (its optimizers keep their own settings on a load).
+    ``opts``: a peer's bounds on the others' updates (``--norm-clip``, ``--clip-action``, ``--weight-clip``),
+    which decide the mean as much: members of one group must take one."""
     a = cfg.algo
     schema = {"model": cfg.to_dict()["model"], "seq_len": cfg.data.seq_len, "algo": a.name,
               "inner_steps": a.inner_steps, "codec": cfg.compress.codec,
@@ -101,6 +103,8 @@ def schema_of(cfg: Config) -> str:
         schema.update(topk_density=a.topk_density, chunk=a.chunk, ef_decay=a.ef_decay, value_format=a.value_format)
     else:
         schema.update(outer_momentum=a.outer_momentum, nesterov=a.nesterov)
+    if opts is not None:  # how a member's update is bounded: members that bound alike compute one mean
+        schema.update(norm_clip=opts.norm_clip, clip_action=opts.clip_action, weight_clip=opts.weight_clip)
     return json.dumps(schema, sort_keys=True)
 
 
@@ -127,7 +131,7 @@ class Peer:
         identity = Path(opts.identity) if opts.identity else self.run_dir / "identity.key"
         identity.parent.mkdir(parents=True, exist_ok=True)
         self.data = load_data(cfg.data)  # before the DHT forks: a data error needs no swarm
-        self.schema = schema_of(cfg)
+        self.schema = schema_of(cfg, opts)
         self.transport = make_transport(
             "hivemind", run=opts.run, initial_peers=list(opts.peers), host_maddrs=host_maddrs(opts.host, opts.port),
             announce_maddrs=list(opts.announce), identity_path=str(identity), run_key=opts.run_key,

@@ -205,11 +205,13 @@ def baseline_config(cfg: Config, run_dir: Path) -> Config:
 
 def _churn_for_baseline(cfg: Config, folder: Path) -> str:
     """``sim.churn`` as the DDP baseline reads it: DDP's round is one step, so an event keyed by the run's round r
-    is keyed by its step there (r x algo.inner_steps for rounds of fixed steps; r x sync.time_budget_s of virtual
-    time for time-budgeted ones), and both runs lose and regain workers at the same point of training. A trace
-    keyed by time, or by the rounds of an algorithm that meets every step, is the run's own."""
+    is keyed by its step there (r x the algorithm's steps per round for rounds of fixed steps: H for DiLoCo, H/P
+    for Streaming's staggered fragments; r x sync.time_budget_s of virtual time for time-budgeted ones, which
+    leaves out each round's exchange), and both runs lose and regain workers at about the same point of
+    training. A trace keyed by time, or by the rounds of an algorithm that meets every step, is the run's own."""
     sched = ChurnSchedule.load(cfg.sim.churn)
-    if not algorithm_class(cfg.algo.name).round_based or not any(e.round is not None for e in sched.events):
+    algo = algorithm_class(cfg.algo.name)
+    if not algo.round_based or not any(e.round is not None for e in sched.events):
         return str(cfg.sim.churn)
     timed = cfg.sync.mode == "time"
     rows = []
@@ -220,7 +222,7 @@ def _churn_for_baseline(cfg: Config, folder: Path) -> str:
         elif timed:
             row["time"] = f"{e.round * cfg.sync.time_budget_s}s"
         else:
-            row["round"] = e.round * cfg.algo.inner_steps
+            row["round"] = round(e.round * algo.steps_per_round(cfg))
         rows.append(row)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "churn-as-steps.yaml"

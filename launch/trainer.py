@@ -479,6 +479,7 @@ class Trainer:
         self.synced_step = 0
         self.last_val: Optional[tuple[int, float]] = None  # (step, val_loss) of the latest evaluation
         self.wall_prior = 0.0  # training seconds of earlier segments of a resumed run
+        self.budget_prior = 0.0  # seconds of run.max_time they spent (virtual ones in the simulator)
         self.window_loss, self.window_steps = 0.0, 0  # train loss summed since the last metrics line
         self.saved_step: Optional[int] = None  # the step of the checkpoint this process last wrote or loaded
         # whether a signal (see stop_signals) may stop this loop at a step end: set below once the run is ready
@@ -609,6 +610,7 @@ class Trainer:
         """The checkpoint: shared fields, then the worker state (replicated algorithms) or all workers' states."""
         shared: dict[str, Any] = {
             "wall_s": self.wall_s(),
+            "budget_s": self.budget_prior + (self.budget_s() if self._t0 is not None else 0.0),
             "config": self.cfg.to_dict(),
             "model_args": vars(self.model_args) if self.model_args is not None else None,
             "tokenizer": self.data.tokenizer,
@@ -645,6 +647,9 @@ class Trainer:
         set_rng_state(mine["rng"])
         self.step = int(mine["step"])
         self.wall_prior = float(state.get("wall_s", 0.0))
+        # the time budget spent before (virtual seconds in the simulator): checkpoints of earlier versions only
+        # have the real ones
+        self.budget_prior = float(state.get("budget_s", self.wall_prior))
         window = mine.get("log_window", {})
         self.window_loss, self.window_steps = float(window.get("loss", 0.0)), int(window.get("steps", 0))
         comm = mine.get("comm", {})
@@ -693,7 +698,7 @@ class Trainer:
             check(state)
         try:  # checked whole first: a refused state leaves this one as it was
             self.algo.load_shared_state(state)
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
             raise RunError(f"the state from {source} does not fit this model: {e}") from None
         return state
 
@@ -832,7 +837,7 @@ class Trainer:
         if run.max_steps:
             progress = (self.run_step() - o.warmup_steps) / max(1, run.max_steps - o.warmup_steps)
         else:  # by time: the schedule ends where this segment's budget does (stretched on a resume)
-            progress = (self.wall_prior + self.agreed_budget_s()) / (self.wall_prior + run.max_time)
+            progress = (self.budget_prior + self.agreed_budget_s()) / (self.budget_prior + run.max_time)
         factor = lr_factor(self.step, o.warmup_steps, progress, o.schedule, o.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * factor

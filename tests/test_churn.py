@@ -263,9 +263,11 @@ def test_streaming_with_a_joiner_at_the_last_boundary_finishes_in_step(tmp_path)
 
 @pytest.mark.parametrize("sets, expected", [
     (["algo.inner_steps=5"], [("leave", 10, None), ("join", 20, None), ("leave", None, 90.0)]),
+    (["algo.name=streaming", "algo.inner_steps=8", "algo.fragments=2"],  # a round: one fragment's, every 4 steps
+     [("leave", 8, None), ("join", 16, None), ("leave", None, 90.0)]),
     (["sync.mode=time", "sync.time_budget_s=30s"], [("leave", None, 60.0), ("join", None, 120.0),
                                                      ("leave", None, 90.0)]),
-], ids=["steps", "time"])
+], ids=["steps", "streaming", "time"])
 def test_the_ddp_baseline_reads_a_round_keyed_trace_at_the_same_point_of_training(tmp_path, sets, expected):
     """DDP's round is one step: a trace keyed by DiLoCo's rounds (round 2 of H=5 is step 10) is handed to the
     baseline keyed by steps (or, for time-budgeted rounds, by the virtual time the round starts at), so both runs
@@ -276,7 +278,7 @@ def test_the_ddp_baseline_reads_a_round_keyed_trace_at_the_same_point_of_trainin
     trace = tmp_path / "churn.csv"
     trace.write_text("worker,event,round,time\n1,leave,2,\n1,join,4,\n2,leave,,90s\n")
     cfg, _ = load_config([TINY], [*FAST, "algo.name=diloco", "sim.workers=3", f"sim.churn={trace}",
-                                  f"run.dir={tmp_path / 'run'}", *sets])
+                                  f"run.dir={tmp_path / 'run'}", *sets])  # a later algo.name wins
     base = baseline_config(cfg, tmp_path / "run")
     assert base.sim.churn != str(trace)
     got = ChurnSchedule.parse(base.sim.churn, 3).events

@@ -337,6 +337,43 @@ def test_a_member_announcing_a_malformed_state_is_left_out_and_the_others_go_on(
         assert any(liar[-8:] in n and "averaged by 1000000000 peers" in n for n in notes), notes
 
 
+def test_a_header_of_nested_msgpack_extensions_is_refused_not_a_crash():
+    """A header nesting hundreds of msgpack tuple extensions (1 KB, under every header limit, before any MAC is
+    checked) is refused with a ValueError. hivemind's serializer decodes each nested extension with another
+    ``unpackb`` on the C stack, which overflows: the whole process died with a segfault. Headers loco sends read
+    back alike, and are the bytes hivemind's serializer makes for them (peers of earlier versions read them)."""
+    import asyncio
+
+    import msgpack
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from diloco.comm.hivemind.framing import _read_header, pack, unpack
+
+    nested = msgpack.packb(1)
+    for _ in range(300):
+        nested = msgpack.packb(msgpack.ExtType(0x40, b"\x91" + nested))
+    assert len(nested) < 2048
+    with pytest.raises(ValueError, match="msgpack extension"):
+        unpack(nested)
+
+    async def read(data: bytes):
+        reader = asyncio.StreamReader()
+        reader.feed_data(len(data).to_bytes(8, "big") + data + (0).to_bytes(8, "big"))
+        reader.feed_eof()
+        return await _read_header(reader)
+
+    with pytest.raises(ValueError, match="msgpack extension"):
+        asyncio.run(read(nested))
+    for bad in (b"\xc1", msgpack.packb([1] * 3)[:-1]):  # a byte msgpack never uses; a cut message
+        with pytest.raises(ValueError):
+            unpack(bad)
+    header = {"g": b"\x01" * 8, "k": "payload", "e": 3, "n": 5, "sha": b"s" * 32, "f": b"a", "t": b"b",
+              "m": b"m" * 32}
+    assert pack(header) == MSGPackSerializer.dumps(header) and unpack(pack(header)) == header
+    assert asyncio.run(read(pack({**header, "n": 0}))) == ({**header, "n": 0}, 0)
+    assert unpack(pack([b"x", b"y"])) == [b"x", b"y"]
+
+
 def test_a_push_header_is_refused_before_its_body_is_read(swarm):
     """A second libp2p peer (no DHT, no run key) opens streams to a keyed peer's push handler and sends only a
     header: one announcing a size this run's model and codec do not make, one without the run key's MAC. The
@@ -901,6 +938,15 @@ def test_peers_whose_outer_step_differs_do_not_share_a_schema(algo, apart, toget
         "model.n_layers: 2 there, None here; outer_lr: 0.5 there, 1.0 here"
     assert "this peer's" in schema_differs(None, base)
     assert schema_differs('{"codec": "int8"}', '{"codec": "fp32"}') == "codec: 'int8' there, 'fp32' here"
+    # so do the bounds a peer puts on the others' updates: members that bound otherwise take other means
+    from launch.join import JoinOptions
+
+    cfg = load_config([TINY], [f"algo.name={algo}"])[0]
+    joined = schema_of(cfg, JoinOptions())
+    assert schema_of(cfg, JoinOptions()) == joined
+    for other in (JoinOptions(weight_clip=0.0), JoinOptions(norm_clip=5.0), JoinOptions(clip_action="drop")):
+        assert schema_of(cfg, other) != joined, other
+    assert schema_differs(schema_of(cfg, JoinOptions(weight_clip=0.0)), joined) == "weight_clip: 0.0 there, 10.0 here"
 
 
 def test_peers_of_one_run_with_other_settings_are_named_and_neither_waits_for_the_other():

@@ -149,5 +149,9 @@ def test_plan_with_a_link_trace_sees_the_slowest_link_over_time_as_the_simulator
     assert make_plan("tiny", 3, None, None, "0.2", str(trace)).link.bandwidth < 20e6 / 8
     with pytest.raises(PlanError, match="rows for worker 3, but there are 2 workers"):
         make_plan("tiny", 2, None, None, "0.2", str(one_slow))
+    late = tmp_path / "late.csv"  # before its first row a worker has that row's link: 10 Mbit/s for 200 of 300 s
+    late.write_text("time,worker,bandwidth,latency\n100s,*,10Mbit,10ms\n200s,*,1Gbit,10ms\n")
+    assert make_plan("tiny", 2, None, None, "0.2", str(late)).link.bandwidth == \
+        pytest.approx(300 / (200 / 10 + 100 / 1000) * 1e6 / 8)
     shipped = make_plan("150m", 8, None, None, "1", str(ROOT / "configs" / "links-home-uplink.csv"))
     assert 20e6 / 8 < shipped.link.bandwidth < 100e6 / 8

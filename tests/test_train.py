@@ -194,17 +194,33 @@ def test_a_broken_shared_state_is_refused_whole_and_this_one_stays_as_it_was(alg
 
         broken = {"holds NaN or infinite": blob(nan_last), "shape (5,)": blob(reshaped), "'round' is 'three'":
                   blob(bad_round), "does not load": b"not a state", "not a run's state": _saved_list()}
+        def sparse(s):
+            s[key][0] = s[key][0].to_sparse()
+        broken["is not a dense floating-point tensor"] = blob(sparse)
         if algo == "ddp":
             def moment(s):
                 entry = s["optimizer"]["state"][len(s["params"]) - 1]
                 entry["exp_avg"] = entry["exp_avg"].reshape(-1)[:7].clone()
             broken["'exp_avg' of parameter"] = blob(moment)
+
+            def scalar_moment(s):  # one value: it loaded, and the next step failed to broadcast it
+                s["optimizer"]["state"][0]["exp_avg"] = torch.zeros(())
+            broken["'exp_avg' of parameter 0 is ()"] = blob(scalar_moment)
+
+            def no_moment(s):
+                del s["optimizer"]["state"][1]["exp_avg_sq"]
+            broken["parameter 1 has no 'exp_avg_sq'"] = blob(no_moment)
         if algo in ("diloco", "streaming"):
             def momentum(s):
                 opt = s["outer_optimizers"][-1]
                 i = max(opt["state"])
                 opt["state"][i]["momentum_buffer"] = torch.zeros(3)
             broken["'momentum_buffer' of parameter"] = blob(momentum)
+
+            def one_value(s):
+                opt = s["outer_optimizers"][0]
+                opt["state"][min(opt["state"])]["momentum_buffer"] = torch.zeros(1)
+            broken["'momentum_buffer' of parameter 0 is (1,)"] = blob(one_value)
 
             def nan_momentum(s):  # checked with the global parameters, which come first in the state
                 opt = s["outer_optimizers"][-1]

@@ -138,7 +138,7 @@ class LinkTrace:
         the bandwidth averaged as transfer time is (a harmonic mean weighted by how long each lasts) and the
         latency by duration. A plain median of the rows ignores both: one worker on a 10 Mbit/s link among
         1 Gbit/s ones holds every exchange to 10 Mbit/s."""
-        times = sorted({r.time for r in self.rows})
+        times = sorted({0.0, *(r.time for r in self.rows)})  # before its first row a worker has that row's link
         end = self.period if math.isfinite(self.period) else (times[-1] + 1.0)
         spans = [(t, nxt - t) for t, nxt in zip(times, times[1:] + [end]) if nxt > t] or [(times[0], 1.0)]
         total = sum(d for _, d in spans)

@@ -14,7 +14,7 @@ from diloco.comm.base import flat_settings
 from diloco.comm.hivemind.auth import mac
 from diloco.comm.hivemind.framing import (FAIL, MIN_MEASURED_BYTES, OK, PIECE, UNREACHED, _now, _read_body,
                                           _read_header, _write_framed, _write_head, exchange_deadline, log,
-                                          matchmaking_window)
+                                          matchmaking_window, pack, unpack)
 from diloco.comm.hivemind.limits import ACK_MAX, PUSH_HEADER_MAX, Window, inbox_cap, payload_sizes
 from diloco.comm.hivemind.state import same_state
 
@@ -333,7 +333,6 @@ class EpochMixin:
         """The epoch after the rendezvous: matchmaking, the pushes, the commit."""
         from hivemind.averaging.control import StepControl
         from hivemind.utils import MPFuture
-        from hivemind.utils.serializer import MSGPackSerializer
 
         mine = {"e": e, "fp": fp, "stale": self.stale, "g": self.last_group, "n": len(payload),
                 "sha": hashlib.sha256(payload).digest(),
@@ -347,7 +346,7 @@ class EpochMixin:
             self.mm.target_group_size = expected  # assemble at once when every peer waiting here has come
             step = StepControl(scheduled_time=_now() + self.matchmaking_time,
                                deadline=_now() + self.matchmaking_time + 2, allow_retries=False, weight=1.0,
-                               data_for_gather=MSGPackSerializer.dumps(mine))
+                               data_for_gather=pack(mine))
             step.attach(MPFuture(), MPFuture())
             step.allow_allreduce()
             forming = time.perf_counter()
@@ -367,7 +366,7 @@ class EpochMixin:
         members, meta = [], {}
         for pid, blob in zip(group.peer_ids, group.gathered):
             try:
-                m = MSGPackSerializer.loads(blob)
+                m = unpack(blob)
                 good = m["e"] == e and hmac.compare_digest(
                     m["tok"], mac(self.key, b"join", pid.to_bytes(), str(e).encode()))
             except Exception:
@@ -409,14 +408,14 @@ class EpochMixin:
             else:
                 notes.append(f"peer {p.to_base58()[-8:]}: payload does not match its announced hash: left out")
         # commit: tell every member whom we hold a payload from; keep those every answering member holds
-        body = MSGPackSerializer.dumps(sorted(p.to_bytes() for p in received))
+        body = pack(sorted(p.to_bytes() for p in received))
         committing = time.perf_counter() + min(10.0, self.exchange_timeout)
         await self._push_all(others, gid, "ack", await self._phase("ack", body), committing)
         acks = await self._collect(gid, "ack", set(others) - refusers, committing, e)
         final = set(received) & ({self.peer_id} | set(acks))
         for p, blob in acks.items():
             try:
-                held = {type(self.peer_id)(b) for b in MSGPackSerializer.loads(blob)}
+                held = {type(self.peer_id)(b) for b in unpack(blob)}
             except Exception:
                 held = set()
             base = set(received) - {p}  # what this peer holds of the others' payloads, its own included

@@ -14,7 +14,7 @@ import logging
 import math
 import statistics
 from collections import deque
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 log = logging.getLogger("loco.hivemind")
 
@@ -26,10 +26,34 @@ PIECE = 1 << 20  # bodies are written, read and relayed in pieces of at most thi
 
 def _write_head(writer, header: dict, n: int) -> None:
     """The start of a frame: ``u64 len | msgpack header | u64 n``; ``n`` body bytes follow."""
-    from hivemind.utils.serializer import MSGPackSerializer
-
-    head = MSGPackSerializer.dumps(header)
+    head = pack(header)
     writer.write(len(head).to_bytes(8, "big") + head + n.to_bytes(8, "big"))
+
+
+def pack(obj: Any) -> bytes:
+    """``obj`` (dicts, lists, numbers, str, bytes) as msgpack, without extension types: what :func:`unpack` reads
+    (the same bytes hivemind's MSGPackSerializer writes for these)."""
+    import msgpack
+
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _no_extension(code: int, data: bytes) -> Any:
+    raise ValueError(f"a msgpack extension (type {code}) where none is sent")
+
+
+def unpack(buf: bytes | bytearray | memoryview) -> Any:
+    """msgpack from a peer, refusing extension types (ValueError). hivemind's MSGPackSerializer decodes every
+    nested tuple extension with another ``unpackb`` on the C stack: a 1 KB header nesting 250 of them overflows
+    it, a segfault that no ``except`` catches, sent before any MAC is checked."""
+    import msgpack
+
+    try:
+        return msgpack.unpackb(bytes(buf), raw=False, ext_hook=_no_extension, strict_map_key=False)
+    except ValueError:
+        raise
+    except Exception as e:  # msgpack's ExtraData, FormatError, StackError (too deep), ...
+        raise ValueError(f"not a message: {type(e).__name__}: {e}") from None
 
 
 async def _write_framed(writer, header: dict, data: bytes) -> None:
@@ -45,12 +69,10 @@ async def _write_framed(writer, header: dict, data: bytes) -> None:
 
 async def _read_header(reader, max_header: int = MAX_HEADER, timeout: float = 10) -> tuple[dict, int]:
     """The header of one framed message and the body size it announces; the body is left unread."""
-    from hivemind.utils.serializer import MSGPackSerializer
-
     hlen = int.from_bytes(await asyncio.wait_for(reader.readexactly(8), timeout), "big")
     if hlen > max_header:
         raise ValueError(f"header of {hlen} bytes (at most {max_header})")
-    header = MSGPackSerializer.loads(await asyncio.wait_for(reader.readexactly(hlen), timeout))
+    header = unpack(await asyncio.wait_for(reader.readexactly(hlen), timeout))
     n = int.from_bytes(await asyncio.wait_for(reader.readexactly(8), timeout), "big")
     if not isinstance(header, dict) or n != header.get("n"):
         raise ValueError(f"a header that does not announce the {n} bytes that follow it")

@@ -28,7 +28,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from diloco.comm.hivemind.auth import mac
-from diloco.comm.hivemind.framing import STATE_CEILING_S, _now, _read_framed, _write_framed, log, state_timeout
+from diloco.comm.hivemind.framing import (STATE_CEILING_S, _now, _read_framed, _write_framed, log, pack,
+                                          state_timeout, unpack)
 
 
 # how long a peer asked for a state of a newer epoch than it holds waits for that epoch before refusing (a peer
@@ -93,15 +94,13 @@ class StateMixin:
         return None
 
     async def _on_state_request(self, info, reader, writer) -> None:
-        from hivemind.utils.serializer import MSGPackSerializer
-
         sender = info.peer_id
         try:
             header, body = await _read_framed(reader, 1 << 10, 10)
             if not hmac.compare_digest(header.get("m", b""), mac(self.key, b"state", sender.to_bytes(),
                                                                   self.peer_id.to_bytes(), body)):
                 raise PermissionError("bad MAC (no or another run key)")
-            request = MSGPackSerializer.loads(body)
+            request = unpack(body)
             want, asked = int(request["min_epoch"]), request.get("sha")
             end = time.perf_counter() + STATE_WAIT_S
             while (served := self._served(want, asked)) is None and asked is None and time.perf_counter() < end:
@@ -134,9 +133,7 @@ class StateMixin:
         the manifest (with the first stripe; else None)). ``sha``: the state wanted (a stripe of another one is
         refused by the peer); else its newest, if of epoch ``min_epoch`` or later. The reply's MAC (run key)
         covers the epoch and the hash, and the hash covers the manifest."""
-        from hivemind.utils.serializer import MSGPackSerializer
-
-        body = MSGPackSerializer.dumps({"min_epoch": min_epoch, "off": off, "sha": sha})
+        body = pack({"min_epoch": min_epoch, "off": off, "sha": sha})
         head = {"n": len(body), "m": mac(self.key, b"state", self.peer_id.to_bytes(), peer.to_bytes(), body)}
         _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(peer, f"{self.run}.state"), 10)
         try:
