@@ -740,3 +740,19 @@ def test_large_zstd_sections_use_the_multithreaded_compressor(monkeypatch):
     body = memoryview(payload)[wire.parse_header(payload, codec.max_numel).offset:]
     assert zstandard.frame_content_size(body) == codec.payload_bytes(20000)  # the size is declared
     assert torch.equal(codec.decode(payload), make_codec("int8").decode(make_codec("int8").encode(x)))
+
+
+def test_a_dct_payload_whose_sum_overflows_is_refused_not_added_as_inf():
+    """Two finite float32 values can sum past float32's range. The other value formats check each piece as they
+    add it; the DCT path added and returned infinities without a word."""
+    from diloco.compress import make_codec
+    from diloco.compress.wire import CorruptPayload
+
+    codec = make_codec("dct:chunk=4+fp32")
+    payload = codec.encode(torch.tensor([3e38, 0.0, 0.0, 0.0]))
+    out = torch.full((4,), 3e38)
+    with pytest.raises(CorruptPayload, match="overflow"):
+        codec.decode_accumulate_(payload, out, 1.0)
+    fine = torch.zeros(4)
+    codec.decode_accumulate_(payload, fine, 1.0)
+    assert torch.isfinite(fine).all() and fine[0] == pytest.approx(3e38, rel=1e-5)

@@ -654,6 +654,8 @@ class Codec:
                 raise CorruptPayload("decoded values overflow")
         else:
             out.add_(x, alpha=weight)
+            if not _finite(out):  # two finite sums can overflow float32: the others' paths check as they add
+                raise CorruptPayload("decoded values overflow when added")
 
     @staticmethod
     def _add_checked(values: torch.Tensor, out: torch.Tensor, weight: float) -> None:

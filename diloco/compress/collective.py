@@ -366,7 +366,10 @@ def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight
         try:
             w, body = split_weight(msg) if weight is not None else (1.0, memoryview(msg))
             codec.decode_into_(body, x)
-            norm = float(torch.linalg.vector_norm(x))
+            # in float64, whose sum of float32 squares cannot overflow (a float32 norm near 1.8e19 was finite or
+            # not by the order of the reduction, so members on other hardware could accept other payloads), and
+            # rounded to 9 digits, so the clip decisions below come out alike on every member
+            norm = float(f"{float(torch.linalg.vector_norm(x, dtype=torch.float64)):.9g}")
             if not math.isfinite(norm):
                 raise CorruptPayload("non-finite values")
         except (CorruptPayload, ValueError) as e:
