@@ -756,3 +756,41 @@ def test_a_dct_payload_whose_sum_overflows_is_refused_not_added_as_inf():
     fine = torch.zeros(4)
     codec.decode_accumulate_(payload, fine, 1.0)
     assert torch.isfinite(fine).all() and fine[0] == pytest.approx(3e38, rel=1e-5)
+
+
+def test_a_header_with_a_dimension_past_the_limit_is_corrupt_even_with_no_elements():
+    """A shape (0, 2**63) has no elements, so its element count passed; its view then raised a TypeError, not the
+    CorruptPayload every bad input raises."""
+    import struct
+
+    from diloco.compress import make_codec, wire
+    from diloco.compress.wire import CorruptPayload
+
+    codec = make_codec("fp32")
+    payload = bytearray(codec.encode(torch.empty((0, 5))))
+    at = payload.find(struct.pack("<Q", 5))
+    payload[at:at + 8] = struct.pack("<Q", 2 ** 63)
+    tail = len(payload) - wire._TAIL.size  # an empty payload: its header ends the message
+    length, _ = wire._TAIL.unpack_from(payload, tail)
+    wire._TAIL.pack_into(payload, tail, length, wire.checksum(memoryview(payload)[:tail + 8], memoryview(b"")))
+    with pytest.raises(CorruptPayload, match="a dimension above the limit"):
+        codec.decode(payload)
+
+
+def test_bytes_after_a_zstd_frame_make_the_payload_corrupt():
+    """What follows the compressed frame was ignored: one tensor could travel as many different payloads."""
+    from diloco.compress import make_codec, wire
+    from diloco.compress.wire import CorruptPayload
+
+    codec = make_codec("int8+zstd")
+    good = bytes(codec.encode(_randn(5000, seed=3)))
+    assert codec.decode(good, expect_numel=5000).shape == (5000,)
+    at = wire.parse_header(good, 1 << 31).offset
+    tail = at - wire._TAIL.size
+    out = bytearray(good + b"junk")
+    n = len(out) - at
+    wire._TAIL.pack_into(out, tail, n, 0)  # the new length first: the checksum covers it
+    crc = wire.checksum(memoryview(out)[:tail + 8], memoryview(out)[at:])
+    wire._TAIL.pack_into(out, tail, n, crc)
+    with pytest.raises(CorruptPayload, match="zstd"):
+        codec.decode(out, expect_numel=5000)

@@ -276,6 +276,8 @@ def parse_header(data: bytes | bytearray | memoryview, max_numel: int) -> Header
     length, crc = _TAIL.unpack_from(view, tail)
     numel = 1
     for s in shape:
+        if s > max_numel:  # each dimension too: (0, 2**63) has no elements but is no shape a tensor takes
+            raise CorruptPayload(f"shape {tuple(shape)}: a dimension above the limit of {max_numel} elements")
         numel *= s
         if numel > max_numel:
             raise CorruptPayload(f"shape {tuple(shape)} is above the limit of {max_numel} elements")
