@@ -697,8 +697,7 @@ class Codec:
         if declared not in (-1, expected):
             raise CorruptPayload(f"zstd frame declares {declared} bytes, the chain needs {expected}")
         try:
-            # one frame and nothing after it: bytes past the frame would make one tensor many different payloads
-            raw = self._zd.decompress(body, max_output_size=expected, allow_extra_data=False)
+            raw = self._zd.decompress(body, max_output_size=expected)
         except zstandard.ZstdError as e:
             raise CorruptPayload(f"zstd: {e}") from None
         return raw
