@@ -382,7 +382,7 @@ def recommend(rows: Sequence[Row]) -> tuple[Optional[Row], Optional[Row]]:
 class Link:
     bandwidth: Optional[float]  # bytes/s
     latency: float
-    note: str = ""  # where the figures come from (a trace's median)
+    note: str = ""  # where the figures come from (a trace, as the plan's workers see it)
 
 
 def parse_link(bandwidth: Optional[str], latency: Optional[str], links: Optional[str], workers: int = 1) -> Link:

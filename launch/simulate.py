@@ -28,10 +28,10 @@ from typing import Any, Optional
 import torch
 import yaml
 
-from diloco.algorithm import algorithm_class
 from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers
 from diloco.sim.churn import ChurnError, ChurnSchedule
 from diloco.sim.group import WorkerLeft
+from launch.algorithms import algorithm_class
 from launch.config import Config, ConfigError
 from launch.data import TokenData, load_data
 from launch.metrics import equal_time_comparison, human_bytes, plot_runs

@@ -149,9 +149,6 @@ class LinkTrace:
             lat += d * max(la for _, la in links)
         return total / slow, lat / total
 
-    def median_latency(self) -> float:
-        return statistics.median(r.latency for r in self.rows)
-
     def span_s(self) -> float:
         return self.period if math.isfinite(self.period) else 0.0
 
