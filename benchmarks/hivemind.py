@@ -119,7 +119,7 @@ def role_hivemind(args) -> None:
             before, start = t.stats.bytes_sent, time.perf_counter()
             all_reduce_compressed_(t, [y], codec, 1.0, key="bench")
             emit(transport="hivemind", chain=chain, round=r, rank=rank, s=time.perf_counter() - start,
-                 bytes=t.stats.bytes_sent - before, numel=y.numel(), members=len(t.last.members),
+                 bytes=t.stats.bytes_sent - before, numel=y.numel(), members=len(t.take_report().members),
                  peak_rss=peak_rss(), round_peak=None if rss is None else peak_rss() - rss)
             del y
     t.close()

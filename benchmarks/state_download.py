@@ -64,7 +64,7 @@ def serve(ip: str, size: int, addr_file: str, peers: list[str]) -> None:
 
     t = HivemindTransport("bench", host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=peers, run_key=KEY,
                           startup_timeout=60)
-    t.epoch = 1
+    t.adopted(1)
     t.publish_state(blob_of(size))
     hold(t, ip, addr_file)
 
@@ -113,7 +113,7 @@ def fetch(ip: str, size: int, peers: list[str], holders: int) -> None:
         while sum(1 for v in t.peers().values() if v.get("holder")) < holders and time.time() < end:
             time.sleep(0.5)
         t0 = time.perf_counter()
-        got = t.download_state(min_epoch=1)
+        got = t.download_state(min_round=1)
         seconds = time.perf_counter() - t0
         ok = got is not None and hashlib.sha256(got[1]).digest() == hashlib.sha256(blob_of(size)).digest()
         print(json.dumps({"seconds": seconds, "ok": ok, "sources": t.state_sources}), flush=True)

@@ -59,7 +59,7 @@ class JoinOptions:
     # this peer takes no incoming connections (behind NAT, no port forward): it never leads a group, and its
     # pushes reach other such peers through a member both reach
     client_mode: bool = False
-    # seconds fix a deadline; None (or "auto") derives it from what the peer measures (diloco.comm.hivemind.framing)
+    # seconds fix a deadline; None (or "auto") derives it from what the peer measures (diloco.comm.hivemind.deadlines)
     matchmaking_time: Union[float, str, None] = 5.0
     round_timeout: Union[float, str, None] = None
     norm_clip: float = 10.0
@@ -224,8 +224,7 @@ class Peer:
                 raise RunError(f"the state from {source} has no round number ('epoch' is {epoch!r})")
 
         state = self.trainer.load_shared_blob(blob, source, check=same_run)
-        self.transport.epoch = int(state["epoch"])
-        self.transport.stale = False
+        self.transport.adopted(int(state["epoch"]))
 
     def _refused(self, blob: bytes, source: str) -> Optional[str]:
         """:meth:`load_state`, or why the state was refused (it does not load, does not fit this model, holds NaN
@@ -253,42 +252,23 @@ class Peer:
 
     def publish(self) -> None:
         """Serve this peer's state as of now: copied now, serialized when a peer first asks for it."""
-        self.transport.publish_state(self.trainer.shared_state_later(schema=self.schema, epoch=self.transport.epoch))
+        self.transport.publish_state(self.trainer.shared_state_later(schema=self.schema, epoch=self.transport.round))
 
     # ---- after every round ------------------------------------------------------------------
     def _on_round(self, info: dict[str, Any]) -> None:
         t, tr = self.transport, self.trainer
         m = tr.metrics
-        rec = dict(t.history[-1]) if t.history else {}
-        if t.last is not None and t.last.alone:
-            m.info(f"round {t.last.epoch}: {t.last.notes[-1] if t.last.notes else 'alone'}; training on alone",
-                   tr.step)
-        elif t.last is not None:
-            sent = rec.get("bytes_sent", 0) - (t.history[-2]["bytes_sent"] if len(t.history) > 1 else 0)
-            m.info(f"round {t.last.epoch}: group {t.last.group} of {len(t.last.members)} peers, sent "
-                   f"{human_bytes(sent)} in {t.last.seconds:.1f}s (matchmaking {t.last.matchmaking_s:.1f}s, "
-                   f"deadline {t.last.deadline_s:.0f}s)" + "".join(f"; {n}" for n in t.last.notes), tr.step)
-        if t.last is not None:
-            rec["deadline_s"] = round(t.last.deadline_s, 1)
-        if t.resync_from:
-            got = t.download_state(t.resync_from, min_epoch=t.epoch)
-            refused = None if got is None else self._refused(got[1], f"peer {t.resync_from[0].to_base58()}")
-            if refused is not None:
-                m.info(f"round {t.epoch - 1}: this peer's state differs from the group's, whose state was refused "
-                       f"({refused}); training on from this peer's own, and the next round tries again", tr.step)
-                rec["resync_pending"] = True
-                rec["resync_refused"] = refused
-            elif got is not None:
-                moved = self._align_step()
-                m.info(f"round {t.epoch - 1}: this peer's state differed from the group's; downloaded theirs"
-                       + (f" (round {tr.algo.round}: step {tr.step - moved} -> {tr.step})" if moved else ""),
-                       tr.step)
-                rec["resynced"] = True
-                rec["resynced_epoch"] = t.epoch  # the state's: later than this round's next when the others moved on
-            else:
-                m.info(f"round {t.epoch - 1}: this peer's state differs from the group's, and no member served "
-                       f"it; the next round tries again", tr.step)
-                rec["resync_pending"] = True  # its fp_after is not the group's (a download cut off, say)
+        report = t.take_report()
+        rec = report.record() if report is not None else {}
+        if report is not None and report.alone:
+            m.info(f"round {report.round}: {report.notes[-1] if report.notes else 'alone'}; training on alone", tr.step)
+        elif report is not None:
+            m.info(f"round {report.round}: group {report.group} of {len(report.members)} peers, sent "
+                   f"{human_bytes(report.bytes_sent)} in {report.seconds:.1f}s (matchmaking "
+                   f"{report.matchmaking_s:.1f}s, deadline {report.deadline_s:.0f}s)"
+                   + "".join(f"; {n}" for n in report.notes), tr.step)
+        if report is not None and report.resync_from:
+            rec.update(self._resync(report))
         rec.update(step=tr.step, round=tr.algo.round, fp_after=hashlib.sha256(self.fingerprint()).hexdigest()[:16],
                    time=time.time())
         with open(self.run_dir / "rounds.jsonl", "a") as f:
@@ -299,12 +279,33 @@ class Peer:
                     tokens_per_s=round(tr.step * tr.tokens_per_step / elapsed, 1), round=tr.algo.round)
         self.write_ledger()
 
+    def _resync(self, report: Any) -> dict[str, Any]:
+        """After a round whose report says this peer's state differs from the group's: take theirs, from the
+        members holding it. What the round's line of ``rounds.jsonl`` says of it."""
+        t, tr = self.transport, self.trainer
+        m = tr.metrics
+        got = t.download_state(report.resync_from, min_round=report.round + 1)
+        refused = None if got is None else self._refused(got[1], f"peer {report.resync_from[0]}")
+        if refused is not None:
+            m.info(f"round {report.round}: this peer's state differs from the group's, whose state was refused "
+                   f"({refused}); training on from this peer's own, and the next round tries again", tr.step)
+            return {"resync_pending": True, "resync_refused": refused}
+        if got is not None:
+            moved = self._align_step()
+            m.info(f"round {t.round - 1}: this peer's state differed from the group's; downloaded theirs"
+                   + (f" (round {tr.algo.round}: step {tr.step - moved} -> {tr.step})" if moved else ""), tr.step)
+            # the state's round: later than this round's next when the others moved on
+            return {"resynced": True, "resynced_epoch": t.round}
+        m.info(f"round {report.round}: this peer's state differs from the group's, and no member served it; the "
+               f"next round tries again", tr.step)
+        return {"resync_pending": True}  # its fp_after is not the group's (a download cut off, say)
+
     def write_ledger(self) -> None:
         t = self.transport
-        ledger = {pid: rec.as_dict() for pid, rec in sorted(t.ledger.items())}
         tmp = self.run_dir / ".ledger.json.tmp"
-        tmp.write_text(json.dumps({"run": self.opts.run, "observer": t.me, "epoch": t.epoch, "peers": ledger},
-                                  indent=2) + "\n")
+        # the file's keys are read by scripts: "epoch" is the round this peer is at
+        tmp.write_text(json.dumps({"run": self.opts.run, "observer": t.me, "epoch": t.round,
+                                   "peers": t.ledger.table()}, indent=2) + "\n")
         os.replace(tmp, self.run_dir / "ledger.json")
 
     def fit(self) -> dict[str, Any]:

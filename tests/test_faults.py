@@ -38,9 +38,9 @@ def daemon_of(t) -> int:
         except OSError:
             continue
         name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        if int(rest[1]) == t.dht.pid and name.startswith("p2pd"):
+        if int(rest[1]) == t.node.dht.pid and name.startswith("p2pd"):
             return int(d)
-    raise AssertionError(f"no p2pd under the DHT process {t.dht.pid}")
+    raise AssertionError(f"no p2pd under the DHT process {t.node.dht.pid}")
 
 
 @pytest.fixture
@@ -139,13 +139,13 @@ def test_a_member_whose_commit_is_corrupt_or_unsigned_is_left_out_by_both(trio, 
     from diloco.comm.hivemind.limits import ACK_MAX
 
     c = trio[2]
-    key = c.key
+    key = c.node.key
 
     async def spoil(name, data):
         if name != "ack":
             return data
         if fault == "wrong-key":
-            c.key = b"another-run-key"
+            c.node.key = b"another-run-key"
             return data
         if fault == "holds-nothing":
             return b"\x90"  # msgpack's empty list
@@ -160,7 +160,7 @@ def test_a_member_whose_commit_is_corrupt_or_unsigned_is_left_out_by_both(trio, 
         out, th = exchange_all(trio, [payload(i) for i in range(3)], faulty=2)
         th.join(60)
     finally:
-        c.key = key
+        c.node.key = key
     left_out_by_both(out, trio, faulty=2)
 
 
@@ -191,7 +191,7 @@ def test_a_member_announcing_another_payload_size_is_left_out_at_matchmaking(tri
 
 def serve(peers, blob, epoch=1000):
     for p in peers:
-        p.epoch = epoch
+        p.adopted(epoch)
         p.publish_state(blob)
 
 
@@ -215,7 +215,7 @@ def test_a_state_holder_that_hangs_mid_download_costs_seconds_not_its_timeout(tr
 
     a.on_phase = hang
     t0 = time.perf_counter()
-    epoch, got = c.download_state([a.peer_id, b.peer_id], min_epoch=1000)
+    epoch, got = c.download_state([a.me, b.me], min_round=1000)
     took = time.perf_counter() - t0
     assert (epoch, hashlib.sha256(got).digest()) == (1000, hashlib.sha256(blob).digest())
     assert asked[0] >= 2 and c.state_sources[b.me] >= len(blob) - 2 * (64 << 10)
@@ -234,7 +234,7 @@ def test_a_state_holder_that_hangs_before_the_first_stripe_costs_seconds_not_its
     serve((a, b), blob)
     os.kill(daemon_of(a), signal.SIGSTOP)
     t0 = time.perf_counter()
-    epoch, got = c.download_state([a.peer_id, b.peer_id], min_epoch=1000)
+    epoch, got = c.download_state([a.me, b.me], min_round=1000)
     took = time.perf_counter() - t0
     assert (epoch, hashlib.sha256(got).digest()) == (1000, hashlib.sha256(blob).digest())
     assert c.state_sources == {b.me: len(blob)}
@@ -252,12 +252,12 @@ def test_a_state_holder_serving_bad_stripes_is_dropped_and_the_download_ends_rig
     a, b, c = trio
     blob = os.urandom((1 << 20) + 77)
     serve((a, b), blob)
-    key = b.key
+    key = b.node.key
 
     async def spoil(name, data):
         if fault == "wrong-key":  # the reply's MAC, made right after this returns, with another key
-            b.key = b"another-run-key"
-            asyncio.get_running_loop().call_soon(setattr, b, "key", key)
+            b.node.key = b"another-run-key"
+            asyncio.get_running_loop().call_soon(setattr, b.node, "key", key)
             return data
         bad = bytearray(data)
         bad[len(bad) // 2] ^= 0xFF
@@ -266,9 +266,9 @@ def test_a_state_holder_serving_bad_stripes_is_dropped_and_the_download_ends_rig
     b.on_phase = spoil
     try:
         with caplog.at_level(logging.WARNING, logger="loco.hivemind"):
-            epoch, got = c.download_state([a.peer_id, b.peer_id], min_epoch=1000)
+            epoch, got = c.download_state([a.me, b.me], min_round=1000)
     finally:
-        b.key = key
+        b.node.key = key
     assert (epoch, bytes(got)) == (1000, blob)
     assert c.state_sources == {a.me: len(blob)}  # the first stripe came from a, and b's were all refused
     why = "does not match the state's manifest" if fault == "corrupt" else "MAC does not check"
@@ -298,11 +298,11 @@ def test_a_download_every_holder_drops_part_way_goes_on_from_what_it_got(trio, m
 
     a.on_phase, b.on_phase = holder(a), holder(b)
     with caplog.at_level(logging.WARNING, logger="loco.hivemind"):
-        assert c.download_state([a.peer_id, b.peer_id], min_epoch=1000) is None
+        assert c.download_state([a.me, b.me], min_round=1000) is None
     assert "stripes are kept for the next try" in caplog.text and c.resumable
     first = dict(asked)
     dropping[0] = False
-    epoch, got = c.download_state([a.peer_id, b.peer_id], min_epoch=1000)
+    epoch, got = c.download_state([a.me, b.me], min_round=1000)
     assert (epoch, bytes(got)) == (1000, blob) and not c.resumable
     again = sum(asked.values()) - sum(first.values())
     kept = sum(min(n, 4) for n in first.values())  # stripes served before the drop (the first one among them)

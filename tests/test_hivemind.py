@@ -67,10 +67,10 @@ def test_a_scaled_up_update_is_clipped_and_every_peer_agrees(swarm):
         if i == 2:
             x *= 1000  # a faulty or hostile peer
         total = t.all_reduce_compressed_([x], make_codec("int8"), weight=1.0 + i, key="clip")
-        return total, x, t.last.members
+        return total, x, t.take_report()
 
     out = run_together(swarm, step)
-    assert all(len(out[i][2]) == 3 for i in out)
+    assert all(len(out[i][2].members) == 3 for i in out)
     # weights 1, 2, 3; peer 2's norm is clipped to 10 x the median of the others' (1 and 2 -> 1.5): value 15
     want = (1 * 1 + 2 * 2 + 3 * 15) / 6
     for i in out:
@@ -78,9 +78,9 @@ def test_a_scaled_up_update_is_clipped_and_every_peer_agrees(swarm):
         assert torch.allclose(out[i][1], torch.full((3000,), want), rtol=1e-2)
         assert torch.equal(out[i][1], out[0][1])
     bad = swarm[2].me
-    for t in swarm:
-        assert t.history[-1]["clipped"].keys() == {bad}
-        assert t.ledger[bad].clipped >= 1
+    for i, t in enumerate(swarm):
+        assert out[i][2].record()["clipped"].keys() == {bad}
+        assert t.ledger.records[bad].clipped >= 1
 
 
 def test_nan_and_corrupt_updates_are_left_out(swarm):
@@ -101,23 +101,24 @@ def test_nan_and_corrupt_updates_are_left_out(swarm):
             t.exchange(struct.pack("<d", 1.0) + b"\x5a" * (size - 8))
             t.exchange(struct.pack("<d", 1.0) + b"garbage")
             return None
-        outs = []
+        outs, records = [], []
         for _ in range(3):
             x = torch.full((100,), honest[i])
             t.all_reduce_compressed_([x], codec, weight=1.0, key="nan")
             outs.append(x)
-        return outs
+            records.append(t.take_report().record())
+        return outs, records
 
     out = run_together(swarm, step)
     for i in (0, 1):
-        for x in out[i]:
+        for x in out[i][0]:
             assert torch.equal(x, torch.full((100,), 2.0)), x[:4]
     bad = swarm[2].me
-    nan, junk, short = swarm[0].history[-3:]
+    nan, junk, short = out[0][1][-3:]
     assert "invalid payload" in nan["rejected"][bad] and "invalid payload" in junk["rejected"][bad]
     assert bad not in short["members"] and len(short["members"]) == 2
     assert any("announces a payload of 15 bytes" in n for n in short["notes"]), short["notes"]
-    assert swarm[0].ledger[bad].rejected >= 2
+    assert swarm[0].ledger.records[bad].rejected >= 2
 
 
 STRANGER = r"""
@@ -204,7 +205,7 @@ def test_a_stranger_streaming_junk_leaves_memory_flat_and_training_unaffected(tm
                 for _ in range(count):
                     x = torch.full((numel,), float(i + 1))
                     total = t.all_reduce_compressed_([x], codec, weight=1.0, key="junk")
-                    got.append((total, float(x[0]), float(x[-1]), len(t.last.members)))
+                    got.append((total, float(x[0]), float(x[-1]), len(t.take_report().members)))
                 return got
             return run_together(peers, step)
 
@@ -276,7 +277,7 @@ def test_a_payload_larger_than_the_default_limit_is_taken_when_the_model_makes_i
             total = t.all_reduce_compressed_([torch.full((3000,), float(i))], make_codec("fp32"), 1.0, key="big")
         finally:
             t.max_payload_bytes = 4 << 30
-        return total, len(t.last.members), t.last.payloads
+        return total, len(t.take_report().members), t._last.payloads
 
     out = run_together(swarm, step)
     assert all(total == 3.0 and members == 3 for total, members, _ in out.values()), out
@@ -296,7 +297,7 @@ def test_a_member_announcing_a_huge_weight_counts_at_most_weight_clip_times_the_
         weight = 1e9 if i == 2 else 1.0
         x = torch.full((3000,), float(i + 1))
         total = t.all_reduce_compressed_([x], make_codec("fp32"), weight, key="weights")
-        return total, x[0].item(), t.history[-1]
+        return total, x[0].item(), t.take_report().record()
 
     out = run_together(swarm, step)
     liar = swarm[2].me
@@ -304,7 +305,7 @@ def test_a_member_announcing_a_huge_weight_counts_at_most_weight_clip_times_the_
         assert total == 12.0  # 1 + 1 + 10 x median(1, 1)
         assert value == pytest.approx((1.0 + 2.0 + 10 * 3.0) / 12.0)
         assert rec["weights_clipped"] == {liar: pytest.approx(1e8)}, rec
-    assert all(t.ledger[liar].clipped >= 1 for t in swarm)
+    assert all(t.ledger.records[liar].clipped >= 1 for t in swarm)
     assert swarm[0].weight_clip == 10.0
 
 
@@ -313,7 +314,7 @@ def test_a_member_announcing_a_malformed_state_is_left_out_and_the_others_go_on(
     payload's hash) is checked when the group forms: one that says its state came out of a group of a billion
     peers is left out with a note, the others average without it. A sketch of another type, a flag that is not
     one, a group that is not a number would have stopped the others in the epoch's bookkeeping."""
-    from diloco.comm.hivemind.epoch import _malformed
+    from diloco.comm.hivemind.matchmaking import _malformed
     from diloco.compress.codec import make_codec
 
     good = {"fp": b"\0" * 8, "stale": False, "g": 3, "sha": b"s" * 32}
@@ -324,10 +325,11 @@ def test_a_member_announcing_a_malformed_state_is_left_out_and_the_others_go_on(
 
     def step(i, t):
         if i == 2:
-            t.last_group = 10 ** 9
+            t.standing.group = 10 ** 9
         total = t.all_reduce_compressed_([torch.full((3000,), float(i))], make_codec("fp32"), 1.0, key="meta")
-        t.last_group = len(t.last.members)
-        return total, [p.to_base58() for p in t.last.members], list(t.last.notes)
+        report = t.take_report()
+        t.standing.group = len(report.members)
+        return total, list(report.members), list(report.notes)
 
     out = run_together(swarm, step)
     liar = swarm[2].me
@@ -385,7 +387,7 @@ def test_a_push_header_is_refused_before_its_body_is_read(swarm):
     from hivemind.p2p import P2P
     from hivemind.utils.serializer import MSGPackSerializer
 
-    from diloco.comm.hivemind.epoch import _push_mac
+    from diloco.comm.hivemind.push import push_mac
     from diloco.compress.codec import make_codec
 
     t = swarm[0]
@@ -393,18 +395,18 @@ def test_a_push_header_is_refused_before_its_body_is_read(swarm):
     sha = hashlib.sha256(payload).digest()
 
     async def opened():
-        return t._open_window(t.epoch, payload, 3)
+        return t.inbox.open(t.round, payload, 3, t.max_payload_bytes)
 
     async def closed():
-        t._close_window()
+        t.inbox.close()
 
     async def probe(p2p, n, key=KEY, body=None, epoch=None):
         """Send a header announcing ``n`` bytes (then ``body``, if given) and return the peer's answer."""
-        e = t.epoch if epoch is None else epoch
+        e = t.round if epoch is None else epoch
         _, reader, writer = await p2p.call_binary_stream_handler(t.peer_id, "unit.push")
         try:
             gid = b"g" * 8
-            head = MSGPackSerializer.dumps({"g": gid, "k": "ag", "e": e, "n": n, "sha": sha, "m": _push_mac(
+            head = MSGPackSerializer.dumps({"g": gid, "k": "ag", "e": e, "n": n, "sha": sha, "m": push_mac(
                 key, gid, "ag", e, p2p.peer_id.to_bytes(), t.peer_id.to_bytes(), n, sha)})
             writer.write(len(head).to_bytes(8, "big") + head + n.to_bytes(8, "big"))
             await writer.drain()
@@ -425,16 +427,16 @@ def test_a_push_header_is_refused_before_its_body_is_read(swarm):
         try:
             sender = p2p.peer_id
             out = {"closed": await probe(p2p, len(payload))}  # between exchanges nothing is accepted
-            w = t._call(opened(), 10)
+            w = t.node.call(opened(), 10)
             for name, n, key in (("huge", 1 << 40, KEY), ("one more", len(payload) + 1, KEY),
                                  ("no key", len(payload), b""), ("another key", len(payload), b"other")):
                 out[name] = (await probe(p2p, n, key), w.refused.get((sender, "ag"), ""))
-            out["other epoch"] = (await probe(p2p, len(payload), epoch=t.epoch + 1), w.refused.get((sender, "ag")))
+            out["other epoch"] = (await probe(p2p, len(payload), epoch=t.round + 1), w.refused.get((sender, "ag")))
             out["member"] = await probe(p2p, len(payload), body=payload)
-            out["held"] = [box.get(sender) for box in t._inbox.values()]
+            out["held"] = [box.get(sender) for box in t.inbox.boxes.values()]
             return out
         finally:
-            t._call(closed(), 10)
+            t.node.call(closed(), 10)
             await p2p.shutdown()
 
     out = asyncio.run(stranger())
@@ -443,9 +445,9 @@ def test_a_push_header_is_refused_before_its_body_is_read(swarm):
     assert out["one more"][0] == b"\x00" and f"{len(payload) + 1} bytes" in out["one more"][1]
     assert out["no key"] == (b"\x00", "bad MAC (no or another run key)")
     assert out["another key"] == (b"\x00", "bad MAC (no or another run key)")
-    assert out["other epoch"][0] == b"\x00" and "epoch" in out["other epoch"][1]
+    assert out["other epoch"][0] == b"\x00" and "round" in out["other epoch"][1]
     assert out["member"] == b"\x01" and out["held"] == [payload]
-    assert t._inbox == {} and t._window is None  # the end of the exchange purges the inbox
+    assert t.inbox.boxes == {} and t.inbox.window is None  # the end of the exchange purges the inbox
 
 
 def test_a_member_relays_a_push_it_can_neither_redirect_nor_carry_for_a_stranger(swarm):
@@ -458,31 +460,31 @@ def test_a_member_relays_a_push_it_can_neither_redirect_nor_carry_for_a_stranger
 
     from hivemind.utils.serializer import MSGPackSerializer
 
-    from diloco.comm.hivemind.epoch import _push_mac
+    from diloco.comm.hivemind.push import push_mac
     from diloco.compress.codec import make_codec
 
     relay, sender, target = swarm
     payload = bytes(make_codec("int8").encode(torch.randn(3000), prefix=struct.pack("<d", 1.0)))
     sha = hashlib.sha256(payload).digest()
-    gid, e = b"r" * 8, max(t.epoch for t in swarm)
+    gid, e = b"r" * 8, max(t.round for t in swarm)
     members = {t.peer_id: len(payload) for t in swarm}
 
     async def opened(t):
-        t.epoch = e
-        t._know_group(t._open_window(e, payload, 3), gid, members)
+        t.adopted(e)
+        t.inbox.know_group(t.inbox.open(e, payload, 3, t.max_payload_bytes), gid, members)
 
     async def closed(t):
-        t._close_window()
+        t.inbox.close()
 
     async def redirected(mac_for, claimed):
         """A push for ``target`` whose MAC names ``mac_for`` as receiver and ``claimed`` as sender, sent to the
         relay; the relay's answer."""
-        _, reader, writer = await sender.p2p.call_binary_stream_handler(relay.peer_id, "unit.push")
+        _, reader, writer = await sender.node.p2p.call_binary_stream_handler(relay.peer_id, "unit.push")
         try:
             head = MSGPackSerializer.dumps({"g": gid, "k": "ag", "e": e, "n": len(payload), "sha": sha,
                                             "f": claimed.to_bytes(), "t": target.peer_id.to_bytes(),
-                                            "m": _push_mac(KEY, gid, "ag", e, claimed.to_bytes(), mac_for.to_bytes(),
-                                                           len(payload), sha)})
+                                            "m": push_mac(KEY, gid, "ag", e, claimed.to_bytes(), mac_for.to_bytes(),
+                                                          len(payload), sha)})
             writer.write(len(head).to_bytes(8, "big") + head + len(payload).to_bytes(8, "big") + payload)
             await writer.drain()
             return await asyncio.wait_for(reader.readexactly(1), 10)
@@ -490,19 +492,19 @@ def test_a_member_relays_a_push_it_can_neither_redirect_nor_carry_for_a_stranger
             writer.close()
 
     for t in swarm:
-        t._call(opened(t), 10)
+        t.node.call(opened(t), 10)
     try:
-        sent = sender._call(sender._push(target.peer_id, gid, "ag", payload, time.perf_counter() + 20,
-                                         relay=relay.peer_id), 30)
-        held = dict(target._inbox.get((gid, "ag", e), {}))
-        target._inbox.clear()
-        target._window.held.clear()
-        forged = sender._call(redirected(relay.peer_id, sender.peer_id), 30)
-        stranger = sender._call(redirected(target.peer_id, type(sender.peer_id)(b"\x00" * 34)), 30)
-        after = dict(target._inbox.get((gid, "ag", e), {}))
+        sent = sender.node.call(sender.pusher.push(target.peer_id, gid, "ag", e, payload, time.perf_counter() + 20,
+                                                   relay=relay.peer_id), 30)
+        held = dict(target.inbox.boxes.get((gid, "ag", e), {}))
+        target.inbox.boxes.clear()
+        target.inbox.window.held.clear()
+        forged = sender.node.call(redirected(relay.peer_id, sender.peer_id), 30)
+        stranger = sender.node.call(redirected(target.peer_id, type(sender.peer_id)(b"\x00" * 34)), 30)
+        after = dict(target.inbox.boxes.get((gid, "ag", e), {}))
     finally:
         for t in swarm:
-            t._call(closed(t), 10)
+            t.node.call(closed(t), 10)
     assert sent == "ok" and held == {sender.peer_id: payload}
     assert forged == stranger == b"\x00" and after == {}
 
@@ -558,11 +560,11 @@ def test_mend_puts_back_a_connected_peer_that_the_dht_dropped(swarm):
 
     a, b = swarm[0], swarm[1]
     a.peers()  # the registry lists b
-    a.dht.run_coroutine(functools.partial(_forget_peer, b.me))
-    assert a.dht.run_coroutine(functools.partial(_knows_peer, b.me)) == (False, True)
-    assert b.me in {i.peer_id.to_base58() for i in a._call(a.p2p.list_peers(), 10)}
-    a._call(a._mend(), 60)
-    assert a.dht.run_coroutine(functools.partial(_knows_peer, b.me)) == (True, False)
+    a.node.dht.run_coroutine(functools.partial(_forget_peer, b.me))
+    assert a.node.dht.run_coroutine(functools.partial(_knows_peer, b.me)) == (False, True)
+    assert b.me in {i.peer_id.to_base58() for i in a.node.call(a.node.p2p.list_peers(), 10)}
+    a.node.call(a.links.mend(), 60)
+    assert a.node.dht.run_coroutine(functools.partial(_knows_peer, b.me)) == (True, False)
 
 
 def test_sparseloco_rounds_over_the_swarm_keep_peers_equal(swarm):
@@ -582,7 +584,7 @@ def test_sparseloco_rounds_over_the_swarm_keep_peers_equal(swarm):
             model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
             algo.step()
             algo.zero_grad()
-        return torch.cat([p.reshape(-1) for p in algo.global_params]), algo.round, len(t.last.members)
+        return torch.cat([p.reshape(-1) for p in algo.global_params]), algo.round, len(t.take_report().members)
 
     out = run_together(swarm, step)
     assert all(out[i][1] == 2 and out[i][2] == 3 for i in out)
@@ -615,6 +617,7 @@ def test_a_peer_refuses_a_broken_state_and_trains_on_from_its_own(tmp_path, capf
     would have taken the NaN."""
     import io
 
+    from diloco.comm.hivemind import RoundReport
     from launch.config import load_config
     from launch.join import JoinOptions, Peer
 
@@ -627,7 +630,7 @@ def test_a_peer_refuses_a_broken_state_and_trains_on_from_its_own(tmp_path, capf
                                      matchmaking_time=3, round_timeout=20))
 
     def state_of(p, nan=False):
-        state = torch.load(io.BytesIO(p.trainer.shared_state_blob(schema=p.schema, epoch=p.transport.epoch)),
+        state = torch.load(io.BytesIO(p.trainer.shared_state_blob(schema=p.schema, epoch=p.transport.round)),
                            weights_only=True)
         if nan:
             state["global_params"][2][0] = float("nan")
@@ -637,6 +640,11 @@ def test_a_peer_refuses_a_broken_state_and_trains_on_from_its_own(tmp_path, capf
 
     def params(p):
         return [g.detach().clone() for g in p.trainer.algo.global_parameters()]
+
+    def differs_from(p, holder):
+        """p's next report says its state differs from the group's, which ``holder`` holds."""
+        report = RoundReport(round=p.transport.round - 1, resync_from=(holder.transport.me,))
+        p.transport.take_report = lambda: report
 
     a = peer("a")
     b = None
@@ -648,7 +656,7 @@ def test_a_peer_refuses_a_broken_state_and_trains_on_from_its_own(tmp_path, capf
         own = params(b)
         assert not all(torch.equal(x, y) for x, y in zip(own, params(a)))  # its own initialisation, not a's
 
-        b.transport.resync_from = [a.transport.peer_id]
+        differs_from(b, a)
         b._on_round({})
         assert all(torch.equal(x, y) for x, y in zip(own, params(b)))
         rec = rounds(tmp_path, "bb")[-1]
@@ -656,7 +664,7 @@ def test_a_peer_refuses_a_broken_state_and_trains_on_from_its_own(tmp_path, capf
         assert "whose state was refused" in capfd.readouterr().err
 
         a.transport.publish_state(state_of(a))  # sound again: the next round takes it
-        b.transport.resync_from = [a.transport.peer_id]
+        differs_from(b, a)
         b._on_round({})
         assert rounds(tmp_path, "bb")[-1].get("resynced")
         assert all(torch.equal(x, y) for x, y in zip(params(a), params(b)))
@@ -958,7 +966,7 @@ def test_peers_of_one_run_with_other_settings_are_named_and_neither_waits_for_th
     b = HivemindTransport("mixed", initial_peers=a.visible_maddrs(), run_key=KEY, matchmaking_time=2,
                           exchange_timeout=10, schema=settings[1])
     try:
-        b.epoch = 5  # ahead: a peer of the same settings would be followed there
+        b.adopted(5)  # ahead: a peer of the same settings would be followed there
         b.heartbeat()
         out = run_together([a, b], lambda i, t: t.exchange(b"x" * 64))
         for i, (t, there, here) in enumerate(((a, "0.5", "0.7"), (b, "0.7", "0.5"))):
@@ -967,7 +975,7 @@ def test_peers_of_one_run_with_other_settings_are_named_and_neither_waits_for_th
             named = [n for n in r.notes if "trains with other settings" in n]
             assert len(named) == 1 and f"outer_lr: {there} there, {here} here" in named[0], r.notes
             assert not any("did not arrive" in n or "is behind" in n for n in r.notes), r.notes
-        assert a.epoch == 1 and b.epoch == 6
+        assert a.round == 1 and b.round == 6
         again = a.exchange(b"y" * 64)  # named once; each lone round says why it is alone
         assert not any("trains with other settings" in n for n in again.notes), again.notes
         assert again.alone and again.notes[-1] == ("no other live peer trains with this peer's settings (1 of the "
@@ -1035,12 +1043,9 @@ def test_a_peer_downloading_the_state_is_waited_for_two_of_its_rounds():
     """The rendezvous waits for a peer that announced its arrival until then (with slack); for one that
     announced a download of the group's state (not in its arrival time) up to two of its rounds from the
     download's start; for any peer, the first matchmaking window."""
-    from types import SimpleNamespace
+    from diloco.comm.hivemind.registry import expects as expects_in
 
-    from diloco.comm.hivemind.epoch import EpochMixin
-
-    me = SimpleNamespace(matchmaking_time=3.0)
-    expects = lambda entry, now, waited=10.0: EpochMixin._expects(me, entry, now, waited)  # noqa: E731
+    expects = lambda entry, now, waited=10.0: expects_in(entry, now, waited, 3.0)  # noqa: E731
     training = {"phase": "train", "time": 100.0, "eta": 110.0, "round_s": 10.0}
     assert expects(training, 114.0) and not expects(training, 116.0)  # eta + max(3, 0.5 x 10)
     resync = {"phase": "resync", "time": 100.0, "eta": 101.0, "round_s": 10.0}
@@ -1050,7 +1055,7 @@ def test_a_peer_downloading_the_state_is_waited_for_two_of_its_rounds():
 
 
 def test_deadlines_follow_the_measured_rate_within_their_bounds():
-    from diloco.comm.hivemind import framing as f
+    from diloco.comm.hivemind import deadlines as f
 
     # no measurement yet: the exchange keeps the old constant; a state download assumes a slow link
     assert f.exchange_deadline(1e9, None, 3) == f.EXCHANGE_DEFAULT_S == 60.0
@@ -1080,26 +1085,26 @@ def test_deadlines_follow_the_measured_rate_within_their_bounds():
 def test_an_adaptive_peer_sets_its_deadline_from_measured_exchanges(swarm):
     """The fixture's peers have fixed deadlines; made adaptive, a few rounds of 256 KiB payloads give each a
     measured rate and a deadline from it, within the bounds (on one machine: the floor, far below 60 s)."""
-    from diloco.comm.hivemind import framing as f
+    from diloco.comm.hivemind import deadlines as f
 
     payload = os.urandom(256 << 10)
-    fixed = [(t.fixed_exchange_timeout, t.exchange_timeout) for t in swarm]
+    fixed = [(t.deadlines.fixed_exchange_timeout, t.deadlines.exchange_timeout) for t in swarm]
     try:
         for t in swarm:
-            t.fixed_exchange_timeout = None
+            t.deadlines.fixed_exchange_timeout = None
         out = run_together(swarm, lambda i, t: [t.exchange(payload) for _ in range(3)])
         for i, t in enumerate(swarm):
             assert all(len(r.members) == 3 for r in out[i]), [r.notes for r in out[i]]
-            assert t.rate.median() is not None and t.rate.median() > 0
+            assert t.deadlines.rate.median() is not None and t.deadlines.rate.median() > 0
             last = out[i][-1]
             assert f.EXCHANGE_FLOOR_S <= last.deadline_s <= f.EXCHANGE_CEILING_S
-            assert last.deadline_s < f.EXCHANGE_DEFAULT_S and last.deadline_s == t.exchange_timeout
+            assert last.deadline_s < f.EXCHANGE_DEFAULT_S and last.deadline_s == t.deadlines.exchange_timeout
             assert last.exchange_s > 0 and last.sent_bytes == last.received_bytes == 2 * len(payload)
-            assert t.state_timeout(4 << 30) > f.STATE_FLOOR_S
+            assert t.deadlines.state_timeout(4 << 30) > f.STATE_FLOOR_S
     finally:
         for t, (setting, current) in zip(swarm, fixed):
-            t.fixed_exchange_timeout, t.exchange_timeout = setting, current
-    assert all(t.exchange_timeout == 20 for t in swarm)
+            t.deadlines.fixed_exchange_timeout, t.deadlines.exchange_timeout = setting, current
+    assert all(t.deadlines.exchange_timeout == 20 for t in swarm)
 
 
 def test_round_timeout_takes_auto_or_seconds_and_names_the_flag_otherwise():
@@ -1198,7 +1203,7 @@ def test_a_state_published_as_a_function_is_made_once_when_a_peer_first_asks(swa
 
     monkeypatch.setattr(st, "STATE_WAIT_S", 2.0)
     a, b, c = swarm
-    kept = [(p.epoch, p._snapshot, dict(p._pinned)) for p in swarm]
+    kept = [(p.round, p.state.snapshot, dict(p.state.pinned)) for p in swarm]
     blob = os.urandom((1 << 20) + 7)
     made: list[str] = []
 
@@ -1211,26 +1216,27 @@ def test_a_state_published_as_a_function_is_made_once_when_a_peer_first_asks(swa
         return later
 
     try:
-        b.epoch = 2000
+        b.adopted(2000)
         b.publish_state(make(blob))
         time.sleep(0.3)
         assert made == []
-        epoch, got = a.download_state([b.peer_id], min_epoch=2000)
+        epoch, got = a.download_state([b.me], min_round=2000)
         assert (epoch, bytes(got)) == (2000, blob)
-        assert c.download_state([b.peer_id], min_epoch=2000)[1] == blob
+        assert c.download_state([b.me], min_round=2000)[1] == blob
         assert made == ["loco-state"]
 
-        b.epoch = 2001
+        b.adopted(2001)
         b.publish_state(make(b"never asked for"))
-        b.epoch = 2002
+        b.adopted(2002)
         b.publish_state(make(None))
         with caplog.at_level(logging.WARNING, logger="loco.hivemind"):
-            assert a.download_state([b.peer_id], min_epoch=2002) is None
+            assert a.download_state([b.me], min_round=2002) is None
         assert made == ["loco-state"] * 2  # 2001 was never made; 2002 was tried once
-        assert "the state of epoch 2002 could not be made for a peer that asked: OSError: the disk is full" in caplog.text
+        assert "the state of round 2002 could not be made for a peer that asked: OSError: the disk is full" in caplog.text
     finally:
         for p, (e, snap, pinned) in zip(swarm, kept):
-            p.epoch, p._snapshot, p._pinned = e, snap, pinned
+            p.adopted(e)
+            p.state.snapshot, p.state.pinned = snap, pinned
 
 
 def test_a_state_download_is_striped_over_its_holders_and_finishes_when_one_fails_or_moves_on(swarm, monkeypatch,
@@ -1244,23 +1250,23 @@ def test_a_state_download_is_striped_over_its_holders_and_finishes_when_one_fail
 
     monkeypatch.setattr(st, "STRIPE_BYTES", 64 << 10)
     a, b, c = swarm
-    kept = [(p.epoch, p._snapshot, dict(p._pinned)) for p in swarm]
+    kept = [(p.round, p.state.snapshot, dict(p.state.pinned)) for p in swarm]
     blob = os.urandom((1 << 20) + 123)  # 17 stripes, the last one short
     try:
         for p in (b, c):
-            p.epoch = 1000
+            p.adopted(1000)
             p.publish_state(blob)
-        epoch, got = a.download_state([b.peer_id, c.peer_id], min_epoch=1000)
+        epoch, got = a.download_state([b.me, c.me], min_round=1000)
         assert (epoch, bytes(got)) == (1000, blob)
         assert set(a.state_sources) == {b.me, c.me} and sum(a.state_sources.values()) == len(blob)
 
-        served_b, served_c = b._served, c._served
+        served_b, served_c = b.state.served, c.state.served
         calls = {"b": 0, "c": 0}
 
         def b_moves_on(want, sha):
             calls["b"] += 1
             if calls["b"] == 3:  # a round ends on b in the middle of the download
-                b.epoch = 1001
+                b.adopted(1001)
                 b.publish_state(os.urandom(1000))
             return served_b(want, sha)
 
@@ -1268,10 +1274,10 @@ def test_a_state_download_is_striped_over_its_holders_and_finishes_when_one_fail
             calls["c"] += 1
             return served_c(want, sha) if calls["c"] == 1 else None
 
-        monkeypatch.setattr(b, "_served", b_moves_on)
-        monkeypatch.setattr(c, "_served", c_fails)
+        monkeypatch.setattr(b.state, "served", b_moves_on)
+        monkeypatch.setattr(c.state, "served", c_fails)
         with caplog.at_level(logging.WARNING, logger="diloco.comm.hivemind"):
-            epoch, got = a.download_state([b.peer_id, c.peer_id], min_epoch=1000)
+            epoch, got = a.download_state([b.me, c.me], min_round=1000)
         assert (epoch, bytes(got)) == (1000, blob)
         assert set(a.state_sources) == {b.me, c.me} and sum(a.state_sources.values()) == len(blob)
         assert 0 < a.state_sources[c.me] <= 64 << 10  # one stripe from c, every other one from b
@@ -1279,4 +1285,5 @@ def test_a_state_download_is_striped_over_its_holders_and_finishes_when_one_fail
         assert calls["b"] > 3
     finally:
         for p, (e, snap, pinned) in zip(swarm, kept):
-            p.epoch, p._snapshot, p._pinned = e, snap, pinned
+            p.adopted(e)
+            p.state.snapshot, p.state.pinned = snap, pinned

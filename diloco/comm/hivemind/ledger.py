@@ -1,21 +1,27 @@
-"""The contribution ledger: who contributed what to which epoch, published in the DHT and merged by observers."""
+"""The contribution ledger: who contributed what to which round, as this peer saw it, published in the DHT
+(``<run>.ledger``, one entry per observer) and merged by ``loco status`` over every observer's.
+
+Every member of a round accounts the round from data every member saw alike (the agreed members, the collective's
+verdict on each update), so honest observers agree; the merge takes each count's median over the observers,
+which one liar cannot move.
+"""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Awaitable, Callable, Mapping, Sequence
 
 from diloco.comm.hivemind.framing import _now, log
+from diloco.comm.hivemind.node import Node
 
-if TYPE_CHECKING:
-    from diloco.comm.hivemind.epoch import EpochResult
-    from diloco.comm.hivemind.transport import HivemindTransport
+LEDGER_TTL_S = 7 * 86400  # a published ledger outlives its peer by a week: `loco status` credits peers gone
 
 
 @dataclass
 class PeerRecord:
-    """One peer's column of the contribution ledger."""
+    """One peer's column of the contribution ledger. ``epochs``: the rounds it took part in (the name is the
+    ledger's key in the DHT, in ``ledger.json`` and in ``loco status --json``)."""
 
     tokens: float = 0.0
     epochs: int = 0
@@ -34,63 +40,55 @@ class PeerRecord:
         return cls(float(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4]) if len(v) > 4 else 0)
 
 
-class LedgerMixin:
-    """Contribution accounting of :class:`~diloco.comm.hivemind.HivemindTransport`."""
+class Ledger:
+    """This peer's ledger (``records``: peer id -> :class:`PeerRecord`) and its entry in the DHT. ``subkeys``
+    reads a DHT dictionary record (the registry's reader)."""
 
-    def record_contributions(self, accepted: dict[str, float], rejected: dict[str, str],
-                             clipped: dict[str, float], weights_clipped: Optional[dict[str, float]] = None) -> None:
-        epoch = self.last.epoch if self.last is not None else self.epoch
-        weights_clipped = weights_clipped or {}
+    def __init__(self, node: Node, subkeys: Callable[[str], Awaitable[dict]]) -> None:
+        self.node, self._subkeys = node, subkeys
+        self.key = f"{node.run}.ledger"
+        self.records: dict[str, PeerRecord] = {}
+
+    def warn(self, round: int, accepted: Mapping[str, float], rejected: Mapping[str, str],
+             clipped: Mapping[str, float], weights_clipped: Mapping[str, float]) -> None:
+        """Log what the collective left out or bounded of the members' updates in ``round``."""
+        tag = self.node.tag
         for name, why in rejected.items():
-            log.warning("peer %s | epoch %d: left peer %s's update out: %s", self.me[-8:], epoch, name[-8:], why)
+            log.warning("peer %s | round %d: left peer %s's update out: %s", tag, round, name[-8:], why)
         for name, factor in clipped.items():
-            log.warning("peer %s | epoch %d: clipped peer %s's update (its norm was %.3gx the bound)",
-                        self.me[-8:], epoch, name[-8:], factor)
+            log.warning("peer %s | round %d: clipped peer %s's update (its norm was %.3gx the bound)", tag, round,
+                        name[-8:], factor)
         for name, factor in weights_clipped.items():
-            log.warning("peer %s | epoch %d: counted peer %s's update at %.6g tokens (it announced %.3gx that bound: "
-                        "--weight-clip x the others' median)", self.me[-8:], epoch, name[-8:],
-                        accepted.get(name, 0.0), factor)
-        if self.last is not None:
-            self._account(self.last, accepted, rejected, clipped, weights_clipped)
+            log.warning("peer %s | round %d: counted peer %s's update at %.6g tokens (it announced %.3gx that bound: "
+                        "--weight-clip x the others' median)", tag, round, name[-8:], accepted.get(name, 0.0), factor)
 
-    def _account(self, result: EpochResult, accepted: dict, rejected: dict, clipped: dict,
-                 weights_clipped: Optional[dict] = None) -> None:
-        weights_clipped = weights_clipped or {}
+    def account(self, accepted: Mapping[str, float], rejected: Mapping[str, str], clipped: Mapping[str, float],
+                weights_clipped: Mapping[str, float]) -> None:
+        """One round's verdicts: the tokens each accepted update counted with, and which were left out or
+        bounded."""
         for name, w in accepted.items():
-            rec = self.ledger.setdefault(name, PeerRecord())
+            rec = self.records.setdefault(name, PeerRecord())
             rec.tokens += w
             rec.epochs += 1
             rec.accepted += 1
             rec.clipped += int(name in clipped or name in weights_clipped)
         for name in rejected:
-            rec = self.ledger.setdefault(name, PeerRecord())
+            rec = self.records.setdefault(name, PeerRecord())
             rec.epochs += 1
             rec.rejected += 1
-        self.history.append({
-            "epoch": result.epoch, "group": result.group, "alone": result.alone,
-            "members": [p.to_base58() for p in result.members], "accepted": sorted(accepted),
-            "rejected": rejected, "clipped": clipped, "weights_clipped": weights_clipped,
-            "total_weight": sum(accepted.values()),
-            "seconds": round(result.seconds, 3), "matchmaking_s": round(result.matchmaking_s, 3),
-            "bytes_sent": self.stats.bytes_sent, "bytes_received": self.stats.bytes_received, "notes": result.notes})
-        try:
-            self._call(self._publish_ledger(), 30)
-        except Exception as e:
-            log.info("peer %s: could not publish the ledger: %s", self.me[-8:], e)
 
-    async def _publish_ledger(self) -> None:
-        value = {pid: rec.as_list() for pid, rec in self.ledger.items()}
-        await self.dht.store(f"{self.run}.ledger", subkey=self.me, value=value,
-                             expiration_time=_now() + 7 * 86400, return_future=True)
+    def table(self) -> dict[str, dict[str, float]]:
+        """The ledger by peer id (sorted), each peer's counts by name."""
+        return {pid: rec.as_dict() for pid, rec in sorted(self.records.items())}
 
+    async def publish(self) -> None:
+        value = {pid: rec.as_list() for pid, rec in self.records.items()}
+        await self.node.dht.store(self.key, subkey=self.node.me, value=value, expiration_time=_now() + LEDGER_TTL_S,
+                                  return_future=True)
 
-def read_swarm(transport: HivemindTransport) -> dict[str, Any]:
-    """The run's registry and every peer's published ledger, as seen from the DHT."""
-    async def go():
-        return await transport._registry(), await transport._subkeys(f"{transport.run}.ledger")
-
-    peers, ledgers = transport._call(go(), 60)
-    return {"peers": peers, "ledgers": ledgers}
+    async def published(self) -> dict[str, dict]:
+        """Every observer's published ledger: observer id -> {peer id: counts as a list}."""
+        return await self._subkeys(self.key)
 
 
 def merge_ledgers(ledgers: dict[str, dict]) -> dict[str, PeerRecord]:

@@ -1,6 +1,6 @@
 """What a member's payload may weigh, and the accounting that keeps a peer's inbox bounded.
 
-Every member of an epoch encodes the same tensors with the same codec (peers of one run share model and codec:
+Every member of a round encodes the same tensors with the same codec (peers of one run share model and codec:
 the schema), so this peer's own payload says what the others' must be. Its wire header names the chain and
 the shape; the codec computes the payload size for that many values (``Codec.payload_bytes``). Without a zstd
 stage that size is exact; with one it varies, and the bound is the uncompressed size plus zstd's worst case.
@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from diloco.comm.hivemind.framing import MAX_HEADER
+from diloco.compress import Codec, CodecSpecError, wire
 
 WEIGHT_PREFIX = 8  # the collective's weight (``<d``) in front of a weighted payload
 ACK_MAX = 64 << 10  # an ack lists peer ids (about 40 bytes each): room for groups of over a thousand
-PUSH_HEADER_MAX = min(4 << 10, MAX_HEADER)  # a push header: group id, kind, epoch, size, hash and MAC
+PUSH_HEADER_MAX = min(4 << 10, MAX_HEADER)  # a push header: group id, kind, round, size, hash and MAC
 
 
 def zstd_bound(n: int) -> int:
@@ -27,15 +28,12 @@ def zstd_bound(n: int) -> int:
 def payload_sizes(payload, largest: int) -> tuple[int, int, bool]:
     """(least, most, exact) bytes of a payload of the same tensor and codec as ``payload``.
 
-    ``payload``: this peer's own payload for the epoch (a loco wire payload, possibly behind the collective's
+    ``payload``: this peer's own payload for the round (a loco wire payload, possibly behind the collective's
     8-byte weight). A codec chain without zstd gives one exact size; with zstd, the header and at most the
     uncompressed sections plus zstd's worst case. A wire payload of another format (an optimizer's own chain)
     is bounded by its own size when it carries values (the same layout on every peer). Anything else: up to
     ``largest`` (no size can be derived).
     """
-    from diloco.compress import wire
-    from diloco.compress.codec import Codec, CodecSpecError
-
     view = memoryview(payload).cast("B") if not isinstance(payload, (bytes, bytearray)) else memoryview(payload)
     for prefix in (0, WEIGHT_PREFIX):
         if bytes(view[prefix:prefix + len(wire.MAGIC)]) != wire.MAGIC:
@@ -60,7 +58,7 @@ def payload_sizes(payload, largest: int) -> tuple[int, int, bool]:
 
 @dataclass
 class Window:
-    """What this peer accepts during one epoch: pushes for ``epoch`` whose size fits, within ``cap`` bytes.
+    """What this peer accepts during one round: pushes for ``round`` whose size fits, within ``cap`` bytes.
 
     Before the group is known, any sender may push once per kind (a payload ``ag``, an ``ack``); once it is
     (``gid``, ``sizes``: every member's announced payload size), only members, each exactly its announced size.
@@ -68,7 +66,7 @@ class Window:
     ``hashes``: the hash each stored push was checked against, so that it is computed once.
     """
 
-    epoch: int
+    round: int
     least: int
     most: int
     exact: bool
@@ -95,6 +93,6 @@ class Window:
 
 
 def inbox_cap(most: int, group: int) -> int:
-    """Bytes the inbox may hold in an epoch of ``group`` members: each other member's payload and ack, and as
+    """Bytes the inbox may hold in a round of ``group`` members: each other member's payload and ack, and as
     much again for pushes that arrive before this peer knows its group."""
     return 2 * max(1, group - 1) * (most + ACK_MAX)

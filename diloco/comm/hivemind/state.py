@@ -1,11 +1,11 @@
-"""A peer's state for new and out-of-step peers: served on request, downloaded, compared by sketches.
+"""A peer's state for new and out-of-step peers: served on request, downloaded in stripes.
 
 A serving peer cuts its state into stripes and publishes a manifest with it: the stripe size and the SHA-256 of
 every stripe. The state's SHA-256 is the manifest's, and it is what the run key's MAC signs.
 
 A download is striped over the peers that hold the newest state: the first stripe, from the first peer that
 answers (asked of one holder at a time, and of the next as well after :data:`HEDGE_S` without an answer), fixes
-the epoch, the size and the manifest of the state; then every such peer takes the next missing
+the round, the size and the manifest of the state; then every such peer takes the next missing
 stripe as soon as it has sent its last one (a fast peer sends more of them), and a peer that fails or serves
 another state or a stripe that does not match the manifest is dropped, its stripe fetched again from the
 others. A stripe is asked of a second peer only when its first one is far slower than the rest (:data:`HEDGE_S`;
@@ -25,14 +25,12 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
-import torch
-
 from diloco.comm.hivemind.auth import mac
-from diloco.comm.hivemind.framing import (STATE_CEILING_S, _now, _read_framed, _write_framed, log, pack,
-                                          state_timeout, unpack)
+from diloco.comm.hivemind.deadlines import Deadlines
+from diloco.comm.hivemind.framing import _read_framed, _write_framed, log, pack, unpack
+from diloco.comm.hivemind.node import Node
 
-
-# how long a peer asked for a state of a newer epoch than it holds waits for that epoch before refusing (a peer
+# how long a peer asked for a state of a newer round than it holds waits for that round before refusing (a peer
 # that resyncs right after a round asks before the others have published it); the asker waits as long, and more
 STATE_WAIT_S = 30.0
 STRIPE_BYTES = 16 << 20  # a download asks each peer for this much at a time (larger for a state of 1024+ stripes)
@@ -41,27 +39,39 @@ PINNED_S = 120.0  # a replaced snapshot stays served this long after the last re
 HEDGE_S = 2.0  # a stripe out this long (and 4x the typical stripe's time) is asked of an idle peer as well
 
 
-class StateMixin:
-    """State serving and download of :class:`~diloco.comm.hivemind.HivemindTransport`."""
+class StateService:
+    """This peer's side of the run's state (see the module's docstring).
 
-    def state_timeout(self, nbytes: int) -> float:
-        """How long a download of a ``nbytes`` state may take: from this peer's measured exchange rate, or an
-        assumed slow link before it has one (:func:`~diloco.comm.hivemind.framing.state_timeout`). The size is
-        read from the reply's header, before its body: a 4 GB state is given the time 4 GB needs."""
-        return state_timeout(nbytes, self.rate.median())
+    ``snapshot``: (round, blob, SHA-256, manifest) of the state it serves, or a :class:`_Later` that makes it;
+    ``pinned``: sha -> (*snapshot, last request), the snapshots a download is using; ``sources``: bytes from
+    each peer (base58) of the last state downloaded; ``partial``: (sha, blob, offsets received) of a download
+    every holder failed part-way.
+    """
 
-    def publish_state(self, blob: Union[bytes, Callable[[], bytes]]) -> None:
-        """Serve ``blob`` (this peer's state after its latest epoch) to peers that ask for it: its bytes, or a
-        function that makes them, called (on a thread of its own) only when a peer first asks for this state."""
-        old = self._snapshot
+    def __init__(self, node: Node, deadlines: Deadlines) -> None:
+        self.node, self.deadlines = node, deadlines
+        self.snapshot: Union[None, tuple, _Later] = None
+        self.pinned: dict[bytes, tuple] = {}
+        self.sources: dict[str, int] = {}
+        self.partial: Optional[tuple] = None
+
+    async def serve(self) -> None:
+        """On the loop: answer state requests of this run."""
+        await self.node.p2p.add_binary_stream_handler(f"{self.node.run}.state", self.on_request)
+
+    # ---- serving ----------------------------------------------------------------------------
+    def publish(self, round: int, blob: Union[bytes, Callable[[], bytes]]) -> None:
+        """Serve ``blob`` (this peer's state after ``round``) to peers that ask for it: its bytes, or a function
+        that makes them, called (on a thread of its own) only when a peer first asks for this state."""
+        old = self.snapshot
         if callable(blob):
-            self._snapshot = _Later(self.epoch, blob)
+            self.snapshot = _Later(round, blob)
         else:
             man = manifest(blob)
-            self._snapshot = (self.epoch, blob, hashlib.sha256(man).digest(), man)
+            self.snapshot = (round, blob, hashlib.sha256(man).digest(), man)
         old = old.made if isinstance(old, _Later) else old  # one that was never asked for is dropped
-        current = self._snapshot[2] if isinstance(self._snapshot, tuple) else None
-        pinned = self._pinned
+        current = self.snapshot[2] if isinstance(self.snapshot, tuple) else None
+        pinned = self.pinned
         now = time.monotonic()
         if old is not None and old[2] in pinned:  # a download of the old one is under way: keep serving it
             pinned[old[2]] = (*old, pinned[old[2]][4])
@@ -69,21 +79,21 @@ class StateMixin:
             if now - entry[4] > PINNED_S or sha == current:
                 pinned.pop(sha, None)
 
-    def _served(self, want: int, sha: Optional[bytes]) -> Optional[tuple[int, bytes, bytes, bytes]]:
+    def served(self, want: int, sha: Optional[bytes]) -> Optional[tuple[int, bytes, bytes, bytes]]:
         """The snapshot a request asks for: the one whose SHA-256 it names (pinned while it is asked for), or the
-        current one when it names none and is of epoch ``want`` or newer. A current one published as a function
-        is made on the first such request; until it is, this says None (the request waits, as for an epoch)."""
-        snap = self._snapshot
+        current one when it names none and is of round ``want`` or newer. A current one published as a function
+        is made on the first such request; until it is, this says None (the request waits, as for a round)."""
+        snap = self.snapshot
         if isinstance(snap, _Later):
-            if snap.made is None and sha is None and snap.epoch >= want:
+            if snap.made is None and sha is None and snap.round >= want:
                 snap.start()
             snap = snap.made
-        pinned = self._pinned
+        pinned = self.pinned
         if sha is not None:
             if snap is not None and snap[2] == sha:
                 pinned[sha] = (*snap, time.monotonic())
                 return snap
-            entry = pinned.get(sha)  # one lookup: publish_state may drop it from the training thread
+            entry = pinned.get(sha)  # one lookup: publish may drop it from the training thread
             if entry is not None:
                 pinned[sha] = (*entry[:4], time.monotonic())
                 return entry[:4]
@@ -93,58 +103,64 @@ class StateMixin:
             return snap
         return None
 
-    async def _on_state_request(self, info, reader, writer) -> None:
-        sender = info.peer_id
+    async def on_request(self, info, reader, writer) -> None:
+        node, sender = self.node, info.peer_id
         try:
             header, body = await _read_framed(reader, 1 << 10, 10)
-            if not hmac.compare_digest(header.get("m", b""), mac(self.key, b"state", sender.to_bytes(),
-                                                                  self.peer_id.to_bytes(), body)):
+            if not hmac.compare_digest(header.get("m", b""), mac(node.key, b"state", sender.to_bytes(),
+                                                                  node.peer_id.to_bytes(), body)):
                 raise PermissionError("bad MAC (no or another run key)")
             request = unpack(body)
-            want, asked = int(request["min_epoch"]), request.get("sha")
+            want, asked = int(request["min_epoch"]), request.get("sha")  # the wire's "min_epoch" is a round
             end = time.perf_counter() + STATE_WAIT_S
-            while (served := self._served(want, asked)) is None and asked is None and time.perf_counter() < end:
+            while (served := self.served(want, asked)) is None and asked is None and time.perf_counter() < end:
                 await asyncio.sleep(0.1)
             if served is None:
-                raise TimeoutError(f"no state of epoch >= {want} here" if asked is None else
+                raise TimeoutError(f"no state of round >= {want} here" if asked is None else
                                    "the state asked for is no longer here")
-            epoch, blob, sha, man = served
+            round, blob, sha, man = served
             stripe, start = int.from_bytes(man[:8], "big"), int(request.get("off", 0))
             if not (0 <= start < max(len(blob), 1) and start % stripe == 0):
                 raise ValueError(f"a stripe at {start} of a {len(blob)}-byte state in stripes of {stripe}")
-            piece = await self._phase("state", memoryview(blob)[start:start + stripe])
-            reply = {"e": epoch, "n": len(piece), "total": len(blob), "off": start, "sha": sha,
-                     "m": mac(self.key, b"state-reply", self.peer_id.to_bytes(), sender.to_bytes(),
-                              str(epoch).encode(), sha)}
+            piece = await node.phase("state", memoryview(blob)[start:start + stripe])
+            reply = {"e": round, "n": len(piece), "total": len(blob), "off": start, "sha": sha,
+                     "m": mac(node.key, b"state-reply", node.peer_id.to_bytes(), sender.to_bytes(),
+                              str(round).encode(), sha)}
             if start == 0:  # the first stripe brings the manifest (its SHA-256 is the signed one)
                 reply["man"] = man
             await _write_framed(writer, reply, piece)
             # the reader closes when it has it all: over a slow link, long after the last byte left this peer
-            await asyncio.wait_for(reader.read(1), self.state_timeout(len(piece)))
+            await asyncio.wait_for(reader.read(1), self.deadlines.state_timeout(len(piece)))
         except Exception as e:
-            log.info("peer %s: state request from %s failed: %s: %s", self.me[-8:], sender.to_base58()[-8:],
+            log.info("peer %s: state request from %s failed: %s: %s", node.tag, sender.to_base58()[-8:],
                      type(e).__name__, e)
         finally:
             writer.close()
 
-    async def _fetch_state(self, peer, min_epoch: int, off: int = 0,
-                           sha: Optional[bytes] = None) -> tuple[int, bytes, int, bytes, Optional[bytes]]:
-        """The stripe at ``off`` of ``peer``'s state: (epoch, SHA-256 of the state, its size, the stripe's bytes,
+    # ---- downloading ------------------------------------------------------------------------
+    @property
+    def resumable(self) -> bool:
+        """Whether a download failed part-way and the next one of the same state goes on from its stripes."""
+        return self.partial is not None
+
+    async def fetch(self, peer, min_round: int, largest: int, off: int = 0,
+                    sha: Optional[bytes] = None) -> tuple[int, bytes, int, bytes, Optional[bytes]]:
+        """The stripe at ``off`` of ``peer``'s state: (round, SHA-256 of the state, its size, the stripe's bytes,
         the manifest (with the first stripe; else None)). ``sha``: the state wanted (a stripe of another one is
-        refused by the peer); else its newest, if of epoch ``min_epoch`` or later. The reply's MAC (run key)
-        covers the epoch and the hash, and the hash covers the manifest."""
-        body = pack({"min_epoch": min_epoch, "off": off, "sha": sha})
-        head = {"n": len(body), "m": mac(self.key, b"state", self.peer_id.to_bytes(), peer.to_bytes(), body)}
-        _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(peer, f"{self.run}.state"), 10)
+        refused by the peer); else its newest, if of round ``min_round`` or later; at most ``largest`` bytes.
+        The reply's MAC (run key) covers the round and the hash, and the hash covers the manifest."""
+        node = self.node
+        body = pack({"min_epoch": min_round, "off": off, "sha": sha})  # the wire's "min_epoch" is a round
+        head = {"n": len(body), "m": mac(node.key, b"state", node.peer_id.to_bytes(), peer.to_bytes(), body)}
+        _, reader, writer = await asyncio.wait_for(node.p2p.call_binary_stream_handler(peer, f"{node.run}.state"), 10)
         try:
             await _write_framed(writer, head, body)
-            # the reply's header may come only once the peer has the epoch asked for: up to STATE_WAIT_S
-            largest = self.max_state_bytes or self.max_payload_bytes
-            header, piece = await _read_framed(reader, largest, self.state_timeout,
+            # the reply's header may come only once the peer has the round asked for: up to STATE_WAIT_S
+            header, piece = await _read_framed(reader, largest, self.deadlines.state_timeout,
                                                header_timeout=STATE_WAIT_S + 10)
-            epoch, total, digest = int(header["e"]), int(header.get("total", len(piece))), header["sha"]
-            if not hmac.compare_digest(header["m"], mac(self.key, b"state-reply", peer.to_bytes(),
-                                                        self.peer_id.to_bytes(), str(epoch).encode(), digest)):
+            round, total, digest = int(header["e"]), int(header.get("total", len(piece))), header["sha"]
+            if not hmac.compare_digest(header["m"], mac(node.key, b"state-reply", peer.to_bytes(),
+                                                        node.peer_id.to_bytes(), str(round).encode(), digest)):
                 raise PermissionError("the state's MAC does not check (no or another run key)")
             if int(header.get("off", 0)) != off or total > largest:
                 raise ValueError(f"a stripe at {header.get('off', 0)} of a state of {total} bytes (at most {largest} "
@@ -152,97 +168,48 @@ class StateMixin:
             man = header.get("man")
             if off == 0 and not (isinstance(man, bytes) and hashlib.sha256(man).digest() == digest):
                 raise ValueError("the state's manifest does not match its signed hash")
-            return epoch, digest, total, piece, man
+            return round, digest, total, piece, man
         finally:
             writer.close()
 
-    async def _striped(self, peers: Sequence[Any], min_epoch: int) -> Optional[tuple[int, bytearray]]:
-        """The state, in stripes from every peer of ``peers`` that holds it (see the module's docstring)."""
+    async def download(self, peers: Sequence[Any], min_round: int, largest: int) -> Optional[tuple[int, bytearray]]:
+        """The state, in stripes from every peer of ``peers`` (PeerIDs) that holds it, of round ``min_round`` or
+        later and at most ``largest`` bytes (see the module's docstring); None when it could not be had."""
         began = time.perf_counter()
-        got = await self._first_stripe(peers, min_epoch)
+        got = await self._first_stripe(peers, min_round, largest)
         if got is None:
             return None
         i, first, stripe, hashes, failed = got
         peers = [peers[i]] + [p for j, p in enumerate(peers) if j != i and j not in failed]  # the sender first
-        epoch, sha, total, head, _ = first
-        kept, self._partial = self._partial, None
-        if kept is not None and kept[0] == sha:  # a download of this same state failed part-way: go on from it
-            blob, done = kept[1], kept[2]
-        else:
-            blob, done = bytearray(total), set()  # the stripes land in place: one copy of the state in memory
-        resumed = len(done)
-        blob[:len(head)] = head
-        stripes = len(range(stripe, total, stripe))
-        todo = [off for off in range(stripe, total, stripe) if off not in done][::-1]  # offsets, the next one last
-        flying: dict = {}  # offset -> [when its first request went out, how many requests are out]
-        took = [time.perf_counter() - began]  # seconds each stripe took
-        served = {peers[0].to_base58(): len(head)}
-
-        def overdue() -> Optional[int]:
-            """A stripe asked of one peer long ago (a holder that hangs, a link that stalls): an idle peer asks
-            for it too, and the first answer counts."""
-            now, typical = time.perf_counter(), sorted(took)[len(took) // 2]
-            late = [(t0, off) for off, (t0, n) in flying.items() if n == 1 and now - t0 > max(HEDGE_S, 4 * typical)]
-            return min(late)[1] if late else None
-
-        async def pull(peer) -> None:
-            name = peer.to_base58()
-            while len(done) < stripes:
-                off = todo.pop() if todo else overdue()
-                if off is None:  # the rest is in flight: take a stripe over if its peer fails or hangs
-                    await asyncio.sleep(0.05)
-                    continue
-                out = flying.setdefault(off, [time.perf_counter(), 0])
-                out[1] += 1
-                t0 = time.perf_counter()
-                try:
-                    got = await self._fetch_state(peer, epoch, off, sha)
-                    if got[:3] != (epoch, sha, total):
-                        raise ValueError(f"serves another state (epoch {got[0]}, {got[2]} bytes)")
-                    _check_stripe(got[3], off, stripe, hashes, total)
-                    took.append(time.perf_counter() - t0)
-                    if off not in done:
-                        blob[off:off + len(got[3])] = got[3]
-                        served[name] = served.get(name, 0) + len(got[3])
-                        done.add(off)
-                except Exception as e:
-                    if off not in done and out[1] == 1:
-                        todo.append(off)  # another peer fetches it
-                    self._failed_download(peer, e)
-                    return
-                finally:
-                    out[1] -= 1
-                    if not out[1]:
-                        flying.pop(off, None)
-
-        tasks = [asyncio.ensure_future(pull(p)) for p in peers]
-        while len(done) < stripes and not all(t.done() for t in tasks):
-            await asyncio.wait(tasks, timeout=0.2)
-        for t in tasks:  # a request still out to a hung peer is given up: its stripe came from another
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if len(done) < stripes:
-            self._partial = (sha, blob, done)
+        kept, self.partial = self.partial, None
+        stripes = _Stripes(self, first, stripe, hashes, largest, kept if kept is not None and kept[0] == first[1]
+                           else None, peers[0], time.perf_counter() - began)
+        await stripes.pull_from(peers)
+        round, sha, total = first[:3]
+        if not stripes.complete():
+            self.partial = (sha, stripes.blob, stripes.done)
             log.warning("peer %s: every peer that held the state failed before the download finished; %d of %d "
-                        "stripes are kept for the next try", self.me[-8:], len(done) + 1, stripes + 1)
+                        "stripes are kept for the next try", self.node.tag, len(stripes.done) + 1, stripes.count + 1)
             return None
-        if resumed:
-            log.info("peer %s: the download went on from %d stripes an earlier try left", self.me[-8:], resumed)
+        if stripes.resumed:
+            log.info("peer %s: the download went on from %d stripes an earlier try left", self.node.tag,
+                     stripes.resumed)
         # every stripe matched the manifest, whose hash the serving peers signed: the state is theirs
-        self.state_sources = served
-        if len(served) > 1:
-            log.info("peer %s: downloaded the state (%d bytes) from %d peers: %s", self.me[-8:], total, len(served),
-                     ", ".join(f"{k[-8:]} {v} bytes" for k, v in served.items()))
-        return epoch, blob
+        self.sources = stripes.served
+        if len(stripes.served) > 1:
+            log.info("peer %s: downloaded the state (%d bytes) from %d peers: %s", self.node.tag, total,
+                     len(stripes.served), ", ".join(f"{k[-8:]} {v} bytes" for k, v in stripes.served.items()))
+        return round, stripes.blob
 
-    async def _first_stripe(self, peers: Sequence[Any], min_epoch: int) -> Optional[tuple[int, tuple, int, bytes, set]]:
+    async def _first_stripe(self, peers: Sequence[Any], min_round: int,
+                            largest: int) -> Optional[tuple[int, tuple, int, bytes, set]]:
         """The first stripe of the newest state ``peers`` hold: (index of the peer that sent it, the reply, the
         stripe size, the stripes' hashes, the indices of the peers that failed), or None when none sends one.
         Asked of one peer at a time, and of the next as well while one is out longer than :data:`HEDGE_S` (a
         holder that hangs would otherwise cost its timeout: 10 s to open a stream, more for a reply); the first
         good answer counts."""
         async def one(peer):
-            reply = await self._fetch_state(peer, min_epoch, 0)
+            reply = await self.fetch(peer, min_round, largest, 0)
             stripe, hashes = _check_manifest(reply[4], reply[2])
             _check_stripe(reply[3], 0, stripe, hashes, reply[2])
             return reply, stripe, hashes
@@ -263,7 +230,7 @@ class StateMixin:
                         reply, stripe, hashes = task.result()
                     except Exception as e:
                         failed.add(i)
-                        self._failed_download(peers[i], e)
+                        self.failed(peers[i], e)
                         continue
                     return i, reply, stripe, hashes, failed
             return None
@@ -272,57 +239,92 @@ class StateMixin:
                 task.cancel()
             await asyncio.gather(*out, return_exceptions=True)
 
-    @property
-    def resumable(self) -> bool:
-        """Whether a download failed part-way and the next one of the same state goes on from its stripes."""
-        return self._partial is not None
-
-    def _failed_download(self, peer, e: Exception) -> None:
-        log.warning("peer %s: could not download the state from %s: %s: %s", self.me[-8:], peer.to_base58()[-8:],
+    def failed(self, peer, e: Exception) -> None:
+        log.warning("peer %s: could not download the state from %s: %s: %s", self.node.tag, peer.to_base58()[-8:],
                     type(e).__name__, e)
 
-    def download_state(self, peers: Sequence[Any] = (),
-                       min_epoch: Optional[int] = None) -> Optional[tuple[int, bytearray]]:
-        """The newest state other peers serve: (epoch, blob), or None when no peer has one; striped over every
-        peer that holds it.
 
-        ``peers``: PeerIDs to ask (default: the registry's peers, highest epoch first; those that announce this
-        peer's settings only, where there are any: a state of other settings would be refused).
-        """
-        from hivemind.p2p import PeerID
+class _Stripes:
+    """One download under way, after its first stripe: the state's bytes as they land (in place, one copy of
+    the state in memory), the stripes done, those still to ask for and those in flight, how long each took,
+    and how many bytes each peer served. ``first``: the first stripe's reply, from ``sender`` in ``first_s``
+    seconds; ``kept``: what an earlier try of the same state left (sha, blob, offsets done)."""
 
-        if not peers:
-            live = {pid: v for pid, v in self.peers().items() if pid != self.me}
-            if not live:
-                return None
-            alike = {pid: v for pid, v in live.items() if self._alike(v)}
-            live = alike or live  # none alike: the state comes, and the caller refuses it naming what differs
-            order = sorted(live, key=lambda pid: -int(live[pid].get("epoch", 0)))
-            peers = [PeerID.from_base58(pid) for pid in order]
-            min_epoch = int(live[order[0]].get("epoch", 0)) if min_epoch is None else min_epoch
-        # the registry says this peer is downloading: peers reaching the next epoch first wait for it (within
-        # their cap) rather than for an arrival time that did not count the download
-        self.phase = "resync"
-        self.announce()
-        # each stripe's own timeout (state_timeout of its size) bounds the download; this only catches a hang
-        # elsewhere (opening a stream: 10 s; a header: STATE_WAIT_S + 10 s)
-        try:
-            return self._call(self._striped(list(peers), min_epoch or 0), STATE_CEILING_S + 60)
-        except Exception as e:
-            log.warning("peer %s: the state download failed: %s: %s", self.me[-8:], type(e).__name__, e)
-            return None
-        finally:  # its round starts now
-            self._round_start = time.perf_counter()
-            self.phase, self.eta = "train", (_now() + self.round_s if self.round_s else None)
-            self.announce()
+    def __init__(self, service: StateService, first: tuple, stripe: int, hashes: bytes, largest: int,
+                 kept: Optional[tuple], sender, first_s: float) -> None:
+        self.service, self.stripe, self.hashes, self.largest = service, stripe, hashes, largest
+        self.round, self.sha, self.total, head = first[:4]
+        self.blob, self.done = (kept[1], kept[2]) if kept is not None else (bytearray(self.total), set())
+        self.resumed = len(self.done)
+        self.blob[:len(head)] = head
+        offsets = range(stripe, self.total, stripe)
+        self.count = len(offsets)
+        self.todo = [off for off in offsets if off not in self.done][::-1]  # the next one last
+        self.flying: dict = {}  # offset -> [when its first request went out, how many requests are out]
+        self.took = [first_s]  # seconds each stripe took
+        self.served = {sender.to_base58(): len(head)}
+
+    def complete(self) -> bool:
+        return len(self.done) >= self.count
+
+    def landed(self, peer, off: int, piece: bytes, seconds: float) -> None:
+        """A stripe that matched the manifest arrived from ``peer``."""
+        self.took.append(seconds)
+        if off not in self.done:
+            self.blob[off:off + len(piece)] = piece
+            name = peer.to_base58()
+            self.served[name] = self.served.get(name, 0) + len(piece)
+            self.done.add(off)
+
+    def overdue(self) -> Optional[int]:
+        """A stripe asked of one peer long ago (a holder that hangs, a link that stalls): an idle peer asks for
+        it too, and the first answer counts."""
+        now, typical = time.perf_counter(), sorted(self.took)[len(self.took) // 2]
+        late = [(t0, off) for off, (t0, n) in self.flying.items() if n == 1 and now - t0 > max(HEDGE_S, 4 * typical)]
+        return min(late)[1] if late else None
+
+    async def pull_from(self, peers: Sequence[Any]) -> None:
+        """Every peer takes the next stripe as soon as it has sent its last, until all are done or every peer
+        failed; a request still out to a hung peer is then given up (its stripe came from another)."""
+        tasks = [asyncio.ensure_future(self._pull(p)) for p in peers]
+        while not self.complete() and not all(t.done() for t in tasks):
+            await asyncio.wait(tasks, timeout=0.2)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _pull(self, peer) -> None:
+        while not self.complete():
+            off = self.todo.pop() if self.todo else self.overdue()
+            if off is None:  # the rest is in flight: take a stripe over if its peer fails or hangs
+                await asyncio.sleep(0.05)
+                continue
+            out = self.flying.setdefault(off, [time.perf_counter(), 0])
+            out[1] += 1
+            t0 = time.perf_counter()
+            try:
+                got = await self.service.fetch(peer, self.round, self.largest, off, self.sha)
+                if got[:3] != (self.round, self.sha, self.total):
+                    raise ValueError(f"serves another state (round {got[0]}, {got[2]} bytes)")
+                _check_stripe(got[3], off, self.stripe, self.hashes, self.total)
+                self.landed(peer, off, got[3], time.perf_counter() - t0)
+            except Exception as e:
+                if off not in self.done and out[1] == 1:
+                    self.todo.append(off)  # another peer fetches it
+                self.service.failed(peer, e)
+                return
+            finally:
+                out[1] -= 1
+                if not out[1]:
+                    self.flying.pop(off, None)
 
 
 class _Later:
-    """A state published as a function that makes its bytes (:meth:`StateMixin.publish_state`): made, with its
+    """A state published as a function that makes its bytes (:meth:`StateService.publish`): made, with its
     manifest, on a thread of its own when :meth:`start` is first called; ``made`` is then the snapshot tuple."""
 
-    def __init__(self, epoch: int, make: Callable[[], bytes]) -> None:
-        self.epoch, self._make = epoch, make
+    def __init__(self, round: int, make: Callable[[], bytes]) -> None:
+        self.round, self._make = round, make
         self.made: Optional[tuple[int, bytes, bytes, bytes]] = None
         self._started = threading.Lock()
 
@@ -334,9 +336,9 @@ class _Later:
         try:
             blob = self._make()
             man = manifest(blob)
-            self.made = (self.epoch, blob, hashlib.sha256(man).digest(), man)
+            self.made = (self.round, blob, hashlib.sha256(man).digest(), man)
         except Exception as e:  # the requests wait and give up; training is not this thread's to stop
-            log.warning("the state of epoch %d could not be made for a peer that asked: %s: %s", self.epoch,
+            log.warning("the state of round %d could not be made for a peer that asked: %s: %s", self.round,
                         type(e).__name__, e)
         finally:
             self._make = None  # what it held (a copy of the state) is no longer needed
@@ -366,34 +368,3 @@ def _check_stripe(piece: bytes, off: int, stripe: int, hashes: bytes, total: int
     k = off // stripe
     if len(piece) != min(stripe, total - off) or hashlib.sha256(piece).digest() != hashes[32 * k:32 * k + 32]:
         raise ValueError(f"the stripe at {off} ({len(piece)} bytes) does not match the state's manifest")
-
-
-def fingerprint(tensors: Sequence[torch.Tensor], per_tensor: int = 8) -> bytes:
-    """A sketch of a list of tensors: ``per_tensor`` evenly spaced values of each, as float32 bytes.
-
-    The positions are worked out in float64 on the tensor's device: in float32 the last one of a tensor of more
-    than 2^24 values could round past its end. The samples of the tensors on one device are read back together
-    (one wait for a GPU, not two per tensor)."""
-    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-    for i, t in enumerate(tensors):
-        flat = t.detach().reshape(-1)
-        n = flat.numel()
-        idx = torch.linspace(0, max(n - 1, 0), min(per_tensor, n), dtype=torch.float64, device=flat.device)
-        by_device.setdefault(flat.device, []).append((i, flat[idx.round().long().clamp_(max=max(n - 1, 0))]))
-    parts: list[Optional[torch.Tensor]] = [None] * len(tensors)
-    for samples in by_device.values():
-        values = torch.cat([x.float() for _, x in samples]).cpu()
-        for (i, _), piece in zip(samples, values.split([x.numel() for _, x in samples])):
-            parts[i] = piece
-    return torch.cat(parts).numpy().tobytes() if parts else b""
-
-
-def same_state(a: bytes, b: bytes, rtol: float = 1e-4) -> bool:
-    """Whether two sketches describe the same state up to float rounding (relative ``rtol``)."""
-    if len(a) != len(b) or len(a) % 4:
-        return False
-    if a == b:
-        return True
-    x = torch.frombuffer(bytearray(a), dtype=torch.float32)
-    y = torch.frombuffer(bytearray(b), dtype=torch.float32)
-    return bool(((x - y).abs() <= rtol * torch.maximum(x.abs(), y.abs()) + 1e-12).all())

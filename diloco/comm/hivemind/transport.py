@@ -1,165 +1,52 @@
-"""The swarm peer: the DHT, its registry of live peers and the collectives, over the epoch, state and ledger mixins."""
+"""The swarm peer: :class:`HivemindTransport` composes the phases of a round (each a module of this package)
+over one :class:`~diloco.comm.hivemind.node.Node`, runs one round per collective, and reports each round."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import glob
 import hashlib
-import itertools
-import os
-import re
-import signal
-import socket
-import tempfile
-import threading
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from diloco.comm.base import Transport, TransportError, die_with_parent
-from diloco.comm.hivemind.auth import _make_authorizer, check_run_name
-from diloco.comm.hivemind.epoch import EpochMixin, EpochResult, _servicer_class
-from diloco.comm.hivemind.framing import EXCHANGE_DEFAULT_S, Pace, _now, log, matchmaking_window, seconds_or_auto
-from diloco.comm.hivemind.ledger import LedgerMixin, PeerRecord
-from diloco.comm.hivemind.state import StateMixin
+from diloco.comm.base import Transport, TransportError
+from diloco.comm.hivemind.auth import check_run_name
+from diloco.comm.hivemind.commit import resync_sources
+from diloco.comm.hivemind.deadlines import STATE_CEILING_S, Deadlines
+from diloco.comm.hivemind.framing import _now, log
+from diloco.comm.hivemind.inbox import Inbox
+from diloco.comm.hivemind.ledger import Ledger
+from diloco.comm.hivemind.links import Links
+from diloco.comm.hivemind.matchmaking import Matchmaker
+from diloco.comm.hivemind.node import Node
+from diloco.comm.hivemind.push import Pusher
+from diloco.comm.hivemind.registry import Registry, Standing
+from diloco.comm.hivemind.report import RoundReport, RoundResult
+from diloco.comm.hivemind.round import Round
+from diloco.comm.hivemind.state import StateService
 
 
-def _dht_class():
-    from hivemind.dht import DHT
-
-    class PeerDHT(DHT):
-        def run(self) -> None:
-            die_with_parent()
-            # signals are for the peer's main process, which saves, leaves the swarm and then stops this one
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, signal.SIG_IGN)
-            super().run()
-
-    return PeerDHT
-
-
-_TAGS = itertools.count()
-MEND_S = 10.0  # how often a peer redials the run's peers it lost (a partition that healed, a link that came back)
-SEEN_S = 600.0  # a peer seen in the registry this recently is redialled when it is no longer connected or in the DHT
-
-
-async def _redial(maddrs: list, pids: list, connected: set, dht, node) -> int:
-    """In the DHT process: dial the bootstrap addresses ``maddrs``, and each of the peers ``pids`` (base58, at the
-    addresses libp2p knows for them) that is not ``connected``, missing from this node's routing table or banned
-    from its searches; ping each, so that both DHT nodes put the other back in their routing tables and this one
-    lifts its ban on it. A partition empties the tables (every request that timed out removed its peer), and
-    nothing refills them by itself: not even when libp2p's connection outlived the partition, as one shorter
-    than the connection's keepalive does (such a connection resumes at TCP's next retransmission, and a later
-    mend pings again). How many answered."""
-    from hivemind.p2p import PeerID
-    from hivemind.utils.multiaddr import Multiaddr
-
-    targets: dict = {}
-    for m in maddrs:
-        try:
-            ma = Multiaddr(m)
-            targets[PeerID.from_base58(ma["p2p"])] = [ma.decapsulate(Multiaddr(f"/p2p/{ma['p2p']}"))]
-        except Exception:
-            continue
-    table, banned = node.protocol.routing_table, node.blacklist
-    for pid in pids:
-        peer = PeerID.from_base58(pid)
-        if pid not in connected or peer not in table or peer in banned:
-            targets.setdefault(peer, [])
-
-    async def one(pid, addrs) -> bool:
-        try:
-            await asyncio.wait_for(node.p2p._client.connect(pid, addrs), 5)
-            if await asyncio.wait_for(node.protocol.call_ping(pid), 5) is None:
-                return False
-        except Exception:
-            return False
-        try:  # its failures during the partition banned it from searches, for 5 s x 2^failures: it answers now
-            node.blacklist.register_success(pid)
-        except KeyError:
-            pass
-        return True
-
-    return sum(await asyncio.gather(*(one(p, a) for p, a in targets.items())))
-
-
-def _socket_tag() -> str:
-    """Give the p2pd this peer starts socket names of its own, so that they can be found and removed later.
-
-    hivemind names the unix sockets of a daemon and its clients ``<prefix>p2pd-<random>.sock`` and
-    ``<prefix>p2pclient-<random>.sock``; the DHT process, forked next, inherits the prefix set here.
-    """
-    from hivemind.p2p import P2P
-
-    tag = f"hivemind-loco{os.getpid()}x{next(_TAGS)}-"
-    P2P._UNIX_SOCKET_PREFIX = f"/unix{tempfile.gettempdir()}/{tag}"
-    return os.path.join(tempfile.gettempdir(), tag)
-
-
-def _remove_sockets(prefix: str) -> None:
-    for path in glob.glob(glob.escape(prefix) + "*.sock"):
-        try:
-            os.remove(path)
-        except OSError:
-            pass
-
-
-def _tcp_endpoint(maddr: str) -> Optional[tuple[str, int]]:
-    parts = str(maddr).split("/")
-    try:
-        host = next(parts[i + 1] for i, p in enumerate(parts) if p in ("ip4", "ip6", "dns", "dns4", "dns6"))
-        port = int(next(parts[i + 1] for i, p in enumerate(parts) if p == "tcp"))
-    except (StopIteration, IndexError, ValueError):
-        return None
-    return host, port
-
-
-def _answers(endpoint: tuple[str, int], timeout: float = 3.0) -> bool:
-    try:
-        with socket.create_connection(endpoint, timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def join_failure(error: Exception, initial_peers: Sequence[str], keyed: bool) -> str:
-    """One line on why this peer could not join: the bootstrap peers could not be reached, or they answered
-    and refused it (another run key), or hivemind's own reason, without its advice about its arguments."""
-    text = re.sub(r"\s*\(set ensure_bootstrap_success=False to ignore\)", "", str(error)).strip()
-    if not initial_peers or "bootstrap" not in text:
-        return text or type(error).__name__
-    endpoints = {str(m): _tcp_endpoint(m) for m in initial_peers}
-    answered = [m for m, ep in endpoints.items() if ep is not None and _answers(ep)]
-    if not answered:
-        where = ", ".join(f"{ep[0]}:{ep[1]}" if ep else m for m, ep in endpoints.items())
-        return (f"no bootstrap peer could be reached ({where}: nothing answers there); check the address in "
-                f"--peers and that the peer is running and reachable from this machine")
-    if "none of the initial_peers responded" in text:
-        key = ("this peer's run key is not the run's (the run has another one, or none)" if keyed
-               else "the run has a run key and this peer has none")
-        return (f"the bootstrap peer {answered[0]} answered but refused this peer: {key} (check --run-key or "
-                f"--run-key-file)")
-    return (f"something answers at {answered[0]} but the libp2p connection failed: is the /p2p/ id in the "
-            f"address that peer's? ({text.splitlines()[-1] if text else type(error).__name__})")
-
-
-class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
+class HivemindTransport(Transport):
     """One peer of a swarm named ``run``. See the package docstring (:mod:`diloco.comm.hivemind`).
 
     ``initial_peers``: multiaddrs of peers already in the run (none: this peer starts it).
-    ``matchmaking_time``: how long the first peer of an epoch waits for the others; ``"auto"`` (or None):
+    ``matchmaking_time``: how long the first peer of a round waits for the others; ``"auto"`` (or None):
     3 x how long recent complete groups took to form, 5 to 60 s.
     ``exchange_timeout``: how long to wait for members' payloads once the group is formed; ``"auto"`` (or
     None, the default): from the bytes the group moves and this peer's measured exchange rate (60 s until it
-    has measured one; see :func:`~diloco.comm.hivemind.framing.exchange_deadline`). Seconds fix either.
-    ``wait_rounds``: a peer that reaches an epoch first waits for the peers announced there until their
+    has measured one; see :func:`~diloco.comm.hivemind.deadlines.exchange_deadline`). Seconds fix either.
+    ``wait_rounds``: a peer that reaches a round first waits for the peers announced there until their
     announced arrival, at most this many of its own rounds (so peers up to that much slower still meet it).
     ``norm_clip`` / ``clip_action``: contributions above ``norm_clip`` x the median norm of the other
     members are scaled down to that bound (``clip``) or left out (``drop``); 0 turns this off.
     ``weight_clip``: a member's announced weight (the tokens of its round) counts at most this many times the
     median of the other members' weights; 0 turns this off.
+    ``observer``: only read the DHT (``loco status``): no heartbeat, no handlers.
+
+    Set by the driver after construction: ``fingerprint_fn`` (the sketch of this peer's state, announced every
+    round), ``stop_requested`` (true: stop waiting for late peers), ``max_state_bytes`` (the largest state this
+    peer downloads; None: ``max_payload_bytes``) and ``on_phase`` (see :meth:`Node.phase`).
     """
 
     rank = 0
@@ -182,286 +69,227 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
             raise ValueError(f"norm_clip must be >= 0, got {norm_clip}")
         if not (weight_clip == 0 or weight_clip >= 1):
             raise ValueError(f"weight_clip must be 0 (off) or at least 1, got {weight_clip}")
-        self.key = run_key or b""
-        # the deadlines: fixed (seconds given) or None, adaptive; the current ones are matchmaking_time and
-        # exchange_timeout, which an adaptive peer resets every epoch from its measurements (rate, forming)
-        self.fixed_matchmaking_time = seconds_or_auto(matchmaking_time, "matchmaking_time")
-        self.fixed_exchange_timeout = seconds_or_auto(exchange_timeout, "exchange_timeout")
-        self.matchmaking_time = (self.fixed_matchmaking_time if self.fixed_matchmaking_time is not None
-                                 else matchmaking_window(None))
-        self.exchange_timeout = (self.fixed_exchange_timeout if self.fixed_exchange_timeout is not None
-                                 else EXCHANGE_DEFAULT_S)
-        self.rate = Pace()  # bytes/s (sent + received) of this peer's recent complete exchanges
-        self.forming = Pace()  # seconds its recent complete groups took to form
-        self._live_seen = 0  # how many other live peers its latest rendezvous found (bounds the next group)
-        self.heartbeat_ttl, self.norm_clip, self.clip_action = heartbeat_ttl, float(norm_clip), clip_action
-        self.weight_clip = float(weight_clip)
-        self.max_payload_bytes, self.client_mode = max_payload_bytes, client_mode
-        # the largest state this peer downloads (None: max_payload_bytes); a driver sets it from its model
-        # (launch.join: 16 bytes a parameter), since a 1B DiLoCo state is about 8.8 GB
+        self.deadlines = Deadlines(matchmaking_time, exchange_timeout)
+        self.norm_clip, self.clip_action, self.weight_clip = float(norm_clip), clip_action, float(weight_clip)
+        self.max_payload_bytes = max_payload_bytes
         self.max_state_bytes: Optional[int] = None
-        self.schema = hashlib.sha256(f"loco-swarm-v2|{run}|{schema}".encode()).digest()
-        self.settings = schema  # announced in the registry: a peer of this run with other settings is named
-        self._foreign: set[str] = set()  # the peers of this run announcing other settings, named once each
-        self._apart = 0  # how many of them the latest rendezvous found live
-        self.epoch = 0  # exchanges this peer's state has been through (downloaded state carries it)
-        self.stale = False  # True from jumping ahead to the others' epoch until this peer downloads their state
         self.fingerprint_fn: Optional[Callable[[], bytes]] = None
-        # what the registry announces besides the epoch: "train" (with the time this peer expects to reach the
-        # next epoch, eta, from its last round's length round_s), "wait" (at the epoch, waiting for the peers
-        # announced there), "group" (forming the group) or "resync" (downloading the group's state)
+        self.stop_requested: Optional[Callable[[], bool]] = None
         self.wait_rounds = float(wait_rounds)
-        self.phase, self.eta, self.round_s = "train", None, None
-        self._round_start = time.perf_counter()
-        self.last_group = 1  # how many peers averaged the state this peer holds (its latest epoch's group)
-        self.stop_requested: Optional[Callable[[], bool]] = None  # true: stop waiting for late peers (a signal)
-        self.on_phase: Optional[Callable[[str, Any], Any]] = None  # async (phase, data) -> data: see _phase
-        self.resync_from: list = []  # peers holding the majority state, set when this peer's state differs
-        self.ledger: dict[str, PeerRecord] = {}
-        self.history: list[dict] = []  # one record per epoch (also written by the driver)
-        self.last: Optional[EpochResult] = None
-        self.status: dict[str, Any] = {}  # extra fields of this peer's registry entry (throughput, step...)
-        self.suspects: dict[str, float] = {}  # peer -> when it last failed us; forgiven once it heartbeats again
-        self._inbox: dict = {}  # (group id, kind, epoch) -> {sender: bytes}: this epoch's pushes, purged at its end
-        self._window = None  # what this peer accepts during its current exchange (limits.Window); None between
-        self._ended = None  # the last exchange's window: members may still relay through this peer in it
-        self._linked: set[str] = set()  # peers libp2p has shown connected to this one (base58)
-        self._seen: dict[str, float] = {}  # base58 -> when the registry last listed it (see _mend)
-        self._ever: set[str] = set()  # peers of the run libp2p has shown connected to this one (_mend, _lost)
-        self.initial_peers = [str(m) for m in initial_peers]
-        self._relayed: set = set()  # members this epoch's pushes reached only through another member
-        self._unreachable: dict[str, float] = {}  # base58 -> when a direct push to it last failed
-        self._snapshot: Optional[tuple[int, bytes, bytes, bytes]] = None  # (epoch, blob, sha256, manifest)
-        self._pinned: dict[bytes, tuple] = {}  # sha -> (*snapshot, last request): in use by a download
-        self.state_sources: dict[str, int] = {}  # the last downloaded state: bytes from each peer (base58)
-        self._partial = None  # (sha, blob, offsets received) of a download every holder failed part-way
-        self._closed = False
-        self._background: set[asyncio.Task] = set()  # tasks started by announce(), held until they end
-        self.observer = observer  # only reads the DHT (loco status): no heartbeat, no handlers
-
-        kwargs: dict[str, Any] = dict(
-            initial_peers=list(initial_peers), start=True, host_maddrs=list(host_maddrs) or ["/ip4/127.0.0.1/tcp/0"],
-            identity_path=identity_path, use_relay=use_relay, use_auto_relay=use_auto_relay,
-            nat_port_map=nat_port_map, client_mode=client_mode, startup_timeout=startup_timeout,
-            ensure_bootstrap_success=True, await_ready=True)
+        self.observer = observer
+        options: dict[str, Any] = dict(
+            host_maddrs=list(host_maddrs) or ["/ip4/127.0.0.1/tcp/0"], identity_path=identity_path,
+            use_relay=use_relay, use_auto_relay=use_auto_relay, nat_port_map=nat_port_map, client_mode=client_mode,
+            startup_timeout=startup_timeout)
         if announce_maddrs:
-            kwargs["announce_maddrs"] = list(announce_maddrs)
-        if self.key:
-            kwargs["authorizer"] = _make_authorizer(self.key)
-        self._sockets = _socket_tag()  # this peer's p2pd sockets, removed whatever way it ends
-        kwargs["start"] = False
-        self.dht = _dht_class()(**kwargs)
+            options["announce_maddrs"] = list(announce_maddrs)
+        self.node = Node(run, run_key or b"", initial_peers, options)
+        self.peer_id, self.me = self.node.peer_id, self.node.me
+        self.standing = Standing()
+        self.links = Links(self.node, initial_peers)
+        self.registry = Registry(self.node, self.links, self.standing, schema, heartbeat_ttl)
+        self.inbox = Inbox(self.node, self.deadlines, self.registry)
+        self.pusher = Pusher(self.node)
+        self.matchmaker = Matchmaker(self.node, self.deadlines,
+                                     hashlib.sha256(f"loco-swarm-v2|{run}|{schema}".encode()).digest(), client_mode)
+        self.state = StateService(self.node, self.deadlines)
+        self.ledger = Ledger(self.node, self.registry.subkeys)
+        self._last: Optional[RoundResult] = None  # the latest round's (its payloads handed to the collective)
+        self._report: Optional[RoundReport] = None  # the latest round's report, until the driver takes it
+        self._round_start = time.perf_counter()
+        self._tasks: list[asyncio.Task] = []
         try:
-            self.dht.run_in_background(await_ready=True)
-        except Exception as e:
-            self._abandon_dht()
-            raise TransportError(f"could not start or join the swarm {run!r}: "
-                                 f"{join_failure(e, initial_peers, bool(self.key))}") from None
-        self.peer_id = self.dht.peer_id  # a blocking round trip: read it before our loop starts
-        self.me = self.peer_id.to_base58()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="loco-hivemind", daemon=True)
-        self._thread.start()
-        try:
-            self._call(self._setup(), 60)
+            self.node.call(self._setup(), 60)
         except BaseException:
             self.close()
             raise
 
-    # ---- plumbing ---------------------------------------------------------------------------
-    def _call(self, coro, timeout: Optional[float] = None) -> Any:
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return fut.result(timeout)
-        except BaseException:
-            fut.cancel()
-            raise
-
     async def _setup(self) -> None:
-        from hivemind.averaging.matchmaking import Matchmaking
-
-        self._arrived = asyncio.Event()
-        self.p2p = await self.dht.replicate_p2p()
+        await self.node.replicate()
         if self.observer:
             return
-        servicer_cls = _servicer_class()
-        self.mm = Matchmaking(self.p2p, self.schema, self.dht, servicer_type=servicer_cls, prefix=self.run,
-                              target_group_size=None, min_group_size=2,
-                              min_matchmaking_time=self.matchmaking_time,
-                              request_timeout=max(0.5, min(3.0, self.matchmaking_time / 3)),
-                              client_mode=self.client_mode)
-        servicer = servicer_cls()
-        servicer.mm = self.mm
-        await servicer.add_p2p_handlers(self.p2p, namespace=self.run)
-        await self.p2p.add_binary_stream_handler(f"{self.run}.push", self._on_push)
-        await self.p2p.add_binary_stream_handler(f"{self.run}.state", self._on_state_request)
-        await self._heartbeat()
-        self._beats = asyncio.create_task(self._beat_forever())
-        self._mending = asyncio.create_task(self._mend_forever())
+        await self.matchmaker.serve()
+        await self.inbox.serve()
+        await self.state.serve()
+        await self.registry.beat()
+        self._tasks = [asyncio.create_task(self.registry.beat_forever()),
+                       asyncio.create_task(self.links.mend_forever())]
 
-    async def _beat_forever(self) -> None:
-        """Keep this peer's registry entry fresh through rounds longer than its time to live."""
-        while True:
-            await asyncio.sleep(self.heartbeat_ttl / 3)
-            await self._heartbeat_or_log()
+    @property
+    def on_phase(self) -> Optional[Callable[[str, Any], Any]]:
+        return self.node.on_phase
 
-    async def _heartbeat_or_log(self) -> None:
-        """A heartbeat whose failure is logged: the next one announces the same."""
-        try:
-            await self._heartbeat()
-        except Exception as e:
-            log.info("peer %s: heartbeat failed: %s", self.me[-8:], e)
+    @on_phase.setter
+    def on_phase(self, hook: Optional[Callable[[str, Any], Any]]) -> None:
+        self.node.on_phase = hook
 
-    async def _mend_forever(self) -> None:
-        while True:
-            await asyncio.sleep(MEND_S)
-            try:
-                await self._mend()
-            except Exception as e:
-                log.info("peer %s: redialling lost peers failed: %s", self.me[-8:], e)
+    @property
+    def round(self) -> int:
+        """The rounds this peer's state has been through (a downloaded state carries its own)."""
+        return self.standing.round
 
-    async def _mend(self) -> None:
-        """Redial the peers of this run that libp2p was connected to (if seen in the registry within ``SEEN_S``)
-        and that are no longer connected, or no longer in this DHT node's routing table; the bootstrap peers too
-        when none is connected. Every ``MEND_S`` (_mend_forever). After a partition heals, this is what joins the
-        two sides again: their DHT nodes dropped each other meanwhile (see _redial). Peers never connected (both
-        behind NAT, say) are not dialled: they reach each other through members."""
-        now = time.monotonic()
-        connected = {i.peer_id.to_base58() for i in await self.p2p.list_peers()}
-        self._ever |= connected & set(self._seen)
-        recent = sorted((pid for pid, t in self._seen.items() if pid in self._ever and now - t < SEEN_S),
-                        key=lambda pid: -self._seen[pid])[:16]
-        boot = self.initial_peers if not (connected & set(self._seen)) else []
-        if not recent and not boot:
-            return
-        found = await self.dht.run_coroutine(functools.partial(_redial, boot, recent, connected), return_future=True)
-        if found:
-            log.info("peer %s: redialled %d peer(s) of the run it had lost", self.me[-8:], found)
+    @property
+    def stale(self) -> bool:
+        """Whether this peer followed the others to a later round and holds an older state until it takes
+        theirs."""
+        return self.standing.stale
+
+    def adopted(self, round: int) -> None:
+        """This peer took a state of ``round`` (downloaded, or its own set back): it is in step at that round."""
+        self.standing.round, self.standing.stale = round, False
+
+    def take_report(self) -> Optional[RoundReport]:
+        """The report of the latest round, once (None when no round ended since the last call)."""
+        report, self._report = self._report, None
+        return report
 
     def visible_maddrs(self) -> list[str]:
-        return [str(m) for m in self.dht.get_visible_maddrs()]
+        return self.node.visible_maddrs()
+
+    def daemon_alive(self) -> bool:
+        return self.node.daemon_alive()
 
     def close(self) -> None:
         """Leave the swarm: stop serving, shut the P2P replica, then the DHT process (and its p2pd)."""
-        if self._closed:
-            return
-        self._closed = True
-        # a dead daemon (killed, crashed) can neither carry the leave nor stop the DHT process gracefully: both
-        # would wait their timeouts (3 s each) for nothing
-        daemon = self.daemon_alive()
+        self.node.close(None if self.observer else self.registry.leave)
+
+    # ---- one round --------------------------------------------------------------------------
+    def exchange(self, payload: bytes) -> RoundResult:
+        """Run one round: form a group, send ``payload`` to every member, agree on who delivered."""
+        fp = self.fingerprint_fn() if self.fingerprint_fn is not None else b""
+        compute_s = time.perf_counter() - self._round_start
+        s, d = self.standing, self.deadlines
+        d.before_round(len(payload), max(s.group - 1, self.registry.live_seen, 1))
+        # how long this peer waits for slower peers announced at this round: a few of its own rounds, each its
+        # training and its last exchange (on a slow link the exchange is most of a round)
+        last_exchange = self._last.seconds if self._last is not None and not self._last.alone else 0.0
+        wait_cap = max(d.matchmaking_time, self.wait_rounds * (compute_s + last_exchange))
+        rnd = Round(node=self.node, standing=s, registry=self.registry, deadlines=d, matchmaker=self.matchmaker,
+                    inbox=self.inbox, pusher=self.pusher, payload=payload, fp=fp, wait_cap=wait_cap,
+                    largest=self.max_payload_bytes, stop_requested=self.stop_requested)
         try:
-            if self._thread.is_alive():
-                try:
-                    self._call(self._shutdown(leave=daemon), 10)
-                except Exception as e:
-                    log.warning("hivemind: leaving the swarm uncleanly: %s", e)
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                self._thread.join(5)
-        finally:
-            if daemon:
-                self.dht.shutdown()
-            self._reap_dht(0.5 if daemon else 0.0)  # shutdown() waited its grace period: the rest ignores SIGTERM
-            _remove_sockets(self._sockets)
+            result = self.node.call(rnd.run(), wait_cap + d.matchmaking_time * 4 + d.exchange_timeout * 3 + 60)
+        except Exception as e:  # a failed exchange is a round done alone, never the end of training
+            result = self._failed(payload, fp, e)
+        self._finish(result, fp)
+        # the next round starts now: announce when this peer expects to reach the next round
+        s.round_s = compute_s
+        self._round_start = time.perf_counter()
+        s.phase, s.eta = "train", _now() + compute_s
+        try:
+            self.node.call(self.registry.beat(), 30)
+        except Exception as e:
+            log.info("peer %s: heartbeat failed: %s", self.node.tag, e)
+        return result
 
-    def daemon_alive(self) -> bool:
-        """Whether this peer's p2pd accepts a connection on its control socket (named under ``_sockets``, see
-        :func:`_socket_tag`): False once the daemon died (killed, crashed; its socket file stays behind), when
-        nothing sent through it can arrive. With no socket file to probe it counts as alive."""
-        paths = glob.glob(glob.escape(self._sockets) + "p2pd-*.sock")
-        if not paths:
-            return True
-        for path in paths:
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            probe.settimeout(1.0)
-            try:
-                probe.connect(path)
-                return True
-            except OSError:
-                pass
-            finally:
-                probe.close()
-        return False
+    def _failed(self, payload: bytes, fp: bytes, e: Exception) -> RoundResult:
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        if not self.node.daemon_alive():  # for good: say what happened and what to do, not the socket's errno
+            why = ("this peer's p2p daemon (p2pd) is gone, killed or crashed: it cannot reach the swarm again "
+                   "until it is started again (Ctrl-C saves a checkpoint; then run loco join again)")
+        s = self.standing
+        log.warning("peer %s | round %d: the exchange failed (%s); this round is done alone", self.node.tag, s.round,
+                    why)
+        return RoundResult(s.round, "", [self.peer_id], {self.peer_id: payload},
+                           {self.peer_id: {"fp": fp, "stale": s.stale, "g": s.group}}, alone=True,
+                           notes=[f"the exchange failed ({why})"], deadline_s=self.deadlines.exchange_timeout)
 
-    def _reap_dht(self, wait: float) -> None:
-        """Wait up to ``wait`` s for the DHT process to end, then kill it: hivemind's fallback is SIGTERM, which
-        this process ignores (see _dht_class), and it holds nothing to save."""
-        self.dht.join(wait)
-        if self.dht.is_alive():
-            os.kill(self.dht.pid, signal.SIGKILL)
-            self.dht.join(5)
+    def _finish(self, result: RoundResult, fp: bytes) -> None:
+        """After a round: this peer is at the next one, and knows whose state is the group's (its report says
+        whom to download it from when this peer's differs)."""
+        s = self.standing
+        resync = resync_sources(result.members, result.meta, fp)
+        if not resync:
+            s.stale = False
+        s.group = len(result.members)
+        s.round += 1
+        self._last = result
+        for note in result.notes:
+            log.info("peer %s | round %d: %s", self.node.tag, result.round, note)
+        # the transport counts this round's bytes (_moved) once the collective has them
+        self._report = result.report(resync, self.stats.bytes_sent + result.sent_bytes,
+                                     self.stats.bytes_received + result.received_bytes)
 
-    def _abandon_dht(self) -> None:
-        """After a failed start: stop the DHT process (and its p2pd) and remove the sockets they made."""
-        self._reap_dht(self.dht.shutdown_timeout)
-        _remove_sockets(self._sockets)
+    def record_contributions(self, accepted: dict[str, float], rejected: dict[str, str],
+                             clipped: dict[str, float], weights_clipped: Optional[dict[str, float]] = None) -> None:
+        weights_clipped = weights_clipped or {}
+        self.ledger.warn(self._last.round if self._last is not None else self.standing.round, accepted, rejected,
+                         clipped, weights_clipped)
+        if self._last is None:
+            return
+        self.ledger.account(accepted, rejected, clipped, weights_clipped)
+        if self._report is not None:
+            self._report = self._report.weighed(accepted, rejected, clipped, weights_clipped)
+        try:
+            self.node.call(self.ledger.publish(), 30)
+        except Exception as e:
+            log.info("peer %s: could not publish the ledger: %s", self.node.tag, e)
 
-    async def _shutdown(self, leave: bool = True) -> None:
-        if leave and not self.observer:
-            try:  # leave the registry now rather than when the entry expires (a dead daemon cannot)
-                await asyncio.wait_for(self.dht.store(f"{self.run}.peers", subkey=self.me, value=None,
-                                                      expiration_time=_now() + 1, return_future=True), 3)
-            except Exception:
-                pass
-        await self.p2p.shutdown()
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    # ---- DHT records ------------------------------------------------------------------------
-    async def _heartbeat(self) -> None:
-        value = {"epoch": self.epoch, "time": _now(), "phase": self.phase, "eta": self.eta, "round_s": self.round_s,
-                 "settings": self.settings, **self.status}
-        await self.dht.store(f"{self.run}.peers", subkey=self.me, value=value,
-                             expiration_time=_now() + self.heartbeat_ttl, return_future=True)
-
-    async def _subkeys(self, key: str) -> dict[str, dict]:
-        """A DHT dictionary record as {subkey: value}, keeping only dict values (a leaving peer stores None)."""
-        res = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), 30)
-        if res is None or not isinstance(res.value, dict):
-            return {}
-        return {k: v.value for k, v in res.value.items() if isinstance(getattr(v, "value", None), dict)}
-
-    async def _registry(self) -> dict[str, dict]:
-        reg = await self._subkeys(f"{self.run}.peers")
-        now = time.monotonic()
-        for pid in reg:
-            if pid != getattr(self, "me", None):
-                self._seen[pid] = now
-        return reg
-
-    def _alike(self, entry: dict) -> bool:
-        """Whether a registry entry announces this peer's settings (one of an older version, announcing none,
-        counts as alike)."""
-        return entry.get("settings", self.settings) == self.settings
-
+    # ---- the registry and the state ---------------------------------------------------------
     def peers(self) -> dict[str, dict]:
-        """The run's live peers from the DHT registry: peer id -> {epoch, time, throughput, ...}."""
-        return self._call(self._registry(), 30)
+        """The run's live peers from the DHT registry: peer id -> {epoch (its round), time, throughput, ...}."""
+        return self.node.call(self.registry.read(), 30)
 
     def heartbeat(self, **status: Any) -> None:
         """Announce ``status`` in the registry. A heartbeat that fails (the DHT unreachable for a while, as
         after this machine was suspended or cut off) is logged, and the next one announces the same: training
         goes on."""
-        self.status.update(status)
+        self.registry.status.update(status)
         try:
-            self._call(self._heartbeat(), 30)
+            self.node.call(self.registry.beat(), 30)
         except Exception as e:
-            log.warning("peer %s: heartbeat failed (%s); the next round announces this peer again", self.me[-8:],
+            log.warning("peer %s: heartbeat failed (%s); the next round announces this peer again", self.node.tag,
                         f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
 
-    def announce(self) -> None:
-        """Heartbeat in the background: a change of phase that must not hold the caller up (a DHT store waits
-        on every node it stores to, a hung one included)."""
-        self._loop.call_soon_threadsafe(self._in_background, self._heartbeat_or_log)
+    def publish_state(self, blob: Union[bytes, Callable[[], bytes]]) -> None:
+        """Serve ``blob`` (this peer's state after its latest round) to peers that ask for it: its bytes, or a
+        function that makes them, called only when a peer first asks for this state."""
+        self.state.publish(self.standing.round, blob)
 
-    def _in_background(self, work: Callable[[], Any]) -> None:
-        """Run ``work()`` as a task of this peer's loop, held until it ends: the loop itself keeps only a weak
-        reference to a task, and a pending one that nothing else holds is collected mid-way ("Task was
-        destroyed but it is pending!", its heartbeat lost)."""
-        task = self._loop.create_task(work())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    @property
+    def state_sources(self) -> dict[str, int]:
+        """The last downloaded state: bytes from each peer (base58)."""
+        return self.state.sources
+
+    @property
+    def resumable(self) -> bool:
+        """Whether a download failed part-way and the next one of the same state goes on from its stripes."""
+        return self.state.resumable
+
+    def download_state(self, peers: Sequence[str] = (),
+                       min_round: Optional[int] = None) -> Optional[tuple[int, bytearray]]:
+        """The newest state other peers serve: (round, blob), or None when no peer has one; striped over every
+        peer that holds it.
+
+        ``peers``: peer ids (base58) to ask (default: the registry's peers, highest round first; those that
+        announce this peer's settings only, where there are any).
+        """
+        from hivemind.p2p import PeerID
+
+        if not peers:
+            entries = self.peers()
+            peers = self.registry.holders(entries)
+            if not peers:
+                return None
+            min_round = int(entries[peers[0]].get("epoch", 0)) if min_round is None else min_round
+        # the registry says this peer is downloading: peers reaching the next round first wait for it (within
+        # their cap) rather than for an arrival time that did not count the download
+        s = self.standing
+        s.phase = "resync"
+        self.registry.announce()
+        largest = self.max_state_bytes or self.max_payload_bytes
+        # each stripe's own timeout (state_timeout of its size) bounds the download; this only catches a hang
+        # elsewhere (opening a stream: 10 s; a header: STATE_WAIT_S + 10 s)
+        try:
+            return self.node.call(self.state.download([PeerID.from_base58(p) for p in peers], min_round or 0,
+                                                      largest), STATE_CEILING_S + 60)
+        except Exception as e:
+            log.warning("peer %s: the state download failed: %s: %s", self.node.tag, type(e).__name__, e)
+            return None
+        finally:  # its round starts now
+            self._round_start = time.perf_counter()
+            s.phase, s.eta = "train", (_now() + s.round_s if s.round_s else None)
+            self.registry.announce()
 
     # ---- collectives ------------------------------------------------------------------------
     def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
@@ -469,24 +297,24 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         result = self.exchange(payload)
         # a member whose own payload did not reach everyone is left out of the agreed set (its update too)
         out = [result.payloads[p] for p in result.members]
-        # handed over: ``last`` (kept until the next epoch) holds no payload, or every member's would stay in
-        # memory through the next round's training and meet the next round's (2 x 4.4 GB a member for 1B fp32)
+        # handed over: the result kept until the next round holds no payload, or every member's would stay in
+        # memory through the next round's training and meet the next round's
         result.payloads = {}
         return out
 
     def _moved(self, kind: str, sent: Sequence[int], received: Sequence[int]) -> tuple[int, int]:
         """What this peer's pushes really delivered, and what it took from the members it kept."""
-        return (self.last.sent_bytes, self.last.received_bytes) if self.last is not None else (0, 0)
+        return (self._last.sent_bytes, self._last.received_bytes) if self._last is not None else (0, 0)
 
     def member_names(self) -> list[str]:
-        return [p.to_base58() for p in self.last.members] if self.last is not None else [self.me]
+        return [p.to_base58() for p in self._last.members] if self._last is not None else [self.me]
 
     def _all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
         raise TransportError("the hivemind transport has no fixed ranks: it averages with all_reduce_* and "
                              "all_gather_bytes")
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
-        """Sum or average over the members of this epoch (raw fp32 payloads, validated and norm-clipped)."""
+        """Sum or average over the members of this round (raw fp32 payloads, validated and norm-clipped)."""
         from diloco.compress.collective import robust_all_reduce_
 
         robust_all_reduce_(self, tensors, op)
@@ -504,10 +332,19 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         raise TransportError("the hivemind transport averages with all_reduce_ (no fixed ranks)")
 
     def metrics(self) -> dict[str, Any]:
-        if self.last is None:
+        if self._last is None:
             return {}
-        return {"epoch": self.epoch, "group_size": len(self.last.members)}
+        return {"epoch": self.standing.round, "group_size": len(self._last.members)}
 
     def summary(self) -> dict[str, Any]:
-        return {"peer_id": self.me, "epochs": self.epoch,
-                "ledger": {pid: rec.as_list() for pid, rec in self.ledger.items()}}
+        return {"peer_id": self.me, "epochs": self.standing.round, "ledger": {pid: rec.as_list() for pid, rec in
+                                                                             self.ledger.records.items()}}
+
+
+def read_swarm(transport: HivemindTransport) -> dict[str, Any]:
+    """The run's registry and every peer's published ledger, as seen from the DHT (``loco status``)."""
+    async def both():
+        return await transport.registry.read(), await transport.ledger.published()
+
+    peers, ledgers = transport.node.call(both(), 60)
+    return {"peers": peers, "ledgers": ledgers}
