@@ -195,10 +195,10 @@ class Peer:
                 m.info(f"the run's state was refused ({refused}): starting from this peer's own initialisation, "
                        f"and a later round takes the group's state", 0)
             else:
-                epoch, blob = got
+                state_round, blob = got
                 self._align_step()
                 sources = len(t.state_sources)
-                m.info(f"downloaded the run's state (round {epoch}, {len(blob) / 1e6:.1f} MB"
+                m.info(f"downloaded the run's state (round {state_round}, {len(blob) / 1e6:.1f} MB"
                        + (f", in stripes from {sources} peers" if sources > 1 else "")
                        + f"); training from there at the run's step {tr.step}", tr.step)
                 if self.cfg.run.max_steps and tr.step >= self.cfg.run.max_steps:

@@ -146,13 +146,15 @@ class Registry:
         """Whether an entry announces this peer's settings (one announcing none counts as alike)."""
         return entry.get("settings", self.settings) == self.settings
 
-    def holders(self, entries: dict[str, dict]) -> list[str]:
-        """The other peers to download the run's state from, the newest round first: those that announce this
-        peer's settings only, where there are any (a state of other settings would be refused); where there are
-        none, the state comes, and the caller refuses it naming what differs."""
+    def holders(self, entries: dict[str, dict]) -> tuple[list[str], int]:
+        """The other peers to download the run's state from, the newest round first, and that round: those that
+        announce this peer's settings only, where there are any (a state of other settings would be refused);
+        where there are none, the state comes, and the caller refuses it naming what differs."""
         live = {pid: v for pid, v in entries.items() if pid != self.node.me}
         live = {pid: v for pid, v in live.items() if self.alike(v)} or live
-        return sorted(live, key=lambda pid: -int(live[pid].get("epoch", 0)))
+        rounds = {pid: int(v.get("epoch", 0)) for pid, v in live.items()}
+        order = sorted(live, key=lambda pid: -rounds[pid])
+        return order, rounds[order[0]] if order else 0
 
     def other_settings(self, pid: str, entry: dict, notes: list) -> bool:
         """Whether a peer of this run announces other settings (another model, codec or outer step: matchmaking

@@ -62,7 +62,7 @@ class HivemindTransport(Transport):
                  clip_action: str = "clip", weight_clip: float = 10.0, schema: str = "", max_payload_bytes: int = 4 << 30,
                  startup_timeout: float = 30.0, observer: bool = False, wait_rounds: float = 4.0) -> None:
         super().__init__()
-        self.run = check_run_name(run)
+        check_run_name(run)
         if clip_action not in ("clip", "drop"):
             raise ValueError(f"clip_action must be 'clip' or 'drop', got {clip_action!r}")
         if not norm_clip >= 0:
@@ -227,7 +227,7 @@ class HivemindTransport(Transport):
 
     # ---- the registry and the state ---------------------------------------------------------
     def peers(self) -> dict[str, dict]:
-        """The run's live peers from the DHT registry: peer id -> {epoch (its round), time, throughput, ...}."""
+        """The run's live peers from the DHT registry: peer id -> its entry ({epoch: its round, time, ...})."""
         return self.node.call(self.registry.read(), 30)
 
     def heartbeat(self, **status: Any) -> None:
@@ -267,11 +267,10 @@ class HivemindTransport(Transport):
         from hivemind.p2p import PeerID
 
         if not peers:
-            entries = self.peers()
-            peers = self.registry.holders(entries)
+            peers, newest = self.registry.holders(self.peers())
             if not peers:
                 return None
-            min_round = int(entries[peers[0]].get("epoch", 0)) if min_round is None else min_round
+            min_round = newest if min_round is None else min_round
         # the registry says this peer is downloading: peers reaching the next round first wait for it (within
         # their cap) rather than for an arrival time that did not count the download
         s = self.standing
@@ -331,6 +330,7 @@ class HivemindTransport(Transport):
     def _all_reduce_sum_(self, flat: torch.Tensor) -> None:
         raise TransportError("the hivemind transport averages with all_reduce_ (no fixed ranks)")
 
+    # metrics.jsonl and summary.json keep their keys: "epoch" is this peer's round, "epochs" its rounds
     def metrics(self) -> dict[str, Any]:
         if self._last is None:
             return {}
