@@ -80,6 +80,13 @@ class Inbox:
         a member it forwards to) is refused, or None: checked before any of the body is read."""
         if w is None:
             return "this peer is not in an exchange"
+        why = self._unsigned(w, sender, header, n, receiver)
+        if why is None and (sender, header["k"]) in w.reading:
+            why = "a second push of one kind while the first is being read"
+        return why or self._outside(w, sender, header["g"]) or self._misfit(w, sender, header["k"], n)
+
+    def _unsigned(self, w: Window, sender, header: dict, n: int, receiver) -> Optional[str]:
+        """Why a header is not one this run's members send for this round (its shape, round and MAC)."""
         g, kind, e, sha, m = (header.get(f) for f in ("g", "k", "e", "sha", "m"))
         if not (isinstance(g, bytes) and len(g) <= 64 and kind in KINDS and isinstance(e, int)
                 and isinstance(sha, bytes) and len(sha) == 32 and isinstance(m, bytes)):
@@ -89,13 +96,20 @@ class Inbox:
         if not hmac.compare_digest(m, push_mac(self.node.key, g, kind, e, sender.to_bytes(),
                                                (receiver or self.node.peer_id).to_bytes(), n, sha)):
             return "bad MAC (no or another run key)"
-        if (sender, kind) in w.reading:
-            return "a second push of one kind while the first is being read"
-        if w.gid is not None:
-            if g != w.gid:
-                return "a push for another group"
-            if sender not in w.sizes:
-                return "the sender is not a member of this round's group"
+        return None
+
+    @staticmethod
+    def _outside(w: Window, sender, gid: bytes) -> Optional[str]:
+        """Why a push is not of this round's group, once the group is known."""
+        if w.gid is None:
+            return None
+        if gid != w.gid:
+            return "a push for another group"
+        return None if sender in w.sizes else "the sender is not a member of this round's group"
+
+    @staticmethod
+    def _misfit(w: Window, sender, kind: str, n: int) -> Optional[str]:
+        """Why ``n`` body bytes are not what a push of ``kind`` from ``sender`` can be."""
         if kind == "ack":
             return None if n <= ACK_MAX else f"an ack of {n} bytes (at most {ACK_MAX})"
         if not w.fits(n):
@@ -130,22 +144,15 @@ class Inbox:
                     raise PermissionError("a push for another peer that its sender did not send")
                 return await self.forward(w, sender, header, n, reader, writer)
             if frm != sender.to_bytes():  # brought by a member that relays for the sender
-                await self.await_group(w)
-                why = self.relay_refused(w, sender, "a push for this peer")
-                if why is not None:
-                    raise PermissionError(why)
-                sender = type(sender)(frm)
+                sender = await self._relayed_from(w, sender, frm)
             why = self.admit(w, sender, header, n)
             if why is None:
                 slot = (sender, header["k"])
-                w.reading.add(slot)
-                self.drop_held(w, slot)  # a sender holds one push of a kind: a new one replaces the old
-                why = await self._room(w, n)
+                why = await self._reserve(w, slot, n)
             if why is not None:
                 if w is not None:
                     w.refuse(sender, header.get("k"), why)
                 raise PermissionError(why)
-            w.held[slot] = n  # reserved before the body is read
             self._store(w, sender, header, await _read_body(reader, n, self.deadlines.exchange_timeout))
             stored = True
             writer.write(OK)
@@ -166,13 +173,28 @@ class Inbox:
                     w.held.pop(slot, None)
             writer.close()
 
-    async def _room(self, w: Window, n: int) -> Optional[str]:
-        """Wait a little for room for ``n`` more bytes: the group, once known, drops what non-members pushed.
-        Why there is none, or None."""
+    async def _relayed_from(self, w: Optional[Window], relay, frm: bytes):
+        """The sender of a push that the member ``relay`` brought (the sender's id ``frm`` is under the MAC),
+        once this peer knows its group; PermissionError when that member may not relay."""
+        await self.await_group(w)
+        why = self.relay_refused(w, relay, "a push for this peer")
+        if why is not None:
+            raise PermissionError(why)
+        return type(relay)(frm)
+
+    async def _reserve(self, w: Window, slot: tuple, n: int) -> Optional[str]:
+        """Hold room for the ``n`` body bytes of ``slot``'s (sender, kind) push before the body is read, waiting a
+        little when the inbox is full (the group, once known, drops what non-members pushed); why there is
+        none, or None. A sender holds one push of a kind: a new one replaces the old."""
+        w.reading.add(slot)
+        self.drop_held(w, slot)
         end = time.perf_counter() + min(5.0, self.deadlines.matchmaking_time)
         while w.used() + n > w.cap and w.gid is None and self.window is w and time.perf_counter() < end:
             await asyncio.sleep(0.05)
-        return f"the inbox is full ({w.used()} of {w.cap} bytes held)" if w.used() + n > w.cap else None
+        if w.used() + n > w.cap:
+            return f"the inbox is full ({w.used()} of {w.cap} bytes held)"
+        w.held[slot] = n
+        return None
 
     def _store(self, w: Window, sender, header: dict, data: bytearray) -> None:
         """Keep a push's body, read whole, if it is what its header announced and still wanted."""
