@@ -6,7 +6,7 @@ peak memory of one model never includes another's: on CUDA the peak is
 ``/proc/self/status``). A step is what ``launch.trainer.Trainer`` does for DDP on one worker:
 forward (bf16 autocast on CUDA unless ``--precision fp32``; ``torch.compile`` of the model with
 ``--compile on``, the default on CUDA, as ``run.compile``), cross-entropy, backward, then
-``diloco.DDP.step``: gradient clipping and AdamW (``launch.trainer.build_optimizer``; fused on
+``diloco.DDP.step``: gradient clipping and AdamW (``launch.build.build_optimizer``; fused on
 CUDA and CPU, so the finiteness check and clipping stay on the device, with no host sync), zero_grad. After ``--warmup`` untimed steps,
 ``--repeats`` windows of ``--steps`` steps each are timed; the table shows the median window.
 
@@ -97,7 +97,8 @@ def run_one(args: argparse.Namespace) -> dict:
     from launch.models import SIZES, Transformer, count_params
     from diloco import DDP
     from diloco.comm import LocalTransport
-    from launch.trainer import build_optimizer, resolve_device
+    from launch.build import build_optimizer
+    from launch.runtime import resolve_device
 
     if args.threads:
         torch.set_num_threads(args.threads)

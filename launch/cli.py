@@ -58,7 +58,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from launch.config import ConfigError
     from launch.data import DataError
     from launch.plan import PlanError
-    from launch.trainer import RunError
+    from launch.errors import RunError
 
     return (UserError, ConfigError, DataError, RunError, CheckpointError, TransportError, MissingExtra, PlanError)
 
@@ -317,7 +317,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from launch.checkpoint import latest_checkpoint, load_checkpoint
     from launch.data import decode_tokens, encode_text
     from launch.models import ModelArgs, Transformer
-    from launch.trainer import resolve_device
+    from launch.runtime import resolve_device
 
     path = Path(args.checkpoint)
     if path.is_dir():
@@ -410,7 +410,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.simplefilter("default", UserWarning)
     try:
         if args.command in ("train", "simulate"):  # Ctrl-C and SIGTERM save a checkpoint, then stop
-            from launch.trainer import stop_signals
+            from launch.signals import stop_signals
 
             with stop_signals():
                 return handler(args)
@@ -418,7 +418,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except _user_errors() as e:
         print(f"loco {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # launch.trainer.Interrupted names the signal and the checkpoint it saved
+    except KeyboardInterrupt as e:  # launch.signals.Interrupted names the signal and the checkpoint it saved
         signum = getattr(e, "signum", signal.SIGINT)
         saved = f"; saved {e.saved}" if getattr(e, "saved", None) else ""
         who = "the user (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name

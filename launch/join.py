@@ -35,7 +35,9 @@ from launch.algorithms import algorithm_class
 from launch.config import Config
 from launch.data import Batcher, load_data
 from launch.metrics import human_bytes
-from launch.trainer import STOP, RunError, Trainer, stop_signals
+from launch.errors import RunError
+from launch.signals import STOP, stop_signals
+from launch.trainer import Hooks, Trainer
 
 DEFAULT_RUN = "loco"
 # the run's state a peer downloads, per parameter of the model at most: DiLoCo's global copy and outer momentum
@@ -154,7 +156,12 @@ class Peer:
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text("".join(a + "\n" for a in addrs))
             os.replace(tmp, path)
-        self.trainer = Trainer(self.cfg, transport=t, data=self.data)
+        # this peer's own data stream: the batch order follows from its peer id
+        seed = int.from_bytes(hashlib.sha256(f"{self.cfg.run.seed}|{t.me}".encode()).digest()[:8], "little")
+        run = self.cfg.run
+        batcher = Batcher(self.data, self.cfg.data.seq_len, run.batch_size, 0, 1, seed, run.grad_accum)
+        self.trainer = Trainer(self.cfg, transport=t, data=self.data, batcher=batcher,
+                               hooks=Hooks(on_round=self._on_round))
         tr = self.trainer
         # the run's state is this model's, whatever its size: global parameters and outer momentum (DiLoCo, 8 bytes
         # a parameter), with room for more; a state announced larger than that is refused before it is read
@@ -168,10 +175,6 @@ class Peer:
         # hivemind draws group ids and tie-breaks from Python's global random, which run.seed just fixed
         # alike on every peer: give it this machine's entropy back
         random.seed()
-        # this peer's own data stream: the batch order follows from its peer id
-        seed = int.from_bytes(hashlib.sha256(f"{self.cfg.run.seed}|{t.me}".encode()).digest()[:8], "little")
-        tr.batcher = Batcher(self.data, self.cfg.data.seq_len, self.cfg.run.batch_size, 0, 1, seed, self.cfg.run.grad_accum)
-        tr.on_round = self._on_round
         t.fingerprint_fn = self.fingerprint
         t.stop_requested = lambda: STOP.signum is not None  # a signal: stop waiting for late peers, save, leave
         m = tr.metrics
@@ -248,7 +251,8 @@ class Peer:
         if tr.time_rounds:
             return 0
         step = tr.algo.round * self.cfg.algo.inner_steps
-        moved, tr.step = step - tr.step, step
+        moved = step - tr.step
+        tr.follow_run(step)
         return moved
 
     def publish(self) -> None:
@@ -317,7 +321,7 @@ class Peer:
 def join(cfg: Config, opts: JoinOptions) -> dict[str, Any]:
     """Run one peer until its step budget is spent or it is stopped.
 
-    Ctrl-C and SIGTERM stop it as they stop ``loco train`` (:func:`launch.trainer.stop_signals`): at the end of
+    Ctrl-C and SIGTERM stop it as they stop ``loco train`` (:func:`launch.signals.stop_signals`): at the end of
     the current step (after the round in flight, if one is), with a checkpoint, and then the peer leaves the swarm;
     a second signal stops at once. Both work even where the shell that started the peer ignores SIGINT.
     """

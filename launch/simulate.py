@@ -23,7 +23,7 @@ import copy
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import yaml
@@ -35,7 +35,8 @@ from launch.algorithms import algorithm_class
 from launch.config import Config, ConfigError
 from launch.data import TokenData, load_data
 from launch.metrics import equal_time_comparison, human_bytes, plot_runs
-from launch.trainer import STOP, Interrupted, Trainer
+from launch.signals import STOP, Interrupted
+from launch.trainer import Hooks, Trainer
 
 
 BASELINE_EVALS = 20  # the DDP baseline evaluates at least this often over its run
@@ -90,9 +91,6 @@ class Membership:
         self.path = trainer.run_dir / "rounds.jsonl"
         self.path.write_text("")  # this run's rounds only
 
-    def watch(self, rank: int, trainer: Trainer) -> None:
-        trainer.on_step_end = lambda synced, info: self.boundary(rank, trainer, synced, info)
-
     def boundary(self, rank: int, trainer: Trainer, synced: bool, info: dict[str, Any]) -> None:
         """The end of a step of ``rank``: at a round boundary (an exchange: DiLoCo's rounds, Streaming's fragment
         syncs, DDP's steps) it counts the worker's round; worker 0 also records the round and admits joiners."""
@@ -123,7 +121,7 @@ class Membership:
 def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool = False) -> dict[str, Any]:
     """One simulated run; returns rank 0's summary.
 
-    A Ctrl-C or SIGTERM (under ``launch.trainer.stop_signals``) stops every worker at the next point they all
+    A Ctrl-C or SIGTERM (under ``launch.signals.stop_signals``) stops every worker at the next point they all
     reach (a sync; any step for DDP), where the checkpoint of all workers is saved as usual; then
     :class:`Interrupted` is raised, and ``--resume`` continues the run as if it had not stopped.
     """
@@ -145,26 +143,30 @@ def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool =
 
         group.on_release, group.on_acquire = park, unpark
 
+    def boundaries(rank: int) -> Optional[Callable[[bool, dict], None]]:
+        """The end of each step of worker ``rank``, where a run with churn records its rounds."""
+        if membership is None:
+            return None
+        return lambda synced, info: membership.boundary(rank, trainers[rank], synced, info)
+
     def come_back(rank: int, transport) -> Trainer:
         """A worker that left joins again: a new Trainer on the run's state, downloaded from worker 0."""
         blob, step, run_dir = membership.snapshot
         group.download(rank, len(blob))
-        trainer = Trainer(cfg, transport=transport, data=data, join_run=run_dir)
+        trainer = Trainer(cfg, transport=transport, data=data, join_run=run_dir,
+                          hooks=Hooks(on_step_end=boundaries(rank)))
         trainer.join_at(blob, step, "worker 0")
         return trainer
 
     def worker(rank: int, transport) -> Any:
         # parked from its first wait on (the start-up collectives that find the run folder and the checkpoint)
         trainer = Trainer(cfg, transport=transport, data=data, restart=restart,
-                          on_built=lambda t: trainers.__setitem__(rank, t))
+                          hooks=Hooks(on_built=lambda t: trainers.__setitem__(rank, t), on_step_end=boundaries(rank)))
         if membership is not None and rank == 0:
             membership.start(trainer)
         try:
             while True:
                 trainers[rank] = trainer
-                if membership is not None:
-                    membership.watch(rank, trainer)
-                trainer.stop_on_request = True  # every worker checks the stop request at the same points
                 try:
                     return trainer.fit()
                 except WorkerLeft:

@@ -731,7 +731,7 @@ def test_a_batch_is_cut_from_one_block_that_goes_to_the_device_whole():
     on a GPU the trainer pins and moves that block once (a pinned strided view would be staged through pageable
     memory, a copy the host waits for). ``one_block`` finds it for training and validation batches, and only for
     such a pair."""
-    from launch.trainer import one_block
+    from launch.compute import one_block
 
     b = Batcher(_synthetic(), SEQ, 3)
     for x, y in (b.train_batch(2), b.val_batch(0)):

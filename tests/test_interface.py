@@ -14,7 +14,7 @@ from diloco.comm import LocalTransport
 from launch.algorithms import ALGORITHMS, algorithm_class
 from launch.config import ConfigError, load_config
 from launch.models import Transformer, model_args_from_config
-from launch.trainer import build_algorithm, build_optimizer
+from launch.build import build_algorithm, build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
