@@ -81,6 +81,8 @@ def layer_fragments(model: torch.nn.Module, num_fragments: int) -> list[list[Any
 @register
 class StreamingDiLoCo(DiLoCo):
     name = "streaming"
+    swarm = False  # its fragments' staggered exchanges are not averaged over internet peers
+    fragmented = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Optional[Transport] = None,
                  grad_clip: float = 0.0, *, fragments: int = 1, overlap_steps: int = 0, mix_alpha: float = 0.0,
@@ -117,6 +119,9 @@ class StreamingDiLoCo(DiLoCo):
         super().check_config(cfg, n_layers)
         a = cfg.algo
         cls.check(a.fragments, a.overlap_steps, a.mix_alpha, a.overlap_merge, a.inner_steps, cfg.sync.mode, n_layers)
+        if cfg.sim.churn and a.overlap_steps > 0:
+            raise ConfigConflict("sim.churn", "Streaming DiLoCo with algo.overlap_steps > 0 has exchanges in flight that "
+                                              "a joining worker cannot take over; use algo.overlap_steps=0 with churn")
 
     @classmethod
     def from_config(cls, cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,

@@ -24,6 +24,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from launch.algorithms import declared_by
+
 # Datasheet peaks of accelerators, in TFLOP/s without sparsity, by the precision the matmuls run in: bf16
 # (autocast), tf32 (fp32 tensors under torch.set_float32_matmul_precision("high"), which allow_tf32 also sets)
 # and fp32. The first pattern found in the device's name wins, so variants come before their family. A device
@@ -342,25 +344,17 @@ def run_label(run_dir: str | Path) -> str:
     if not isinstance(name, str) or not name:
         return run_dir.name
     parts = [name]
+    declared = declared_by(name)
     sync = cfg.get("sync") if isinstance(cfg.get("sync"), dict) else {}
-    if name in ("diloco", "streaming", "sparseloco"):
+    if declared.round_based:
         if sync.get("mode") == "time" and sync.get("time_budget_s"):
             parts.append(f"T={float(sync['time_budget_s']):g}s")
         elif algo.get("inner_steps"):
             parts.append(f"H={algo['inner_steps']}")
-    if name == "streaming" and algo.get("fragments"):
+    if declared.fragmented and algo.get("fragments"):
         parts.append(f"P={algo['fragments']}")
-    if name == "sparseloco":  # its own codec: top-k density and value format
-        density, fmt = algo.get("topk_density"), algo.get("value_format")
-        if isinstance(density, (int, float)):
-            parts.append(f"top {100 * density:g}%")
-        if fmt:
-            parts.append(str(fmt))
-    elif name != "demo":
-        codec = (cfg.get("compress") or {}).get("codec") if isinstance(cfg.get("compress"), dict) else None
-        codec = codec or summary.get("codec")
-        if codec and codec != "fp32":
-            parts.append(str(codec))
+    codec = (cfg.get("compress") or {}).get("codec") if isinstance(cfg.get("compress"), dict) else None
+    parts += declared.payload_label(algo, codec or summary.get("codec"))
     label = " ".join(parts)
     n = summary.get("num_workers")
     if isinstance(n, int) and n > 0:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 from diloco.sim import NetworkModel
+from launch.algorithms import algorithm_class
 from launch.metrics import count_label, human_bytes
 
 BUCKET_BYTES = 32 << 20  # diloco.comm.base.Transport.bucket_bytes: one all-reduce per bucket
@@ -55,27 +56,49 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Setting:
-    algo: str  # ddp | diloco | streaming
+    algo: str  # algo.name: ddp | diloco | streaming; what it declares shapes its exchanges (see schedule)
     inner_steps: int = 1  # H (DDP: 1, a round is a step)
     codec: str = "fp32"
     fragments: int = 1
     overlap: int = 0  # streaming's tau
 
     def label(self) -> str:
-        if self.algo == "ddp":
-            return "ddp"
-        extra = f" P={self.fragments} tau={self.overlap}" if self.algo == "streaming" else ""
+        algo = algorithm_class(self.algo)
+        if not algo.round_based:
+            return self.algo
+        extra = f" P={self.fragments} tau={self.overlap}" if algo.fragmented else ""
         return f"{self.algo} H={self.inner_steps}{extra}"
 
     def overrides(self) -> list[str]:
         """The config keys that run this setting (``--set`` values)."""
+        algo = algorithm_class(self.algo)
         out = [f"algo.name={self.algo}", f"compress.codec={self.codec}"]
-        if self.algo != "ddp":
+        if algo.round_based:
             out.append(f"algo.inner_steps={self.inner_steps}")
-        if self.algo == "streaming":
+        if algo.fragmented:
             out += [f"algo.fragments={self.fragments}", f"algo.overlap_steps={self.overlap}",
                     f"algo.mix_alpha={MIX_ALPHA}"]
         return out
+
+    def schedule(self) -> "Schedule":
+        """Its exchanges, as its algorithm declares them."""
+        algo = algorithm_class(self.algo)
+        staggered = algo.fragmented
+        return Schedule(self.inner_steps if algo.round_based else 1, self.fragments if staggered else 1,
+                        self.overlap if staggered else 0, algo.weighted_mean)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When a setting's exchanges run: every ``period`` steps, the model in ``fragments`` parts sent at evenly
+    staggered steps (part p at p x period / fragments), each waited for ``overlap`` steps after it is sent;
+    ``weighted``: an exchange carries its total weight beside the values. DDP exchanges every step
+    (period 1), DiLoCo every H steps, Streaming DiLoCo its P fragments with tau steps of overlap."""
+
+    period: int
+    fragments: int
+    overlap: int
+    weighted: bool
 
 
 @dataclass(frozen=True)
@@ -274,31 +297,11 @@ def timeline(setting: Setting, model: Model, world: int, net: NetworkModel, step
         sent += x.bytes_sent
         return end
 
-    if setting.algo == "ddp":
-        x = exchange(model.tensors, setting.codec, world, net, dense_total=False)
-        for _ in range(steps):
-            clock += step_time
-            clock = max(clock, run(x))
-            clock_at.append(clock)
-        return Timeline(clock, steps * step_time, sent, clock_at)
-
-    H = setting.inner_steps
-    if setting.algo == "diloco":
-        x = exchange(model.tensors, setting.codec, world, net, dense_total=True)
-        since = 0
-        for _ in range(steps):
-            clock += step_time
-            since += 1
-            if since == H:
-                clock, since = max(clock, run(x)), 0
-            clock_at.append(clock)
-        if since:
-            clock = max(clock, run(x))
-        return Timeline(clock, steps * step_time, sent, clock_at)
-
-    # streaming: fragment p is sent at steps off_p + k H, and waited for tau steps later
-    P, tau = setting.fragments, setting.overlap
-    xs = [exchange(piece, setting.codec, world, net, dense_total=True) for piece in model.fragment_pieces(P)]
+    # fragment p is sent at steps off_p + k H, and waited for tau steps later (one fragment, no overlap: every
+    # H steps, waited for at once; DDP's H is 1)
+    sched = setting.schedule()
+    H, P, tau = sched.period, sched.fragments, sched.overlap
+    xs = [exchange(piece, setting.codec, world, net, dense_total=sched.weighted) for piece in model.fragment_pieces(P)]
     offsets = [p * H // P for p in range(P)]
     since = [0] * P
     pending: list[tuple[int, float]] = []  # (apply at step, end of the exchange)
@@ -352,10 +355,9 @@ def predict(setting: Setting, model: Model, world: int, net: NetworkModel, step_
 
 def exchange_bytes(setting: Setting, model: Model, world: int, net: NetworkModel) -> int:
     """Bytes one worker sends per round: every fragment once."""
-    if setting.algo == "ddp":
-        return exchange(model.tensors, setting.codec, world, net, dense_total=False).bytes_sent
-    return sum(exchange(piece, setting.codec, world, net, dense_total=True).bytes_sent
-               for piece in model.fragment_pieces(setting.fragments if setting.algo == "streaming" else 1))
+    sched = setting.schedule()
+    return sum(exchange(piece, setting.codec, world, net, dense_total=sched.weighted).bytes_sent
+               for piece in model.fragment_pieces(sched.fragments))
 
 
 def candidates(model: Model) -> list[Setting]:
@@ -474,7 +476,7 @@ def penalty_text(row: Row, sources: list[str]) -> str:
     m = row.measured
     if m is None:
         return "unmeasured"
-    if row.setting.algo == "ddp":
+    if algorithm_class(row.setting.algo).baseline:
         return "baseline"
     if m.source not in sources:
         sources.append(m.source)
@@ -566,9 +568,9 @@ def check(plan: Plan, setting: Optional[Setting] = None, run_dir: Optional[str] 
 
     params = [p for p in tiny.parameters() if p.requires_grad]
     frags = {}
-    if setting.algo == "streaming":
-        frags[setting.fragments] = [[_piece_numel(params, e) for e in f]
-                                    for f in layer_fragments(tiny, setting.fragments)]
+    parts = setting.schedule().fragments
+    if parts > 1:
+        frags[parts] = [[_piece_numel(params, e) for e in f] for f in layer_fragments(tiny, parts)]
     model = Model("tiny", [p.numel() for p in params], args.n_layers, frags)
     predicted = timeline(setting, model, workers, plan.network, plan.step_time, steps).utilization
     summary = simulate_once(cfg, data)

@@ -31,7 +31,7 @@ import yaml
 from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers
 from diloco.sim.churn import ChurnError, ChurnSchedule
 from diloco.sim.group import WorkerLeft
-from launch.algorithms import algorithm_class
+from launch.algorithms import algorithm_class, baseline_name
 from launch.config import Config, ConfigError
 from launch.data import TokenData, load_data
 from launch.metrics import equal_time_comparison, human_bytes, plot_runs
@@ -188,7 +188,7 @@ def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool =
 
 def baseline_config(cfg: Config, run_dir: Path) -> Config:
     base = copy.deepcopy(cfg)
-    base.algo.name = "ddp"
+    base.algo.name = baseline_name()
     base.sync.mode = "steps"
     base.compress.codec = "fp32"  # the baseline is plain dense DDP
     base.run.dir = str(run_dir / "baseline-ddp")
@@ -236,7 +236,7 @@ def simulate(cfg: Config, restart: bool = False) -> dict[str, Any]:
     summary = simulate_once(cfg, data, restart)
     run_dir = Path(summary["run_dir"])
     rows = [(_label(cfg), summary)]
-    if cfg.sim.baseline == "ddp" and cfg.algo.name != "ddp":
+    if cfg.sim.baseline != "none" and not algorithm_class(cfg.algo.name).baseline:
         if STOP.signum is not None:  # a signal came as the run ended: it is saved; --resume runs the baseline
             raise Interrupted(STOP.signum, clean=True)
         print(f"[simulate] baseline: DDP with {cfg.sim.workers} workers on the same tokens", file=sys.stderr, flush=True)
@@ -257,10 +257,11 @@ def simulate(cfg: Config, restart: bool = False) -> dict[str, Any]:
 
 def _label(cfg: Config) -> str:
     a, w = cfg.algo, cfg.sim.workers
+    algo = algorithm_class(a.name)
     codec = "" if cfg.compress.codec == "fp32" else f" {cfg.compress.codec}"
-    if a.name in ("ddp", "demo"):
+    if not algo.round_based:
         return f"{a.name} x{w}{codec}"
-    extra = f", P={a.fragments}" if a.name == "streaming" else ""
+    extra = f", P={a.fragments}" if algo.fragmented else ""
     return f"{a.name} x{w} (H={a.inner_steps}{extra}){codec}"
 
 
