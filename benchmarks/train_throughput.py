@@ -92,7 +92,7 @@ def run_one(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from launch.config import DataConfig, OptimConfig
+    from launch.config_schema import DataConfig, OptimConfig
     from launch.metrics import matmul_precision, mfu_basis
     from launch.models import SIZES, Transformer, count_params
     from diloco import DDP

@@ -401,7 +401,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     if getattr(args, "help_config", False):
-        from launch.config import describe_fields
+        from launch.config_schema import describe_fields
 
         print(describe_fields())
         return 0

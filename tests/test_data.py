@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from launch.config import ConfigError, DataConfig, load_config
+from launch.config import ConfigError, load_config
+from launch.config_schema import DataConfig
 from launch.data import (BYTE_VOCAB, _binary_reason, EOS, LLMC_MAGIC, Batcher, DataError, TokenData, _is_val, _split_documents,
                          load_data, load_python, python_files, python_roots, stdlib_files)
 
