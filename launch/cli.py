@@ -362,7 +362,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from launch.metrics import plot_runs
+    from launch.plots import plot_runs
 
     try:
         out = plot_runs(args.run_dirs, args.out, args.title)

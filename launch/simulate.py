@@ -34,7 +34,8 @@ from diloco.sim.group import WorkerLeft
 from launch.algorithms import algorithm_class, baseline_name
 from launch.config import Config, ConfigError
 from launch.data import TokenData, load_data
-from launch.metrics import equal_time_comparison, human_bytes, plot_runs
+from launch.metrics import human_bytes
+from launch.plots import equal_time_comparison, plot_runs
 from launch.trainer import STOP, Interrupted, Trainer
 
 
@@ -284,7 +285,7 @@ def _seconds(t: Optional[float]) -> str:
 def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel) -> str:
     """The comparison printed at the end of ``loco simulate``: one row per run, then (against the DDP baseline)
     bytes, time and loss at equal tokens, and the loss at equal virtual time (``equal_time`` in the run's
-    summary, from :func:`launch.metrics.equal_time_comparison`)."""
+    summary, from :func:`launch.plots.equal_time_comparison`)."""
     equal = rows[0][1].get("equal_time") if len(rows) == 2 else None
     width = max(28, *(len(label) for label, _ in rows))
     at_head = f"loss at {equal['at_s']:.1f}s" if equal else ""

@@ -51,7 +51,9 @@ from launch.checkpoint import (CheckpointError, checkpoint_name, latest_checkpoi
                                rng_state, save_checkpoint, set_rng_state)
 from launch.config import Config, changed_settings, dump_config, shared_settings
 from launch.data import Batcher, TokenData, load_data
-from launch.metrics import Metrics, human_bytes, matmul_precision, mfu_basis, plot_runs, truncate_metrics
+from launch.metrics import Metrics, human_bytes, truncate_metrics
+from launch.mfu import matmul_precision, mfu_basis
+from launch.plots import plot_runs
 from launch.models import Transformer, count_params, model_args_from_config
 
 
