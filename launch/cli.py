@@ -57,7 +57,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from launch.checkpoint import CheckpointError
     from launch.config import ConfigError
     from launch.data import DataError
-    from launch.plan import PlanError
+    from launch.plan_model import PlanError
     from launch.trainer import RunError
 
     return (UserError, ConfigError, DataError, RunError, CheckpointError, TransportError, MissingExtra, PlanError)
