@@ -56,7 +56,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from diloco.extras import MissingExtra
     from launch.checkpoint import CheckpointError
     from launch.config import ConfigError
-    from launch.data import DataError
+    from launch.token_data import DataError
     from launch.plan_model import PlanError
     from launch.trainer import RunError
 
@@ -315,7 +315,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
     from launch.checkpoint import latest_checkpoint, load_checkpoint
-    from launch.data import decode_tokens, encode_text
+    from launch.token_data import decode_tokens, encode_text
     from launch.models import ModelArgs, Transformer
     from launch.trainer import resolve_device
 
