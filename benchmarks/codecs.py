@@ -57,7 +57,7 @@ def pseudo_gradient(size: str, steps: int, device: torch.device, seed: int, cach
         return torch.load(cache, weights_only=True).to(device)
     import torch.nn.functional as F
 
-    from launch.config import DataConfig
+    from launch.config_schema import DataConfig
     from launch.data import Batcher, load_data
     from launch.models import SIZES, Transformer
 

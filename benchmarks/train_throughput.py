@@ -10,7 +10,7 @@ forward (bf16 autocast on CUDA unless ``--precision fp32``; ``torch.compile`` of
 CUDA and CPU, so the finiteness check and clipping stay on the device, with no host sync), zero_grad. After ``--warmup`` untimed steps,
 ``--repeats`` windows of ``--steps`` steps each are timed; the table shows the median window.
 
-MFU is counted as the trainer's log counts it (``launch.metrics.mfu_basis``): 6N+attention FLOPs per
+MFU is counted as the trainer's log counts it (``launch.mfu.mfu_basis``): 6N+attention FLOPs per
 token against the device's datasheet peak at the run's precision (e.g. H100 dense bf16 989 TFLOP/s).
 The caption says which; a CPU, or a device the table does not list, gets no MFU column.
 
@@ -92,8 +92,8 @@ def run_one(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from launch.config import DataConfig, OptimConfig
-    from launch.metrics import matmul_precision, mfu_basis
+    from launch.config_schema import DataConfig, OptimConfig
+    from launch.mfu import matmul_precision, mfu_basis
     from launch.models import SIZES, Transformer, count_params
     from diloco import DDP
     from diloco.comm import LocalTransport
@@ -259,7 +259,7 @@ def compile_label(result: dict) -> str:
 
 def mfu_caption(result: dict) -> str:
     """Which FLOP count and which peak the MFU column uses, as the trainer's start-up line says it."""
-    from launch.metrics import MFU_RULE
+    from launch.mfu import MFU_RULE
 
     if result.get("peak") is None:
         return f"MFU: not reported: no datasheet peak for {result.get('mfu_device', result['device'])}"

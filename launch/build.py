@@ -12,10 +12,10 @@ from diloco import Algorithm
 from diloco.comm import Transport
 from launch.algorithms import algorithm_class
 from launch.config import Config
-from launch.data import TokenData
 from launch.errors import RunError
 from launch.models import Transformer, model_args_from_config
 from launch.runtime import check_model_fits
+from launch.token_data import TokenData
 
 FUSED_DEVICES = ("cuda", "cpu")  # where torch has fused AdamW and SGD kernels
 

@@ -56,9 +56,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from diloco.extras import MissingExtra
     from launch.checkpoint import CheckpointError
     from launch.config import ConfigError
-    from launch.data import DataError
-    from launch.plan import PlanError
     from launch.errors import RunError
+    from launch.plan_model import PlanError
+    from launch.token_data import DataError
 
     return (UserError, ConfigError, DataError, RunError, CheckpointError, TransportError, MissingExtra, PlanError)
 
@@ -315,7 +315,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
     from launch.checkpoint import latest_checkpoint, load_checkpoint
-    from launch.data import decode_tokens, encode_text
+    from launch.token_data import decode_tokens, encode_text
     from launch.models import ModelArgs, Transformer
     from launch.runtime import resolve_device
 
@@ -362,7 +362,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from launch.metrics import plot_runs
+    from launch.plots import plot_runs
 
     try:
         out = plot_runs(args.run_dirs, args.out, args.title)
@@ -401,7 +401,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     if getattr(args, "help_config", False):
-        from launch.config import describe_fields
+        from launch.config_schema import describe_fields
 
         print(describe_fields())
         return 0

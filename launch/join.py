@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence, Union
 
 from diloco.comm import check_run_name, fingerprint, make_transport, merge_ledgers, read_swarm, schema_differs
 from diloco.compress import make_codec
-from launch.algorithms import algorithm_class
+from launch.algorithms import algorithm_class, swarm_names
 from launch.config import Config
 from launch.data import Batcher, load_data
 from launch.metrics import human_bytes
@@ -98,13 +98,10 @@ def schema_of(cfg: Config, opts: Optional["JoinOptions"] = None) -> str:
     ``opts``: a peer's bounds on the others' updates (``--norm-clip``, ``--clip-action``, ``--weight-clip``),
     which decide the mean as much: members of one group must take one."""
     a = cfg.algo
+    algo = algorithm_class(a.name)  # it declares the rest: its round's length, its outer step's settings
     schema = {"model": cfg.to_dict()["model"], "seq_len": cfg.data.seq_len, "algo": a.name,
-              "inner_steps": a.inner_steps, "codec": cfg.compress.codec,
-              "outer_lr": algorithm_class(a.name).outer_lr_of(cfg)}
-    if a.name == "sparseloco":  # no outer momentum: its error feedback is the momentum
-        schema.update(topk_density=a.topk_density, chunk=a.chunk, ef_decay=a.ef_decay, value_format=a.value_format)
-    else:
-        schema.update(outer_momentum=a.outer_momentum, nesterov=a.nesterov)
+              "codec": cfg.compress.codec, "outer_lr": algo.outer_lr_of(cfg),
+              **{key: getattr(a, key) for key in algo.peer_settings}}
     if opts is not None:  # how a member's update is bounded: members that bound alike compute one mean
         schema.update(norm_clip=opts.norm_clip, clip_action=opts.clip_action, weight_clip=opts.weight_clip)
     return json.dumps(schema, sort_keys=True)
@@ -119,9 +116,10 @@ class Peer:
     """A Trainer whose rounds run over a :class:`HivemindTransport`."""
 
     def __init__(self, cfg: Config, opts: JoinOptions) -> None:
-        if cfg.algo.name not in ("diloco", "sparseloco"):
-            raise RunError(f"loco join runs algo.name=diloco or sparseloco (this config has {cfg.algo.name!r}); DeMo "
-                           f"and Streaming DiLoCo over internet peers are not supported by 'loco join' yet")
+        if not algorithm_class(cfg.algo.name).swarm:
+            raise RunError(f"loco join runs algo.name={' or '.join(swarm_names())} (this config has "
+                           f"{cfg.algo.name!r}); DeMo and Streaming DiLoCo over internet peers are not supported "
+                           f"by 'loco join' yet")
         try:
             check_run_name(opts.run)
         except ValueError as e:

@@ -11,7 +11,8 @@ import torch
 from diloco import Algorithm
 from diloco.comm import Transport
 from launch.config import Config
-from launch.metrics import Metrics, Mfu
+from launch.metrics import Metrics
+from launch.mfu import Mfu
 from launch.schedule import Progress, RunClock
 
 

@@ -31,11 +31,13 @@ import yaml
 from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers
 from diloco.sim.churn import ChurnError, ChurnSchedule
 from diloco.sim.group import WorkerLeft
-from launch.algorithms import algorithm_class
+from launch.algorithms import algorithm_class, baseline_name
 from launch.config import Config, ConfigError
-from launch.data import TokenData, load_data
-from launch.metrics import equal_time_comparison, human_bytes, plot_runs
+from launch.data import load_data
+from launch.metrics import human_bytes
+from launch.plots import equal_time_comparison, plot_runs
 from launch.signals import STOP, Interrupted
+from launch.token_data import TokenData
 from launch.trainer import Hooks, Trainer
 
 
@@ -190,7 +192,7 @@ def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool =
 
 def baseline_config(cfg: Config, run_dir: Path) -> Config:
     base = copy.deepcopy(cfg)
-    base.algo.name = "ddp"
+    base.algo.name = baseline_name()
     base.sync.mode = "steps"
     base.compress.codec = "fp32"  # the baseline is plain dense DDP
     base.run.dir = str(run_dir / "baseline-ddp")
@@ -238,7 +240,7 @@ def simulate(cfg: Config, restart: bool = False) -> dict[str, Any]:
     summary = simulate_once(cfg, data, restart)
     run_dir = Path(summary["run_dir"])
     rows = [(_label(cfg), summary)]
-    if cfg.sim.baseline == "ddp" and cfg.algo.name != "ddp":
+    if cfg.sim.baseline != "none" and not algorithm_class(cfg.algo.name).baseline:
         if STOP.signum is not None:  # a signal came as the run ended: it is saved; --resume runs the baseline
             raise Interrupted(STOP.signum, clean=True)
         print(f"[simulate] baseline: DDP with {cfg.sim.workers} workers on the same tokens", file=sys.stderr, flush=True)
@@ -259,10 +261,11 @@ def simulate(cfg: Config, restart: bool = False) -> dict[str, Any]:
 
 def _label(cfg: Config) -> str:
     a, w = cfg.algo, cfg.sim.workers
+    algo = algorithm_class(a.name)
     codec = "" if cfg.compress.codec == "fp32" else f" {cfg.compress.codec}"
-    if a.name in ("ddp", "demo"):
+    if not algo.round_based:
         return f"{a.name} x{w}{codec}"
-    extra = f", P={a.fragments}" if a.name == "streaming" else ""
+    extra = f", P={a.fragments}" if algo.fragmented else ""
     return f"{a.name} x{w} (H={a.inner_steps}{extra}){codec}"
 
 
@@ -285,7 +288,7 @@ def _seconds(t: Optional[float]) -> str:
 def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel) -> str:
     """The comparison printed at the end of ``loco simulate``: one row per run, then (against the DDP baseline)
     bytes, time and loss at equal tokens, and the loss at equal virtual time (``equal_time`` in the run's
-    summary, from :func:`launch.metrics.equal_time_comparison`)."""
+    summary, from :func:`launch.plots.equal_time_comparison`)."""
     equal = rows[0][1].get("equal_time") if len(rows) == 2 else None
     width = max(28, *(len(label) for label, _ in rows))
     at_head = f"loss at {equal['at_s']:.1f}s" if equal else ""

@@ -38,16 +38,19 @@ from launch.build import build_algorithm, build_model, build_optimizer
 from launch.checkpoint import checkpoint_name, rng_state, set_rng_state
 from launch.compute import StepCompute
 from launch.config import Config, changed_settings, shared_settings
-from launch.data import Batcher, TokenData, load_data
+from launch.data import Batcher, load_data
 from launch.errors import RunError
-from launch.metrics import Metrics, matmul_precision, mfu_basis, plot_runs
+from launch.metrics import Metrics
+from launch.mfu import matmul_precision, mfu_basis
 from launch.models import count_params
+from launch.plots import plot_runs
 from launch.report import Reporter, Window
 from launch.rundir import RunDir
 from launch.runtime import seed_everything, start_process
 from launch.schedule import LrSchedule, Progress, RunClock, StopRule
 from launch.signals import STOP, Interrupted, save_waiting_for_it
 from launch.state import host_copy, load_shared_blob, shared_blob, shared_later
+from launch.token_data import TokenData
 
 
 @dataclass
