@@ -57,7 +57,7 @@ def pseudo_gradient(size: str, steps: int, device: torch.device, seed: int, cach
         return torch.load(cache, weights_only=True).to(device)
     import torch.nn.functional as F
 
-    from launch.config import DataConfig
+    from launch.config_schema import DataConfig
     from launch.data import Batcher, load_data
     from launch.models import SIZES, Transformer
 
@@ -263,7 +263,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write the markdown report here")
     p.add_argument("--no-kernels", action="store_true", help="skip the kernel table (chains and zstd only)")
     args = p.parse_args()
-    from launch.trainer import resolve_device
+    from launch.runtime import resolve_device
 
     device = resolve_device(args.device)
     cache = Path(args.cache.format(size=args.size)) if args.cache else None

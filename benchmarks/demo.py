@@ -221,7 +221,7 @@ def main() -> None:
     from launch.config import load_config
     from launch.data import load_data
     from launch.metrics import human_bytes
-    from launch.trainer import resolve_device
+    from launch.runtime import resolve_device
 
     args.seeds = [int(s) for s in args.seeds.split(",")]
     asked = args.methods.split(",")
@@ -305,7 +305,7 @@ def encode_report(args) -> None:
     from benchmarks.simulator import device_name
     from launch.metrics import human_bytes
     from launch.models import SIZES, Transformer, count_params
-    from launch.trainer import resolve_device
+    from launch.runtime import resolve_device
 
     device = resolve_device(args.device or "auto")
     models = [m for m in (args.encode_models or args.model).split(",") if m]

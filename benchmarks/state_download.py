@@ -47,7 +47,7 @@ def state_bytes(model: str) -> int:
     from dataclasses import replace
 
     from launch.models import SIZES
-    from launch.plan import VOCAB
+    from launch.plan_model import VOCAB
 
     return 8 * replace(SIZES[model], vocab_size=VOCAB[model]).n_params
 

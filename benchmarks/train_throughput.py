@@ -6,11 +6,11 @@ peak memory of one model never includes another's: on CUDA the peak is
 ``/proc/self/status``). A step is what ``launch.trainer.Trainer`` does for DDP on one worker:
 forward (bf16 autocast on CUDA unless ``--precision fp32``; ``torch.compile`` of the model with
 ``--compile on``, the default on CUDA, as ``run.compile``), cross-entropy, backward, then
-``diloco.DDP.step``: gradient clipping and AdamW (``launch.trainer.build_optimizer``; fused on
+``diloco.DDP.step``: gradient clipping and AdamW (``launch.build.build_optimizer``; fused on
 CUDA and CPU, so the finiteness check and clipping stay on the device, with no host sync), zero_grad. After ``--warmup`` untimed steps,
 ``--repeats`` windows of ``--steps`` steps each are timed; the table shows the median window.
 
-MFU is counted as the trainer's log counts it (``launch.metrics.mfu_basis``): 6N+attention FLOPs per
+MFU is counted as the trainer's log counts it (``launch.mfu.mfu_basis``): 6N+attention FLOPs per
 token against the device's datasheet peak at the run's precision (e.g. H100 dense bf16 989 TFLOP/s).
 The caption says which; a CPU, or a device the table does not list, gets no MFU column.
 
@@ -92,12 +92,13 @@ def run_one(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from launch.config import DataConfig, OptimConfig
-    from launch.metrics import matmul_precision, mfu_basis
+    from launch.config_schema import DataConfig, OptimConfig
+    from launch.mfu import matmul_precision, mfu_basis
     from launch.models import SIZES, Transformer, count_params
     from diloco import DDP
     from diloco.comm import LocalTransport
-    from launch.trainer import build_optimizer, resolve_device
+    from launch.build import build_optimizer
+    from launch.runtime import resolve_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -258,7 +259,7 @@ def compile_label(result: dict) -> str:
 
 def mfu_caption(result: dict) -> str:
     """Which FLOP count and which peak the MFU column uses, as the trainer's start-up line says it."""
-    from launch.metrics import MFU_RULE
+    from launch.mfu import MFU_RULE
 
     if result.get("peak") is None:
         return f"MFU: not reported: no datasheet peak for {result.get('mfu_device', result['device'])}"

@@ -38,6 +38,11 @@ class DeMoAlgorithm(Algorithm):
                     transport=transport, chunk_rule=a.chunk_rule, sign_values=a.sign_values, nonfinite=a.nonfinite)
 
     @classmethod
+    def payload_label(cls, algo: dict[str, Any], codec: Optional[str]) -> list[str]:
+        """Nothing: it sends its own DCT top-k payload, which its algo.compression_* settings shape."""
+        return []
+
+    @classmethod
     def check_config(cls, cfg: Any, n_layers: int) -> None:
         super().check_config(cfg, n_layers)
         if cfg.compress.codec != "fp32":

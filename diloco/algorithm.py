@@ -205,6 +205,20 @@ class Algorithm:
     round = 0  # exchanges every worker took part in (round-based algorithms)
     global_tokens = 0.0  # tokens trained by all workers, as agreed through the exchanges
     default_outer_lr = 0.7  # algo.outer_lr left empty: DiLoCo's outer SGD lr (see outer_lr_of)
+    # what the application asks of an algorithm instead of its name (config checks, loco join, loco plan, labels)
+    baseline = False  # True: the one every other is compared with (loco simulate's baseline run, loco plan's)
+    swarm = False  # True: it runs over internet peers (loco join), whose rounds average whoever reaches them
+    fragmented = False  # True: algo.fragments parts on staggered schedules, each applied algo.overlap_steps later
+    weighted_mean = False  # True: an exchange is the mean weighted by tokens trained; the total weight travels too
+    # the algo.* keys peers must hold alike to average together, besides algo.outer_lr (read by outer_lr_of): the
+    # round's length and the outer step's settings, since every peer applies the outer step to one averaged update
+    peer_settings: tuple[str, ...] = ("inner_steps", "outer_momentum", "nesterov")
+
+    @classmethod
+    def payload_label(cls, algo: dict[str, Any], codec: Optional[str]) -> list[str]:
+        """What its exchanges send, for a run's label: the codec chain unless it is the exact fp32 (``algo``: the
+        run's ``algo`` settings as its config.yaml holds them, any of them possibly missing)."""
+        return [str(codec)] if codec and codec != "fp32" else []
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  transport: Optional[Transport] = None, grad_clip: float = 0.0, *,
@@ -438,6 +452,7 @@ class DDP(Algorithm):
     """
 
     name = "ddp"
+    baseline = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  transport: Optional[Transport] = None, grad_clip: float = 0.0, codec: Optional["Codec"] = None, *,

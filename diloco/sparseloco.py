@@ -49,6 +49,8 @@ class SparseLoCo(DiLoCo):
     name = "sparseloco"
     gather = True
     default_outer_lr = 1.0  # alpha, as published (not DiLoCo's 0.7)
+    # no outer momentum to agree on: the error feedback is the momentum; the top-k payload's settings instead
+    peer_settings = ("inner_steps", "topk_density", "chunk", "ef_decay", "value_format")
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Optional[Transport] = None,
                  grad_clip: float = 0.0, *, topk_density: float = 0.02, chunk: int = 4096, ef_decay: float = 0.95,
@@ -82,6 +84,13 @@ class SparseLoCo(DiLoCo):
         if cfg.compress.codec != "fp32":
             raise ConfigConflict("compress.codec", "SparseLoCo sends its own top-k payload (tune algo.topk_density, "
                                                    "algo.chunk and algo.value_format); leave compress.codec at fp32")
+
+    @classmethod
+    def payload_label(cls, algo: dict[str, Any], codec: Optional[str]) -> list[str]:
+        """Its own payload (``compress.codec`` stays fp32): the top-k density and the value format."""
+        density, fmt = algo.get("topk_density"), algo.get("value_format")
+        parts = [f"top {100 * density:g}%"] if isinstance(density, (int, float)) else []
+        return parts + ([str(fmt)] if fmt else [])
 
     @classmethod
     def from_config(cls, cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,

@@ -20,6 +20,7 @@ With P=1, tau=0, alpha=0 this is exactly DiLoCo (a test proves it).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -30,6 +31,36 @@ from diloco.outer import DiLoCo
 
 
 MERGES = ("mix", "keep")
+
+
+@dataclass
+class Pending:
+    """One fragment's exchange in flight: started when the fragment was sent, applied at step ``apply_at``.
+
+    Once ``handle.wait()`` returns, ``deltas`` hold the weighted mean of the workers' pseudo-gradients and ``total``
+    (a one-element tensor) their total weight. ``sent`` is a copy of the local values sent, kept where the exchange
+    is applied after later steps (those steps are local - sent); None where it is applied at once, or where this
+    worker was ``left_out`` (a non-finite pseudo-gradient, weight 0: it takes the global values as they are).
+    """
+
+    apply_at: int
+    fragment: int
+    deltas: list[torch.Tensor]
+    total: torch.Tensor
+    handle: Handle
+    sent: Optional[list[torch.Tensor]]
+    left_out: bool
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it, once ended (``averaged``: the deltas hold the mean, not weighted sums)."""
+        return {"apply_at": self.apply_at, "fragment": self.fragment, "deltas": self.deltas, "total": self.total,
+                "sent": self.sent, "left_out": self.left_out, "averaged": True}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "Pending":
+        """An exchange a checkpoint kept: ended, so there is nothing left to wait for."""
+        return cls(state["apply_at"], state["fragment"], state["deltas"], state["total"], Handle(), state["sent"],
+                   state["left_out"])
 
 
 def layer_fragments(model: torch.nn.Module, num_fragments: int) -> list[list[Any]]:
@@ -81,6 +112,8 @@ def layer_fragments(model: torch.nn.Module, num_fragments: int) -> list[list[Any
 @register
 class StreamingDiLoCo(DiLoCo):
     name = "streaming"
+    swarm = False  # its fragments' staggered exchanges are not averaged over internet peers
+    fragmented = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Optional[Transport] = None,
                  grad_clip: float = 0.0, *, fragments: int = 1, overlap_steps: int = 0, mix_alpha: float = 0.0,
@@ -93,7 +126,7 @@ class StreamingDiLoCo(DiLoCo):
         self.offsets = [p * self.policy.inner_steps // num for p in range(num)]
         self.fragment_steps = [0] * num  # inner steps since each fragment was last sent
         self.finalized_at: Optional[int] = None  # the step whose finalize() sent every fragment's unsent steps
-        self.pending: list[dict[str, Any]] = []  # exchanges started, not yet applied
+        self.pending: list[Pending] = []  # exchanges started, not yet applied
 
     @staticmethod
     def check(fragments: int, overlap_steps: int, mix_alpha: float, overlap_merge: str, inner_steps: int,
@@ -117,6 +150,9 @@ class StreamingDiLoCo(DiLoCo):
         super().check_config(cfg, n_layers)
         a = cfg.algo
         cls.check(a.fragments, a.overlap_steps, a.mix_alpha, a.overlap_merge, a.inner_steps, cfg.sync.mode, n_layers)
+        if cfg.sim.churn and a.overlap_steps > 0:
+            raise ConfigConflict("sim.churn", "Streaming DiLoCo with algo.overlap_steps > 0 has exchanges in flight that "
+                                              "a joining worker cannot take over; use algo.overlap_steps=0 with churn")
 
     @classmethod
     def from_config(cls, cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,
@@ -160,31 +196,31 @@ class StreamingDiLoCo(DiLoCo):
         in_place = self.transport.world_size > 1 and sent is None and self.mix_alpha == 0
         deltas, total, handle = self.start_exchange(self.fragments[p], weight, key=p, in_place=in_place)
         # left out (not finite): the fragment takes the global values as they are, neither mixed nor kept
-        self.pending.append({"apply_at": apply_at, "fragment": p, "deltas": deltas, "total": total, "handle": handle,
-                             "sent": None if self.left_out else sent, "left_out": self.left_out})
+        self.pending.append(Pending(apply_at, p, deltas, total, handle, None if self.left_out else sent,
+                                    self.left_out))
 
     def _apply_due(self, step: float, alpha: Optional[float] = None) -> dict[str, Any]:
         info: dict[str, Any] = {}
-        due = [x for x in self.pending if x["apply_at"] <= step]
-        self.pending = [x for x in self.pending if x["apply_at"] > step]
+        due = [x for x in self.pending if x.apply_at <= step]
+        self.pending = [x for x in self.pending if x.apply_at > step]
         for x in due:
-            x["handle"].wait()
-            indices = self.fragments[x["fragment"]]
+            x.handle.wait()
+            indices = self.fragments[x.fragment]
             self._place(x, indices)
-            total = self._total(x["total"])
+            total = self._total(x.total)
             # "keep" merge, and any exchange applied before its step (training ended): global + steps since the send
-            keep = x.get("sent") is not None and (self.overlap_merge == "keep" or x["apply_at"] > self.steps)
-            progress = [self._local(k) - s for k, s in zip(indices, x["sent"])] if keep else []
-            mix = 0.0 if keep or x.get("left_out") else self.mix_alpha if alpha is None else alpha
-            self.apply_exchange(indices, x["deltas"], total, mix)
+            keep = x.sent is not None and (self.overlap_merge == "keep" or x.apply_at > self.steps)
+            progress = [self._local(k) - s for k, s in zip(indices, x.sent)] if keep else []
+            mix = 0.0 if keep or x.left_out else self.mix_alpha if alpha is None else alpha
+            self.apply_exchange(indices, x.deltas, total, mix)
             with torch.no_grad():
                 for k, d in zip(indices, progress):
                     self._local(k).add_(d)
-            if x["fragment"] == 0:  # every step is counted once, through fragment 0's exchanges
+            if x.fragment == 0:  # every step is counted once, through fragment 0's exchanges
                 self.round += 1
                 self.round_steps = 0
                 self.global_tokens += total
-            info = {"synced": True, "round": self.round, "fragment": x["fragment"]}
+            info = {"synced": True, "round": self.round, "fragment": x.fragment}
         return info
 
     def sync(self) -> dict[str, Any]:
@@ -206,9 +242,9 @@ class StreamingDiLoCo(DiLoCo):
 
     def state_dict(self) -> dict[str, Any]:
         for x in self.pending:  # first: an exchange in flight still updates the codec's residuals
-            x["handle"].wait()
+            x.handle.wait()
         state = super().state_dict()
-        state["pending"] = [{**{k: v for k, v in x.items() if k != "handle"}, "averaged": True} for x in self.pending]
+        state["pending"] = [x.state() for x in self.pending]
         state["fragment_steps"] = list(self.fragment_steps)
         state["finalized_at"] = self.finalized_at
         return state
@@ -217,17 +253,13 @@ class StreamingDiLoCo(DiLoCo):
         super().load_state_dict(state)
         self.fragment_steps = list(state["fragment_steps"])
         self.finalized_at = state.get("finalized_at")
-        self.pending = [{**x, "handle": Handle()} for x in state["pending"]]
-        for x in self.pending:  # checkpoints of earlier versions kept the weighted sums
-            if not x.pop("averaged", False) and float(x["total"].item()) > 0:
-                for d in x["deltas"]:
-                    d.div_(float(x["total"].item()))
+        self.pending = [Pending.from_state(x) for x in state["pending"]]
 
-    def _place(self, x: dict[str, Any], indices: list[int]) -> None:
+    def _place(self, x: Pending, indices: list[int]) -> None:
         """An exchange that ended, beside what it is applied to: its averaged deltas on the global copy's device
         (they become its gradients), what was sent on the local parameters' (the steps since are local - sent).
         They may lie elsewhere: a checkpoint loads on the CPU, and a simulated worker parked while the exchange
         was in flight moved its model but not these (waiting for the exchange there would move its virtual clock)."""
-        x["deltas"] = [d.to(self.global_views[k].device) for k, d in zip(indices, x["deltas"])]
-        if x.get("sent") is not None:
-            x["sent"] = [t.to(self._local(k).device) for k, t in zip(indices, x["sent"])]
+        x.deltas = [d.to(self.global_views[k].device) for k, d in zip(indices, x.deltas)]
+        if x.sent is not None:
+            x.sent = [t.to(self._local(k).device) for k, t in zip(indices, x.sent)]

@@ -56,9 +56,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from diloco.extras import MissingExtra
     from launch.checkpoint import CheckpointError
     from launch.config import ConfigError
-    from launch.data import DataError
-    from launch.plan import PlanError
-    from launch.trainer import RunError
+    from launch.errors import RunError
+    from launch.plan_model import PlanError
+    from launch.token_data import DataError
 
     return (UserError, ConfigError, DataError, RunError, CheckpointError, TransportError, MissingExtra, PlanError)
 
@@ -315,9 +315,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
     from launch.checkpoint import latest_checkpoint, load_checkpoint
-    from launch.data import decode_tokens, encode_text
+    from launch.token_data import decode_tokens, encode_text
     from launch.models import ModelArgs, Transformer
-    from launch.trainer import resolve_device
+    from launch.runtime import resolve_device
 
     path = Path(args.checkpoint)
     if path.is_dir():
@@ -362,7 +362,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from launch.metrics import plot_runs
+    from launch.plots import plot_runs
 
     try:
         out = plot_runs(args.run_dirs, args.out, args.title)
@@ -401,7 +401,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     if getattr(args, "help_config", False):
-        from launch.config import describe_fields
+        from launch.config_schema import describe_fields
 
         print(describe_fields())
         return 0
@@ -410,7 +410,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.simplefilter("default", UserWarning)
     try:
         if args.command in ("train", "simulate"):  # Ctrl-C and SIGTERM save a checkpoint, then stop
-            from launch.trainer import stop_signals
+            from launch.signals import stop_signals
 
             with stop_signals():
                 return handler(args)
@@ -418,7 +418,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except _user_errors() as e:
         print(f"loco {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # launch.trainer.Interrupted names the signal and the checkpoint it saved
+    except KeyboardInterrupt as e:  # launch.signals.Interrupted names the signal and the checkpoint it saved
         signum = getattr(e, "signum", signal.SIGINT)
         saved = f"; saved {e.saved}" if getattr(e, "saved", None) else ""
         who = "the user (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name

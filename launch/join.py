@@ -31,11 +31,13 @@ from typing import Any, Optional, Sequence, Union
 
 from diloco.comm import check_run_name, fingerprint, make_transport, merge_ledgers, read_swarm, schema_differs
 from diloco.compress import make_codec
-from launch.algorithms import algorithm_class
+from launch.algorithms import algorithm_class, swarm_names
 from launch.config import Config
 from launch.data import Batcher, load_data
 from launch.metrics import human_bytes
-from launch.trainer import STOP, RunError, Trainer, stop_signals
+from launch.errors import RunError
+from launch.signals import STOP, stop_signals
+from launch.trainer import Hooks, Trainer
 
 DEFAULT_RUN = "loco"
 # the run's state a peer downloads, per parameter of the model at most: DiLoCo's global copy and outer momentum
@@ -96,13 +98,10 @@ def schema_of(cfg: Config, opts: Optional["JoinOptions"] = None) -> str:
     ``opts``: a peer's bounds on the others' updates (``--norm-clip``, ``--clip-action``, ``--weight-clip``),
     which decide the mean as much: members of one group must take one."""
     a = cfg.algo
+    algo = algorithm_class(a.name)  # it declares the rest: its round's length, its outer step's settings
     schema = {"model": cfg.to_dict()["model"], "seq_len": cfg.data.seq_len, "algo": a.name,
-              "inner_steps": a.inner_steps, "codec": cfg.compress.codec,
-              "outer_lr": algorithm_class(a.name).outer_lr_of(cfg)}
-    if a.name == "sparseloco":  # no outer momentum: its error feedback is the momentum
-        schema.update(topk_density=a.topk_density, chunk=a.chunk, ef_decay=a.ef_decay, value_format=a.value_format)
-    else:
-        schema.update(outer_momentum=a.outer_momentum, nesterov=a.nesterov)
+              "codec": cfg.compress.codec, "outer_lr": algo.outer_lr_of(cfg),
+              **{key: getattr(a, key) for key in algo.peer_settings}}
     if opts is not None:  # how a member's update is bounded: members that bound alike compute one mean
         schema.update(norm_clip=opts.norm_clip, clip_action=opts.clip_action, weight_clip=opts.weight_clip)
     return json.dumps(schema, sort_keys=True)
@@ -117,9 +116,10 @@ class Peer:
     """A Trainer whose rounds run over a :class:`HivemindTransport`."""
 
     def __init__(self, cfg: Config, opts: JoinOptions) -> None:
-        if cfg.algo.name not in ("diloco", "sparseloco"):
-            raise RunError(f"loco join runs algo.name=diloco or sparseloco (this config has {cfg.algo.name!r}); DeMo "
-                           f"and Streaming DiLoCo over internet peers are not supported by 'loco join' yet")
+        if not algorithm_class(cfg.algo.name).swarm:
+            raise RunError(f"loco join runs algo.name={' or '.join(swarm_names())} (this config has "
+                           f"{cfg.algo.name!r}); DeMo and Streaming DiLoCo over internet peers are not supported "
+                           f"by 'loco join' yet")
         try:
             check_run_name(opts.run)
         except ValueError as e:
@@ -154,7 +154,12 @@ class Peer:
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text("".join(a + "\n" for a in addrs))
             os.replace(tmp, path)
-        self.trainer = Trainer(self.cfg, transport=t, data=self.data)
+        # this peer's own data stream: the batch order follows from its peer id
+        seed = int.from_bytes(hashlib.sha256(f"{self.cfg.run.seed}|{t.me}".encode()).digest()[:8], "little")
+        run = self.cfg.run
+        batcher = Batcher(self.data, self.cfg.data.seq_len, run.batch_size, 0, 1, seed, run.grad_accum)
+        self.trainer = Trainer(self.cfg, transport=t, data=self.data, batcher=batcher,
+                               hooks=Hooks(on_round=self._on_round))
         tr = self.trainer
         # the run's state is this model's, whatever its size: global parameters and outer momentum (DiLoCo, 8 bytes
         # a parameter), with room for more; a state announced larger than that is refused before it is read
@@ -168,10 +173,6 @@ class Peer:
         # hivemind draws group ids and tie-breaks from Python's global random, which run.seed just fixed
         # alike on every peer: give it this machine's entropy back
         random.seed()
-        # this peer's own data stream: the batch order follows from its peer id
-        seed = int.from_bytes(hashlib.sha256(f"{self.cfg.run.seed}|{t.me}".encode()).digest()[:8], "little")
-        tr.batcher = Batcher(self.data, self.cfg.data.seq_len, self.cfg.run.batch_size, 0, 1, seed, self.cfg.run.grad_accum)
-        tr.on_round = self._on_round
         t.fingerprint_fn = self.fingerprint
         t.stop_requested = lambda: STOP.signum is not None  # a signal: stop waiting for late peers, save, leave
         m = tr.metrics
@@ -247,7 +248,8 @@ class Peer:
         if tr.time_rounds:
             return 0
         step = tr.algo.round * self.cfg.algo.inner_steps
-        moved, tr.step = step - tr.step, step
+        moved = step - tr.step
+        tr.follow_run(step)
         return moved
 
     def publish(self) -> None:
@@ -318,7 +320,7 @@ class Peer:
 def join(cfg: Config, opts: JoinOptions) -> dict[str, Any]:
     """Run one peer until its step budget is spent or it is stopped.
 
-    Ctrl-C and SIGTERM stop it as they stop ``loco train`` (:func:`launch.trainer.stop_signals`): at the end of
+    Ctrl-C and SIGTERM stop it as they stop ``loco train`` (:func:`launch.signals.stop_signals`): at the end of
     the current step (after the round in flight, if one is), with a checkpoint, and then the peer leaves the swarm;
     a second signal stops at once. Both work even where the shell that started the peer ignores SIGINT.
     """

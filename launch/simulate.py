@@ -23,7 +23,7 @@ import copy
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import yaml
@@ -31,11 +31,14 @@ import yaml
 from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers
 from diloco.sim.churn import ChurnError, ChurnSchedule
 from diloco.sim.group import WorkerLeft
-from launch.algorithms import algorithm_class
+from launch.algorithms import algorithm_class, baseline_name
 from launch.config import Config, ConfigError
-from launch.data import TokenData, load_data
-from launch.metrics import equal_time_comparison, human_bytes, plot_runs
-from launch.trainer import STOP, Interrupted, Trainer
+from launch.data import load_data
+from launch.metrics import human_bytes
+from launch.plots import equal_time_comparison, plot_runs
+from launch.signals import STOP, Interrupted
+from launch.token_data import TokenData
+from launch.trainer import Hooks, Trainer
 
 
 BASELINE_EVALS = 20  # the DDP baseline evaluates at least this often over its run
@@ -90,9 +93,6 @@ class Membership:
         self.path = trainer.run_dir / "rounds.jsonl"
         self.path.write_text("")  # this run's rounds only
 
-    def watch(self, rank: int, trainer: Trainer) -> None:
-        trainer.on_step_end = lambda synced, info: self.boundary(rank, trainer, synced, info)
-
     def boundary(self, rank: int, trainer: Trainer, synced: bool, info: dict[str, Any]) -> None:
         """The end of a step of ``rank``: at a round boundary (an exchange: DiLoCo's rounds, Streaming's fragment
         syncs, DDP's steps) it counts the worker's round; worker 0 also records the round and admits joiners."""
@@ -123,7 +123,7 @@ class Membership:
 def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool = False) -> dict[str, Any]:
     """One simulated run; returns rank 0's summary.
 
-    A Ctrl-C or SIGTERM (under ``launch.trainer.stop_signals``) stops every worker at the next point they all
+    A Ctrl-C or SIGTERM (under ``launch.signals.stop_signals``) stops every worker at the next point they all
     reach (a sync; any step for DDP), where the checkpoint of all workers is saved as usual; then
     :class:`Interrupted` is raised, and ``--resume`` continues the run as if it had not stopped.
     """
@@ -145,26 +145,30 @@ def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool =
 
         group.on_release, group.on_acquire = park, unpark
 
+    def boundaries(rank: int) -> Optional[Callable[[bool, dict], None]]:
+        """The end of each step of worker ``rank``, where a run with churn records its rounds."""
+        if membership is None:
+            return None
+        return lambda synced, info: membership.boundary(rank, trainers[rank], synced, info)
+
     def come_back(rank: int, transport) -> Trainer:
         """A worker that left joins again: a new Trainer on the run's state, downloaded from worker 0."""
         blob, step, run_dir = membership.snapshot
         group.download(rank, len(blob))
-        trainer = Trainer(cfg, transport=transport, data=data, join_run=run_dir)
+        trainer = Trainer(cfg, transport=transport, data=data, join_run=run_dir,
+                          hooks=Hooks(on_step_end=boundaries(rank)))
         trainer.join_at(blob, step, "worker 0")
         return trainer
 
     def worker(rank: int, transport) -> Any:
         # parked from its first wait on (the start-up collectives that find the run folder and the checkpoint)
         trainer = Trainer(cfg, transport=transport, data=data, restart=restart,
-                          on_built=lambda t: trainers.__setitem__(rank, t))
+                          hooks=Hooks(on_built=lambda t: trainers.__setitem__(rank, t), on_step_end=boundaries(rank)))
         if membership is not None and rank == 0:
             membership.start(trainer)
         try:
             while True:
                 trainers[rank] = trainer
-                if membership is not None:
-                    membership.watch(rank, trainer)
-                trainer.stop_on_request = True  # every worker checks the stop request at the same points
                 try:
                     return trainer.fit()
                 except WorkerLeft:
@@ -188,7 +192,7 @@ def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool =
 
 def baseline_config(cfg: Config, run_dir: Path) -> Config:
     base = copy.deepcopy(cfg)
-    base.algo.name = "ddp"
+    base.algo.name = baseline_name()
     base.sync.mode = "steps"
     base.compress.codec = "fp32"  # the baseline is plain dense DDP
     base.run.dir = str(run_dir / "baseline-ddp")
@@ -236,7 +240,7 @@ def simulate(cfg: Config, restart: bool = False) -> dict[str, Any]:
     summary = simulate_once(cfg, data, restart)
     run_dir = Path(summary["run_dir"])
     rows = [(_label(cfg), summary)]
-    if cfg.sim.baseline == "ddp" and cfg.algo.name != "ddp":
+    if cfg.sim.baseline != "none" and not algorithm_class(cfg.algo.name).baseline:
         if STOP.signum is not None:  # a signal came as the run ended: it is saved; --resume runs the baseline
             raise Interrupted(STOP.signum, clean=True)
         print(f"[simulate] baseline: DDP with {cfg.sim.workers} workers on the same tokens", file=sys.stderr, flush=True)
@@ -257,10 +261,11 @@ def simulate(cfg: Config, restart: bool = False) -> dict[str, Any]:
 
 def _label(cfg: Config) -> str:
     a, w = cfg.algo, cfg.sim.workers
+    algo = algorithm_class(a.name)
     codec = "" if cfg.compress.codec == "fp32" else f" {cfg.compress.codec}"
-    if a.name in ("ddp", "demo"):
+    if not algo.round_based:
         return f"{a.name} x{w}{codec}"
-    extra = f", P={a.fragments}" if a.name == "streaming" else ""
+    extra = f", P={a.fragments}" if algo.fragmented else ""
     return f"{a.name} x{w} (H={a.inner_steps}{extra}){codec}"
 
 
@@ -283,7 +288,7 @@ def _seconds(t: Optional[float]) -> str:
 def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel) -> str:
     """The comparison printed at the end of ``loco simulate``: one row per run, then (against the DDP baseline)
     bytes, time and loss at equal tokens, and the loss at equal virtual time (``equal_time`` in the run's
-    summary, from :func:`launch.metrics.equal_time_comparison`)."""
+    summary, from :func:`launch.plots.equal_time_comparison`)."""
     equal = rows[0][1].get("equal_time") if len(rows) == 2 else None
     width = max(28, *(len(label) for label, _ in rows))
     at_head = f"loss at {equal['at_s']:.1f}s" if equal else ""

@@ -171,7 +171,7 @@ class _Signals:
 def test_a_signal_in_the_middle_of_a_checkpoint_write(tmp_path, count):
     """The first signal waits for the write (the run stops after it, saved); a second stops at once, reported as
     the signal it was (never as a full disk), with the older checkpoint intact."""
-    from launch.trainer import STOP, Interrupted, save_waiting_for_it, stop_signals
+    from launch.signals import STOP, Interrupted, save_waiting_for_it, stop_signals
 
     save_checkpoint(tmp_path, 1, {"model": {"w": torch.zeros(3)}})
     state = {"model": {"w": torch.ones(100_000)}, "extra": _Signals(count)}
@@ -195,7 +195,8 @@ def test_a_signal_during_the_final_checkpoint_stops_after_it_is_written(tmp_path
     """SIGTERM while the last checkpoint is written (after the loop): the write completes, the run stops with
     Interrupted naming it, and the checkpoint loads."""
     from launch.config import load_config
-    from launch.trainer import Interrupted, Trainer, stop_signals, train
+    from launch.signals import Interrupted, stop_signals
+    from launch.trainer import Trainer, train
 
     state_dict = Trainer.state_dict
 

@@ -9,19 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.config import (
-    SECTIONS,
-    Config,
-    ConfigBuilder,
-    ConfigError,
-    config_from_dict,
-    describe_fields,
-    dump_config,
-    format_duration,
-    load_config,
-    parse_duration,
-    validate,
-)
+from diloco.sim.network import parse_duration
+from launch.config import Config, ConfigError, config_from_dict, dump_config, load_config
+from launch.config_loader import ConfigBuilder, format_duration
+from launch.config_schema import SECTIONS, describe_fields
+from launch.config_validation import validate
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")

@@ -14,9 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from launch.config import ConfigError, DataConfig, load_config
-from launch.data import (BYTE_VOCAB, _binary_reason, EOS, LLMC_MAGIC, Batcher, DataError, TokenData, _is_val, _split_documents,
-                         load_data, load_python, python_files, python_roots, stdlib_files)
+from launch.config import ConfigError, load_config
+from launch.config_schema import DataConfig
+from launch.data import Batcher, load_data
+from launch.data_sources import LLMC_MAGIC, _binary_reason, stdlib_files
+from launch.python_corpus import load_python, python_files, python_roots
+from launch.token_data import BYTE_VOCAB, EOS, DataError, TokenData, _is_val, _split_documents
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -582,7 +585,7 @@ def test_hf_missing_local_path_raises(hf, tmp_path):
 
 
 def test_shards_all_named_for_validation_fall_back_to_a_tail_cut(tmp_path, monkeypatch):
-    import launch.data as data_mod
+    import launch.data_sources as data_mod
 
     folder = tmp_path / "shards"
     folder.mkdir()
@@ -731,7 +734,7 @@ def test_a_batch_is_cut_from_one_block_that_goes_to_the_device_whole():
     on a GPU the trainer pins and moves that block once (a pinned strided view would be staged through pageable
     memory, a copy the host waits for). ``one_block`` finds it for training and validation batches, and only for
     such a pair."""
-    from launch.trainer import one_block
+    from launch.compute import one_block
 
     b = Batcher(_synthetic(), SEQ, 3)
     for x, y in (b.train_batch(2), b.val_batch(0)):

@@ -128,8 +128,8 @@ def test_a_time_keyed_lr_schedule_keeps_replicas_equal(tmp_path):
 
     def worker(rank, transport):
         trainer = Trainer(cfg, transport=transport, data=data)
-        lrs, set_lr = [], trainer._set_lr
-        trainer._set_lr = lambda: lrs.append(set_lr()) or lrs[-1]
+        lrs, set_lr = [], trainer.schedule.apply
+        trainer.schedule.apply = lambda: lrs.append(set_lr()) or lrs[-1]
         if rank == 1:
             time.sleep(0.3)  # this worker's clock starts later, so its own clock would run 0.3 s behind
         trainer.fit()

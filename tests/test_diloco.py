@@ -291,7 +291,7 @@ def test_streaming_resumed_with_exchanges_in_flight_equals_the_unbroken_run(tmp_
 
 def test_resume_with_other_fragments_fails_clearly(tmp_path):
     """A Streaming run resumed with another P, or as plain DiLoCo, stops with the checkpoint and the key named."""
-    from launch.trainer import RunError
+    from launch.errors import RunError
 
     extra = ["sim.workers=2", "algo.inner_steps=4", "run.max_steps=4", "run.checkpoint_every=4"]
     simulate_once(cfg_of(tmp_path, "s", *extra, "algo.name=streaming", "algo.fragments=2"))

@@ -16,7 +16,9 @@ from launch.checkpoint import latest_checkpoint, list_checkpoints
 from launch.config import load_config
 from launch.metrics import read_metrics
 from launch.simulate import simulate_once
-from launch.trainer import RunError, check_gpu_share, train
+from launch.errors import RunError
+from launch.runtime import check_gpu_share
+from launch.trainer import Hooks, train
 
 # FAST names the CPU; a later override wins
 ON_GPU = [*FAST, "run.device=cuda", "run.eval_every=0", "run.batch_size=4"]
@@ -42,7 +44,7 @@ def test_bf16_autocast_on_cuda_resumes_exactly(tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train(gpu_cfg(tmp_path / "broken", *extra), on_step=interrupt)
+        train(gpu_cfg(tmp_path / "broken", *extra), hooks=Hooks(on_step=interrupt))
     assert list_checkpoints(tmp_path / "broken" / "checkpoints")[0].name == "step_00000015.pt"
     resumed = train(gpu_cfg(tmp_path / "broken", *extra, "run.resume=true"))
     assert resumed["steps"] == 30

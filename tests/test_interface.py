@@ -14,7 +14,7 @@ from diloco.comm import LocalTransport
 from launch.algorithms import ALGORITHMS, algorithm_class
 from launch.config import ConfigError, load_config
 from launch.models import Transformer, model_args_from_config
-from launch.trainer import build_algorithm, build_optimizer
+from launch.build import build_algorithm, build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -245,3 +245,45 @@ def test_the_loop_never_asks_which_algorithm_runs():
     trainer = ast.parse((ROOT / "launch/trainer.py").read_text())
     named = {n.value for n in ast.walk(trainer) if isinstance(n, ast.Constant) and n.value in ALGORITHMS}
     assert not named, f"the loop dispatches on algorithm names: {named}"
+
+
+# ---- one owner for per-algorithm facts: launch/ asks the class, never the name ---------------------------------
+_NAMES = frozenset({"ddp", "diloco", "streaming", "sparseloco", "demo"})
+
+
+def _named_algorithms(node: ast.expr) -> set[str]:
+    """The algorithm names ``node`` spells as string constants: one, or a tuple, list or set of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & _NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*(_named_algorithms(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def _name_comparisons(source: str) -> list[tuple[int, set[str]]]:
+    """(line, names) of each comparison (==, !=, in, not in) of something with an algorithm's name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                 for op in node.ops):
+            names = set().union(*(_named_algorithms(e) for e in (node.left, *node.comparators)))
+            if names:
+                found.append((node.lineno, names))
+    return found
+
+
+def test_the_scan_finds_every_way_of_comparing_a_name():
+    caught = ['cfg.algo.name == "streaming"', 'a.name in ("ddp", "demo")', 'name != "demo"',
+              'setting.algo == "ddp"', 'x not in {"diloco", "sparseloco"}', '"ddp" == kind', 'n in ["demo"]']
+    for text in caught:
+        assert _name_comparisons(text), text
+    for text in ('cfg.algo.name == other', 'x == "adamw"', 'Setting("ddp")', 'name = "ddp"', 'a < "ddp"'):
+        assert not _name_comparisons(text), text
+
+
+def test_launch_never_compares_an_algorithm_name():
+    """What an algorithm is (round-based, fragmented, the baseline, fit for a swarm, what peers share, how a
+    run of it is labelled) is declared on its class; launch/ asks the class through the registry."""
+    for path in _modules("launch"):
+        found = _name_comparisons(path.read_text())
+        assert not found, f"{path.relative_to(ROOT)} compares algorithm names: {found}"

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from benchmarks import train_throughput
-from launch.metrics import (MFU_RULE, Metrics, Peak, human_bytes, matmul_precision, mfu_basis, peak_flops, peak_of)
+from launch.metrics import Metrics, human_bytes
+from launch.mfu import MFU_RULE, Peak, matmul_precision, mfu_basis, peak_flops, peak_of
 from launch.models import ModelArgs, Transformer, count_params, flops_per_token
 
 H100 = "NVIDIA H100 80GB HBM3"

@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from launch.config import ModelConfig, load_config
+from launch.config import load_config
+from launch.config_schema import ModelConfig
 from launch.models import SIZES, ModelArgs, Transformer, count_params, flops_per_token, model_args_from_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,9 @@ from diloco.sim import NetworkModel
 from launch import plan as planner
 from launch.cli import main
 from launch.config import load_config
-from launch.plan import MEASURED, PlanError, Setting, format_plan, make_plan, resolve_model, timeline
+from launch.plan import format_plan, make_plan
+from launch.plan_model import MEASURED, PlanError, Setting, resolve_model
+from launch.plan_timeline import predict, timeline
 from launch.simulate import simulate_once
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,9 +50,9 @@ def test_predicted_bytes_and_time_are_the_simulators(tmp_path, setting, steps):
 def test_overlap_hides_what_the_link_can_carry():
     model = resolve_model("150m")
     net = NetworkModel(1e9 / 8, 0.02)
-    blocking = planner.predict(Setting("streaming", 100, "fp32", 4, 0), model, 8, net, 1.0)
-    hidden = planner.predict(Setting("streaming", 100, "fp32", 4, 5), model, 8, net, 1.0)
-    diloco = planner.predict(Setting("diloco", 100, "fp32"), model, 8, net, 1.0)
+    blocking = predict(Setting("streaming", 100, "fp32", 4, 0), model, 8, net, 1.0)
+    hidden = predict(Setting("streaming", 100, "fp32", 4, 5), model, 8, net, 1.0)
+    diloco = predict(Setting("diloco", 100, "fp32"), model, 8, net, 1.0)
     assert hidden.bytes_per_round == pytest.approx(diloco.bytes_per_round, rel=0.01)
     assert hidden.utilization > blocking.utilization
     assert blocking.round_s > diloco.round_s  # four exchanges pay four times the latency, nothing hides them

@@ -19,7 +19,8 @@ import pytest
 from conftest import FAST, ROOT, TINY, child_env, kill_when, loco
 from launch.checkpoint import latest_checkpoint, list_checkpoints
 from launch.metrics import read_metrics
-from launch.trainer import RunError, train
+from launch.errors import RunError
+from launch.trainer import Hooks, train
 
 STEPS = 40
 SHORT = ["run.batch_size=4", "data.seq_len=64"]  # exactness does not need a full batch: a step is 8x cheaper
@@ -66,7 +67,7 @@ def test_ctrl_c_saves_and_resumes_exactly(reference, tmp_path, tiny_cfg):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train(tiny_cfg(*extra, run_dir=run_dir), on_step=interrupt)
+        train(tiny_cfg(*extra, run_dir=run_dir), hooks=Hooks(on_step=interrupt))
     assert list_checkpoints(run_dir / "checkpoints")[0].name == "step_00000025.pt"
     summary = train(tiny_cfg(*extra, "run.resume=true", run_dir=run_dir))
     assert summary["steps"] == STEPS

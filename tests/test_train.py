@@ -145,7 +145,8 @@ def test_a_broken_shared_state_is_refused_whole_and_this_one_stays_as_it_was(alg
 
     import torch
 
-    from launch.trainer import RunError, Trainer
+    from launch.errors import RunError
+    from launch.trainer import Trainer
 
     extra = ["algo.inner_steps=2"] if algo != "ddp" and algo != "demo" else []
     if algo == "streaming":
@@ -275,7 +276,8 @@ def test_a_downloaded_state_loads_without_a_copy_of_its_bytes(tiny_cfg):
 def test_a_model_vocabulary_smaller_than_the_data_is_refused_in_one_line(tiny_cfg):
     """A byte-level corpus has 256 tokens; a model of 100 would look a token past its embedding up (an IndexError
     on the CPU, a device assert that ends the CUDA context on a GPU)."""
-    from launch.trainer import RunError, Trainer
+    from launch.errors import RunError
+    from launch.trainer import Trainer
 
     with pytest.raises(RunError, match="model.vocab_size=100 is smaller than the data's vocabulary of 256 tokens"):
         Trainer(tiny_cfg("model.vocab_size=100"))
@@ -306,7 +308,8 @@ def test_with_time_budgeted_rounds_the_lr_follows_the_runs_agreed_tokens_not_the
     they agreed on. The lr schedule follows the same: those tokens as steps of every worker plus this worker's
     steps since the last sync. A worker at a quarter of the speed decayed only a third of the way by the run's
     end; a fast one spent the last third at the floor."""
-    from launch.trainer import Trainer, lr_factor
+    from launch.schedule import lr_factor
+    from launch.trainer import Trainer
 
     cfg = tiny_cfg("algo.name=diloco", "sync.mode=time", "sync.time_budget_s=1s", "run.max_steps=100",
                    "optim.warmup_steps=0", "optim.min_lr_ratio=0.1", "optim.lr=1e-3")
@@ -315,9 +318,9 @@ def test_with_time_budgeted_rounds_the_lr_follows_the_runs_agreed_tokens_not_the
         per_step = trainer.tokens_per_step * trainer.world
 
         def lr_at(own_step, agreed_steps, since_sync):
-            trainer.step, trainer.synced_step = own_step, own_step - since_sync
+            trainer.progress.step, trainer.progress.synced_step = own_step, own_step - since_sync
             trainer.algo.global_tokens = agreed_steps * per_step
-            return trainer._set_lr()
+            return trainer.schedule.apply()
 
         slow, fast = lr_at(30, 80, 0), lr_at(140, 80, 0)  # both just synced at 80 steps' worth of agreed tokens
         assert slow == fast == pytest.approx(1e-3 * lr_factor(80, 0, 0.8, "cosine", 0.1))
@@ -426,7 +429,7 @@ def test_a_step_reads_nothing_back_to_the_host_outside_log_steps_and_rounds(algo
             per_step.append((trainer.step, bool(synced), reads.count - last[0]))
             last[0] = reads.count
 
-        trainer.on_step_end = end
+        trainer.hooks.on_step_end = end
         with reads:
             trainer.fit()
         seen[layers] = per_step

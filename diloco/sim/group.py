@@ -393,6 +393,7 @@ class WorkerLeft(Exception):
 class InProcessTransport(Transport):
     """Rank ``rank`` of an :class:`InProcessGroup`."""
 
+    shared_stop = True  # a signal reaches every worker of this process at once, and they stop at one sync
     shared_results = True  # every worker's all_gather_bytes returns the one list rendezvous combined
     device_gather = True  # all_gather_tensor hands the workers each other's tensors, where they lie
     settings_agreed = True  # every simulated worker runs the one config

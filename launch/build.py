@@ -1,0 +1,60 @@
+"""The objects a run is built of, from its config: the model, the inner optimizer, and the algorithm around it
+(through the registry: nothing here asks which algorithm runs)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from diloco import Algorithm
+from diloco.comm import Transport
+from launch.algorithms import algorithm_class
+from launch.config import Config
+from launch.errors import RunError
+from launch.models import Transformer, model_args_from_config
+from launch.runtime import check_model_fits
+from launch.token_data import TokenData
+
+FUSED_DEVICES = ("cuda", "cpu")  # where torch has fused AdamW and SGD kernels
+
+
+def build_model(cfg: Config, data: TokenData, device: torch.device) -> tuple[nn.Module, Any]:
+    """loco's model of ``cfg.model`` for ``data``'s vocabulary, initialised from ``run.seed`` where it trains (a
+    1B model takes seconds to initialise on a CPU), and its arguments."""
+    args = model_args_from_config(cfg.model, data.vocab_size, cfg.data.seq_len)
+    if args.vocab_size < data.vocab_size:  # a token past the embedding: a device assert
+        raise RunError(f"model.vocab_size={args.vocab_size} is smaller than the data's vocabulary of "
+                       f"{data.vocab_size} tokens: raise it, or leave it unset to take the data's")
+    check_model_fits(args, device)
+    torch.manual_seed(cfg.run.seed)
+    with torch.device(device):
+        return Transformer(args), args
+
+
+def build_optimizer(model: nn.Module, ocfg, device: torch.device, transport: Optional[Transport] = None,
+                    cfg: Optional[Config] = None) -> torch.optim.Optimizer:
+    """AdamW (or SGD) with weight decay on matrices only, unless the algorithm of ``cfg.algo.name`` brings its
+    own (DeMo)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": ocfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if cfg is not None:
+        own = algorithm_class(cfg.algo.name).make_optimizer(cfg, groups, device, transport)
+        if own is not None:
+            return own
+    # the fused kernels on CUDA and CPU alike: one pass per step, and the step checks finiteness and clips on the
+    # device, so a step reads nothing back (Algorithm._checks_on_device)
+    fused = device.type in FUSED_DEVICES
+    if ocfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=ocfg.lr, momentum=ocfg.momentum, fused=fused)
+    return torch.optim.AdamW(groups, lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps, fused=fused)
+
+
+def build_algorithm(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,
+                    tokens_per_step: int, inner: Optional[Transport] = None) -> Algorithm:
+    """The configured algorithm around the inner optimizer."""
+    return algorithm_class(cfg.algo.name).from_config(cfg, model, optimizer, transport,
+                                                      tokens_per_step=tokens_per_step, inner=inner)

@@ -1,0 +1,179 @@
+"""``loco plan``'s prediction: the bytes each exchange sends and the virtual time a run takes, step by step as the
+simulator charges them (:mod:`diloco.sim.group`), for equal-speed workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from diloco.sim import NetworkModel
+from launch.plan_model import MEASURED, Measured, Model, Setting
+
+BUCKET_BYTES = 32 << 20  # diloco.comm.base.Transport.bucket_bytes: one all-reduce per bucket
+WEIGHT_BYTES = 8  # each compressed message starts with its weight (diloco.compress.collective.WEIGHT)
+TARGET_UTILIZATION = 0.95
+
+
+# ---- the collectives, as the transports and the simulator count them ---------------------------------------
+def _buckets(sizes: Sequence[int], limit_bytes: int = BUCKET_BYTES, itemsize: int = 4) -> list[int]:
+    """Element counts of the flat buckets ``diloco.comm.base.buckets`` makes of fp32 tensors of ``sizes``."""
+    from diloco.comm.base import bucket_groups
+
+    return [sum(sizes[i] for i in g) for g in bucket_groups([n * itemsize for n in sizes], limit_bytes)]
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One exchange on one worker's link: the collectives it runs (seconds each) and the bytes it sends."""
+
+    seconds: tuple[float, ...]
+    bytes_sent: int
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds)
+
+
+def _message_sizes(codec, numel: int, world: int) -> list[int]:
+    """Bytes of each shard's message in the compressed all-reduce: weight, wire header and payload."""
+    from diloco.comm.base import shard_bounds
+    from diloco.compress import wire
+
+    header = wire.header_size(1, codec.chain)
+    return [WEIGHT_BYTES + header + codec.payload_bytes(b - a) for a, b in shard_bounds(numel, world, codec.align)]
+
+
+def exchange(tensors: Sequence[int], codec_chain: str, world: int, net: NetworkModel, dense_total: bool) -> Exchange:
+    """The exchange of fp32 tensors of ``tensors`` elements over ``world`` workers.
+
+    fp32: the exact ring all-reduce of each bucket (``dense_total``: DiLoCo adds its one-element weight);
+    another codec: per bucket, an all-to-all of the shards then an all-gather of their means."""
+    from diloco.compress.codec import make_codec
+
+    if world <= 1:
+        return Exchange((), 0)
+    seconds: list[float] = []
+    sent = 0
+    if codec_chain == "fp32":
+        for numel in _buckets([*tensors, 1] if dense_total else list(tensors)):
+            nbytes = 4 * numel
+            seconds.append(net.all_reduce_s(nbytes, world))
+            sent += 2 * (world - 1) * nbytes // world
+        return Exchange(tuple(seconds), sent)
+    codec = make_codec(codec_chain)
+    for numel in _buckets(tensors):
+        msgs = _message_sizes(codec, numel, world)
+        total = sum(msgs)
+        # all-to-all: worker r sends every shard but its own, receives W-1 copies of its own
+        seconds.append(max(net.all_to_all_s(total - m, (world - 1) * m, world) for m in msgs))
+        # all-gather of the means: worker r receives every other shard's mean
+        seconds.append(max(net.all_gather_s(total - m, world) for m in msgs))
+        sent += (total - msgs[0]) + (world - 1) * msgs[0]  # worker 0, as its summary counts
+    return Exchange(tuple(seconds), sent)
+
+
+# ---- virtual time, step by step as the simulator charges it -------------------------------------------------
+@dataclass
+class Timeline:
+    """A run of equal-speed workers on the virtual clock: ``wall_s`` when it ends, ``compute_s`` of it computing,
+    ``bytes_sent`` per worker, and the clock after each step (``clock_at``)."""
+
+    wall_s: float
+    compute_s: float
+    bytes_sent: int
+    clock_at: list[float]
+
+    @property
+    def utilization(self) -> float:
+        return self.compute_s / self.wall_s if self.wall_s > 0 else 1.0
+
+
+def timeline(setting: Setting, model: Model, world: int, net: NetworkModel, step_time: float, steps: int) -> Timeline:
+    """Replay ``steps`` training steps of ``setting`` with the simulator's accounting, the end of training included
+    (a partial DiLoCo round is synced; Streaming DiLoCo waits for what is in flight and sends what is left)."""
+    clock, link_free, sent = 0.0, 0.0, 0
+    clock_at = []
+
+    def run(x: Exchange) -> float:
+        """Start ``x`` now (when the link is free); its end."""
+        nonlocal link_free, sent
+        if not x.seconds:
+            return clock
+        start = max(clock, link_free)
+        end = start + x.total_s
+        link_free = end
+        sent += x.bytes_sent
+        return end
+
+    # fragment p is sent at steps off_p + k H, and waited for tau steps later (one fragment, no overlap: every
+    # H steps, waited for at once; DDP's H is 1)
+    sched = setting.schedule()
+    H, P, tau = sched.period, sched.fragments, sched.overlap
+    xs = [exchange(piece, setting.codec, world, net, dense_total=sched.weighted) for piece in model.fragment_pieces(P)]
+    offsets = [p * H // P for p in range(P)]
+    since = [0] * P
+    pending: list[tuple[int, float]] = []  # (apply at step, end of the exchange)
+    for step in range(1, steps + 1):
+        clock += step_time
+        since = [s + 1 for s in since]
+        for p, off in enumerate(offsets):
+            if step >= max(off, 1) and (step - off) % H == 0:
+                pending.append((step + tau, run(xs[p])))
+                since[p] = 0
+        due = [end for at, end in pending if at <= step]
+        pending = [(at, end) for at, end in pending if at > step]
+        for end in due:
+            clock = max(clock, end)
+        clock_at.append(clock)
+    for _, end in pending:  # the end of training: what is in flight, then every fragment's unsent steps
+        clock = max(clock, end)
+    ends = [run(xs[p]) for p in range(P) if since[p] > 0]
+    for end in ends:
+        clock = max(clock, end)
+    return Timeline(clock, steps * step_time, sent, clock_at)
+
+
+@dataclass
+class Row:
+    setting: Setting
+    bytes_per_round: int  # sent by one worker per round of H steps (DDP: per step)
+    round_s: float  # virtual seconds per round, in the steady state
+    compute_s: float  # of which computing: H x step time
+    measured: Optional[Measured]
+
+    @property
+    def utilization(self) -> float:
+        return self.compute_s / self.round_s if self.round_s > 0 else 1.0
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.bytes_per_round / self.setting.inner_steps
+
+
+def predict(setting: Setting, model: Model, world: int, net: NetworkModel, step_time: float) -> Row:
+    """Steady-state bytes and time per round: rounds 4 to 12 of a long run (Streaming's first exchanges and the
+    end of training left out)."""
+    H = setting.inner_steps
+    first, last = 4, 12
+    t = timeline(setting, model, world, net, step_time, (last + 1) * H)
+    round_s = (t.clock_at[last * H - 1] - t.clock_at[first * H - 1]) / (last - first)
+    per_round = exchange_bytes(setting, model, world, net)
+    return Row(setting, per_round, round_s, H * step_time, MEASURED.get(setting))
+
+
+def exchange_bytes(setting: Setting, model: Model, world: int, net: NetworkModel) -> int:
+    """Bytes one worker sends per round: every fragment once."""
+    sched = setting.schedule()
+    return sum(exchange(piece, setting.codec, world, net, dense_total=sched.weighted).bytes_sent
+               for piece in model.fragment_pieces(sched.fragments))
+
+
+def recommend(rows: Sequence[Row]) -> tuple[Optional[Row], Optional[Row]]:
+    """(the fewest bytes per step among rows at >= 95% utilization, the most: the setting nearest DDP that
+    still reaches it); (None, None) when none does."""
+    ok = [r for r in rows if r.utilization >= TARGET_UTILIZATION - 1e-12]
+    if not ok:
+        return None, None
+    cheapest = min(ok, key=lambda r: (r.bytes_per_step, -r.utilization, r.setting.inner_steps))
+    nearest = max(ok, key=lambda r: (r.bytes_per_step, r.utilization))
+    return cheapest, nearest

@@ -1,0 +1,84 @@
+"""Token data: every source becomes two *splits* (train, validation), each a list of 1-D token arrays (one per
+file or shard; memory-mapped where the source is on disk).
+
+Text is tokenized as bytes (vocabulary 256; byte 0 separates documents), so nothing is ever downloaded. Documents
+are split between training and validation by their names, so the same corpus always splits alike.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+BYTE_VOCAB = 256
+EOS = 0  # NUL never appears in text files, so it marks document boundaries
+
+
+class DataError(ValueError):
+    """A data source that cannot be used; the message names the file or key."""
+
+
+@dataclass
+class TokenData:
+    train: list[np.ndarray]
+    val: list[np.ndarray]
+    vocab_size: int
+    tokenizer: Optional[str]  # "bytes" when text is byte-level, else None (ids only)
+    description: str
+
+    @property
+    def train_tokens(self) -> int:
+        return int(sum(len(a) for a in self.train))
+
+    @property
+    def val_tokens(self) -> int:
+        return int(sum(len(a) for a in self.val))
+
+
+def encode_text(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+
+def decode_tokens(tokens: Sequence[int]) -> str:
+    return bytes(int(t) for t in tokens if 0 < int(t) < 256).decode("utf-8", errors="replace")
+
+
+def _is_val(name: str, fraction: float) -> bool:
+    return zlib.crc32(name.encode()) % 10_000 < fraction * 10_000
+
+
+def _split_documents(docs: list[tuple[str, np.ndarray]], fraction: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Deterministic split by document name; both sides get at least one document."""
+    if not docs:
+        raise DataError("no documents found")
+    if len(docs) == 1:
+        tokens = docs[0][1]
+        cut = int(len(tokens) * (1 - fraction))
+        return [tokens[:cut]], [tokens[cut:]]
+    val_idx = _val_indices([name for name, _ in docs], fraction)
+    train = [t for i, (_, t) in enumerate(docs) if i not in val_idx]
+    val = [t for i, (_, t) in enumerate(docs) if i in val_idx]
+    return [_concat_with_eos(train)], [_concat_with_eos(val)]
+
+
+def _val_indices(names: Sequence[str], fraction: float) -> set[int]:
+    """Indices of the validation documents among two or more: by name, never none and never all."""
+    val_idx = {i for i, name in enumerate(names) if _is_val(name, fraction)}
+    if not val_idx:
+        val_idx = {len(names) - 1}
+    if len(val_idx) == len(names):
+        val_idx.discard(0)
+    return val_idx
+
+
+def _concat_with_eos(arrays: list[np.ndarray]) -> np.ndarray:
+    out = np.empty(sum(len(a) + 1 for a in arrays), dtype=np.uint8)
+    pos = 0
+    for a in arrays:
+        out[pos:pos + len(a)] = a
+        out[pos + len(a)] = EOS
+        pos += len(a) + 1
+    return out
