@@ -245,7 +245,7 @@ class Peer:
         progress, and peers holding one state stop at one round, on one model, whenever they joined.
         Returns how far the step moved."""
         tr = self.trainer
-        if tr.time_rounds:
+        if tr.progress.time_rounds:
             return 0
         step = tr.algo.round * self.cfg.algo.inner_steps
         moved = step - tr.step
@@ -276,7 +276,7 @@ class Peer:
         with open(self.run_dir / "rounds.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
         self.publish()
-        elapsed = max(tr.wall_s(), 1e-9)
+        elapsed = max(tr.clock.wall_s(), 1e-9)
         t.heartbeat(step=tr.step, tokens=tr.step * tr.tokens_per_step,
                     tokens_per_s=round(tr.step * tr.tokens_per_step / elapsed, 1), round=tr.algo.round)
         self.write_ledger()
