@@ -35,6 +35,7 @@ from launch.algorithms import algorithm_class, swarm_names
 from launch.config import Config
 from launch.data import Batcher, load_data
 from launch.metrics import human_bytes
+from launch.rounds import RoundsLog
 from launch.errors import RunError
 from launch.signals import STOP, stop_signals
 from launch.trainer import Hooks, Trainer
@@ -128,6 +129,7 @@ class Peer:
         self.run_dir = Path(cfg.run.dir or f"runs/{opts.run}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cfg.run.dir = str(self.run_dir)
+        self.rounds = RoundsLog(self.run_dir)
         identity = Path(opts.identity) if opts.identity else self.run_dir / "identity.key"
         identity.parent.mkdir(parents=True, exist_ok=True)
         self.data = load_data(cfg.data)  # before the DHT forks: a data error needs no swarm
@@ -261,7 +263,7 @@ class Peer:
         t, tr = self.transport, self.trainer
         m = tr.metrics
         report = t.take_report()
-        rec = report.record() if report is not None else {}
+        line = report.record() if report is not None else {}
         if report is not None and report.alone:
             m.info(f"round {report.round}: {report.notes[-1] if report.notes else 'alone'}; training on alone", tr.step)
         elif report is not None:
@@ -270,11 +272,11 @@ class Peer:
                    f"{report.matchmaking_s:.1f}s, deadline {report.deadline_s:.0f}s)"
                    + "".join(f"; {n}" for n in report.notes), tr.step)
         if report is not None and report.resync_from:
-            rec.update(self._resync(report))
-        rec.update(step=tr.step, round=tr.algo.round, fp_after=hashlib.sha256(self.fingerprint()).hexdigest()[:16],
-                   time=time.time())
-        with open(self.run_dir / "rounds.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
+            line.update(self._resync(report))
+        line.pop("total_weight", None)  # the log's own: the sum of the weights
+        self.rounds.write(round=tr.algo.round, step=tr.step, members=line.pop("members", []),
+                          weights=report.accepted if report is not None else {},
+                          fp_after=hashlib.sha256(self.fingerprint()).hexdigest()[:16], **line)
         self.publish()
         elapsed = max(tr.clock.wall_s(), 1e-9)
         t.heartbeat(step=tr.step, tokens=tr.step * tr.tokens_per_step,

@@ -36,6 +36,7 @@ from launch.config import Config, ConfigError
 from launch.data import load_data
 from launch.metrics import human_bytes
 from launch.plots import equal_time_comparison, plot_runs
+from launch.rounds import RoundsLog
 from launch.signals import STOP, Interrupted
 from launch.token_data import TokenData
 from launch.trainer import Hooks, Trainer
@@ -83,15 +84,14 @@ class Membership:
 
     def __init__(self, group: InProcessGroup, churn: ChurnSchedule) -> None:
         self.group, self.churn = group, churn
-        self.path: Optional[Path] = None
+        self.log: Optional[RoundsLog] = None
         # what joiners admitted at the latest boundary take: worker 0's state then, its step and run folder (taken
         # at the boundary: by the time a joiner runs, worker 0 may have begun its next step, and DeMo's weight
         # decay, for one, changes the parameters before the step's exchange)
         self.snapshot: Optional[tuple[bytes, int, Path]] = None
 
     def start(self, trainer: Trainer) -> None:
-        self.path = trainer.run_dir / "rounds.jsonl"
-        self.path.write_text("")  # this run's rounds only
+        self.log = RoundsLog(trainer.run_dir, fresh=True)
 
     def boundary(self, rank: int, trainer: Trainer, synced: bool, info: dict[str, Any]) -> None:
         """The end of a step of ``rank``: at a round boundary (an exchange: DiLoCo's rounds, Streaming's fragment
@@ -111,13 +111,10 @@ class Membership:
             self.snapshot = (trainer.shared_state_blob(), trainer.step, trainer.run_dir)
         for w in joining:
             g.admit(w, now)
-        rec = {"round": g.rounds[0] - 1, "step": trainer.step, "virtual_s": round(g.seconds(now), 4),
-               "members": members, "weights": {k: float(v) for k, v in weights.items()},
-               "left": sorted(g.left_now), "joining": joining}
+        self.log.write(round=g.rounds[0], step=trainer.step, members=members, weights=weights,
+                       virtual_s=round(g.seconds(now), 4), left=sorted(g.left_now), joining=joining)
         g.left_now = []
         g.members_per_round.append(len(members))
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
 
 
 def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool = False) -> dict[str, Any]:
