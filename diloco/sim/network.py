@@ -22,6 +22,7 @@ from diloco.sim.links import LinkTrace
 class NetworkModel:
     bandwidth: Optional[float] = None  # bytes/s per worker link; None: infinitely fast
     latency: float = 0.0  # seconds, one way
+    links: Optional[LinkTrace] = None  # per-worker links over time; when set, bandwidth and latency are unused
 
     def all_reduce_s(self, nbytes: int, world: int) -> float:
         if world <= 1:
@@ -39,8 +40,6 @@ class NetworkModel:
             return 0.0
         busiest = max(sent_bytes, received_bytes)  # a full-duplex link: the busier direction bounds it
         return (world - 1) * self.latency + (busiest / self.bandwidth if self.bandwidth else 0.0)
-
-    links: Optional[LinkTrace] = None  # per-worker links over time; when set, bandwidth and latency are unused
 
     def link(self, rank: int, at: float) -> tuple[Optional[float], float]:
         """(bandwidth, latency) of ``rank``'s link at virtual time ``at``."""

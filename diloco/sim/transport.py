@@ -30,11 +30,11 @@ from diloco.sim.clock import VirtualTime
 
 
 class _VirtualHandle(Handle):
-    def __init__(self, transport: "InProcessTransport", done: VirtualTime, result: Any = None,
-                 start: Optional[VirtualTime] = None) -> None:
+    """Collectives that ran from ``start`` to ``done`` in virtual time: waiting moves the worker's clock there."""
+
+    def __init__(self, transport: "InProcessTransport", start: VirtualTime, done: VirtualTime, result: Any) -> None:
         super().__init__(result)
-        self.transport, self.done = transport, done
-        self.start = start if start is not None else done
+        self.transport, self.start, self.done = transport, start, done
 
     def wait(self) -> Any:
         g, r = self.transport.group, self.transport.rank
@@ -107,7 +107,7 @@ class InProcessTransport(Transport):
                 done = start = self.group.clock[self.rank]
         finally:
             self._deferred = None
-        return _VirtualHandle(self, done, result, start)
+        return _VirtualHandle(self, start, done, result)
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         result = self.group.rendezvous(self.rank, tensor, lambda values: values[src].clone())[0]
