@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import yaml
 
-from diloco.comm.base import flat_settings
+from diloco.comm.agreement import flat_settings
 from launch.config_loader import ConfigBuilder, resolve_config_path
 from launch.config_schema import Config, ConfigError
 from launch.config_validation import validate

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-from diloco.sim.network import parse_duration
+from diloco.sim.units import parse_duration
 from launch.config_schema import SECTIONS, Config, ConfigError
 
 

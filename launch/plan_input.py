@@ -20,7 +20,7 @@ class Link:
 
 def parse_link(bandwidth: Optional[str], latency: Optional[str], links: Optional[str], workers: int = 1) -> Link:
     from diloco.sim import parse_bandwidth
-    from diloco.sim.network import parse_duration
+    from diloco.sim.units import parse_duration
 
     note = ""
     bw = lat = None
@@ -59,7 +59,7 @@ def parse_link(bandwidth: Optional[str], latency: Optional[str], links: Optional
 
 def parse_step_time(text: Optional[str]) -> tuple[float, bool]:
     """(seconds per step, whether the user gave it)."""
-    from diloco.sim.network import parse_duration
+    from diloco.sim.units import parse_duration
 
     if text is None:
         return DEFAULT_STEP_TIME, False

@@ -30,7 +30,7 @@ import yaml
 
 from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers
 from diloco.sim.churn import ChurnError, ChurnSchedule
-from diloco.sim.group import WorkerLeft
+from diloco.sim.transport import WorkerLeft
 from launch.algorithms import algorithm_class, baseline_name
 from launch.config import Config, ConfigError
 from launch.data import load_data

@@ -179,7 +179,9 @@ def test_a_simulated_time_budgeted_round_is_not_stretched_by_a_moving_step_time(
     """The simulator prices a step at the median of the measured step times, which moves as the run goes on. A
     round's elapsed time prices the steps since its start at one price: with ``now() - start``, every step of the
     run before the round was re-priced too, and 2,000 steps at a median 0.5% higher made a 0.5 s round read 1.5 s."""
-    from diloco.sim.group import InProcessGroup, InProcessTransport, VirtualTime
+    from diloco.sim.clock import VirtualTime
+    from diloco.sim.group import InProcessGroup
+    from diloco.sim.transport import InProcessTransport
     from diloco.sync import SyncPolicy
 
     g = InProcessGroup(1)

@@ -11,7 +11,7 @@ import torch
 from conftest import FAST, TINY, loco
 from diloco.sim import InProcessGroup, run_workers
 from diloco.sim.churn import ChurnError, ChurnEvent, ChurnSchedule
-from diloco.sim.group import WorkerLeft
+from diloco.sim.transport import WorkerLeft
 from launch.config import ConfigError, load_config
 from launch.simulate import simulate_once
 

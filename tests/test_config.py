@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from diloco.sim.network import parse_duration
+from diloco.sim.units import parse_duration
 from launch.config import Config, ConfigError, config_from_dict, dump_config, load_config
 from launch.config_loader import ConfigBuilder, format_duration
 from launch.config_schema import SECTIONS, describe_fields

@@ -95,7 +95,7 @@ def test_simulator_offload_on_cuda_changes_nothing(tmp_path, codec, monkeypatch)
     outer step itself runs on the CPU, whose arithmetic differs from the GPU's in the last bits, so that run is
     only close (fp32; int8 may round such a difference to another step of its grid). Small buckets: a worker
     parked at an exchange's first bucket runs the others on the GPU with the pseudo-gradients it began with."""
-    from diloco.sim.group import InProcessTransport
+    from diloco.sim.transport import InProcessTransport
 
     monkeypatch.setattr(InProcessTransport, "bucket_bytes", 64 << 10)
     common = ["run.max_steps=6", "sim.workers=3", "algo.name=diloco", "algo.inner_steps=3", "sim.baseline=none",
@@ -170,7 +170,7 @@ def test_simulated_ddp_with_offload_on_cuda_changes_nothing(tmp_path, codec, mon
     """DDP's workers are parked at the first bucket of every step's exchange and brought back at its end; the
     gradients stay on the GPU meanwhile (the exchange holds them, off the parameters), so every bucket is reduced
     there, as without offload: the same weights to the bit."""
-    from diloco.sim.group import InProcessTransport
+    from diloco.sim.transport import InProcessTransport
 
     monkeypatch.setattr(InProcessTransport, "bucket_bytes", 64 << 10)
     common = ["run.max_steps=4", "sim.workers=3", "algo.name=ddp", "sim.baseline=none", "run.checkpoint_every=4",

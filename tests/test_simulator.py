@@ -229,7 +229,7 @@ def test_an_offloaded_worker_leaves_the_device_once_an_exchange_not_once_a_bucke
     a move to the host does, so a result written into a copy the worker no longer reads would show."""
     import diloco.algorithm as algorithm_module
     import diloco.outer as outer_module
-    from diloco.sim.group import InProcessTransport
+    from diloco.sim.transport import InProcessTransport
     from launch import simulate as sim_module
 
     monkeypatch.setattr(InProcessTransport, "bucket_bytes", 16 << 10)  # tiny's exchange in dozens of buckets
@@ -304,7 +304,7 @@ def test_steps_timed_on_a_device_join_the_median_once_the_device_is_past_them():
     the median in order as they complete, and the median waits for the oldest only when it has nothing else.
     Here spans are stood in for by objects that say when they are done (CUDA events are not on this machine; the
     GPU-marked test below times real ones)."""
-    from diloco.sim.group import RunningMedian
+    from diloco.sim.clock import RunningMedian
 
     class Span:
         def __init__(self, seconds: float) -> None:

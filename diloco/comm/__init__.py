@@ -27,7 +27,8 @@ def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: f
     if backend == "local":
         return LocalTransport()
     if backend == "torch_dist":
-        from diloco.comm.torch_dist import NodeMeshTransport, TorchDistTransport
+        from diloco.comm.node_mesh import NodeMeshTransport
+        from diloco.comm.torch_dist import TorchDistTransport
 
         nodes, per_node = torchrun_layout()
         settings = options.get("settings")  # compared across the processes (TorchDistTransport)

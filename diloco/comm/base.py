@@ -516,21 +516,6 @@ class SharedResult:
             self.payloads, self.key, self.value, self.left = payloads, key, value, others
 
 
-def flat_settings(nested: Any) -> dict[str, Any]:
-    """Settings as ``{"section.key": value}``: one level of nesting (a config's sections, a schema's model)
-    flattened, other values kept under their own key; ``{}`` for anything but a dict. What processes, peers and
-    checkpoints compare key by key."""
-    if not isinstance(nested, dict):
-        return {}
-    out: dict[str, Any] = {}
-    for key, value in nested.items():
-        if isinstance(value, dict):
-            out.update((f"{key}.{inner}", v) for inner, v in value.items())
-        else:
-            out[key] = value
-    return out
-
-
 def die_with_parent() -> None:
     """Linux: this process gets SIGKILL when its parent dies, so no child (a worker, a DHT process and its
     p2pd) outlives a killed run. Call it in the child (``preexec_fn``, or first thing in a forked process)."""

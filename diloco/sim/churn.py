@@ -24,7 +24,7 @@ from typing import Any, Optional
 import numpy as np
 
 from diloco.sim.links import read_rows
-from diloco.sim.network import parse_duration
+from diloco.sim.units import parse_duration
 
 
 class ChurnError(ValueError):

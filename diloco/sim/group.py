@@ -1,121 +1,54 @@
-"""N workers in one process: an in-process transport, a shared device, virtual clocks.
+"""N workers in one process: the group they meet in, taking turns on one device.
 
 Each simulated worker is a greenlet running the ordinary training loop with its
-own :class:`InProcessTransport` endpoint, so the simulator runs the very
-algorithm objects that real runs use. All workers share the main thread and
-take turns on the device: a worker computes until it reaches a collective,
-then the next one runs. A DiLoCo round thus runs worker after worker, each for
-its H inner steps, and N simulated workers cost about N times one. (Greenlets
-rather than threads: torch computes fastest on the thread that owns its
-OpenMP team, and switching only at collectives makes the order deterministic.)
+own endpoint (:class:`~diloco.sim.transport.InProcessTransport`). All workers
+share the main thread and take turns on the device: a worker computes until it
+reaches a collective, then the next one runs (:func:`run_workers` is the
+scheduler). A DiLoCo round thus runs worker after worker, each for its H inner
+steps, and N simulated workers cost about N times one. (Greenlets rather than
+threads: torch computes fastest on the thread that owns its OpenMP team, and
+switching only at collectives makes the order deterministic.)
 
 Collectives are rendezvous: every worker deposits its contribution; the last
 to arrive combines them in rank order and wakes the others. When every live
 worker waits and a collective still lacks someone (a worker that finished or
 failed early), the group says who is missing at once, instead of hanging.
 
-Time is virtual. Each worker has a clock that its compute advances by one
-virtual step time per step, divided by the worker's speed. The virtual step
-time is ``step_time`` when given; otherwise it is the median of every step's
-measured compute time in the run (all workers share one device, so they are
-measured alike; on a GPU by CUDA events around the compute, see
-:class:`~diloco.comm.base.DeviceSpan`), which a busy machine's slow or fast moments do not move. A
-collective starts when the last worker arrives (the maximum of the clocks) and
-the link is free, and lasts what the :class:`NetworkModel` says the bytes take.
-A synchronous collective moves the clocks to its end; an asynchronous one
-(Streaming DiLoCo's overlap) moves a worker's clock only when it waits for it.
-
-A clock is held as :class:`VirtualTime`, network seconds plus a number of steps,
-so the reported times use the median of the whole run. While the run goes,
-decisions that read a clock (which worker arrives last, a time-budgeted round's
-end) use the median of the steps measured so far. With ``step_time`` given,
-the virtual times depend on the bytes and step counts only: the same settings
-give the same times on any machine, however loaded.
+The group keeps every worker's virtual clock (:mod:`diloco.sim.clock`) and
+where its time went. A collective starts when the last worker arrives (the
+maximum of the clocks) and the link is free, and lasts what the
+:class:`NetworkModel` says the bytes take.
 
 Churn (a :class:`diloco.sim.churn.ChurnSchedule`) makes membership change. A
 worker that leaves (checked after each of its steps) is dropped from the
 group at once, as a killed peer would be: the collective in progress goes on
 with the others, and its greenlet parks until it is admitted again at a round
 boundary (:meth:`InProcessGroup.admit`). Collectives then combine the present
-members only, and the endpoints behave like ``loco join`` peers: no fixed
-ranks, so averages travel with their weights and are validated
-(``fixed_ranks = False``). Time away counts neither as compute nor as waiting.
+members only. Time away counts neither as compute nor as waiting.
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import greenlet
 import torch
 
-from diloco.comm.base import DeviceSpan, Handle, Transport, TransportError
+from diloco.comm.base import Transport, TransportError
+from diloco.sim.clock import RunningMedian, VirtualTime
 from diloco.sim.network import NetworkModel
+from diloco.sim.transport import InProcessTransport
 
 if TYPE_CHECKING:
     from diloco.sim.churn import ChurnSchedule
 
 
-class RunningMedian:
-    """The median of a growing sample, O(log n) per value: a max-heap holds the lower half, a min-heap the upper.
-
-    A value may come later (:meth:`add_later`: a :class:`~diloco.comm.base.DeviceSpan`, or anything with
-    ``done()`` and ``seconds()``): it joins the sample once it is done, in the order given; the median waits for
-    the oldest only when nothing is in the sample yet, and the length waits for all of them."""
-
-    def __init__(self) -> None:
-        self._lo: list[float] = []  # negated
-        self._hi: list[float] = []
-        self._later: deque = deque()
-
-    def __len__(self) -> int:
-        self._harvest(everything=True)
-        return len(self._lo) + len(self._hi)
-
-    def add_later(self, value: Any) -> None:
-        self._later.append(value)
-        self._harvest(wait=False)  # those done already join now: a run that never asks for the median keeps few
-
-    def _harvest(self, everything: bool = False, wait: bool = True) -> None:
-        while self._later and (everything or self._later[0].done() or (wait and not self._lo)):
-            self.add(self._later.popleft().seconds())
-
-    def add(self, x: float) -> None:
-        if self._lo and x > -self._lo[0]:
-            heapq.heappush(self._hi, x)
-        else:
-            heapq.heappush(self._lo, -x)
-        if len(self._lo) > len(self._hi) + 1:
-            heapq.heappush(self._hi, -heapq.heappop(self._lo))
-        elif len(self._hi) > len(self._lo):
-            heapq.heappush(self._lo, -heapq.heappop(self._hi))
-
-    def median(self) -> Optional[float]:
-        self._harvest()
-        if not self._lo:
-            return None
-        if len(self._lo) > len(self._hi):
-            return -self._lo[0]
-        return (self._hi[0] - self._lo[0]) / 2
-
-
-@dataclass(frozen=True)
-class VirtualTime:
-    """A point on a virtual clock: ``seconds`` of network time plus ``steps`` steps of compute at speed 1, each
-    as long as the group's virtual step time (see :meth:`InProcessGroup.seconds`)."""
-
-    seconds: float = 0.0
-    steps: float = 0.0
-
-    def plus(self, seconds: float = 0.0, steps: float = 0.0) -> "VirtualTime":
-        return VirtualTime(self.seconds + seconds, self.steps + steps)
-
-
 class InProcessGroup:
+    """``world`` simulated workers: the rendezvous their collectives meet at, who is in the run, and each worker's
+    virtual clock with where its time went. ``endpoints[r]`` is worker r's transport."""
+
     def __init__(self, world: int, speeds: Optional[Sequence[float]] = None, network: Optional[NetworkModel] = None,
                  step_time: Optional[float] = None, churn: Optional["ChurnSchedule"] = None) -> None:
         if world < 1:
@@ -216,7 +149,7 @@ class InProcessGroup:
     def admit(self, rank: int, at: VirtualTime) -> None:
         """Let the away worker ``rank`` back in at virtual time ``at`` (a round boundary on rank 0's clock)."""
         if self.seconds(at) > self.seconds(self.clock[rank]):
-            self.away[rank] = _add(self.away[rank], at, self.clock[rank])
+            self.away[rank] = self.away[rank] + (at - self.clock[rank])
             self.clock[rank] = at
         self.up[rank] = True
         self.rounds[rank] = self.rounds[0]
@@ -252,8 +185,8 @@ class InProcessGroup:
     def exchanging(self, rank: int) -> Iterator[None]:
         """``rank`` runs an exchange of many collectives (one a bucket): released at its first wait, it is
         acquired again when the exchange ends, not after each wait. With ``sim.offload`` a worker's state thus
-        leaves the GPU and comes back once an exchange instead of once a bucket (a 1B model's exchange has over a
-        hundred). What the exchange reads and writes stays where it began (it holds DiLoCo's pseudo-gradients and
+        leaves the GPU and comes back once an exchange instead of once a bucket (a large model's exchange has
+        many). What the exchange reads and writes stays where it began (it holds DiLoCo's pseudo-gradients and
         DDP's gradients, which a move of the model leaves alone; a codec's residual visits the GPU for its
         bucket's encode and goes back, ``Codec.home``), so the exchange of a released worker runs on the GPU while
         its parameters, moments and residuals wait on the host. An exchange that fails moves nobody back."""
@@ -305,9 +238,9 @@ class InProcessGroup:
             return
         begin = clock
         if self.seconds(start) > self.seconds(clock):
-            self.waited[rank] = _add(self.waited[rank], start, clock)
+            self.waited[rank] = self.waited[rank] + (start - clock)
             begin = start
-        self.sending[rank] = _add(self.sending[rank], end, begin)
+        self.sending[rank] = self.sending[rank] + (end - begin)
         self.clock[rank] = end
 
     # ---- reporting --------------------------------------------------------------------------
@@ -362,227 +295,6 @@ class InProcessGroup:
                         "membership": {"rounds": len(n), "mean_members": sum(n) / len(n) if n else None,
                                        "fewest_members": min(n) if n else None}})
         return out
-
-
-def _add(total: VirtualTime, end: VirtualTime, begin: VirtualTime) -> VirtualTime:
-    """``total`` plus the span from ``begin`` to ``end``."""
-    return total.plus(end.seconds - begin.seconds, end.steps - begin.steps)
-
-
-class _VirtualHandle(Handle):
-    def __init__(self, transport: "InProcessTransport", done: VirtualTime, result: Any = None,
-                 start: Optional[VirtualTime] = None) -> None:
-        super().__init__(result)
-        self.transport, self.done = transport, done
-        self.start = start if start is not None else done
-
-    def wait(self) -> Any:
-        g, r = self.transport.group, self.transport.rank
-        g.advance_to(r, self.start, self.done)
-        return self.result
-
-
-class WorkerLeft(Exception):
-    """Raised in a simulated worker's loop when the churn schedule takes it out of the run."""
-
-    def __init__(self, rank: int) -> None:
-        super().__init__(f"worker {rank} left the run")
-        self.rank = rank
-
-
-class InProcessTransport(Transport):
-    """Rank ``rank`` of an :class:`InProcessGroup`."""
-
-    shared_stop = True  # a signal reaches every worker of this process at once, and they stop at one sync
-    shared_results = True  # every worker's all_gather_bytes returns the one list rendezvous combined
-    device_gather = True  # all_gather_tensor hands the workers each other's tensors, where they lie
-    settings_agreed = True  # every simulated worker runs the one config
-    measures_compute = True  # advance_compute turns each step's measured compute into virtual time
-    seeded_alike = True  # every worker builds its model here, on the one device, from the run's seed
-
-    def __init__(self, group: InProcessGroup, rank: int) -> None:
-        super().__init__()
-        self.group, self.rank, self.world_size = group, rank, group.world
-        # under churn the members change: averages go the way of peers without fixed ranks (loco join's)
-        self.fixed_ranks = group.churn is None
-        self._deferred: Optional[list[tuple[VirtualTime, VirtualTime]]] = None
-
-    @contextlib.contextmanager
-    def exchange_scope(self, barrier: bool = True) -> Iterator[None]:
-        """An exchange of many collectives (``barrier``) keeps a worker that waits in it released until it ends
-        (:meth:`InProcessGroup.exchanging`); an exchange of one collective (DeMo's all-gather, whose scope also
-        holds the update that follows it) is released and acquired around its one wait."""
-        with super().exchange_scope(barrier), (self.group.exchanging(self.rank) if barrier
-                                               else contextlib.nullcontext()):
-            yield
-
-    def _finish(self, done: VirtualTime, start: VirtualTime) -> None:
-        if self._deferred is not None:
-            self._deferred.append((start, done))
-        else:
-            self.group.advance_to(self.rank, start, done)
-
-    def _all_reduce_sum_(self, flat: torch.Tensor) -> None:
-        def total(values: list[torch.Tensor]) -> torch.Tensor:
-            out = values[0].clone()
-            for v in values[1:]:
-                out.add_(v)
-            return out
-
-        nbytes = flat.numel() * flat.element_size()
-        result, done, start = self.group.rendezvous(
-            self.rank, flat, total, lambda _, at: self.group.network.all_reduce_at(nbytes, self.world_size, at))
-        flat.copy_(result)
-        self._finish(done, start)
-
-    def _start(self, fn: Callable[[], Any]) -> Handle:
-        """Run the collectives now, but move this worker's clock to their end only when it waits."""
-        self._deferred = []
-        try:
-            result = fn()
-            if self._deferred:
-                done = self.group.latest(end for _, end in self._deferred)
-                start = min((begin for begin, _ in self._deferred), key=self.group.seconds)
-            else:
-                done = start = self.group.clock[self.rank]
-        finally:
-            self._deferred = None
-        return _VirtualHandle(self, done, result, start)
-
-    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        result = self.group.rendezvous(self.rank, tensor, lambda values: values[src].clone())[0]
-        tensor.copy_(result)
-        return tensor
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return self.group.rendezvous(self.rank, obj, lambda values: values[src])[0]
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return self.group.rendezvous(self.rank, obj, list)[0]
-
-    def all_reduce_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
-        if self.fixed_ranks:
-            return super().all_reduce_(tensors, op)
-        from diloco.compress.collective import robust_all_reduce_
-
-        robust_all_reduce_(self, tensors, op)  # over the members present, as a loco join peer averages
-
-    def _gather(self, value: Any, size: Callable[[Any], int]) -> list[Any]:
-        """Every member's ``value``, in the time the network model gives an all-gather of their sizes."""
-        g = self.group
-
-        def seconds(values: list[Any], at: float) -> float:
-            total = sum(size(v) for v in values)
-            return g.network.all_gather_at([total - size(v) for v in values], at, g.last_members)
-
-        result, done, start = g.rendezvous(self.rank, value, list, seconds)
-        self._finish(done, start)
-        return result
-
-    def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
-        return self._gather(bytes(payload), len)
-
-    def _all_gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
-        return self._gather(t, torch.Tensor.numel)
-
-    def member_names(self) -> list[str]:
-        return [str(r) for r in self.group.last_members]
-
-    def record_contributions(self, accepted: dict[str, float], rejected: dict[str, str],
-                             clipped: dict[str, float], weights_clipped: Optional[dict[str, float]] = None) -> None:
-        self.group.contributions = dict(accepted)  # every member computes the same; rounds.jsonl reads it
-
-    def _start_all_gather_bytes(self, payload: bytes, sizes: Optional[Sequence[int]] = None
-                                ) -> Callable[[], list[bytes]]:
-        if sizes is None:  # the simulated workers always agree: stated sizes need no exchange
-            self._size_exchange("all_gather")
-        return super()._start_all_gather_bytes(payload, sizes)
-
-    def _start_all_to_all_bytes(self, payloads: Sequence[bytes], sizes: Optional[Sequence[int]] = None
-                                ) -> Callable[[], list[bytes]]:
-        if sizes is None:  # the simulated workers always agree: stated sizes need no exchange
-            self._size_exchange("all_to_all")
-        return super()._start_all_to_all_bytes(payloads, sizes)
-
-    def _size_exchange(self, kind: str) -> None:
-        """The virtual time of the size exchange a torchrun process runs before a byte collective whose payload
-        sizes nobody knew beforehand (a zstd stage): a collective of its own, W-1 latency-bound phases for 8 bytes
-        per peer (not counted in the bytes sent, as torch_dist does not count it). Peers without fixed ranks
-        (loco join's) send their sizes with the payloads: nothing to charge there."""
-        if not self.fixed_ranks or self.world_size == 1:
-            return
-        net, w = self.group.network, self.world_size
-        small = [8 * (w - 1)] * w
-
-        def seconds(_: list, at: float) -> float:
-            return net.all_gather_at(small, at) if kind == "all_gather" else net.all_to_all_at(small, small, at)
-
-        _, done, start = self.group.rendezvous(self.rank, None, lambda values: None, seconds)
-        self._finish(done, start)
-
-    def _all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
-        if not self.fixed_ranks:
-            raise TransportError("a simulation with churn has no fixed ranks: it averages with all_reduce_* and "
-                                 "all_gather_bytes")
-        net, w, me = self.group.network, self.world_size, self.rank
-
-        def seconds(values: list[list[bytes]], at: float) -> float:
-            sent = [sum(len(p) for j, p in enumerate(values[r]) if j != r) for r in range(w)]
-            received = [sum(len(values[i][r]) for i in range(w) if i != r) for r in range(w)]
-            return net.all_to_all_at(sent, received, at)
-
-        result, done, start = self.group.rendezvous(me, [bytes(p) for p in payloads], list, seconds)
-        received = [result[i][me] for i in range(w)]
-        self._finish(done, start)
-        return received
-
-    def now(self) -> float:
-        return self.group.seconds(self.group.clock[self.rank])
-
-    def mark(self) -> VirtualTime:
-        return self.group.clock[self.rank]
-
-    def seconds_since(self, mark: Any) -> float:
-        """The virtual seconds since ``mark``, its steps priced at today's step time: ``now() - mark`` would price
-        the steps before the mark at today's and those after at the mark's, and a moving median would stretch or
-        shrink a time-budgeted round by every step of the run since its start."""
-        if not isinstance(mark, VirtualTime):
-            return self.now() - float(mark)
-        t = self.group.clock[self.rank]
-        return self.group.seconds(VirtualTime(t.seconds - mark.seconds, t.steps - mark.steps))
-
-    def advance_compute(self, seconds: "float | DeviceSpan") -> None:
-        """One step done: ``seconds`` is what its compute measured (on a GPU a :class:`DeviceSpan`, read when the
-        device has passed it); the clock advances by one virtual step."""
-        g = self.group
-        if isinstance(seconds, (int, float)):
-            g.measured.add(seconds)
-        else:
-            g.measured.add_later(seconds)
-        steps = 1.0 / g.speeds[self.rank]
-        g.clock[self.rank] = g.clock[self.rank].plus(steps=steps)
-        g.compute_steps[self.rank] += steps
-        g.steps_done[self.rank] += 1
-        if g.churn is not None and g.churn.leaves_now(self.rank, self.now(), g.rounds[self.rank]):
-            g.leave(self.rank)
-            raise WorkerLeft(self.rank)
-
-    def steps_trained(self) -> Optional[int]:
-        """Under churn, the steps all workers computed, those lost with a worker that left included (``world x
-        step`` would count the time away too); else None."""
-        return sum(self.group.steps_done) if self.group.churn is not None else None
-
-    def my_steps_trained(self) -> Optional[int]:
-        return self.group.steps_done[self.rank] if self.group.churn is not None else None
-
-    def metrics(self) -> dict[str, Any]:
-        """``virtual_s``: this worker's clock with the step time known so far; ``virtual_net_s`` and
-        ``virtual_steps`` are the clock's parts, so a report can price the steps at the run's final step time."""
-        t = self.group.clock[self.rank]
-        return {"virtual_s": self.now(), "virtual_net_s": t.seconds, "virtual_steps": t.steps}
-
-    def summary(self) -> dict[str, Any]:
-        return self.group.summary()
 
 
 def run_workers(group: InProcessGroup, fn: Callable[[int, Transport], Any]) -> list[Any]:

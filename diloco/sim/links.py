@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from diloco.sim.network import parse_bandwidth, parse_duration
+from diloco.sim.units import parse_bandwidth, parse_duration
 
 
 def read_rows(path: Path, key: str, error: type[Exception], fields: str,

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from diloco.comm.base import flat_settings
+from diloco.comm.agreement import flat_settings
 from diloco.comm.hivemind.framing import _now, log
 from diloco.comm.hivemind.links import Links
 from diloco.comm.hivemind.node import Node
