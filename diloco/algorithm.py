@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from diloco.comm.base import Transport, end_to_end
+from diloco.comm.base import Transport
 from diloco.comm.local import LocalTransport
-from diloco.compress import collective, make_codec
+from diloco.compress import collective, end_to_end, make_codec
 
 if TYPE_CHECKING:
     from diloco.compress.codec import Codec
@@ -114,7 +114,7 @@ def flatten_parameters_(params: list[torch.Tensor]) -> bool:
     """Lay ``params`` end to end in one new flat fp32 buffer, in their order, values unchanged (each parameter's
     ``data`` becomes a view of it); True where they lie so now. Where the pseudo-gradients overwrite the
     parameters (DiLoCo's exchange), a compressed exchange then reads and writes them where they lie
-    (:func:`diloco.comm.base.end_to_end`) instead of concatenating each bucket and copying the result back.
+    (:func:`diloco.compress.flat.end_to_end`) instead of concatenating each bucket and copying the result back.
 
     They move only where every one of them is fp32, contiguous, on one device and alone in its own storage (where one
     is a view into a tensor it shares, it stays there, and so do the others: False)."""
@@ -318,7 +318,7 @@ class Algorithm:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            self.inner.all_reduce_([p.grad for p in self.params], op="mean")
+            collective.all_reduce_(self.inner, [p.grad for p in self.params], op="mean")
 
     skipped_steps = SkipCount.steps  # steps skipped for non-finite gradients
 
@@ -473,14 +473,14 @@ class DDP(Algorithm):
                     p.grad = g
 
     def _exchange(self, grads: list[torch.Tensor]) -> None:
-        if self.codec is None:
-            self.transport.all_reduce_(grads, op="mean")
+        if self.codec is None:  # every worker counts once
+            collective.weighted_mean(self.transport, grads)
         elif all_finite(grads):
-            collective.all_reduce_compressed_(self.transport, grads, self.codec, 1.0, key="grads")
+            collective.weighted_mean(self.transport, grads, 1.0, self.codec, key="grads")
         else:  # a worker with non-finite gradients adds nothing; the step is skipped only if nobody sent any
             for g in grads:
                 g.zero_()
-            if collective.all_reduce_compressed_(self.transport, grads, self.codec, 0.0, key="grads") == 0:
+            if collective.weighted_mean(self.transport, grads, 0.0, self.codec, key="grads") == 0:
                 grads[0].fill_(float("nan"))
 
     def shared_state(self) -> dict[str, Any]:

@@ -17,6 +17,8 @@ accelerator memory. With a lossy ``codec`` (``compress.codec``) the average
 runs through the transport's compressed all-reduce: each worker's
 pseudo-gradient is encoded (with the codec's error feedback), the weights
 travel exactly beside the payloads, and every worker decodes the same bytes.
+Whatever the codec, the average is one call, ``collective.weighted_mean``,
+which picks its aggregation from the transport and the codec.
 A worker whose weight is 0 (it did no step, or its
 pseudo-gradient is not finite) adds nothing to the average and still takes the
 new global parameters, so no NaN is ever averaged into the model.
@@ -34,7 +36,7 @@ from diloco.algorithm import (Algorithm, _check_finite, _check_fits, _copy, _cou
                               move_tensor, register)
 from diloco.comm.base import Handle, Transport
 from diloco.compress import collective
-from diloco.compress.codec import Codec, make_codec
+from diloco.compress.codec import Codec
 from diloco.sync import SyncPolicy
 
 
@@ -52,10 +54,7 @@ class DiLoCo(Algorithm):
                  fragments: Optional[Sequence[Sequence[Any]]] = None, codec: Optional[Codec] = None,
                  inner: Optional[Transport] = None) -> None:
         super().__init__(model, optimizer, transport, grad_clip, inner=inner)
-        if self.transport.fixed_ranks:  # None: the exact dense all-reduce
-            self.codec = None if codec is None or codec.is_identity else codec
-        else:  # peers without fixed ranks average through the codec path: each update travels with its weight
-            self.codec = codec or make_codec("fp32")
+        self.codec = collective.codec_for(self.transport, codec)  # None: the exact dense all-reduce
         self.policy = SyncPolicy(sync_mode, inner_steps, time_budget_s)
         self.tokens_per_step = tokens_per_step
         self.offload_outer = offload_outer
@@ -161,16 +160,10 @@ class DiLoCo(Algorithm):
                 weight = 0.0
                 for d in deltas:
                     d.zero_()
-        if self.codec is not None:
-            total = torch.zeros(1, dtype=torch.float32)
-            return deltas, total, _Filled(collective.all_reduce_compressed_async_(
-                self.transport, deltas, self.codec, weight, key=f"fragment{key}" if key is not None else "all",
-                gather=self.gather), total)
-        with torch.no_grad():
-            for d in deltas:
-                d.mul_(weight)
-        total = torch.tensor([weight], dtype=torch.float32, device=self.outer_device)
-        return deltas, total, _Mean(self.transport.all_reduce_async_([*deltas, total], op="sum"), deltas, total)
+        total = torch.zeros(1, dtype=torch.float32)
+        return deltas, total, _Filled(collective.weighted_mean_async(
+            self.transport, deltas, weight, self.codec, key=f"fragment{key}" if key is not None else "all",
+            gather=self.gather), total)
 
     @staticmethod
     def _total(total: torch.Tensor) -> float:
@@ -349,27 +342,8 @@ def _pieces(fragments: Sequence[Sequence[Any]], params: Sequence[torch.Tensor]
     return pieces, frags
 
 
-class _Mean(Handle):
-    """Dense exchange: once the weighted sums arrive, divide them by the total weight."""
-
-    def __init__(self, inner: Handle, deltas: list[torch.Tensor], total: torch.Tensor) -> None:
-        super().__init__()
-        self.inner, self.deltas, self.total = inner, deltas, total
-        self.value: Optional[float] = None  # the total weight, once the sums arrived
-
-    def wait(self) -> Any:
-        self.inner.wait()
-        if self.value is None:
-            self.value = float(self.total.item())
-            if self.value > 0:
-                with torch.no_grad():
-                    for d in self.deltas:
-                        d.div_(self.value)
-        return self.value
-
-
 class _Filled(Handle):
-    """Compressed exchange: the deltas already hold the mean; write the total weight into ``total``."""
+    """An exchange whose deltas hold the mean once it is done: write the total weight into ``total``."""
 
     def __init__(self, inner: Handle, total: torch.Tensor) -> None:
         super().__init__()

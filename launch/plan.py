@@ -185,8 +185,8 @@ def _piece_numel(params: list, entry: Any) -> int:
 
 # ---- the collectives, as the transports and the simulator count them ---------------------------------------
 def _buckets(sizes: Sequence[int], limit_bytes: int = BUCKET_BYTES, itemsize: int = 4) -> list[int]:
-    """Element counts of the flat buckets ``diloco.comm.base.buckets`` makes of fp32 tensors of ``sizes``."""
-    from diloco.comm.base import bucket_groups
+    """Element counts of the flat buckets ``diloco.compress.flat.buckets`` makes of fp32 tensors of ``sizes``."""
+    from diloco.compress.flat import bucket_groups
 
     return [sum(sizes[i] for i in g) for g in bucket_groups([n * itemsize for n in sizes], limit_bytes)]
 

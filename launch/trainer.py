@@ -45,7 +45,6 @@ import torch.nn.functional as F
 
 from diloco import Algorithm
 from diloco.comm import Transport, make_transport
-from diloco.comm.base import DeviceSpan
 from launch.algorithms import algorithm_class
 from launch.checkpoint import (CheckpointError, checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint,
                                rng_state, save_checkpoint, set_rng_state)
@@ -456,10 +455,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, transport=self.transport, cfg=cfg)
         self.tokens_per_step = run.batch_size * procs * cfg.data.seq_len  # per worker
         # every worker starts from rank 0's parameters (and DiLoCo's copy), which models built alike already are
-        seeded = self.transport.seeded_alike and built_here
-        if self.world > 1 and join_run is None and not seeded:
+        if join_run is None:
             with torch.no_grad():
-                self.transport.broadcast_tensors_([p.data for p in self.model.parameters()], 0)
+                self.transport.share_initial_([p.data for p in self.model.parameters()], seeded=built_here)
         self.algo = build_algorithm(cfg, self.model, self.optimizer, self.transport, self.tokens_per_step, self.inner)
         if on_built is not None:
             on_built(self)
@@ -494,7 +492,7 @@ class Trainer:
         self.skipped_reported = self.algo.skipped_steps  # non-finite steps already reported (see _report_skipped)
         # a signal stops the loop where every process can save: one worker at any step end; torchrun ranks
         # where rank 0's view is broadcast (round ends, or every log.every-th step); the simulator sets its own
-        self.stop_on_request = self.world == 1 or self.transport.shared_stop
+        self.stop_on_request = self.world == 1 or self.transport.caps.shared_stop
         self.metrics = Metrics(self.run_dir, cfg.log, self.leader, run.max_steps, self.step, self.rank,
                                cfg.to_dict(), run.name)
 
@@ -909,11 +907,9 @@ class Trainer:
         self._t0 = time.perf_counter()
         self.synced_step = self.step  # the step of this worker's latest sync (the run's progress counts from it)
         # a simulated run's budget is virtual time (the simulator's transport measures the compute it is told of)
-        self._budget_mark = self.transport.mark() if self.transport.measures_compute else None
+        self._budget_mark = self.transport.mark() if self.transport.caps.measures_compute else None
         self.agreed = (self.step, 0.0)  # (step, budget_s) as rank 0 saw it at the latest agreement: none yet
         window_t = time.perf_counter()
-        # the simulator's virtual time wants each step's compute: on a GPU, timed on the device (no host wait)
-        device_timed = self.device.type == "cuda" and self.transport.measures_compute
         listening = self.stop_on_request
         if listening:
             STOP.listening += 1
@@ -923,14 +919,11 @@ class Trainer:
             while not self._should_stop(synced):
                 lr = self._set_lr()
                 step_loss = None  # stays on the device: read back only at log steps (no host sync per step)
-                compute_start = time.perf_counter()
-                span = DeviceSpan(self.device) if device_timed else None
-                for micro in range(run.grad_accum):
-                    loss = self._loss_and_backward(micro)
-                    part = loss.detach() / run.grad_accum
-                    step_loss = part if step_loss is None else step_loss + part
-                self.transport.advance_compute(span.stop() if span is not None else
-                                               time.perf_counter() - compute_start)
+                with self.transport.computing(self.device):  # the simulator's virtual time measures the compute
+                    for micro in range(run.grad_accum):
+                        loss = self._loss_and_backward(micro)
+                        part = loss.detach() / run.grad_accum
+                        step_loss = part if step_loss is None else step_loss + part
                 info = self.algo.step()
                 synced = bool(info.get("synced"))
                 self.algo.zero_grad()

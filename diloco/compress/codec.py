@@ -45,7 +45,7 @@ from typing import Any, Hashable, Optional
 import torch
 import zstandard
 
-from diloco.comm.base import BufferPool
+from diloco.comm.pool import BufferPool
 from diloco.compress import wire
 from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
 from diloco.compress.dct import dct_chunks, idct_chunks, padded_length
@@ -257,7 +257,7 @@ def _cannot_overflow(weight: float, magnitude: float) -> bool:
 
 
 class _Buffers(BufferPool):
-    """Encode's output buffers (:class:`~diloco.comm.base.BufferPool`), sized by ``POOL_MIN`` / ``POOL_KEEP``."""
+    """Encode's output buffers (:class:`~diloco.comm.pool.BufferPool`), sized by ``POOL_MIN`` / ``POOL_KEEP``."""
 
     def __init__(self) -> None:
         super().__init__(POOL_MIN, POOL_KEEP)
@@ -493,10 +493,6 @@ class Codec:
                 raise ValueError("cannot encode a tensor with NaN or Inf values")
             if h is not None:
                 h.update(mem[base + size * a:base + size * b])
-
-    def release_buffers(self) -> None:
-        """Forget the output buffers kept for reuse (they are freed once nothing else holds them)."""
-        self._buffers.clear()
 
     def _residual(self, key: Hashable, length: int, device: torch.device
                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -47,13 +47,13 @@ from __future__ import annotations
 import contextlib
 import heapq
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import greenlet
 import torch
 
-from diloco.comm.base import DeviceSpan, Handle, Transport, TransportError
+from diloco.comm.base import Capabilities, DeviceSpan, Handle, Transport, TransportError
 from diloco.sim.network import NetworkModel
 
 if TYPE_CHECKING:
@@ -393,17 +393,18 @@ class WorkerLeft(Exception):
 class InProcessTransport(Transport):
     """Rank ``rank`` of an :class:`InProcessGroup`."""
 
-    shared_results = True  # every worker's all_gather_bytes returns the one list rendezvous combined
-    device_gather = True  # all_gather_tensor hands the workers each other's tensors, where they lie
-    settings_agreed = True  # every simulated worker runs the one config
-    measures_compute = True  # advance_compute turns each step's measured compute into virtual time
-    seeded_alike = True  # every worker builds its model here, on the one device, from the run's seed
+    # every worker's all_gather_bytes returns the one list rendezvous combined; all_gather_tensor hands the workers
+    # each other's tensors, where they lie; every simulated worker runs the one config; advance_compute turns each
+    # step's measured compute into virtual time; every worker builds its model here, on the one device, from the
+    # run's seed
+    caps = Capabilities(shared_results=True, device_gather=True, settings_agreed=True, measures_compute=True,
+                        seeded_alike=True)
 
     def __init__(self, group: InProcessGroup, rank: int) -> None:
         super().__init__()
         self.group, self.rank, self.world_size = group, rank, group.world
         # under churn the members change: averages go the way of peers without fixed ranks (loco join's)
-        self.fixed_ranks = group.churn is None
+        self.caps = replace(self.caps, fixed_ranks=group.churn is None)
         self._deferred: Optional[list[tuple[VirtualTime, VirtualTime]]] = None
 
     @contextlib.contextmanager
@@ -459,13 +460,6 @@ class InProcessTransport(Transport):
     def all_gather_object(self, obj: Any) -> list[Any]:
         return self.group.rendezvous(self.rank, obj, list)[0]
 
-    def all_reduce_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
-        if self.fixed_ranks:
-            return super().all_reduce_(tensors, op)
-        from diloco.compress.collective import robust_all_reduce_
-
-        robust_all_reduce_(self, tensors, op)  # over the members present, as a loco join peer averages
-
     def _gather(self, value: Any, size: Callable[[Any], int]) -> list[Any]:
         """Every member's ``value``, in the time the network model gives an all-gather of their sizes."""
         g = self.group
@@ -508,7 +502,7 @@ class InProcessTransport(Transport):
         sizes nobody knew beforehand (a zstd stage): a collective of its own, W-1 latency-bound phases for 8 bytes
         per peer (not counted in the bytes sent, as torch_dist does not count it). Peers without fixed ranks
         (loco join's) send their sizes with the payloads: nothing to charge there."""
-        if not self.fixed_ranks or self.world_size == 1:
+        if not self.caps.fixed_ranks or self.world_size == 1:
             return
         net, w = self.group.network, self.world_size
         small = [8 * (w - 1)] * w
@@ -520,7 +514,7 @@ class InProcessTransport(Transport):
         self._finish(done, start)
 
     def _all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
-        if not self.fixed_ranks:
+        if not self.caps.fixed_ranks:
             raise TransportError("a simulation with churn has no fixed ranks: it averages with all_reduce_* and "
                                  "all_gather_bytes")
         net, w, me = self.group.network, self.world_size, self.rank

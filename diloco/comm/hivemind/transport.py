@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from diloco.comm.base import Transport, TransportError, die_with_parent
+from diloco.comm.base import Capabilities, RobustBounds, Transport, TransportError, die_with_parent
 from diloco.comm.hivemind.auth import _make_authorizer, check_run_name
 from diloco.comm.hivemind.epoch import EpochMixin, EpochResult, _servicer_class
 from diloco.comm.hivemind.framing import EXCHANGE_DEFAULT_S, Pace, _now, log, matchmaking_window, seconds_or_auto
@@ -164,7 +164,7 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
 
     rank = 0
     world_size = 1
-    fixed_ranks = False
+    caps = Capabilities(fixed_ranks=False)
 
     def __init__(self, run: str = "loco", *, initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = (),
                  announce_maddrs: Sequence[str] = (), identity_path: Optional[str] = None,
@@ -194,8 +194,8 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
         self.rate = Pace()  # bytes/s (sent + received) of this peer's recent complete exchanges
         self.forming = Pace()  # seconds its recent complete groups took to form
         self._live_seen = 0  # how many other live peers its latest rendezvous found (bounds the next group)
-        self.heartbeat_ttl, self.norm_clip, self.clip_action = heartbeat_ttl, float(norm_clip), clip_action
-        self.weight_clip = float(weight_clip)
+        self.heartbeat_ttl = heartbeat_ttl
+        self.bounds = RobustBounds(float(norm_clip), clip_action, float(weight_clip))
         self.max_payload_bytes, self.client_mode = max_payload_bytes, client_mode
         # the largest state this peer downloads (None: max_payload_bytes); a driver sets it from its model
         # (launch.join: 16 bytes a parameter), since a 1B DiLoCo state is about 8.8 GB
@@ -484,12 +484,6 @@ class HivemindTransport(EpochMixin, StateMixin, LedgerMixin, Transport):
     def _all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
         raise TransportError("the hivemind transport has no fixed ranks: it averages with all_reduce_* and "
                              "all_gather_bytes")
-
-    def all_reduce_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
-        """Sum or average over the members of this epoch (raw fp32 payloads, validated and norm-clipped)."""
-        from diloco.compress.collective import robust_all_reduce_
-
-        robust_all_reduce_(self, tensors, op)
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         return tensor
