@@ -266,7 +266,7 @@ class Algorithm:
         source = next((p.device for p in self.params), torch.device("cpu"))
         self._move(device)
         if self.codec is not None:  # the error-feedback residuals go where the exchanges will read them
-            home = self.codec.home = self._exchange_device(device)
+            home = self.codec.residuals.home = self._exchange_device(device)
             for key, residual in list(self.codec.residuals.items()):
                 self.codec.residuals[key] = move_tensor(residual, home)
         if torch.device(device).type == "cpu":

@@ -21,7 +21,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from diloco.comm.base import flat_settings
-from diloco.compress.codec import CodecSpecError, parse_chain
+from diloco.compress.chain import CodecSpecError, parse_chain
 from diloco.sim.network import parse_duration  # noqa: F401  (also part of this module's API)
 
 

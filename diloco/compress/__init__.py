@@ -2,7 +2,7 @@
 
 ``make_codec("topk:0.02+2bit+zstd")`` returns a :class:`Codec` with
 ``encode(tensor) -> bytearray`` (one buffer) and ``decode(bytes) -> tensor``; a malformed payload
-raises :class:`CorruptPayload` and nothing else. See ``codec.py`` for the stages.
+raises :class:`CorruptPayload` and nothing else. See ``chain.py`` for the stages.
 
 The pieces other packages (DeMo in ``demo_optim``) build on are exported here too:
 the wire header (``wire``, ``tensor_bytes``), bit packing (``bits.py``), the per-chunk
@@ -17,7 +17,9 @@ from diloco.compress import wire
 from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
 from diloco.compress.chunks import (RULES, ChunkPlan, block_side, from_chunks, largest_divisor_at_most, plan_for,
                                     to_chunks)
-from diloco.compress.codec import STAGE_NAMES, Codec, CodecSpecError, chunk_indices_ok, make_codec, parse_chain
+from diloco.compress.chain import STAGE_NAMES, CodecSpecError, parse_chain
+from diloco.compress.checked import chunk_indices_ok
+from diloco.compress.codec import Codec, make_codec
 from diloco.compress.dct import dct_basis
 from diloco.compress.flat import end_to_end
 from diloco.compress.kernels import topk_chunks_ref
