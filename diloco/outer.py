@@ -31,12 +31,12 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from diloco.algorithm import (Algorithm, _check_finite, _check_fits, _copy, _counts, _list_at, _move_optimizer_state,
-                              all_finite, check_optimizer_state, flatten_parameters_, load_optimizer_state,
-                              move_tensor, register)
+from diloco.algorithm import Algorithm, _move_optimizer_state, all_finite, flatten_parameters_, move_tensor, register
 from diloco.comm.base import Handle, Transport
 from diloco.compress import collective
 from diloco.compress.codec import Codec
+from diloco.state import (check_finite, check_fits, check_optimizer_state, copy_into, counts_of, list_at,
+                           load_optimizer_state)
 from diloco.sync import SyncPolicy
 
 
@@ -247,24 +247,24 @@ class DiLoCo(Algorithm):
                 "round": self.round, "global_tokens": self.global_tokens}
 
     def check_shared_state(self, state: dict[str, Any]) -> None:
-        _check_fits(self.global_params, _list_at(state, "global_params"), "global_params")
-        saved = _list_at(state, "outer_optimizers")
+        check_fits(self.global_params, list_at(state, "global_params"), "global_params")
+        saved = list_at(state, "outer_optimizers")
         if len(saved) != len(self.outer_optimizers):
             raise ValueError(f"{len(saved)} outer optimizers, this run has {len(self.outer_optimizers)}")
         for k, (opt, s) in enumerate(zip(self.outer_optimizers, saved)):
             check_optimizer_state(opt, s, f"outer_optimizers[{k}]")
-        _counts(state)
-        _check_finite(state, "the state")
+        counts_of(state)
+        check_finite(state, "the state")
 
     def load_shared_state(self, state: dict[str, Any]) -> None:
         """The global model, outer state, round and tokens of another worker; this worker starts a new round
         from that global model. All of it or (ValueError, :meth:`check_shared_state`) none of it."""
         self.check_shared_state(state)
-        _copy(self.global_params, state["global_params"])
-        _copy(self.params, state["global_params"])
+        copy_into(self.global_params, state["global_params"])
+        copy_into(self.params, state["global_params"])
         for opt, saved in zip(self.outer_optimizers, state["outer_optimizers"]):
             load_optimizer_state(opt, saved)
-        self.round, self.global_tokens = _counts(state)
+        self.round, self.global_tokens = counts_of(state)
         self.round_steps = 0
         self.policy.start_round(self.transport.mark)
 
@@ -282,10 +282,8 @@ class DiLoCo(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)  # checks the algorithm's name first
-        layout = state.get("fragments")
         sizes = [len(o["param_groups"][0]["params"]) for o in state["outer_optimizers"]]
-        cut = any(rows is not None for _, rows in self.pieces)  # a checkpoint without a layout had no cut pieces
-        if (layout is None and cut) or (layout is not None and layout != self._layout()) or \
+        if state.get("fragments") != self._layout() or \
                 sizes != [len(o.param_groups[0]["params"]) for o in self.outer_optimizers]:
             raise ValueError(f"its outer state is cut into {len(sizes)} fragment(s) of {sizes} pieces, this run's into "
                              f"{len(self.fragments)} of {[len(f) for f in self.fragments]}: resume with the same "
