@@ -715,7 +715,7 @@ def test_simulated_workers_share_one_mean_and_end_as_if_each_computed_it(bad_ran
 
 @pytest.mark.parametrize("sign_values", [False, True])
 def test_device_payloads_give_the_same_steps_as_wire_payloads(sign_values):
-    """Simulated workers move their payloads as device tensors (Transport.device_gather); the same run through
+    """Simulated workers move their payloads as device tensors (Capabilities.device_gather); the same run through
     wire payloads and host bytes gives the same parameters, contributors and skipped steps, bit for bit, also
     when a worker sits a step out."""
     def run(on_device: bool):

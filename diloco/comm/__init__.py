@@ -3,7 +3,8 @@ and sim (the simulator's in-process workers); :func:`make_transport` builds any 
 
 from typing import Any
 
-from diloco.comm.base import Capabilities, CommStats, Handle, RobustBounds, Transport, TransportError
+from diloco.comm.base import CommStats, Handle, Transport, TransportError
+from diloco.comm.caps import Capabilities, RobustBounds
 from diloco.comm.local import LocalTransport
 
 __all__ = ["Capabilities", "CommStats", "Handle", "LocalTransport", "RobustBounds", "Transport", "TransportError",

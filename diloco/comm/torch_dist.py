@@ -47,7 +47,8 @@ from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from diloco.comm.base import Capabilities, Handle, Transport, TransportError, shard_bounds
+from diloco.comm.base import Handle, Transport, TransportError, shard_bounds
+from diloco.comm.caps import Capabilities
 from diloco.comm.pool import BufferPool
 
 

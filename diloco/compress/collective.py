@@ -50,7 +50,8 @@ from typing import Generator, Hashable, Optional, Sequence
 
 import torch
 
-from diloco.comm.base import Capabilities, Handle, Transport, TransportError, shard_bounds
+from diloco.comm.base import Handle, Transport, TransportError, shard_bounds
+from diloco.comm.caps import Capabilities
 from diloco.compress.codec import Codec, make_codec
 from diloco.compress.flat import Scratch, bucket_groups, buckets, end_to_end, scratch_for, unflatten_into
 from diloco.compress.message import check_weight, known_sizes, message_size, pack_weight, split_weight

@@ -53,7 +53,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, S
 import greenlet
 import torch
 
-from diloco.comm.base import Capabilities, DeviceSpan, Handle, Transport, TransportError
+from diloco.comm.base import DeviceSpan, Handle, Transport, TransportError
+from diloco.comm.caps import Capabilities
 from diloco.sim.network import NetworkModel
 
 if TYPE_CHECKING:

@@ -18,7 +18,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from diloco.comm.base import Capabilities, RobustBounds, Transport, TransportError, die_with_parent
+from diloco.comm.base import Transport, TransportError, die_with_parent
+from diloco.comm.caps import Capabilities, RobustBounds
 from diloco.comm.hivemind.auth import _make_authorizer, check_run_name
 from diloco.comm.hivemind.epoch import EpochMixin, EpochResult, _servicer_class
 from diloco.comm.hivemind.framing import EXCHANGE_DEFAULT_S, Pace, _now, log, matchmaking_window, seconds_or_auto
