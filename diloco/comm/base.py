@@ -41,7 +41,7 @@ class CommStats:
     bytes_received: int = 0
     collectives: int = 0
     seconds: float = 0.0
-    peak_bytes: int = 0  # the most bytes one exchange (one all_reduce_ call) put on the wire
+    peak_bytes: int = 0  # the most bytes one exchange (one exchange_scope) put on the wire
 
     def as_dict(self) -> dict[str, float]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
@@ -101,8 +101,8 @@ class Transport(ABC):
     rank: int = 0
     world_size: int = 1
     bucket_bytes: int = 32 << 20
-    caps: Capabilities = Capabilities()
-    bounds: RobustBounds = RobustBounds()
+    caps: Capabilities = Capabilities()  # what it can do beyond moving bytes (each transport states its own)
+    bounds: RobustBounds = RobustBounds()  # what one member's update may weigh in a robust mean
 
     def __init__(self) -> None:
         self.stats = CommStats()
