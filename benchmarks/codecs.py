@@ -138,7 +138,7 @@ def zstd_rows(x: torch.Tensor, chains: list[str], repeats: int) -> list[dict]:
     import zstandard
 
     from diloco.compress import make_codec, wire
-    from diloco.compress.codec import ZSTD_JOB_BYTES, ZSTD_THREADS_ABOVE, threaded_zstd
+    from diloco.compress.zstd import ZSTD_JOB_BYTES, ZSTD_THREADS_ABOVE, threaded_zstd
 
     rows = []
     for chain in chains:

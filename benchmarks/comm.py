@@ -13,7 +13,7 @@ pseudo-gradient:
   multiplies it elementwise by ``1 + spread * z_r`` (``z_r`` Gaussian, seeded by r), so the workers
   differ but keep the vector's heavy-tailed magnitudes, and the exact mean is not any one input.
 * **DiLoCo rounds**, one row per codec chain: ``fp32`` through the dense ``all_reduce_`` (the
-  ring all-reduce), every other chain through ``collective.all_reduce_compressed_(..., weight=1.0,
+  ring all-reduce), every other chain through ``collective.weighted_mean(..., 1.0, codec,
   key="bench")``: one codec per worker kept across the rounds, so top-k's error feedback carries
   its residual from round to round as in training. Each round restarts from the same inputs.
   One warm-up round, then ``--repeats`` timed ones; a round's time is the slowest worker's
@@ -143,11 +143,12 @@ def worker(cfg: dict) -> None:
 
     from diloco.comm.torch_dist import TorchDistTransport
     from diloco.compress import make_codec
-    from diloco.compress.collective import all_reduce_compressed_
+    from diloco.compress.collective import all_reduce_, weighted_mean
 
     torch.set_num_threads(cfg["threads"])
     # the settings every worker states (as loco train does): fixed-size codecs then skip the size exchanges
     tr = TorchDistTransport(backend="gloo", timeout=cfg["collective_timeout"], settings={"chains": cfg["chains"]})
+    overlaps = tr.caps.overlaps_exchange  # what the backend allows; a serial row turns it off
     rank, world = tr.rank, tr.world_size
     lead = rank == 0
 
@@ -216,12 +217,12 @@ def worker(cfg: dict) -> None:
 
     def one_round(codec, chain: str = "") -> None:
         work.copy_(x)
-        tr.overlaps_exchange = SERIAL not in chain
-        tr.settings_agreed = SIZED not in chain
+        tr.caps = replace(tr.caps, overlaps_exchange=overlaps and SERIAL not in chain,
+                          settings_agreed=SIZED not in chain)
         if codec is None:
-            tr.all_reduce_(pieces, op="mean")
+            all_reduce_(tr, pieces, op="mean")
         else:
-            all_reduce_compressed_(tr, pieces, codec, 1.0, key=KEY)
+            weighted_mean(tr, pieces, 1.0, codec, key=KEY)
 
     def check(r: int) -> float:
         if r == 0:
@@ -262,13 +263,13 @@ def worker(cfg: dict) -> None:
     for k, size in cfg["demo_bytes"].items():
         payload = bytes(size)
         for sized in ([False, True] if cfg["exchange_sizes"] else [False]):  # DeMo states its payloads' size
-            tr.settings_agreed = not sized
+            tr.caps = replace(tr.caps, settings_agreed=not sized)
             times, sent, _ = timed_rounds(lambda: tr.all_gather_bytes(payload, [size] * world), 1 + cfg["repeats"])
             demo.append({"topk": f"{k}{SIZED if sized else ''}", "payload": size, "step_s": statistics.median(times[1:]),
                          "times": times[1:], "bytes_sent": int(statistics.median(sent[1:]))})
             say(f"DeMo k={demo[-1]['topk']:<18} {fmt_s(demo[-1]['step_s']):>9s} s/step   "
                 f"{fmt_b(demo[-1]['bytes_sent']):>10s} sent/worker")
-        tr.settings_agreed = True
+        tr.caps = replace(tr.caps, settings_agreed=True)
 
     peaks = tr.all_gather_object(peak_rss())
     tr.barrier()
@@ -417,7 +418,7 @@ def render(res: dict, args, started: str, wall: float, load: tuple[float, float]
         lines.append(f"| {label(r['chain'])} | {fmt_s(r['round_s'])} | {slower} | {fmt_s(r['warmup_s'])} "
                      f"| {fmt_b(r['bytes_sent'])} | {ratio} | {r['errs'][0]:.2e} | {r['errs'][-1]:.2e} | {mean} |")
     lines += ["", "fp32 goes through the dense `all_reduce_` (its error is float summation order); the others through "
-              "`all_reduce_compressed_` (encode each shard, all-to-all, decode + mean, re-encode, all-gather, decode). "
+              "`weighted_mean` (encode each shard, all-to-all, decode + mean, re-encode, all-gather, decode). "
               "Top-k chains keep error feedback under one fixed key, and every round restarts from the same inputs: "
               "the first round starts with empty residuals, later rounds also send what earlier ones held back (so a "
               "single round's error does not shrink), and the mean of the rounds' results shows what error feedback "

@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
@@ -77,7 +78,8 @@ def measure_step_time(args, data) -> float:
         trainer = Trainer(cfg, data=data)
         times = []
         trainer.transport.advance_compute = times.append  # the loop reports each step's compute time here
-        trainer.transport.measures_compute = True  # on a GPU: CUDA events around the compute, as the simulator's
+        # on a GPU: CUDA events around the compute, as the simulator's
+        trainer.transport.caps = replace(trainer.transport.caps, measures_compute=True)
         trainer.fit()
     return statistics.median(t if isinstance(t, float) else t.seconds() for t in times[5:])
 

@@ -67,7 +67,7 @@ def role_gloo(args) -> None:
 
     from diloco.comm.torch_dist import TorchDistTransport
     from diloco.compress import make_codec
-    from diloco.compress.collective import all_reduce_compressed_
+    from diloco.compress.collective import all_reduce_, weighted_mean
 
     torch.set_num_threads(1)
     t = TorchDistTransport(backend="gloo", timeout=1800)
@@ -80,9 +80,9 @@ def role_gloo(args) -> None:
             rss = start_peak()
             before, start = t.stats.bytes_sent, time.perf_counter()
             if chain == "fp32":
-                t.all_reduce_([y], op="mean")
+                all_reduce_(t, [y], op="mean")
             else:
-                all_reduce_compressed_(t, [y], codec, 1.0, key="bench")
+                weighted_mean(t, [y], 1.0, codec, key="bench")
             emit(transport="gloo", chain=chain, round=r, rank=t.rank, s=time.perf_counter() - start,
                  bytes=t.stats.bytes_sent - before, numel=x.numel(), peak_rss=peak_rss(),
                  round_peak=None if rss is None else peak_rss() - rss)
@@ -95,7 +95,7 @@ def role_hivemind(args) -> None:
 
     from diloco.comm.hivemind import HivemindTransport
     from diloco.compress import make_codec
-    from diloco.compress.collective import all_reduce_compressed_
+    from diloco.compress.collective import weighted_mean
 
     torch.set_num_threads(1)
     rank, folder = args.rank, Path(args.dir)
@@ -117,7 +117,7 @@ def role_hivemind(args) -> None:
             y = load_vector(args, rank)  # afresh each round (not timed): one copy of the vector per peer
             rss = start_peak()
             before, start = t.stats.bytes_sent, time.perf_counter()
-            all_reduce_compressed_(t, [y], codec, 1.0, key="bench")
+            weighted_mean(t, [y], 1.0, codec, key="bench")
             emit(transport="hivemind", chain=chain, round=r, rank=rank, s=time.perf_counter() - start,
                  bytes=t.stats.bytes_sent - before, numel=y.numel(), members=len(t.take_report().members),
                  peak_rss=peak_rss(), round_peak=None if rss is None else peak_rss() - rss)

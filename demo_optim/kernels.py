@@ -39,8 +39,7 @@ from typing import Optional
 
 import torch
 
-from diloco.comm.base import end_to_end
-from diloco.compress import ChunkPlan, dct_basis, from_chunks, to_chunks
+from diloco.compress import ChunkPlan, dct_basis, end_to_end, from_chunks, to_chunks
 from diloco.compress.kernels import HAVE_TRITON, require_triton, topk_chunks_ref, use_triton
 
 try:

@@ -35,12 +35,13 @@ still applies the others' update, so the replicas stay equal. In loco's loop on 
 decision is taken on the device (``found_inf``, see :meth:`DeMo.step`): nothing is read back
 for it.
 
-Transports that move tensors where they lie (``Transport.device_gather``: the simulator, NCCL)
-skip the host: the payload is one uint8 tensor on the parameters' device, the size of the wire
-payload, with a first byte that says whether a body follows instead of the header (the
-members of such a group are trusted, and the transport checks its own transfer); the
-payloads are unpacked and checked together, as rows, with one host sync for all of them,
-and then summed in rank order as above. The sums are the same as the byte path's.
+Transports that move tensors where they lie (``Capabilities.device_gather``: the simulator, NCCL)
+skip the host (``Transport.all_gather_payload`` picks the form): the payload is one uint8 tensor
+on the parameters' device, the size of the wire payload, with a first byte that says whether a
+body follows instead of the header (the members of such a group are trusted, and the transport
+checks its own transfer); the payloads are unpacked and checked together, as rows, with one
+host sync for all of them, and then summed in rank order as above. The sums are the same as
+the byte path's.
 """
 
 from __future__ import annotations
@@ -55,10 +56,10 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from diloco.algorithm import SkipCount, all_finite
-from diloco.comm.base import SharedResult, Transport, end_to_end
+from diloco.comm.base import Transport
 from diloco.comm.local import LocalTransport
-from diloco.compress import (RULES, ChunkPlan, CorruptPayload, bits_for, from_chunks, pack_bits, packed_size,
-                             plan_for, tensor_bytes, to_chunks, unpack_bits, wire)
+from diloco.compress import (RULES, ChunkPlan, CorruptPayload, SharedResult, bits_for, end_to_end, from_chunks,
+                             pack_bits, packed_size, plan_for, tensor_bytes, to_chunks, unpack_bits, wire)
 from demo_optim import kernels
 
 log = logging.getLogger("demo_optim")
@@ -158,16 +159,16 @@ class DeMo(torch.optim.Optimizer):
             contribute = self.contribute and (self.grads_checked or self._grads_finite(entries))
             self.skips.host += not self.contribute  # the trainer found them not finite
         self.contribute, self.grads_checked = True, False
-        if entries and self.transport.device_gather:  # the payloads stay where they are made
+
+        def on_wire() -> bytes:
+            return self._encode(entries, chain, ok) if contribute else self._silent_payload(entries, chain)
+
+        def on_device() -> torch.Tensor:  # the payload stays where it is made
             layout = self._layout(plans, chain, self._device())
-            data = self._encode_device(entries, chain, layout, ok) if contribute else layout.silent(chain)
-            payloads = self.transport.all_gather_tensor(data)
-        else:
-            payload = self._encode(entries, chain, ok) if contribute else self._silent_payload(entries, chain)
-            # every worker's payload has this length (same settings, same model; a silent one is padded to it), so
-            # a transport whose processes agreed on their settings skips the size exchange
-            sizes = [len(payload)] * self.transport.world_size if self.transport.fixed_ranks else None
-            payloads = self.transport.all_gather_bytes(payload, sizes)
+            return self._encode_device(entries, chain, layout, ok) if contribute else layout.silent(chain)
+
+        # every worker's payload has one length (same settings, same model; a silent one is padded to it)
+        payloads = self.transport.all_gather_payload(on_wire, on_device if entries else None)
         self._apply_mean(payloads, entries, plans, chain)
         return loss
 
@@ -175,45 +176,48 @@ class DeMo(torch.optim.Optimizer):
         """``p -= lr * sign(IDCT(mean))`` for every parameter, the mean taken over the valid payloads per
         coefficient (0 where nobody sent).
 
-        Simulated workers (``transport.shared_results``) receive the very same payload list: the first of them
-        validates and sums it and works out the update's direction, ``sign(IDCT(mean))`` of every parameter
-        (:func:`kernels.signs_many`, in the parameters' dtype); the others take that direction (the same values, as
-        they would compute them), apply it with their own lr, and replay the rejections in their own counters
-        and log. The slot is freed once every worker had it. Other transports decode and apply in one pass.
+        Workers that receive the very same payload list (the simulator's: :class:`SharedResult`) compute from it
+        once: the first validates and sums it and works out the update's direction, ``sign(IDCT(mean))`` of every
+        parameter (:func:`kernels.signs_many`, in the parameters' dtype); the others take that direction (the same
+        values, as they would compute them), apply it with their own lr, and replay the rejections in their own
+        counters and log. A worker alone with its list decodes and applies in one pass.
         """
         device = self._device() if plans else torch.device("cpu")
         layout = self._layout(plans, chain, device) if entries else None
-        key = (chain, device)
-        shared = _SHARED_MEAN.take(payloads, key)
-        if shared is not None:
-            direction, contributors, rejected = shared
+        mean, mine = _SHARED_MEAN.once(self.transport, payloads, (chain, device),
+                                       lambda shared: self._mean(payloads, entries, plans, chain, layout, shared))
+        if not mine:
+            _, contributors, rejected = mean
             self._rejected_now = []
             self.last_contributors = contributors
             for rank, reason in rejected:
                 self._reject(rank, reason)
+        if mean is not None and layout is not None:
+            self._apply_direction(mean[0], entries, layout)
+
+    def _mean(self, payloads: list, entries, plans: list[ChunkPlan], chain: str, layout: Optional["_Layout"],
+              shared: bool) -> Optional[tuple]:
+        """The mean of ``payloads`` as (direction, contributors, rejections) for :meth:`_apply_mean`, or None where
+        it was applied here in one pass (nobody else takes it)."""
+        if payloads and isinstance(payloads[0], torch.Tensor):
+            sums, counts = self._aggregate_device(payloads, plans, chain)
         else:
-            if payloads and isinstance(payloads[0], torch.Tensor):
-                sums, counts = self._aggregate_device(payloads, plans, chain)
-            else:
-                sums, counts = self._aggregate(payloads, plans, chain)
-            # 0 where nobody sent: the sum is 0 there (whole counts divide as the fp32 ones did: the same bits)
-            agg = sums.flat.div_(counts.flat.clamp_(min=1))
-            if not (self.transport.shared_results and len(payloads) > 1):  # no other worker takes this list: one pass
-                if layout is not None:
-                    order = layout.order
-                    kernels.decode_sign_many(agg, [entries[j][0] for j in order],
-                                             [entries[j][1]["lr"] for j in order], [plans[j] for j in order])
-                return
-            direction = None
+            sums, counts = self._aggregate(payloads, plans, chain)
+        # 0 where nobody sent: the sum is 0 there (whole counts divide as the fp32 ones did: the same bits)
+        agg = sums.flat.div_(counts.flat.clamp_(min=1))
+        if not (shared and len(payloads) > 1):  # no other worker takes this list: one pass
             if layout is not None:
-                dtypes = {p.dtype for p, _, _ in entries}  # one dtype keeps the apply on foreach's fast path
-                direction = torch.empty(layout.numel, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32,
-                                        device=device)
-                kernels.signs_many(agg, layout.in_params(direction), [plans[j] for j in layout.order])
-            _SHARED_MEAN.fill(payloads, key, (direction, self.last_contributors, self._rejected_now),
-                              len(payloads) - 1)
+                order = layout.order
+                kernels.decode_sign_many(agg, [entries[j][0] for j in order],
+                                         [entries[j][1]["lr"] for j in order], [plans[j] for j in order])
+            return None
+        direction = None
         if layout is not None:
-            self._apply_direction(direction, entries, layout)
+            dtypes = {p.dtype for p, _, _ in entries}  # one dtype keeps the apply on foreach's fast path
+            direction = torch.empty(layout.numel, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32,
+                                    device=layout.ones.device)
+            kernels.signs_many(agg, layout.in_params(direction), [plans[j] for j in layout.order])
+        return direction, self.last_contributors, self._rejected_now
 
     def _apply_direction(self, direction: torch.Tensor, entries, layout: "_Layout") -> None:
         """``p -= lr * direction`` for every parameter (wire order, parameter-shaped pieces): one foreach call

@@ -4,7 +4,8 @@
 DeMo registers itself when ``demo_optim`` is imported (it builds on this package, not the reverse).
 """
 
-from diloco.algorithm import ALGORITHMS, DDP, Algorithm, ConfigConflict, algorithm_class, register
+from diloco.algorithm import ALGORITHMS, Algorithm, ConfigConflict, algorithm_class, register
+from diloco.ddp import DDP
 from diloco.outer import DiLoCo
 from diloco.sparseloco import SparseLoCo
 from diloco.streaming import StreamingDiLoCo

@@ -1,4 +1,4 @@
-"""The Algorithm interface the training loop drives, and the DDP baseline.
+"""The Algorithm interface the training loop drives, and the one registry of algorithms.
 
     loss.backward()
     info = algo.step()     # inner step; on a round boundary it also syncs
@@ -37,9 +37,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from diloco.comm.base import Transport, end_to_end
+from diloco.comm.base import Transport
 from diloco.comm.local import LocalTransport
-from diloco.compress import collective, make_codec
+from diloco.compress import collective, end_to_end, make_codec
+from diloco.state import check_finite, check_fits, copy_into, counts_of, list_at, load_optimizer_state
 
 if TYPE_CHECKING:
     from diloco.compress.codec import Codec
@@ -114,7 +115,7 @@ def flatten_parameters_(params: list[torch.Tensor]) -> bool:
     """Lay ``params`` end to end in one new flat fp32 buffer, in their order, values unchanged (each parameter's
     ``data`` becomes a view of it); True where they lie so now. Where the pseudo-gradients overwrite the
     parameters (DiLoCo's exchange), a compressed exchange then reads and writes them where they lie
-    (:func:`diloco.comm.base.end_to_end`) instead of concatenating each bucket and copying the result back.
+    (:func:`diloco.compress.flat.end_to_end`) instead of concatenating each bucket and copying the result back.
 
     They move only where every one of them is fp32, contiguous, on one device and alone in its own storage (where one
     is a view into a tensor it shares, it stays there, and so do the others: False)."""
@@ -137,33 +138,6 @@ def flatten_parameters_(params: list[torch.Tensor]) -> bool:
             p.data = view
             offset += p.numel()
     return True
-
-
-def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    """``opt.load_state_dict(saved)`` for the state it holds (moments, momenta, step counts); the settings of
-    ``opt``'s param groups (lr, betas, weight decay, momentum, DeMo's compression settings, the kernel choice
-    ``fused``/``foreach``) stay the ones ``opt`` was made with.
-
-    torch takes every key of the saved param groups, so a run resumed with changed settings
-    (``--resume --set algo.outer_lr=0.5``) would go on with the checkpoint's, silently; and a state saved on
-    one device would bring that device's kernel choice along: a checkpoint saved unfused (a CPU run's, before
-    the CPU's optimizer was fused too) resumed where the step is fused left the fused step's on-device checks
-    (:meth:`Algorithm._checks_on_device`) driving an unfused optimizer, which refuses them on the first step.
-    The settings go into the state before it is loaded, so an optimizer that converts its state to its
-    settings (DeMo's momenta, kept in the blocks of its ``compression_chunk``) converts it to these.
-    Where the kernel is fused, each parameter's step count moves to its device, as the fused kernel keeps it.
-    """
-    theirs = saved.get("param_groups")
-    if isinstance(theirs, list) and len(theirs) == len(opt.param_groups) and all(isinstance(g, dict) for g in theirs):
-        settings = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        saved = {**saved, "param_groups": [{**g, **s} for g, s in zip(theirs, settings)]}
-    opt.load_state_dict(saved)  # torch refuses groups of other numbers or sizes
-    for group in opt.param_groups:
-        if group.get("fused"):
-            for p in group["params"]:
-                step = opt.state.get(p, {}).get("step")
-                if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != torch.float32):
-                    opt.state[p]["step"] = step.to(p.device, torch.float32)
 
 
 class SkipCount:
@@ -280,7 +254,7 @@ class Algorithm:
         source = next((p.device for p in self.params), torch.device("cpu"))
         self._move(device)
         if self.codec is not None:  # the error-feedback residuals go where the exchanges will read them
-            home = self.codec.home = self._exchange_device(device)
+            home = self.codec.residuals.home = self._exchange_device(device)
             for key, residual in list(self.codec.residuals.items()):
                 self.codec.residuals[key] = move_tensor(residual, home)
         if torch.device(device).type == "cpu":
@@ -315,16 +289,16 @@ class Algorithm:
         naming the first thing that does not, before :meth:`load_shared_state` changes anything. Its tensors
         fit this model's shapes, its counts are numbers, and nothing in it is NaN or infinite (a peer's broken
         state must not become this one's)."""
-        _check_fits(self.params, _list_at(state, "params"), "params")
-        _counts(state)
-        _check_finite(state, "the state")
+        check_fits(self.params, list_at(state, "params"), "params")
+        counts_of(state)
+        check_finite(state, "the state")
 
     def load_shared_state(self, state: dict[str, Any]) -> None:
         """Take another worker's :meth:`shared_state`, all of it or (ValueError, :meth:`check_shared_state`)
         none of it."""
         self.check_shared_state(state)
-        _copy(self.params, state["params"])
-        self.round, self.global_tokens = _counts(state)
+        copy_into(self.params, state["params"])
+        self.round, self.global_tokens = counts_of(state)
 
     def _sync_inner(self) -> None:
         """A worker made of several processes (a node of a torchrun mesh): average their gradients first."""
@@ -332,7 +306,7 @@ class Algorithm:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            self.inner.all_reduce_([p.grad for p in self.params], op="mean")
+            collective.all_reduce_(self.inner, [p.grad for p in self.params], op="mean")
 
     skipped_steps = SkipCount.steps  # steps skipped for non-finite gradients
 
@@ -414,7 +388,7 @@ class Algorithm:
             raise ValueError(f"checkpoint holds algorithm {state.get('name')!r}, this run uses {self.name!r}")
         load_optimizer_state(self.optimizer, state["optimizer"])
         self.steps = state["steps"]
-        self.skipped_steps = state.get("skipped_steps", 0)
+        self.skipped_steps = state["skipped_steps"]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -441,187 +415,3 @@ class Algorithm:
 
     def _after_step(self) -> dict[str, Any]:
         return {}
-
-
-@register
-class DDP(Algorithm):
-    """Average gradients over all workers every step: the baseline that low-communication methods beat.
-
-    With a lossy ``codec`` the gradients go through the compressed all-reduce (each worker keeps its
-    own error-feedback residuals, so its state is no longer the same as the others').
-    """
-
-    name = "ddp"
-    baseline = True
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 transport: Optional[Transport] = None, grad_clip: float = 0.0, codec: Optional["Codec"] = None, *,
-                 inner: Optional[Transport] = None) -> None:
-        super().__init__(model, optimizer, transport, grad_clip, inner=inner)
-        self.codec = None if codec is None or codec.is_identity else codec
-        if self.codec is not None and self.codec.error_feedback:
-            self.replicated_state = False
-
-    @classmethod
-    def from_config(cls, cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,
-                    *, tokens_per_step: int = 1, inner: Optional[Transport] = None) -> "DDP":
-        return cls(model, optimizer, transport, cfg.optim.grad_clip, codec=cls._codec(cfg), inner=inner)
-
-    def _exchange_gradients(self) -> None:
-        if self.transport.world_size == 1 and self.codec is None:
-            return
-        for p in self.params:
-            if p.grad is None:  # every worker must send the same buffers
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self.params]
-        # the exchange holds the gradients, off the parameters: a simulated worker that waits in it with
-        # ``sim.offload`` moves its model and moments to the host (once an exchange) and leaves these on the GPU,
-        # where the exchange reads and writes them and the other workers' are (moved with the model, its
-        # buckets would be read on the host)
-        for p in self.params:
-            p.grad = None
-        try:
-            self._exchange(grads)
-        finally:
-            for p, g in zip(self.params, grads):
-                if p.device == g.device:  # not on a failed exchange that left the worker parked on the host
-                    p.grad = g
-
-    def _exchange(self, grads: list[torch.Tensor]) -> None:
-        if self.codec is None:
-            self.transport.all_reduce_(grads, op="mean")
-        elif all_finite(grads):
-            collective.all_reduce_compressed_(self.transport, grads, self.codec, 1.0, key="grads")
-        else:  # a worker with non-finite gradients adds nothing; the step is skipped only if nobody sent any
-            for g in grads:
-                g.zero_()
-            if collective.all_reduce_compressed_(self.transport, grads, self.codec, 0.0, key="grads") == 0:
-                grads[0].fill_(float("nan"))
-
-    def shared_state(self) -> dict[str, Any]:
-        """Also the optimizer's state: DDP's workers hold one replica, moments included, so a worker that joins
-        takes them too (with fresh moments its replica would drift from the others')."""
-        return {**super().shared_state(), "optimizer": self.optimizer.state_dict()}
-
-    def check_shared_state(self, state: dict[str, Any]) -> None:
-        super().check_shared_state(state)
-        if "optimizer" in state:
-            check_optimizer_state(self.optimizer, state["optimizer"], "optimizer")
-
-    def load_shared_state(self, state: dict[str, Any]) -> None:
-        super().load_shared_state(state)  # checks the optimizer's state too, before anything is taken
-        if "optimizer" in state:
-            load_optimizer_state(self.optimizer, state["optimizer"])
-
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        if self.codec is not None:
-            state["codec"] = self.codec.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        if self.codec is not None and "codec" in state:
-            self.codec.load_state_dict(state["codec"])
-
-
-def _list_at(state: Any, key: str) -> list:
-    """``state[key]``, a list or tuple: ValueError naming the key otherwise."""
-    if not isinstance(state, dict) or key not in state:
-        raise ValueError(f"no {key!r}")
-    value = state[key]
-    if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{key!r} is a {type(value).__name__}, not a list")
-    return list(value)
-
-
-def _counts(state: dict[str, Any]) -> tuple[int, float]:
-    """A shared state's round and tokens: a non-negative whole number and a finite non-negative one."""
-    r, tokens = state.get("round"), state.get("global_tokens")
-    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-        raise ValueError(f"'round' is {r!r}, not a round number")
-    if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not math.isfinite(tokens) or tokens < 0:
-        raise ValueError(f"'global_tokens' is {tokens!r}, not a count of tokens")
-    return r, float(tokens)
-
-
-def _check_fits(dst: list[torch.Tensor], src: list[Any], what: str = "params") -> None:
-    """``src`` holds a floating tensor of each shape of ``dst``, in order: ValueError naming the first misfit."""
-    if len(src) != len(dst):
-        raise ValueError(f"{what}: {len(src)} parameters, this model has {len(dst)}")
-    for i, (d, s) in enumerate(zip(dst, src)):
-        if not isinstance(s, torch.Tensor) or not s.is_floating_point() or s.layout != torch.strided:
-            raise ValueError(f"{what}[{i}] is not a dense floating-point tensor")
-        if d.shape != s.shape:
-            raise ValueError(f"{what}[{i}]: a parameter of shape {tuple(s.shape)}, this model's is {tuple(d.shape)}")
-
-
-def _check_finite(tree: Any, where: str) -> None:
-    """Every floating-point tensor in ``tree`` (dicts, lists) finite: ValueError naming the first one that is not.
-    One reduction per tensor; the caller holds a peer's state in host memory, where that costs no device sync."""
-    if isinstance(tree, torch.Tensor):
-        if tree.layout != torch.strided:
-            raise ValueError(f"{where} is a {tree.layout} tensor, not a dense one")
-        if tree.is_floating_point() and tree.numel() and not bool(torch.isfinite(tree).all()):
-            raise ValueError(f"{where} holds NaN or infinite values")
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            _check_finite(v, f"{where}[{k!r}]")
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            _check_finite(v, f"{where}[{i}]")
-    elif isinstance(tree, float) and not math.isfinite(tree):
-        raise ValueError(f"{where} is {tree}")
-
-
-def check_optimizer_state(opt: torch.optim.Optimizer, saved: Any, what: str = "optimizer") -> None:
-    """Whether ``saved`` (an optimizer's ``state_dict()`` from a peer) fits ``opt`` before anything is loaded:
-    ValueError naming the first misfit. torch's ``load_state_dict`` checks the groups' number and sizes only; a
-    moment of another shape would load and fail at the next step, after the rest of the state was taken."""
-    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) or \
-            not isinstance(saved.get("param_groups"), (list, tuple)):
-        raise ValueError(f"{what}: no 'state' and 'param_groups'")
-    groups = list(saved["param_groups"])
-    sizes = [len(g["params"]) for g in opt.param_groups]
-    theirs = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) else None
-              for g in groups]
-    if theirs != sizes:
-        raise ValueError(f"{what}: groups of {theirs} parameters, this optimizer's are of {sizes}")
-    params = {}
-    for g, mine in zip(groups, opt.param_groups):
-        for i, p in zip(g["params"], mine["params"]):
-            params[i] = p
-    needed = _moments(opt)
-    for i, entry in saved["state"].items():
-        if i not in params or not isinstance(entry, dict):
-            raise ValueError(f"{what}: a state for parameter {i!r}, which no group lists")
-        missing = sorted(needed - set(entry))
-        if missing:
-            raise ValueError(f"{what}: parameter {i} has no {missing[0]!r}")
-        for key, v in entry.items():
-            if key == "step":  # a count: a number or a one-value tensor
-                if isinstance(v, torch.Tensor) and v.numel() != 1:
-                    raise ValueError(f"{what}: 'step' of parameter {i} holds {v.numel()} values")
-                continue
-            if v is None and key not in needed:  # SGD without momentum keeps a None buffer
-                continue
-            if not isinstance(v, torch.Tensor) or v.layout != torch.strided or v.shape != params[i].shape:
-                shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-                raise ValueError(f"{what}: {key!r} of parameter {i} is {shape}, the parameter's shape is "
-                                 f"{tuple(params[i].shape)}")
-
-
-def _moments(opt: torch.optim.Optimizer) -> set[str]:
-    """The per-parameter state an optimizer of this kind cannot step without (where it has stepped at all)."""
-    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-        return {"exp_avg", "exp_avg_sq"}
-    if isinstance(opt, torch.optim.SGD) and any(g.get("momentum", 0) for g in opt.param_groups):
-        return {"momentum_buffer"}
-    return set()
-
-
-def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """Copy ``src`` into ``dst``, checked by :func:`_check_fits` before."""
-    with torch.no_grad():
-        for d, s in zip(dst, src):
-            d.copy_(s.to(d.device, d.dtype))

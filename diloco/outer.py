@@ -17,6 +17,8 @@ accelerator memory. With a lossy ``codec`` (``compress.codec``) the average
 runs through the transport's compressed all-reduce: each worker's
 pseudo-gradient is encoded (with the codec's error feedback), the weights
 travel exactly beside the payloads, and every worker decodes the same bytes.
+Whatever the codec, the average is one call, ``collective.weighted_mean``,
+which picks its aggregation from the transport and the codec.
 A worker whose weight is 0 (it did no step, or its
 pseudo-gradient is not finite) adds nothing to the average and still takes the
 new global parameters, so no NaN is ever averaged into the model.
@@ -29,12 +31,12 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from diloco.algorithm import (Algorithm, _check_finite, _check_fits, _copy, _counts, _list_at, _move_optimizer_state,
-                              all_finite, check_optimizer_state, flatten_parameters_, load_optimizer_state,
-                              move_tensor, register)
+from diloco.algorithm import Algorithm, _move_optimizer_state, all_finite, flatten_parameters_, move_tensor, register
 from diloco.comm.base import Handle, Transport
 from diloco.compress import collective
-from diloco.compress.codec import Codec, make_codec
+from diloco.compress.codec import Codec
+from diloco.state import (check_finite, check_fits, check_optimizer_state, copy_into, counts_of, list_at,
+                           load_optimizer_state)
 from diloco.sync import SyncPolicy
 
 
@@ -54,10 +56,7 @@ class DiLoCo(Algorithm):
                  fragments: Optional[Sequence[Sequence[Any]]] = None, codec: Optional[Codec] = None,
                  inner: Optional[Transport] = None) -> None:
         super().__init__(model, optimizer, transport, grad_clip, inner=inner)
-        if self.transport.fixed_ranks:  # None: the exact dense all-reduce
-            self.codec = None if codec is None or codec.is_identity else codec
-        else:  # peers without fixed ranks average through the codec path: each update travels with its weight
-            self.codec = codec or make_codec("fp32")
+        self.codec = collective.codec_for(self.transport, codec)  # None: the exact dense all-reduce
         self.policy = SyncPolicy(sync_mode, inner_steps, time_budget_s)
         self.tokens_per_step = tokens_per_step
         self.offload_outer = offload_outer
@@ -163,16 +162,10 @@ class DiLoCo(Algorithm):
                 weight = 0.0
                 for d in deltas:
                     d.zero_()
-        if self.codec is not None:
-            total = torch.zeros(1, dtype=torch.float32)
-            return deltas, total, _Filled(collective.all_reduce_compressed_async_(
-                self.transport, deltas, self.codec, weight, key=f"fragment{key}" if key is not None else "all",
-                gather=self.gather), total)
-        with torch.no_grad():
-            for d in deltas:
-                d.mul_(weight)
-        total = torch.tensor([weight], dtype=torch.float32, device=self.outer_device)
-        return deltas, total, _Mean(self.transport.all_reduce_async_([*deltas, total], op="sum"), deltas, total)
+        total = torch.zeros(1, dtype=torch.float32)
+        return deltas, total, _Filled(collective.weighted_mean_async(
+            self.transport, deltas, weight, self.codec, key=f"fragment{key}" if key is not None else "all",
+            gather=self.gather), total)
 
     @staticmethod
     def _total(total: torch.Tensor) -> float:
@@ -256,24 +249,24 @@ class DiLoCo(Algorithm):
                 "round": self.round, "global_tokens": self.global_tokens}
 
     def check_shared_state(self, state: dict[str, Any]) -> None:
-        _check_fits(self.global_params, _list_at(state, "global_params"), "global_params")
-        saved = _list_at(state, "outer_optimizers")
+        check_fits(self.global_params, list_at(state, "global_params"), "global_params")
+        saved = list_at(state, "outer_optimizers")
         if len(saved) != len(self.outer_optimizers):
             raise ValueError(f"{len(saved)} outer optimizers, this run has {len(self.outer_optimizers)}")
         for k, (opt, s) in enumerate(zip(self.outer_optimizers, saved)):
             check_optimizer_state(opt, s, f"outer_optimizers[{k}]")
-        _counts(state)
-        _check_finite(state, "the state")
+        counts_of(state)
+        check_finite(state, "the state")
 
     def load_shared_state(self, state: dict[str, Any]) -> None:
         """The global model, outer state, round and tokens of another worker; this worker starts a new round
         from that global model. All of it or (ValueError, :meth:`check_shared_state`) none of it."""
         self.check_shared_state(state)
-        _copy(self.global_params, state["global_params"])
-        _copy(self.params, state["global_params"])
+        copy_into(self.global_params, state["global_params"])
+        copy_into(self.params, state["global_params"])
         for opt, saved in zip(self.outer_optimizers, state["outer_optimizers"]):
             load_optimizer_state(opt, saved)
-        self.round, self.global_tokens = _counts(state)
+        self.round, self.global_tokens = counts_of(state)
         self.round_steps = 0
         self.policy.start_round(self.transport.mark)
 
@@ -291,10 +284,8 @@ class DiLoCo(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)  # checks the algorithm's name first
-        layout = state.get("fragments")
         sizes = [len(o["param_groups"][0]["params"]) for o in state["outer_optimizers"]]
-        cut = any(rows is not None for _, rows in self.pieces)  # a checkpoint without a layout had no cut pieces
-        if (layout is None and cut) or (layout is not None and layout != self._layout()) or \
+        if state.get("fragments") != self._layout() or \
                 sizes != [len(o.param_groups[0]["params"]) for o in self.outer_optimizers]:
             raise ValueError(f"its outer state is cut into {len(sizes)} fragment(s) of {sizes} pieces, this run's into "
                              f"{len(self.fragments)} of {[len(f) for f in self.fragments]}: resume with the same "
@@ -351,27 +342,8 @@ def _pieces(fragments: Sequence[Sequence[Any]], params: Sequence[torch.Tensor]
     return pieces, frags
 
 
-class _Mean(Handle):
-    """Dense exchange: once the weighted sums arrive, divide them by the total weight."""
-
-    def __init__(self, inner: Handle, deltas: list[torch.Tensor], total: torch.Tensor) -> None:
-        super().__init__()
-        self.inner, self.deltas, self.total = inner, deltas, total
-        self.value: Optional[float] = None  # the total weight, once the sums arrived
-
-    def wait(self) -> Any:
-        self.inner.wait()
-        if self.value is None:
-            self.value = float(self.total.item())
-            if self.value > 0:
-                with torch.no_grad():
-                    for d in self.deltas:
-                        d.div_(self.value)
-        return self.value
-
-
 class _Filled(Handle):
-    """Compressed exchange: the deltas already hold the mean; write the total weight into ``total``."""
+    """An exchange whose deltas hold the mean once it is done: write the total weight into ``total``."""
 
     def __init__(self, inner: Handle, total: torch.Tensor) -> None:
         super().__init__()

@@ -34,7 +34,8 @@ import torch
 
 from diloco.algorithm import ConfigConflict, register
 from diloco.comm.base import Transport
-from diloco.compress.codec import VALUE_FORMATS, Codec, CodecSpecError, exact_number, make_codec
+from diloco.compress.chain import VALUE_FORMATS, CodecSpecError, exact_number
+from diloco.compress.codec import Codec, make_codec
 from diloco.outer import DiLoCo
 
 

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from diloco.compress.codec import CodecSpecError, parse_chain
+from diloco.compress.chain import CodecSpecError, parse_chain
 from launch.config_schema import Config, ConfigError
 
 

@@ -6,22 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from diloco.compress import make_codec
+from diloco.compress.collective import exchange_sizes
 from diloco.sim import NetworkModel
 from launch.plan_model import MEASURED, Measured, Model, Setting
 
-BUCKET_BYTES = 32 << 20  # diloco.comm.base.Transport.bucket_bytes: one all-reduce per bucket
-WEIGHT_BYTES = 8  # each compressed message starts with its weight (diloco.compress.collective.WEIGHT)
 TARGET_UTILIZATION = 0.95
 
 
 # ---- the collectives, as the transports and the simulator count them ---------------------------------------
-def _buckets(sizes: Sequence[int], limit_bytes: int = BUCKET_BYTES, itemsize: int = 4) -> list[int]:
-    """Element counts of the flat buckets ``diloco.comm.base.buckets`` makes of fp32 tensors of ``sizes``."""
-    from diloco.comm.base import bucket_groups
-
-    return [sum(sizes[i] for i in g) for g in bucket_groups([n * itemsize for n in sizes], limit_bytes)]
-
-
 @dataclass(frozen=True)
 class Exchange:
     """One exchange on one worker's link: the collectives it runs (seconds each) and the bytes it sends."""
@@ -34,35 +27,23 @@ class Exchange:
         return sum(self.seconds)
 
 
-def _message_sizes(codec, numel: int, world: int) -> list[int]:
-    """Bytes of each shard's message in the compressed all-reduce: weight, wire header and payload."""
-    from diloco.comm.base import shard_bounds
-    from diloco.compress import wire
-
-    header = wire.header_size(1, codec.chain)
-    return [WEIGHT_BYTES + header + codec.payload_bytes(b - a) for a, b in shard_bounds(numel, world, codec.align)]
-
-
 def exchange(tensors: Sequence[int], codec_chain: str, world: int, net: NetworkModel, dense_total: bool) -> Exchange:
-    """The exchange of fp32 tensors of ``tensors`` elements over ``world`` workers.
+    """The exchange of fp32 tensors of ``tensors`` elements over ``world`` workers, with the messages the
+    collective itself makes (:func:`diloco.compress.collective.exchange_sizes`).
 
     fp32: the exact ring all-reduce of each bucket (``dense_total``: DiLoCo adds its one-element weight);
     another codec: per bucket, an all-to-all of the shards then an all-gather of their means."""
-    from diloco.compress.codec import make_codec
-
     if world <= 1:
         return Exchange((), 0)
+    codec = None if codec_chain == "fp32" else make_codec(codec_chain)
     seconds: list[float] = []
     sent = 0
-    if codec_chain == "fp32":
-        for numel in _buckets([*tensors, 1] if dense_total else list(tensors)):
-            nbytes = 4 * numel
+    for msgs in exchange_sizes(list(tensors), world, codec, weighted=dense_total):
+        if codec is None:
+            nbytes = msgs[0]
             seconds.append(net.all_reduce_s(nbytes, world))
             sent += 2 * (world - 1) * nbytes // world
-        return Exchange(tuple(seconds), sent)
-    codec = make_codec(codec_chain)
-    for numel in _buckets(tensors):
-        msgs = _message_sizes(codec, numel, world)
+            continue
         total = sum(msgs)
         # all-to-all: worker r sends every shard but its own, receives W-1 copies of its own
         seconds.append(max(net.all_to_all_s(total - m, (world - 1) * m, world) for m in msgs))

@@ -24,7 +24,6 @@ Python API::
 from __future__ import annotations
 
 import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -33,7 +32,6 @@ import torch
 import torch.nn as nn
 
 from diloco.comm import Transport, make_transport
-from diloco.comm.base import DeviceSpan
 from launch.build import build_algorithm, build_model, build_optimizer
 from launch.checkpoint import checkpoint_name, rng_state, set_rng_state
 from launch.compute import StepCompute
@@ -104,16 +102,16 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, transport=self.transport, cfg=cfg)
         self.tokens_per_step = run.batch_size * procs * cfg.data.seq_len  # per worker
         # every worker starts from rank 0's parameters (and DiLoCo's copy), which models built alike already are
-        if self.world > 1 and not self.joining and not (self.transport.seeded_alike and built_here):
+        if not self.joining:
             with torch.no_grad():
-                self.transport.broadcast_tensors_([p.data for p in self.model.parameters()], 0)
+                self.transport.share_initial_([p.data for p in self.model.parameters()], seeded=built_here)
         self.algo = build_algorithm(cfg, self.model, self.optimizer, self.transport, self.tokens_per_step, self.inner)
         if self.hooks.on_built is not None:
             self.hooks.on_built(self)
         # rounds that end on a time budget: workers' step counts differ, so they meet only after syncs
         self.progress = Progress(self.algo, self.transport, self.tokens_per_step,
                                  self.algo.round_based and cfg.sync.mode == "time")
-        self.clock = RunClock(self.transport, virtual=self.transport.measures_compute,
+        self.clock = RunClock(self.transport, virtual=self.transport.caps.measures_compute,
                               solo=self.world == 1 and self.inner is None)
         self.schedule = LrSchedule(self.optimizer, cfg, self.progress, self.clock)
         # MFU's FLOP count and datasheet peak, as benchmarks/train_throughput.py counts them (none on a CPU)
@@ -130,7 +128,7 @@ class Trainer:
         # a signal stops the loop where every process can save: one worker at any step end; several where a
         # broadcast spans them all (round ends, or every log.every-th step)
         self.stop_rule = StopRule(cfg, self.progress, self.clock,
-                                  on_request=self.world == 1 or self.transport.shared_stop)
+                                  on_request=self.world == 1 or self.transport.caps.shared_stop)
         self.metrics = Metrics(self.run_dir, cfg.log, self.leader, run.max_steps, self.step, self.rank,
                                cfg.to_dict(), run.name)
         self.report = Reporter(cfg, self.algo, self.transport, self.progress, self.clock, self.metrics, self.mfu)
@@ -299,10 +297,8 @@ class Trainer:
         """One step, and what follows it (metrics, validation, checkpoint, hooks); whether it synced."""
         run, hooks = self.cfg.run, self.hooks
         lr = self.schedule.apply()
-        compute_start = time.perf_counter()
-        span = DeviceSpan(self.device) if self.device.type == "cuda" and self.transport.measures_compute else None
-        step_loss = self.compute.accumulate(self.batcher, self.step, self.micro_offset, run.grad_accum)
-        self.transport.advance_compute(span.stop() if span is not None else time.perf_counter() - compute_start)
+        with self.transport.computing(self.device):  # the simulator's virtual time measures the compute
+            step_loss = self.compute.accumulate(self.batcher, self.step, self.micro_offset, run.grad_accum)
         info = self.algo.step()
         synced = bool(info.get("synced"))
         self.algo.zero_grad()

@@ -17,7 +17,7 @@ import zstandard
 
 from conftest import ROOT, child_env
 from diloco.compress import CodecSpecError, CorruptPayload, make_codec, wire
-from diloco.compress.codec import ZSTD_FREE_BYTES, ZSTD_MAX_RATIO, ZSTD_THREADS_ABOVE, threaded_zstd, zstd_min_bytes
+from diloco.compress.zstd import ZSTD_FREE_BYTES, ZSTD_MAX_RATIO, ZSTD_THREADS_ABOVE, threaded_zstd, zstd_min_bytes
 from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
 from diloco.compress.dct import dct_basis, dct_blocks, dct_chunks, idct_blocks, idct_chunks
 
@@ -730,13 +730,13 @@ def test_an_accumulation_that_overflows_is_refused(chain):
 
 
 def test_large_zstd_sections_use_the_multithreaded_compressor(monkeypatch):
-    import diloco.compress.codec as codec_module
+    import diloco.compress.zstd as zstd_module
 
-    monkeypatch.setattr(codec_module, "ZSTD_THREADS_ABOVE", 1000)
+    monkeypatch.setattr(zstd_module, "ZSTD_THREADS_ABOVE", 1000)
     codec = make_codec("int8+zstd")
     x = _randn(20000, seed=6)
     payload = codec.encode(x)
-    assert codec._zc_threads is not None
+    assert codec.zstd.threads is not None
     body = memoryview(payload)[wire.parse_header(payload, codec.max_numel).offset:]
     assert zstandard.frame_content_size(body) == codec.payload_bytes(20000)  # the size is declared
     assert torch.equal(codec.decode(payload), make_codec("int8").decode(make_codec("int8").encode(x)))

@@ -13,7 +13,8 @@ from conftest import FAST, TINY, free_port, run_cli, simulate_and_torchrun
 from diloco.comm.base import TransportError, shard_bounds
 from diloco.comm.local import LocalTransport
 from diloco.compress import make_codec
-from diloco.compress.collective import all_reduce_compressed_
+from diloco.compress import collective
+from diloco.compress.flat import Scratch
 from diloco.sim import InProcessGroup, run_workers
 from launch.checkpoint import latest_checkpoint
 from launch.config import load_config
@@ -37,7 +38,7 @@ def reduce_in_process(chain: str, weights: list[float], rounds: int = 1, bucket_
         codec = make_codec(chain)
         for _ in range(rounds):
             ts = [t.clone() for t in xs[rank]]
-            total = all_reduce_compressed_(transport, ts, codec, weights[rank], key="k", gather=gather)
+            total = collective.weighted_mean(transport, ts, weights[rank], codec, key="k", gather=gather)
         return ts, total, transport.stats.bytes_sent
 
     return xs, run_workers(InProcessGroup(len(weights)), body)
@@ -89,7 +90,7 @@ def test_error_feedback_sends_what_an_earlier_round_dropped():
         errs = []
         for r in range(1, 31):
             ts = [t.clone() for t in xs[rank]]
-            transport.all_reduce_compressed_(ts, codec, 1.0, key="k")
+            collective.weighted_mean(transport, ts, 1.0, codec, key="k")
             for a, t in zip(acc, ts):
                 a.add_(t)
             errs.append(rel_err([a / r for a in acc], expected))
@@ -111,11 +112,11 @@ def test_a_payload_sent_with_weight_zero_leaves_the_error_feedback_as_it_was(gat
     def body(rank, transport):
         codec = make_codec("topk:0.05+2bit")
         ts = [t.clone() for t in xs[rank]]
-        all_reduce_compressed_(transport, ts, codec, 1.0, key="k", gather=gather)  # builds the residuals
+        collective.weighted_mean(transport, ts, 1.0, codec, key="k", gather=gather)  # builds the residuals
         before = {k: r.clone() for k, r in codec.residuals.items()}
         ts = [torch.zeros_like(t) for t in xs[rank]] if rank == 1 else [t.clone() for t in xs[rank]]
-        total = all_reduce_compressed_(transport, ts, codec, 0.0 if rank == 1 else 1.0, key="k",
-                                       gather=gather)
+        total = collective.weighted_mean(transport, ts, 0.0 if rank == 1 else 1.0, codec, key="k",
+                                         gather=gather)
         return before, {k: r.clone() for k, r in codec.residuals.items()}, total
 
     (b0, a0, t0), (b1, a1, t1) = run_workers(InProcessGroup(2), body)
@@ -134,7 +135,7 @@ def test_all_weights_zero_gives_zeros_and_total_zero():
 def test_a_worker_with_another_codec_is_named():
     def body(rank, transport):
         codec = make_codec("int8" if rank == 0 else "int4")
-        transport.all_reduce_compressed_([torch.ones(1000)], codec, 1.0)
+        collective.weighted_mean(transport, [torch.ones(1000)], 1.0, codec)
 
     with pytest.raises(TransportError, match=r"rank [01]: worker [01] sent a corrupt payload for shard [01]: codec mismatch"):
         run_workers(InProcessGroup(2), body)
@@ -142,7 +143,7 @@ def test_a_worker_with_another_codec_is_named():
 
 def test_bad_weight_is_refused():
     def body(rank, transport):
-        transport.all_reduce_compressed_([torch.ones(3)], make_codec("int8"), float("nan"))
+        collective.weighted_mean(transport, [torch.ones(3)], float("nan"), make_codec("int8"))
 
     with pytest.raises(ValueError, match="weight"):
         run_workers(InProcessGroup(1), body)
@@ -163,7 +164,7 @@ WORKER = textwrap.dedent("""
     from diloco.comm.base import TransportError
     from diloco.comm.torch_dist import TorchDistTransport
     from diloco.compress import make_codec
-    from diloco.compress.collective import all_reduce_compressed_
+    from diloco.compress.collective import all_reduce_, weighted_mean, weighted_mean_async
     t = TorchDistTransport("gloo", timeout=60, settings={settings!r})
     t.bucket_bytes = {bucket_bytes}
     run, calls = t._run, []
@@ -171,30 +172,30 @@ WORKER = textwrap.dedent("""
         calls.append(what)
         return run(what, *a, **kw)
     t._run = counted
-    assert t.overlaps_exchange  # the buckets' exchanges overlap: started collectives left in flight
+    assert t.caps.overlaps_exchange  # the buckets' exchanges overlap: started collectives left in flight
     codec = make_codec({chain!r})
     weights = {weights!r}
     for r in range(2):  # the second round in the exchange thread (as Streaming DiLoCo's), on its own groups
         ts = [x.clone() for x in inputs(t.world_size)[t.rank]]
         if r == 0:
-            total = t.all_reduce_compressed_(ts, codec, weights[t.rank], key="k")
+            total = weighted_mean(t, ts, weights[t.rank], codec, key="k")
         else:
-            total = t.all_reduce_compressed_async_(ts, codec, weights[t.rank], key="k").wait()
+            total = weighted_mean_async(t, ts, weights[t.rank], codec, key="k").wait()
     sent = t.stats.bytes_sent
     sizes_exchanged, payload_calls = sum("(sizes)" in c for c in calls), sum("(payload)" in c for c in calls)
     # the gathered mean (SparseLoCo's) over the same buckets, overlapped too
     gts = [x.clone() for x in inputs(t.world_size)[t.rank]]
-    gtotal = all_reduce_compressed_(t, gts, make_codec({chain!r}), weights[t.rank], key="k", gather=True)
+    gtotal = weighted_mean(t, gts, weights[t.rank], make_codec({chain!r}), key="k", gather=True)
     for _ in range(2):  # the dense mean, twice: the second reuses the kept concatenation buffer
         dense = [x.clone() for x in inputs(t.world_size)[t.rank]]
-        t.all_reduce_(dense)
+        all_reduce_(t, dense)
     # the last worker with another codec: every worker names a sender, with later buckets still in flight (where
     # the settings were not agreed: sizes are exchanged)
     error = None
-    if not t.settings_agreed:
+    if not t.caps.settings_agreed:
         try:
-            t.all_reduce_compressed_(inputs(t.world_size)[t.rank], make_codec("int4" if t.rank == 2 else {chain!r}),
-                                     1.0)
+            weighted_mean(t, inputs(t.world_size)[t.rank], 1.0,
+                          make_codec("int4" if t.rank == 2 else {chain!r}))
         except TransportError as e:
             error = str(e)
     torch.save({{"ts": ts, "total": total, "bytes": sent, "gts": gts, "gtotal": gtotal, "dense": dense, "error": error,
@@ -239,23 +240,23 @@ def test_gloo_processes_equal_the_simulator(tmp_path, chain, agreed):
 
 
 def test_the_concatenation_buffer_is_kept_only_where_asked():
-    t = LocalTransport()
-    first = t.take_scratch(100, torch.device("cpu"))
-    t.give_scratch(first)
-    assert t.take_scratch(100, torch.device("cpu")).data_ptr() != first.data_ptr()  # keep_scratch is off here
-    t.keep_scratch = True
-    t.give_scratch(first)
-    again = t.take_scratch(50, torch.device("cpu"))
+    t = Scratch(keep=False)
+    first = t.take(100, torch.device("cpu"))
+    t.give(first)
+    assert t.take(100, torch.device("cpu")).data_ptr() != first.data_ptr()  # keep_scratch is off here
+    t.keep = True
+    t.give(first)
+    again = t.take(50, torch.device("cpu"))
     assert again.data_ptr() == first.data_ptr()
-    assert t.take_scratch(50, torch.device("cpu")).data_ptr() != first.data_ptr()  # taken: a second taker gets its own
-    t.give_scratch(again)
-    bigger = t.take_scratch(200, torch.device("cpu"))  # too small: a new one, kept in its place
+    assert t.take(50, torch.device("cpu")).data_ptr() != first.data_ptr()  # taken: a second taker gets its own
+    t.give(again)
+    bigger = t.take(200, torch.device("cpu"))  # too small: a new one, kept in its place
     assert bigger.numel() == 200
-    t.give_scratch(bigger)
-    assert t.take_scratch(150, torch.device("cpu")).data_ptr() == bigger.data_ptr()
-    t.give_scratch(bigger, "mean")  # slots are kept apart
-    assert t.take_scratch(10, torch.device("cpu")).data_ptr() != bigger.data_ptr()
-    assert t.take_scratch(10, torch.device("cpu"), "mean").data_ptr() == bigger.data_ptr()
+    t.give(bigger)
+    assert t.take(150, torch.device("cpu")).data_ptr() == bigger.data_ptr()
+    t.give(bigger, "mean")  # slots are kept apart
+    assert t.take(10, torch.device("cpu")).data_ptr() != bigger.data_ptr()
+    assert t.take(10, torch.device("cpu"), "mean").data_ptr() == bigger.data_ptr()
 
 
 def test_pieces_of_one_buffer_are_reduced_where_they_lie():
@@ -281,7 +282,7 @@ def test_pieces_of_one_buffer_are_reduced_where_they_lie():
             transport.bucket_bytes = 16 << 10  # buckets [1, 2], [5000], [3001]: the first of two pieces
             codec = make_codec(chain)
             for _ in range(2):  # the second round carries the first's error feedback
-                all_reduce_compressed_(transport, tensors[rank], codec, 1.0 + rank, key="k")
+                collective.weighted_mean(transport, tensors[rank], 1.0 + rank, codec, key="k")
             return [t.clone() for t in tensors[rank]]
 
         with Cats() as seen:
@@ -299,7 +300,7 @@ def test_pieces_of_one_buffer_are_reduced_where_they_lie():
 def test_diloco_with_a_codec_lays_its_parameters_end_to_end():
     """With a codec DiLoCo's parameters, hence its pseudo-gradients, lie end to end in one buffer (the model
     computing the same); pseudo-gradients that are new tensors are made end to end too."""
-    from diloco.comm.base import end_to_end
+    from diloco.compress.flat import end_to_end
     from diloco.outer import DiLoCo
 
     torch.manual_seed(0)

@@ -63,11 +63,12 @@ def test_torchrun_ddp_matches_single_process_with_doubled_batch(tmp_path, capfd)
 GLOO_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     from diloco.comm.torch_dist import TorchDistTransport
+    from diloco.compress.collective import all_reduce_
     t = TorchDistTransport("gloo", timeout=60)
     t.bucket_bytes = 64  # force several buckets
     r = t.rank
     a = torch.full((10,), float(r + 1)); b = torch.arange(7, dtype=torch.float64) * (r + 1); c = torch.ones(3, 2) * r
-    t.all_reduce_([a, b, c], op="mean")
+    all_reduce_(t, [a, b, c], op="mean")
     got = t.all_gather_bytes(b"x" * (r * 5))
     obj = t.broadcast_object({"from": r}, src=1)
     gathered = t.all_gather_object(r * 10)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,8 +13,9 @@ import torch
 from conftest import FAST, KERNEL_DEVICES, TINY, HostReads
 from demo_optim import DeMo
 from demo_optim import kernels as K
-from demo_optim.transform import from_chunks, plan_for, to_chunks
-from diloco.comm.base import end_to_end
+from diloco.comm import Capabilities
+from diloco.compress import from_chunks, plan_for, to_chunks
+from diloco.compress.flat import end_to_end
 from diloco.compress.kernels import topk
 from diloco.sim import InProcessGroup, run_workers
 from launch.checkpoint import latest_checkpoint
@@ -464,7 +466,7 @@ def _demo_run(world: int, on_device: bool, device_gather: bool, nan_at: tuple[in
     from demo_optim.algorithm import DeMoAlgorithm
 
     def body(rank, transport):
-        transport.device_gather = device_gather
+        transport.caps = replace(transport.caps, device_gather=device_gather)
         model = _tiny(2).to(device)
         opt = DeMo(model.parameters(), lr=1e-3, weight_decay=0.1, transport=transport, sign_values=sign_values)
         algo = DeMoAlgorithm(model, opt, transport)
@@ -647,7 +649,7 @@ def _aggregate_cost(n_layers: int, world: int, on_device: bool) -> tuple[int, in
     seen = {}
 
     def body(rank, transport):
-        transport.device_gather = on_device
+        transport.caps = replace(transport.caps, device_gather=on_device)
         model = _tiny(n_layers)
         opt = DeMo(model.parameters(), lr=1e-3, transport=transport)
         for i, p in enumerate(model.parameters()):
@@ -681,7 +683,7 @@ def test_simulated_workers_share_one_mean_and_end_as_if_each_computed_it(bad_ran
         calls = []
 
         def body(rank, transport):
-            transport.shared_results = shared
+            transport.caps = replace(transport.caps, shared_results=shared)
             model = _tiny(2)
             opt = DeMo(model.parameters(), lr=1e-3, transport=transport, sign_values=rank == bad_rank)
             def counted(aggregate):
@@ -713,12 +715,12 @@ def test_simulated_workers_share_one_mean_and_end_as_if_each_computed_it(bad_ran
 
 @pytest.mark.parametrize("sign_values", [False, True])
 def test_device_payloads_give_the_same_steps_as_wire_payloads(sign_values):
-    """Simulated workers move their payloads as device tensors (Transport.device_gather); the same run through
+    """Simulated workers move their payloads as device tensors (Capabilities.device_gather); the same run through
     wire payloads and host bytes gives the same parameters, contributors and skipped steps, bit for bit, also
     when a worker sits a step out."""
     def run(on_device: bool):
         def body(rank, transport):
-            transport.device_gather = on_device
+            transport.caps = replace(transport.caps, device_gather=on_device)
             model = _tiny(2)
             opt = DeMo(model.parameters(), lr=1e-3, weight_decay=0.1, transport=transport, sign_values=sign_values)
             seen, sent = [], []
@@ -749,7 +751,7 @@ def test_forged_device_payloads_are_refused_and_logged(caplog):
     from diloco.compress import wire
 
     class Forging(LocalTransport):
-        device_gather = True
+        caps = Capabilities(device_gather=True)
         world_size = 6
 
         def _all_gather_tensor(self, t):

@@ -146,7 +146,7 @@ def test_a_published_state_is_copied_to_pinned_memory_without_waiting_and_read_a
 @pytest.mark.gpu
 def test_a_residual_parked_on_the_host_visits_the_gpu_for_one_encode_and_goes_back():
     """A simulated worker parked inside an exchange (``sim.offload``) encodes each bucket on the GPU with its
-    residual, which Algorithm.to left in pinned host memory (``Codec.home``): the residual comes over for the
+    residual, which Algorithm.to left in pinned host memory (``Codec.residuals.home``): the residual comes over for the
     encode and goes back, so N parked workers' residuals do not gather on the GPU bucket by bucket. The payload
     and the residual equal those of a codec whose residual never left the GPU."""
     from diloco.compress.codec import make_codec
@@ -156,7 +156,7 @@ def test_a_residual_parked_on_the_host_visits_the_gpu_for_one_encode_and_goes_ba
     x = torch.randn(100_000, device="cuda", generator=g)
     for codec in (stay, parked):
         codec.encode(x, key="k")
-    parked.home = torch.device("cpu")  # as Algorithm.to(cpu) parks it
+    parked.residuals.home = torch.device("cpu")  # as Algorithm.to(cpu) parks it
     parked.residuals["k"] = parked.residuals["k"].cpu().pin_memory()
     y = torch.randn(100_000, device="cuda", generator=g)
     assert bytes(stay.encode(y, key="k")) == bytes(parked.encode(y, key="k"))
@@ -200,7 +200,7 @@ def test_codecs_on_cuda_decode_all_of_a_payload_larger_than_a_piece_as_the_cpu_d
     """On a GPU the payload goes to the device once and is checked in one piece: every value must arrive,
     the same as the CPU's piece-by-piece path gives, and a bad value refuses the whole payload before any add."""
     from diloco.compress import CorruptPayload, make_codec, wire
-    from diloco.compress.codec import PIECE
+    from diloco.compress.checked import PIECE
 
     n = 3 * PIECE + 5
     x = torch.randn(n, generator=torch.Generator().manual_seed(3))

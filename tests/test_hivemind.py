@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import FAST, ROOT, TINY, child_env, free_port
+from diloco.compress.collective import weighted_mean
 
 hivemind_transport = pytest.importorskip("diloco.comm.hivemind")
 HivemindTransport = hivemind_transport.HivemindTransport
@@ -66,7 +67,7 @@ def test_a_scaled_up_update_is_clipped_and_every_peer_agrees(swarm):
         x = torch.full((3000,), float(i + 1))
         if i == 2:
             x *= 1000  # a faulty or hostile peer
-        total = t.all_reduce_compressed_([x], make_codec("int8"), weight=1.0 + i, key="clip")
+        total = weighted_mean(t, [x], 1.0 + i, make_codec("int8"), key="clip")
         return total, x, t.take_report()
 
     out = run_together(swarm, step)
@@ -104,7 +105,7 @@ def test_nan_and_corrupt_updates_are_left_out(swarm):
         outs, records = [], []
         for _ in range(3):
             x = torch.full((100,), honest[i])
-            t.all_reduce_compressed_([x], codec, weight=1.0, key="nan")
+            weighted_mean(t, [x], 1.0, codec, key="nan")
             outs.append(x)
             records.append(t.take_report().record())
         return outs, records
@@ -204,7 +205,7 @@ def test_a_stranger_streaming_junk_leaves_memory_flat_and_training_unaffected(tm
                 got = []
                 for _ in range(count):
                     x = torch.full((numel,), float(i + 1))
-                    total = t.all_reduce_compressed_([x], codec, weight=1.0, key="junk")
+                    total = weighted_mean(t, [x], 1.0, codec, key="junk")
                     got.append((total, float(x[0]), float(x[-1]), len(t.take_report().members)))
                 return got
             return run_together(peers, step)
@@ -274,7 +275,7 @@ def test_a_payload_larger_than_the_default_limit_is_taken_when_the_model_makes_i
     def step(i, t):
         t.max_payload_bytes = 1000  # below the 12 KB payloads of 3,000 fp32 values
         try:
-            total = t.all_reduce_compressed_([torch.full((3000,), float(i))], make_codec("fp32"), 1.0, key="big")
+            total = weighted_mean(t, [torch.full((3000,), float(i))], 1.0, make_codec("fp32"), key="big")
         finally:
             t.max_payload_bytes = 4 << 30
         return total, len(t.take_report().members), t._last.payloads
@@ -296,7 +297,7 @@ def test_a_member_announcing_a_huge_weight_counts_at_most_weight_clip_times_the_
     def step(i, t):
         weight = 1e9 if i == 2 else 1.0
         x = torch.full((3000,), float(i + 1))
-        total = t.all_reduce_compressed_([x], make_codec("fp32"), weight, key="weights")
+        total = weighted_mean(t, [x], weight, make_codec("fp32"), key="weights")
         return total, x[0].item(), t.take_report().record()
 
     out = run_together(swarm, step)
@@ -306,7 +307,7 @@ def test_a_member_announcing_a_huge_weight_counts_at_most_weight_clip_times_the_
         assert value == pytest.approx((1.0 + 2.0 + 10 * 3.0) / 12.0)
         assert rec["weights_clipped"] == {liar: pytest.approx(1e8)}, rec
     assert all(t.ledger.records[liar].clipped >= 1 for t in swarm)
-    assert swarm[0].weight_clip == 10.0
+    assert swarm[0].bounds.weight_clip == 10.0
 
 
 def test_a_member_announcing_a_malformed_state_is_left_out_and_the_others_go_on(swarm):
@@ -326,7 +327,7 @@ def test_a_member_announcing_a_malformed_state_is_left_out_and_the_others_go_on(
     def step(i, t):
         if i == 2:
             t.standing.group = 10 ** 9
-        total = t.all_reduce_compressed_([torch.full((3000,), float(i))], make_codec("fp32"), 1.0, key="meta")
+        total = weighted_mean(t, [torch.full((3000,), float(i))], 1.0, make_codec("fp32"), key="meta")
         report = t.take_report()
         t.standing.group = len(report.members)
         return total, list(report.members), list(report.notes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from conftest import FAST, TINY
 from diloco import ConfigConflict, DiLoCo, StreamingDiLoCo
-from diloco.comm import LocalTransport
+from diloco.comm import Capabilities, LocalTransport
 from launch.algorithms import ALGORITHMS, algorithm_class
 from launch.config import ConfigError, load_config
 from launch.models import Transformer, model_args_from_config
@@ -129,7 +130,7 @@ def test_to_moves_every_state_the_algorithm_keeps():
 
 def test_peers_without_fixed_ranks_average_through_the_codec_path():
     class NoRanks(LocalTransport):
-        fixed_ranks = False
+        caps = Capabilities(fixed_ranks=False)
 
     _, _, algo = _built("algo.name=diloco", transport=NoRanks())
     assert algo.codec is not None and algo.codec.is_identity  # each update travels with its weight
@@ -140,15 +141,15 @@ def test_peers_without_fixed_ranks_average_through_the_codec_path():
 def test_a_robust_mean_writes_over_the_encoded_vector_unless_the_result_is_shared():
     """A peer's robust mean takes the vector it encoded as the mean's buffer (no second model-sized vector on its
     GPU); simulated members share the result, so theirs is a buffer of its own. The mean is right either way."""
-    from diloco.compress.collective import robust_mean
     from diloco.compress.codec import make_codec
+    from diloco.compress.robust import robust_mean
 
     class NoRanks(LocalTransport):
-        fixed_ranks = False
+        caps = Capabilities(fixed_ranks=False)
 
     for shared in (False, True):
         transport = NoRanks()
-        transport.shared_results = shared
+        transport.caps = replace(transport.caps, shared_results=shared)
         x = torch.randn(1000, generator=torch.Generator().manual_seed(2))
         flat = x.clone()
         result = robust_mean(transport, flat, make_codec("fp32"), 2.0, key=None)
@@ -181,7 +182,7 @@ def test_all_gather_tensor_hands_over_the_tensors_and_counts_what_bytes_would():
         t = torch.arange(10, dtype=torch.uint8) + 10 * rank
         direct = transport.all_gather_tensor(t)
         sent = transport.stats.bytes_sent
-        transport.device_gather = False
+        transport.caps = replace(transport.caps, device_gather=False)
         via_bytes = transport.all_gather_tensor(t)
         return direct, via_bytes, sent, transport.stats.bytes_sent - sent, direct[rank] is t
 
@@ -206,7 +207,7 @@ def test_layers_import_downwards_only():
 
 def test_the_transport_knows_bytes_not_codecs():
     tree = ast.parse((ROOT / "diloco/comm/base.py").read_text())
-    # the two compatibility aliases at the end of the class import the collective lazily; nothing else
+    # the collective builds on the transport, never the reverse
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("diloco.compress"):
             assert node.module == "diloco.compress" and [a.name for a in node.names] == ["collective"]

@@ -11,6 +11,7 @@ import torch
 
 from conftest import FAST, ROOT, TINY, loco
 from diloco.comm import TransportError
+from diloco.compress.collective import all_reduce_
 from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers, sample_speeds
 from launch.config import load_config
 from launch.simulate import simulate, simulate_once
@@ -122,7 +123,7 @@ def test_a_failing_worker_stops_the_others_without_a_hang():
         try:
             if rank == 1:
                 raise ValueError("worker 1 ran out of data")
-            transport.all_reduce_([torch.ones(4)])  # would wait forever for worker 1
+            all_reduce_(transport, [torch.ones(4)])  # would wait forever for worker 1
             return rank
         finally:
             unwound.append(rank)
@@ -138,7 +139,7 @@ def test_a_worker_that_never_arrives_is_named_at_once():
 
     def body(rank, transport):
         if rank != 2:
-            transport.all_reduce_([torch.ones(2)])
+            all_reduce_(transport, [torch.ones(2)])
 
     start = time.monotonic()
     with pytest.raises(TransportError, match=r"workers \[2\] did not reach a collective that workers \[0, 1\]"):
@@ -280,7 +281,7 @@ def _timed_run(step_time, measured):
         seconds = iter(measured[rank])
         for _ in range(3):
             transport.advance_compute(next(seconds))
-        transport.all_reduce_([torch.ones(250_000)])
+        all_reduce_(transport, [torch.ones(250_000)])
         for _ in range(3):
             transport.advance_compute(next(seconds))
 
@@ -456,10 +457,10 @@ def test_links_change_over_virtual_time_and_the_slowest_link_bounds_a_collective
     def body(rank, transport):
         for _ in range(2):  # worker 0 arrives at 2 s, worker 1 at 4 s
             transport.advance_compute(0.0)
-        transport.all_reduce_([torch.ones(250_000)])  # 1 MB: 1 MB on each link, at 1 MB/s (t=4: before 5 s)
+        all_reduce_(transport, [torch.ones(250_000)])  # 1 MB: 1 MB on each link, at 1 MB/s (t=4: before 5 s)
         for _ in range(2):  # 2 s and 4 s of compute: worker 1 arrives at 9 s
             transport.advance_compute(0.0)
-        transport.all_reduce_([torch.ones(250_000)])  # now 10 MB/s: 0.1 s
+        all_reduce_(transport, [torch.ones(250_000)])  # now 10 MB/s: 0.1 s
 
     run_workers(group, body)
     s = group.summary()

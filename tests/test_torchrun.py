@@ -223,12 +223,13 @@ OVERLAP = textwrap.dedent("""
     import time, torch
     from pathlib import Path
     from diloco.comm.torch_dist import TorchDistTransport
+    from diloco.compress.collective import all_reduce_async_
     out = Path({out!r})
     t = TorchDistTransport("gloo", timeout=60)
-    t.all_reduce_async_([torch.zeros(3)]).wait()  # the first overlapped exchange makes its process groups on every rank
+    all_reduce_async_(t, [torch.zeros(3)]).wait()  # the first overlapped exchange makes its process groups on every rank
     x = torch.full((1000,), float(t.rank + 1))
     if t.rank == 0:
-        handle = t.all_reduce_async_([x], op="sum")  # rank 1 has not started its part yet
+        handle = all_reduce_async_(t, [x], op="sum")  # rank 1 has not started its part yet
         (out / "started").write_text("")
         said = t.broadcast_object("from the training thread")  # control plane while the exchange is in flight
     else:
@@ -237,7 +238,7 @@ OVERLAP = textwrap.dedent("""
             time.sleep(0.02)
         print("rank 0 returned from all_reduce_async_" if (out / "started").exists() else "rank 0 blocked")
         said = t.broadcast_object(None)
-        handle = t.all_reduce_async_([x], op="sum")
+        handle = all_reduce_async_(t, [x], op="sum")
     handle.wait()
     torch.save({{"x": x, "said": said}}, out / f"rank{{t.rank}}.pt")
     t.close()
@@ -260,12 +261,13 @@ def test_an_overlapped_exchange_runs_beside_the_training_thread(tmp_path):
 CRASH = textwrap.dedent("""
     import time, torch
     from diloco.comm.torch_dist import TorchDistTransport
+    from diloco.compress.collective import all_reduce_async_
     t = TorchDistTransport("gloo", timeout=120)
-    t.all_reduce_async_([torch.zeros(3)]).wait()  # the exchange thread and its groups exist on both ranks
+    all_reduce_async_(t, [torch.zeros(3)]).wait()  # the exchange thread and its groups exist on both ranks
     if t.rank == 1:
         time.sleep(110)  # hung: never joins rank 0's next exchange
     else:
-        handle = t.all_reduce_async_([torch.ones(1000)])  # in flight, waiting for rank 1
+        handle = all_reduce_async_(t, [torch.ones(1000)])  # in flight, waiting for rank 1
         try:
             raise RuntimeError("the training thread failed at step 7")
         except BaseException:
@@ -290,12 +292,13 @@ STUCK = textwrap.dedent("""
     import os, sys, time, torch
     from diloco.comm.base import TransportError
     from diloco.comm.torch_dist import TorchDistTransport
+    from diloco.compress.collective import all_reduce_
     t = TorchDistTransport("gloo", timeout=3)
     if t.rank == 2:
         time.sleep(20)  # never answers in time
         sys.exit(0)
     try:
-        t.all_reduce_([torch.ones(10)])
+        all_reduce_(t, [torch.ones(10)])
     except TransportError as e:
         os.write(1, f"ERROR {t.rank} {e}\\n"[:3000].encode())  # one write: lines of two processes do not mix
     start = time.monotonic()  # a collective on a group of its own (the size exchange of an overlapped one)

@@ -4,10 +4,11 @@ and sim (the simulator's in-process workers); :func:`make_transport` builds any 
 from typing import Any
 
 from diloco.comm.base import CommStats, Handle, Transport, TransportError
+from diloco.comm.caps import Capabilities, RobustBounds
 from diloco.comm.local import LocalTransport
 
-__all__ = ["CommStats", "Handle", "LocalTransport", "Transport", "TransportError", "check_run_name", "fingerprint",
-           "make_transport", "merge_ledgers", "read_swarm", "schema_differs"]
+__all__ = ["Capabilities", "CommStats", "Handle", "LocalTransport", "RobustBounds", "Transport", "TransportError",
+           "check_run_name", "fingerprint", "make_transport", "merge_ledgers", "read_swarm", "schema_differs"]
 
 
 def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: float = 300.0, device=None,

@@ -4,10 +4,12 @@ Algorithm code talks only to this interface; ``torch.distributed`` and
 ``hivemind`` are imported by the concrete transports in this package alone.
 That is what lets the simulator run the very same algorithm objects.
 
-A transport moves tensors (dense all-reduce, broadcast) and bytes
-(``all_gather_bytes``, ``all_to_all_bytes``); it knows bytes, not codecs. The
-compressed all-reduce that every codec runs through is written once over the
-byte collectives, in ``diloco.compress.collective``.
+A transport moves tensors (the sum of one flat buffer, broadcast) and bytes
+(``all_gather_bytes``, ``all_to_all_bytes``); it knows bytes, not codecs. What it
+can do beyond that is one :class:`Capabilities` object (``transport.caps``). The
+weighted mean that fp32 and every codec run through is written once over these
+primitives, in ``diloco.compress.collective``, which picks its aggregation from
+the capabilities.
 
 Byte counting lives here, in one place: every collective adds what this
 worker would put on and take off the wire (``_count``). For a dense all-reduce
@@ -19,14 +21,14 @@ better, like hivemind's partial deliveries, says so through ``_moved``).
 from __future__ import annotations
 
 import contextlib
-import sys
-import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequence
 
 import torch
+
+from diloco.comm.caps import Capabilities, RobustBounds
 
 
 class TransportError(RuntimeError):
@@ -39,50 +41,11 @@ class CommStats:
     bytes_received: int = 0
     collectives: int = 0
     seconds: float = 0.0
-    peak_bytes: int = 0  # the most bytes one exchange (one all_reduce_ call) put on the wire
+    peak_bytes: int = 0  # the most bytes one exchange (one exchange_scope) put on the wire
 
     def as_dict(self) -> dict[str, float]:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "collectives": self.collectives, "comm_s": self.seconds, "peak_bytes": self.peak_bytes}
-
-
-class BufferPool:
-    """Large byte buffers, written again once nobody holds them: pages of a buffer this large come fresh from
-    the OS each time otherwise, and faulting them in cost more than the copy into them.
-
-    ``take(n)`` gives ``n`` bytes: a released buffer of exactly that size, or a view of the first ``n`` bytes
-    of a released one up to twice as large, or a new ``bytearray`` (kept in place of a released one when the
-    pool is full). A buffer counts as held while any variable, view or tensor refers to it, which its
-    reference count tells; below ``min_bytes`` every take is a new ``bytearray``.
-    """
-
-    def __init__(self, min_bytes: int = 1 << 20, keep: int = 4) -> None:
-        self.min_bytes, self.keep = min_bytes, keep
-        self._bufs: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    def _free(self, i: int) -> bool:
-        return sys.getrefcount(self._bufs[i]) == 2  # the list's reference and getrefcount's argument
-
-    def take(self, n: int) -> bytearray | memoryview:
-        if n < self.min_bytes:
-            return bytearray(n)
-        with self._lock:
-            free = [i for i in range(len(self._bufs)) if self._free(i)]
-            fits = sorted((len(self._bufs[i]), i) for i in free if n <= len(self._bufs[i]) <= 2 * n)
-            if fits:
-                buf = self._bufs[fits[0][1]]
-                return buf if len(buf) == n else memoryview(buf)[:n]
-            buf = bytearray(n)
-            if len(self._bufs) >= self.keep and free:
-                del self._bufs[min(free, key=lambda i: len(self._bufs[i]))]
-            if len(self._bufs) < self.keep:
-                self._bufs.append(buf)
-            return buf
-
-    def clear(self) -> None:
-        with self._lock:
-            self._bufs.clear()
 
 
 class Handle:
@@ -138,73 +101,11 @@ class Transport(ABC):
     rank: int = 0
     world_size: int = 1
     bucket_bytes: int = 32 << 20
-    #: False for peers without fixed ranks (hivemind): compressed exchanges gather every member's payload and
-    #: take a validated, norm-clipped mean (``norm_clip`` x the others' median norm; 0 turns clipping off)
-    fixed_ranks: bool = True
-    norm_clip: float = 0.0
-    clip_action: str = "clip"
-    #: in that mean, a member's weight (the tokens it trained) counts at most this many times the median of the
-    #: other members' weights (0: off)
-    weight_clip: float = 0.0
-    #: True where a stop signal reaches every process of the run at once (torchrun passes SIGTERM on to every
-    #: rank) and ``broadcast_object`` spans them all, so the processes can agree to stop and save at one step
-    shared_stop: bool = False
-    #: True where every worker of the group runs in this process and a byte collective hands each of them the
-    #: very same result object (the simulator): a consumer may then compute from it once for all of them
-    shared_results: bool = False
-    #: True where :meth:`all_gather_tensor` moves tensors where they lie, without a trip through host bytes
-    #: (the simulator; NCCL), for payloads that need no wire header: the members are trusted and the transfer
-    #: is checked by the transport itself
-    device_gather: bool = False
-    #: keep the host buffer that buckets are concatenated into from one exchange to the next, so its pages are
-    #: faulted in once per run instead of once per exchange (the exchange's peak memory is the same; the buffer
-    #: is only not handed back between exchanges); off where many workers share one process (the simulator)
-    keep_scratch: bool = False
-    #: True where every worker was found to run with the same settings before the run began (torch_dist given
-    #: ``settings``), so that payload sizes stated by a fixed-size codec hold on every worker
-    settings_agreed: bool = False
-    #: True where every worker builds its model in this process, on the one device, from the run's seed (the
-    #: simulator): the models start equal, and the start-up broadcast of rank 0's parameters is left out (with
-    #: ``sim.offload`` it would hold every worker's model on the GPU at once, as none is parked before it ends)
-    seeded_alike: bool = False
-    #: True where the byte collectives' ``*_start`` leave the transfer in flight, so that a compressed all-reduce
-    #: works on one bucket while others are on the wire (torch_dist on gloo)
-    overlaps_exchange: bool = False
-    _scratch: Optional[dict] = None  # slot -> the kept buffer (a dict made on the instance)
-    _scratch_lock = threading.Lock()  # one for every transport: held for a swap only
+    caps: Capabilities = Capabilities()  # what it can do beyond moving bytes (each transport states its own)
+    bounds: RobustBounds = RobustBounds()  # what one member's update may weigh in a robust mean
 
     def __init__(self) -> None:
         self.stats = CommStats()
-
-    def take_scratch(self, numel: int, device: torch.device, slot: str = "concat") -> torch.Tensor:
-        """An fp32 buffer of at least ``numel`` values on ``device`` (its contents undefined), for one use in an
-        exchange (``slot``: "concat", the concatenated buckets; "mean", a shard's mean); hand it back with
-        :meth:`give_scratch`. A concurrent taker of the same slot gets a new one."""
-        with self._scratch_lock:
-            kept = self._scratch.pop(slot, None) if self._scratch else None
-        if kept is not None and kept.numel() >= numel and kept.device == torch.device(device):
-            return kept
-        return torch.empty(numel, dtype=torch.float32, device=device)
-
-    def give_scratch(self, scratch: Optional[torch.Tensor], slot: str = "concat") -> None:
-        if scratch is not None and self.keep_scratch and scratch.device.type == "cpu":
-            with self._scratch_lock:
-                if self._scratch is None:
-                    self._scratch = {}
-                self._scratch[slot] = scratch
-
-    def concat_bucket(self, bucket: Sequence[torch.Tensor], scratch: Optional[torch.Tensor],
-                      largest: int, slot: str = "concat") -> tuple[torch.Tensor, torch.Tensor]:
-        """``bucket`` (fp32 tensors on one device) concatenated into ``scratch``: (the flat view, the scratch). A
-        missing scratch, or one too small or elsewhere, is handed back and one of at least ``largest`` values taken
-        in its place (from ``slot``); the caller hands the last one back (:meth:`give_scratch`) when its buckets are
-        done."""
-        n = sum(t.numel() for t in bucket)
-        if scratch is None or scratch.numel() < n or scratch.device != bucket[0].device:
-            self.give_scratch(scratch, slot)
-            scratch = self.take_scratch(max(n, largest), bucket[0].device, slot)
-        flat = torch.cat([t.detach().reshape(-1) for t in bucket], out=scratch[:n])
-        return flat, scratch
 
     @property
     def is_leader(self) -> bool:
@@ -293,12 +194,22 @@ class Transport(ABC):
         ``[obj]`` where a worker is one process."""
         return [obj]
 
-    #: True where :meth:`advance_compute` uses what it is told (the simulator): on a GPU the loop then measures a
-    #: step on the device (:class:`DeviceSpan`) rather than by the host's clock
-    measures_compute: bool = False
+    @contextlib.contextmanager
+    def computing(self, device: torch.device) -> Iterator[None]:
+        """Around one step's compute. Where the transport keeps a clock of its own (``caps.measures_compute``)
+        the compute is measured, on a GPU by two events on the device (:class:`DeviceSpan`: no host wait), else
+        by the host's clock, and handed to :meth:`advance_compute` once it ends without an error."""
+        if not self.caps.measures_compute:
+            yield
+            return
+        span = DeviceSpan(device) if torch.device(device).type == "cuda" else None
+        start = time.perf_counter()
+        yield
+        self.advance_compute(span.stop() if span is not None else time.perf_counter() - start)
 
     def advance_compute(self, seconds: Any) -> None:
-        """The loop reports each step's compute time; the simulator turns it into virtual time."""
+        """One step's compute took ``seconds`` (a :class:`DeviceSpan` on a GPU); the simulator turns it into
+        virtual time."""
 
     def steps_trained(self) -> Optional[int]:
         """Steps all workers trained together, where the members change (the simulator under churn); None where
@@ -384,15 +295,15 @@ class Transport(ABC):
     def _start_all_gather_bytes(self, payload: bytes, sizes: Optional[Sequence[int]] = None
                                 ) -> Callable[[], list[bytes]]:
         """Start :meth:`_all_gather_bytes`; the callable returned waits for it and returns its result. Here it is
-        done before this returns; a transport that ``overlaps_exchange`` leaves it in flight. ``sizes``: the
+        done before this returns; a transport that ``caps.overlaps_exchange`` leaves it in flight. ``sizes``: the
         payloads' lengths, known to every worker beforehand (a transport may then skip exchanging them)."""
         out = self._all_gather_bytes(payload)
         return lambda: out
 
     def all_gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every worker's 1-D uint8 tensor of ``t``'s size, indexed by rank, on ``t``'s device (counted as the
-        same bytes by :meth:`all_gather_bytes`). Without ``device_gather`` it goes through host bytes."""
-        if not self.device_gather:
+        same bytes by :meth:`all_gather_bytes`). Without ``caps.device_gather`` it goes through host bytes."""
+        if not self.caps.device_gather:
             got = self.all_gather_bytes(t.detach().cpu().numpy().tobytes())
             return [torch.frombuffer(bytearray(p), dtype=torch.uint8).to(t.device) for p in got]
         out = self._all_gather_tensor(t)
@@ -401,6 +312,18 @@ class Transport(ABC):
 
     def _all_gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} has no device all-gather")
+
+    def all_gather_payload(self, wire: Callable[[], bytes], device: Optional[Callable[[], torch.Tensor]] = None
+                           ) -> list:
+        """Every worker's payload of an exchange whose payloads all have one length, in the form this transport
+        moves best: where it moves tensors where they lie (``caps.device_gather``) the 1-D uint8 tensors
+        ``device()`` makes (no header between trusted members), else the self-describing bytes ``wire()`` makes.
+        Where the ranks are fixed every worker knows the length beforehand, so the transport may skip exchanging
+        it (see :meth:`all_to_all_bytes_start`)."""
+        if device is not None and self.caps.device_gather:
+            return self.all_gather_tensor(device())
+        payload = wire()
+        return self.all_gather_bytes(payload, [len(payload)] * self.world_size if self.caps.fixed_ranks else None)
 
     def all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
         """Send ``payloads[j]`` to worker j; returns what each worker sent this one, indexed by rank."""
@@ -413,11 +336,11 @@ class Transport(ABC):
     def all_to_all_bytes_start(self, payloads: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> Handle:
         """Start :meth:`all_to_all_bytes`; the handle's ``wait()`` returns its result (counted then). Every worker
         starts and waits for the same collectives in the same order; the payloads may be released once this
-        returns. The collective is done before it returns, except where :attr:`overlaps_exchange` is set: there
+        returns. The collective is done before it returns, except where ``caps.overlaps_exchange`` is set: there
         the transfer is left in flight, so the caller can compute meanwhile.
 
         ``sizes``: the length of what each worker sends this one, by rank, where every worker knows them
-        beforehand (fixed-size codecs). Where the workers' settings were agreed (:attr:`settings_agreed`),
+        beforehand (fixed-size codecs). Where the workers' settings were agreed (``caps.settings_agreed``),
         torch_dist then skips the size exchange that precedes each transfer, a round trip that a link's latency
         makes dear; elsewhere the sizes are exchanged, so a worker with another codec is named, not misread."""
         self._check_all_to_all(payloads)
@@ -433,37 +356,14 @@ class Transport(ABC):
         out = self._all_to_all_bytes(payloads)
         return lambda: out
 
-    def all_reduce_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
-        """Sum or average a list of tensors over the workers, in place, in flat buckets."""
-        if op not in ("sum", "mean"):
-            raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
-        if self.world_size == 1 or not tensors:
-            return
-        groups = buckets(tensors, self.bucket_bytes)
-        largest = max((sum(t.numel() for t in g) for g in groups if g[0].dtype == torch.float32), default=0)
-        scratch = None  # fp32 buckets are concatenated into one buffer (kept between exchanges where that pays)
-        with self.exchange_scope():
-            for bucket in groups:
-                if bucket[0].dtype == torch.float32:
-                    # a bucket of one tensor is copied too: a failed exchange leaves the tensor as it was
-                    flat, scratch = self.concat_bucket(bucket, scratch, largest)
-                else:
-                    flat = (torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1
-                            else bucket[0].reshape(-1).clone())
-                self._all_reduce_sum_(flat)
-                self.count_all_reduce(flat.numel() * flat.element_size())
-                if op == "mean":
-                    flat.div_(self.world_size)
-                unflatten_into(bucket, flat)
-        self.give_scratch(scratch)
+    def all_reduce_sum_(self, flat: torch.Tensor) -> None:
+        """Sum a contiguous 1-D tensor over the workers, in place (counted as the ring all-reduce moves it)."""
+        self._all_reduce_sum_(flat)
+        self.count_all_reduce(flat.numel() * flat.element_size())
 
     def start(self, fn: Callable[[], Any]) -> Handle:
         """Start the collectives ``fn`` runs; the handle's ``wait()`` returns ``fn``'s result once it may be used."""
         return self._start(fn)
-
-    def all_reduce_async_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> Handle:
-        """Start ``all_reduce_``; the tensors hold the result once the handle's ``wait()`` returns."""
-        return self.start(lambda: self.all_reduce_(tensors, op))
 
     def broadcast_tensors_(self, tensors: Iterable[torch.Tensor], src: int = 0) -> None:
         if self.world_size == 1:
@@ -471,49 +371,11 @@ class Transport(ABC):
         for t in tensors:
             self.broadcast_(t, src)
 
-    # ---- aliases kept for callers of earlier versions: the code is diloco.compress.collective ----
-    def all_reduce_compressed_(self, tensors: Sequence[torch.Tensor], codec: Any, weight: float = 1.0,
-                               key: Hashable = "") -> float:
-        """``diloco.compress.collective.all_reduce_compressed_(self, ...)``."""
-        from diloco.compress import collective
-
-        return collective.all_reduce_compressed_(self, tensors, codec, weight, key)
-
-    def all_reduce_compressed_async_(self, tensors: Sequence[torch.Tensor], codec: Any, weight: float = 1.0,
-                                     key: Hashable = "") -> Handle:
-        """``diloco.compress.collective.all_reduce_compressed_async_(self, ...)``."""
-        from diloco.compress import collective
-
-        return collective.all_reduce_compressed_async_(self, tensors, codec, weight, key)
-
-
-class SharedResult:
-    """A result computed once from the list a byte collective returned, for the other workers that received the
-    very same list object (``Transport.shared_results``: the simulator); freed once each of them took it."""
-
-    def __init__(self) -> None:
-        self.clear()
-
-    def clear(self) -> None:
-        self.payloads: Optional[list] = None  # held, so that the identity check cannot meet a reused id
-        self.key: Any = None
-        self.value: Any = None
-        self.left = 0
-
-    def take(self, payloads: list, key: Any) -> Any:
-        """The value filled for ``payloads`` (this very list) and ``key``, or None."""
-        if self.payloads is not payloads or self.key != key:
-            return None
-        value = self.value
-        self.left -= 1
-        if self.left <= 0:
-            self.clear()
-        return value
-
-    def fill(self, payloads: list, key: Any, value: Any, others: int) -> None:
-        """Keep ``value`` for the ``others`` workers that will ask with the same list and key."""
-        if others > 0:
-            self.payloads, self.key, self.value, self.left = payloads, key, value, others
+    def share_initial_(self, tensors: Iterable[torch.Tensor], seeded: bool) -> None:
+        """Every worker starts from the leader's ``tensors``: they are broadcast, unless ``seeded`` (built from
+        the run's seed) where every worker builds them alike (``caps.seeded_alike``)."""
+        if not (seeded and self.caps.seeded_alike):
+            self.broadcast_tensors_(tensors, 0)
 
 
 def die_with_parent() -> None:
@@ -533,53 +395,3 @@ def shard_bounds(n: int, world: int, align: int = 1) -> list[tuple[int, int]]:
     units = -(-n // align)
     per = -(-units // world) * align
     return [(min(j * per, n), min((j + 1) * per, n)) for j in range(world)]
-
-
-def end_to_end(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """One flat view of ``tensors`` where they are contiguous, of one dtype, and lie one after the other in one
-    storage (writing the view writes them), else None. DiLoCo's pseudo-gradients with a codec lie so (the
-    compressed collective reduces them where they lie), and so do DeMo's momenta (its kernels step them there)."""
-    if not tensors or any(t.dtype != tensors[0].dtype or not t.is_contiguous() for t in tensors):
-        return None
-    first = tensors[0].detach()
-    if len(tensors) == 1:
-        return first.reshape(-1)
-    storage, at = first.untyped_storage().data_ptr(), first.storage_offset()
-    for t in tensors:
-        if t.untyped_storage().data_ptr() != storage or t.storage_offset() != at:
-            return None
-        at += t.numel()
-    return first.as_strided((at - first.storage_offset(),), (1,), first.storage_offset())
-
-
-def unflatten_into(bucket: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy consecutive pieces of ``flat`` back into the tensors it was concatenated from."""
-    offset = 0
-    for t in bucket:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
-def bucket_groups(sizes: Sequence[int], limit: int, joins: Optional[Callable[[int], bool]] = None) -> list[list[int]]:
-    """The bucketing rule, on byte sizes: consecutive items share a bucket while it stays within ``limit`` bytes
-    (an item larger than that is a bucket of its own) and ``joins(i)`` allows item i to follow item i-1.
-    Returns each bucket's item indices. :func:`buckets` groups tensors by it; ``loco plan`` predicts with it."""
-    out: list[list[int]] = []
-    size = 0
-    for i, nbytes in enumerate(sizes):
-        if out and size + nbytes <= limit and (joins is None or joins(i)):
-            out[-1].append(i)
-            size += nbytes
-        else:
-            out.append([i])
-            size = nbytes
-    return out
-
-
-def buckets(tensors: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    """Group tensors of one dtype and device into buckets of at most ``limit`` bytes (or one tensor)."""
-    def joins(i: int) -> bool:
-        return tensors[i].dtype == tensors[i - 1].dtype and tensors[i].device == tensors[i - 1].device
-
-    groups = bucket_groups([t.numel() * t.element_size() for t in tensors], limit, joins)
-    return [[tensors[i] for i in g] for g in groups]

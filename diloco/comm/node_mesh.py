@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from diloco.comm.base import Transport, TransportError, shard_bounds
+from diloco.comm.caps import Capabilities
 from diloco.comm.torch_dist import TorchDistTransport, torchrun_layout
 
 
@@ -31,8 +32,9 @@ class NodeMeshTransport(TorchDistTransport):
     process put on the inter-node links (its 1/G share); intra-node traffic is not counted.
     """
 
-    device_gather = False  # gloo between the nodes: payloads go through bytes
-    overlaps_exchange = False  # a bucket's exchange runs through on_my_share (inside the node, then across)
+    # gloo between the nodes: payloads go through bytes; a bucket's exchange runs through on_my_share (inside the
+    # node, then across), one at a time
+    caps = Capabilities(shared_stop=True, keep_scratch=True)
 
     def __init__(self, backend: str = "auto", timeout: float = 300.0, device: Optional[torch.device] = None,
                  per_node: Optional[int] = None, settings: Optional[Mapping[str, Any]] = None) -> None:

@@ -32,13 +32,16 @@ import socket
 import threading
 import time
 import warnings
+from dataclasses import replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from diloco.comm.agreement import settings_differ
-from diloco.comm.base import BufferPool, Handle, Transport, TransportError
+from diloco.comm.base import Handle, Transport, TransportError
+from diloco.comm.caps import Capabilities
+from diloco.comm.pool import BufferPool
 
 
 def launched_by_torchrun() -> bool:
@@ -121,8 +124,9 @@ def _elastic_store(timeout: float) -> dict[str, Any]:
 
 
 class TorchDistTransport(Transport):
-    shared_stop = True  # torchrun signals every rank; broadcast_object spans the whole process group
-    keep_scratch = True  # one worker per process
+    # torchrun signals every rank, and broadcast_object spans the whole process group; one worker per process; the
+    # device gather (NCCL) and the overlapped exchanges (gloo) where the backend allows them (see __init__)
+    caps = Capabilities(shared_stop=True, keep_scratch=True, device_gather=True, overlaps_exchange=True)
 
     def __init__(self, backend: str = "auto", timeout: float = 300.0, device: Optional[torch.device] = None,
                  group: Any = None, settings: Optional[Mapping[str, Any]] = None) -> None:
@@ -158,19 +162,22 @@ class TorchDistTransport(Transport):
             problem = settings_differ(views)
             if problem is not None:
                 raise TransportError(f"rank {dist.get_rank()}: {problem}")
-        self.settings_agreed = settings is not None
         self.group = group  # None: the whole world
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        # gloo gathers host memory (through bytes) and runs a started collective on threads of its own; NCCL's
+        # streams would need the tensors' lifetimes tied to them, which only the synchronous path does here
+        self.caps = replace(self.caps, settings_agreed=settings is not None,
+                            device_gather=self.caps.device_gather and backend == "nccl",
+                            overlaps_exchange=self.caps.overlaps_exchange and backend == "gloo" and self.world_size > 1)
         self.global_rank = dist.get_rank()
         self._lanes = threading.local()  # .groups in the background thread: its own process groups
         self._background: Optional[_Lane] = None
         self._gather_sizes: set[int] = set()  # tensor sizes all ranks agreed on (all_gather_tensor)
         self._pool = BufferPool(1 << 20, 8)  # host send / receive buffers of the byte collectives
-        self._overlap = True
         # the size exchanges of overlapped collectives run on a group of their own: on the main group they would
         # queue behind the transfers in flight (gloo runs a group's collectives on two threads)
-        self.sizes_group = self._new_group() if self.overlaps_exchange and self.group is None else None
+        self.sizes_group = self._new_group() if self.caps.overlaps_exchange and self.group is None else None
 
     # ---- lanes: the training thread's process groups, or the background thread's -----------------
     def _g(self, name: str = "group") -> Any:
@@ -323,28 +330,14 @@ class TorchDistTransport(Transport):
             return self._host_views(recv, spans, buf)
         return finish
 
-    @property
-    def overlaps_exchange(self) -> bool:  # type: ignore[override]
-        # gloo runs a started collective on threads of its own; NCCL's streams would need the tensors' lifetimes
-        # tied to them, which only the synchronous path does here
-        return self._overlap and self.backend == "gloo" and self.world_size > 1
-
-    @overlaps_exchange.setter
-    def overlaps_exchange(self, on: bool) -> None:
-        """False: one bucket's exchange at a time (benchmarks compare the two)."""
-        self._overlap = on
-
     def _start_all_gather_bytes(self, payload: bytes | bytearray | memoryview, sizes: Optional[Sequence[int]] = None
                                 ) -> Callable[[], list[memoryview]]:
-        return self._gather_start(payload, self.overlaps_exchange, sizes if self.settings_agreed else None)
+        return self._gather_start(payload, self.caps.overlaps_exchange, sizes if self.caps.settings_agreed else None)
 
     def _start_all_to_all_bytes(self, payloads: Sequence[bytes | bytearray | memoryview],
                                 sizes: Optional[Sequence[int]] = None) -> Callable[[], list[memoryview]]:
-        return self._all_to_all_start(payloads, self.overlaps_exchange, sizes if self.settings_agreed else None)
-
-    @property
-    def device_gather(self) -> bool:  # type: ignore[override]
-        return self.backend == "nccl"  # gloo gathers host memory: through bytes
+        return self._all_to_all_start(payloads, self.caps.overlaps_exchange,
+                                      sizes if self.caps.settings_agreed else None)
 
     def _all_gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
         if t.numel() not in self._gather_sizes:  # once per size: every rank must bring one of the same size

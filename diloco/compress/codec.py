@@ -1,22 +1,6 @@
 """Codec chains: ``make_codec("topk:0.02+2bit+zstd")`` -> an object with ``encode`` / ``decode``.
 
-A chain is up to four stages, in this order, joined by ``+``:
-
-==========  ==========================================  ==========================================
-stage       what it does                                options (``name:opt=value,...``)
-==========  ==========================================  ==========================================
-``dct``     orthonormal DCT-II per chunk (1-D)          ``chunk`` (64)
-``topk``    per chunk keep the k largest |values|,      ``density`` (0.02) or ``k``, ``chunk`` (4096,
-            indices in ceil(log2 chunk) bits, error     a power of two), ``ef`` (1.0: error-feedback
-            feedback for what was not sent              decay; 0 turns it off)
-values      ``fp32`` ``bf16`` ``fp16``                  -
-            ``int8`` ``int4`` ``fp4`` ``2bit``          ``block`` (int8 256, others 128)
-``zstd``    zstandard over the packed bytes             ``level`` (3)
-==========  ==========================================  ==========================================
-
-Each stage takes one positional option (``topk:0.02``, ``int8:128``, ``zstd:9``); for
-``topk`` a number below 1 is a density and a whole number is k. The value stage
-defaults to ``fp32`` (``topk+zstd`` sends fp32 values).
+The chain grammar (stages, options, order) is :mod:`diloco.compress.chain`.
 
 ``encode(tensor, key)`` returns the wire bytes (header + payload, see ``wire.py``) in one buffer; their
 length is exactly what crosses the network. Top-k's error feedback keeps one residual
@@ -28,8 +12,8 @@ exact section sizes, indices and values before it returns, and raises
 Decompression bombs: the sections a header's shape needs (``payload_bytes``) are known
 before anything is inflated. Without zstd they must all be present, byte for byte. With
 zstd, when the caller has not vouched for the size (``decode`` without ``expect_numel``),
-a payload whose sections would inflate to more than :data:`ZSTD_FREE_BYTES` and more than
-:data:`ZSTD_MAX_RATIO` times the compressed bytes present is refused before anything is
+a payload whose sections would inflate to more than ``ZSTD_FREE_BYTES`` and more than
+``ZSTD_MAX_RATIO`` times the compressed bytes present (:mod:`diloco.compress.zstd`) is refused before anything is
 allocated; a tensor that really compresses better (all zeros, say) then needs
 ``decode(payload, expect_numel=n)``, and ``decode_accumulate_`` (whose ``out`` fixes the
 size) and the transports always check the exact size instead. Nothing is padded: the
@@ -39,190 +23,31 @@ bytes on the wire are the compressed bytes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Hashable, Optional
 
 import torch
-import zstandard
 
-from diloco.comm.base import BufferPool
+from diloco.comm.pool import BufferPool
 from diloco.compress import wire
 from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
+from diloco.compress.chain import CodecSpecError, parse_chain
+from diloco.compress.checked import (PIECE, add_checked, cannot_overflow, chunk_indices_ok, copy_checked, finite,
+                                     magnitude)
 from diloco.compress.dct import dct_chunks, idct_chunks, padded_length
 from diloco.compress.kernels import quant as q
 from diloco.compress.kernels import topk as tk
+from diloco.compress.residuals import Residuals
 from diloco.compress.wire import CorruptPayload
+from diloco.compress.zstd import Zstd
 
-VALUE_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4", "fp4", "2bit")
-STAGE_ORDER = ("dct", "topk", "value", "zstd")
-DEFAULT_BLOCK = {"int8": 256, "int4": 128, "fp4": 128, "2bit": 128}
 MAX_SCALE = 1e36  # a received scale above this could overflow once multiplied and summed
 _FLOAT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FLOAT_MAX = {"fp16": 65504.0, "bf16": float(torch.finfo(torch.bfloat16).max)}
 _CODE_MAX = {"int8": 128.0, "int4": 8.0, "fp4": 1.0, "2bit": 1.5}  # the largest |value| of a code, in scales
-STAGE_NAMES = ("dct", "topk", *VALUE_FORMATS, "zstd")
-ZSTD_MAX_RATIO = 256  # a zstd section of unvouched size may inflate at most this many times ...
-ZSTD_FREE_BYTES = 1 << 20  # ... once it inflates to more than this
-ZSTD_THREADS_ABOVE = 2 << 20  # zstd compresses sections larger than this on all cores (its multithreaded mode),
-ZSTD_JOB_BYTES = 1 << 20  # in jobs of this size (zstd's default job is larger than most sections)
-PIECE = 1 << 17  # values per piece where a copy, its check and its checksum run piece by piece, in cache
 POOL_MIN = 1 << 20  # encode reuses released output buffers of at least this many bytes ...
 POOL_KEEP = 4  # ... and keeps at most this many of them
-
-
-def threaded_zstd(level: int) -> zstandard.ZstdCompressor:
-    """zstd on all cores, in jobs of ZSTD_JOB_BYTES (one frame, its size declared, as single-threaded)."""
-    params = zstandard.ZstdCompressionParameters.from_level(level, threads=-1, job_size=ZSTD_JOB_BYTES)
-    return zstandard.ZstdCompressor(compression_params=params)
-
-
-def zstd_min_bytes(inflated: int) -> int:
-    """Fewest compressed bytes that may carry ``inflated`` section bytes when the decoder is not told the size."""
-    return 0 if inflated <= ZSTD_FREE_BYTES else -(-inflated // ZSTD_MAX_RATIO)
-
-
-class CodecSpecError(ValueError):
-    """A codec chain string that cannot be parsed (unknown stage, bad option, wrong order)."""
-
-
-@dataclass
-class ChainSpec:
-    dct_chunk: Optional[int] = None
-    topk_chunk: Optional[int] = None
-    topk_k: int = 0
-    ef_decay: float = 1.0
-    value: str = "fp32"
-    block: int = 0
-    zstd_level: Optional[int] = None
-    options: dict[str, Any] = field(default_factory=dict)
-
-    def canonical(self) -> str:
-        parts = []
-        if self.dct_chunk is not None:
-            parts.append(f"dct:chunk={self.dct_chunk}")
-        if self.topk_chunk is not None:
-            parts.append(f"topk:chunk={self.topk_chunk},k={self.topk_k},ef={exact_number(self.ef_decay)}")
-        parts.append(f"{self.value}:block={self.block}" if self.value in q.FORMATS else self.value)
-        if self.zstd_level is not None:
-            parts.append(f"zstd:level={self.zstd_level}")
-        return "+".join(parts)
-
-
-def exact_number(x: float) -> str:
-    """``x`` as short as ``:g`` writes it where that reads back as ``x``, else every digit: a decay of 0.9999995
-    must not become 1 (no decay at all) in a chain."""
-    short = f"{x:g}"
-    return short if float(short) == x else repr(float(x))
-
-
-def _number(stage: str, key: str, text: str, kind: type) -> Any:
-    try:
-        value = kind(text)
-    except ValueError:
-        raise CodecSpecError(f"codec stage {stage!r}: option {key}={text!r} is not a{'n integer' if kind is int else ' number'}") from None
-    if kind is float and not math.isfinite(value):
-        raise CodecSpecError(f"codec stage {stage!r}: option {key}={text!r} must be finite")
-    return value
-
-
-def parse_chain(text: str) -> ChainSpec:
-    """Parse and check a chain string; errors name the stage and option."""
-    if not isinstance(text, str) or not text.strip():
-        raise CodecSpecError("the codec chain is empty (examples: fp32, int8, topk:0.02+2bit+zstd)")
-    spec = ChainSpec()
-    seen: list[str] = []  # roles so far
-    names: list[str] = []
-    for raw in text.strip().split("+"):
-        raw = raw.strip()
-        name, _, opts_text = raw.partition(":")
-        name = name.strip().lower()
-        if name not in STAGE_NAMES:
-            raise CodecSpecError(f"unknown codec stage {name!r} in {text!r}; stages: {', '.join(STAGE_NAMES)}")
-        role = "value" if name in VALUE_FORMATS else name
-        if role in seen:
-            raise CodecSpecError(f"codec chain {text!r} has more than one {role} stage")
-        if seen and STAGE_ORDER.index(role) < STAGE_ORDER.index(seen[-1]):
-            raise CodecSpecError(f"codec chain {text!r}: stage {name!r} must come before {names[-1]!r} "
-                                 f"(order: dct, topk, a value format, zstd)")
-        seen.append(role)
-        names.append(name)
-        opts: dict[str, str] = {}
-        for item in filter(None, (s.strip() for s in opts_text.split(","))):
-            key, eq, value = item.partition("=")
-            if not eq:
-                key, value = "", item
-            if key in opts:
-                raise CodecSpecError(f"codec stage {name!r}: option {key or 'positional'!r} given twice")
-            opts[key.strip()] = value.strip()
-        _apply_stage(spec, name, opts)
-    if spec.value in q.FORMATS and not spec.block:
-        spec.block = DEFAULT_BLOCK[spec.value]
-    return spec
-
-
-def _apply_stage(spec: ChainSpec, name: str, opts: dict[str, str]) -> None:
-    def take(allowed: tuple[str, ...]) -> dict[str, str]:
-        if "" in opts:
-            if not allowed:
-                raise CodecSpecError(f"codec stage {name!r} takes no options, got {opts['']!r}")
-            if allowed[0] in opts:
-                raise CodecSpecError(f"codec stage {name!r}: option {allowed[0]!r} given twice")
-            opts[allowed[0]] = opts.pop("")
-        unknown = [k for k in opts if k not in allowed]
-        if unknown:
-            raise CodecSpecError(f"codec stage {name!r}: unknown option {unknown[0]!r} (options: {', '.join(allowed)})")
-        return opts
-
-    if name == "dct":
-        o = take(("chunk",))
-        spec.dct_chunk = _number(name, "chunk", o.get("chunk", "64"), int)
-        if not 1 <= spec.dct_chunk <= 4096:
-            raise CodecSpecError(f"codec stage 'dct': chunk must be in [1, 4096], got {spec.dct_chunk}")
-    elif name == "topk":
-        o = take(("density", "k", "chunk", "ef"))
-        chunk = _number(name, "chunk", o.get("chunk", "4096"), int)
-        _check_topk(chunk)
-        if "density" in o and "k" in o:
-            raise CodecSpecError("codec stage 'topk': give density or k, not both")
-        if "density" in o:
-            d = _number(name, "density", o["density"], float)
-            if d >= 1 and d == int(d) and "." not in o["density"]:
-                k = int(d)  # topk:41 -> k = 41
-            elif 0 < d <= 1:
-                k = max(1, round(d * chunk))
-            else:
-                raise CodecSpecError(f"codec stage 'topk': density must be in (0, 1], got {o['density']}")
-        else:
-            k = _number(name, "k", o.get("k", str(max(1, round(0.02 * chunk)))), int)
-        _check_topk(chunk, k)
-        ef = _number(name, "ef", o.get("ef", "1"), float)
-        if not 0.0 <= ef <= 1.0:
-            raise CodecSpecError(f"codec stage 'topk': ef (error-feedback decay) must be in [0, 1], got {ef}")
-        spec.topk_chunk, spec.topk_k, spec.ef_decay = chunk, k, ef
-    elif name in q.FORMATS:
-        o = take(("block",))
-        spec.value = name
-        spec.block = _number(name, "block", o.get("block", str(DEFAULT_BLOCK[name])), int)
-        try:
-            q.check_block(spec.block, name)
-        except ValueError as e:
-            raise CodecSpecError(f"codec stage {name!r}: {e}") from None
-    elif name in VALUE_FORMATS:
-        take(())
-        spec.value = name
-    else:  # zstd
-        o = take(("level",))
-        spec.zstd_level = _number(name, "level", o.get("level", "3"), int)
-        if not -7 <= spec.zstd_level <= 22:
-            raise CodecSpecError(f"codec stage 'zstd': level must be in [-7, 22], got {spec.zstd_level}")
-
-
-def _check_topk(chunk: int, k: Optional[int] = None) -> None:
-    try:
-        tk.check_chunk(chunk, k)
-    except ValueError as e:
-        raise CodecSpecError(f"codec stage 'topk': {e}") from None
 
 
 def _staged(body: bytes | memoryview, device: torch.device) -> torch.Tensor:
@@ -237,27 +62,8 @@ def _staged(body: bytes | memoryview, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)  # the caching host allocator keeps ``host`` until the copy is done
 
 
-def _magnitude(t: torch.Tensor) -> float:
-    """The largest ``|value|`` of ``t`` (NaN or Inf when ``t`` holds one): one pass, no temporary of its size."""
-    if not t.numel():
-        return 0.0
-    lo, hi = torch.stack(torch.aminmax(t.reshape(-1))).float().tolist()
-    return max(abs(lo), abs(hi)) if not (math.isnan(lo) or math.isnan(hi)) else math.nan
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """All of ``t`` is finite (NaN and +-Inf show in the extremes)."""
-    return math.isfinite(_magnitude(t))
-
-
-def _cannot_overflow(weight: float, magnitude: float) -> bool:
-    """``out + weight * v`` stays finite for every finite ``out`` when ``|v| <= magnitude``: the addend is below
-    half an ulp of the largest float32 (2**103), so no sum of it and a finite float32 rounds to infinity."""
-    return abs(weight) * magnitude < 1e30  # NaN compares False
-
-
 class _Buffers(BufferPool):
-    """Encode's output buffers (:class:`~diloco.comm.base.BufferPool`), sized by ``POOL_MIN`` / ``POOL_KEEP``."""
+    """Encode's output buffers (:class:`~diloco.comm.pool.BufferPool`), sized by ``POOL_MIN`` / ``POOL_KEEP``."""
 
     def __init__(self) -> None:
         super().__init__(POOL_MIN, POOL_KEEP)
@@ -285,9 +91,7 @@ class Codec:
         self.spec = parse_chain(chain)
         self.chain = self.spec.canonical()
         self.max_numel = max_numel
-        self.residuals: dict[Hashable, torch.Tensor] = {}
-        # where the residuals were put to wait between encodes (Algorithm.to sets it; None: where they are used)
-        self.home: Optional[torch.device] = None
+        self.residuals = Residuals()
         self.stats = CodecStats()
         s = self.spec
         self.is_identity = self.chain == "fp32"
@@ -297,9 +101,7 @@ class Codec:
             if a:
                 align = align * a // math.gcd(align, a)
         self.align = align  # shard boundaries at multiples of this keep chunks and blocks whole
-        self._zc = zstandard.ZstdCompressor(level=s.zstd_level) if s.zstd_level is not None else None
-        self._zc_threads: Optional[zstandard.ZstdCompressor] = None  # made at the first large section
-        self._zd = zstandard.ZstdDecompressor()
+        self.zstd = Zstd(s.zstd_level) if s.zstd_level is not None else None
         self._buffers = _Buffers()
 
     def __repr__(self) -> str:
@@ -329,7 +131,7 @@ class Codec:
     def wire_size(self, numel: int, ndim: int = 1) -> Optional[int]:
         """The exact length of :meth:`encode` (without a prefix) of a tensor of ``numel`` elements in ``ndim``
         dimensions, where it does not depend on the values: every chain without zstd. None with zstd."""
-        if self._zc is not None:
+        if self.zstd is not None:
             return None
         return wire.header_size(ndim, self.chain) + self.payload_bytes(numel)
 
@@ -360,14 +162,14 @@ class Codec:
         wire.check_encodable(tensor.dtype, shape, self.chain)
         head = wire.header_size(len(shape), self.chain)
         pre = len(prefix)
-        direct = not x.is_cuda and self._zc is None
+        direct = not x.is_cuda and self.zstd is None
         raw = value_bytes + index_bytes
         if direct:
             buf = self._buffers.take(pre + head + raw)
             base = pre + head
         elif x.is_cuda:
-            buf = torch.empty(pre + head + raw if self._zc is None else raw, dtype=torch.uint8, pin_memory=True)
-            base = pre + head if self._zc is None else 0
+            buf = torch.empty(pre + head + raw if self.zstd is None else raw, dtype=torch.uint8, pin_memory=True)
+            base = pre + head if self.zstd is None else 0
         else:  # zstd: the raw sections in a scratch buffer, compressed below
             buf = self._buffers.take(raw)
             base = 0
@@ -378,13 +180,8 @@ class Codec:
             self._put_floats(x, mem, base, s.value, h)
         else:
             self._sections(x, key, mem, base, feedback)
-        if self._zc is not None:  # compress the sections, then header + compressed bytes in the output
-            zc = self._zc
-            if raw > ZSTD_THREADS_ABOVE:
-                if self._zc_threads is None:
-                    self._zc_threads = threaded_zstd(s.zstd_level)
-                zc = self._zc_threads
-            comp = zc.compress(mem[:raw])
+        if self.zstd is not None:  # compress the sections, then header + compressed bytes in the output
+            comp = self.zstd.compress(mem[:raw])
             del mem, buf  # a pooled scratch buffer is free again
             buf = self._buffers.take(pre + head + len(comp))
             mem = memoryview(buf)
@@ -412,17 +209,17 @@ class Codec:
         dense, count, _, value_bytes = self._layout(x.numel())
         plain = not s.dct_chunk and not s.topk_chunk
         late: list[tuple[int, torch.Tensor]] = []  # (offset in the payload, a section made elsewhere)
-        if not (plain and (s.value in q.FORMATS or not x.is_cuda)) and not _finite(x):
+        if not (plain and (s.value in q.FORMATS or not x.is_cuda)) and not finite(x):
             raise ValueError("cannot encode a tensor with NaN or Inf values")  # else: checked on the way
         if s.dct_chunk:
             x = dct_chunks(x, s.dct_chunk)
-            if not _finite(x):
+            if not finite(x):
                 raise ValueError("values too large to encode: the DCT overflows float32")
         residual = parked = None
         flat_idx = None
         if s.topk_chunk:
             if self.error_feedback and feedback:
-                residual, parked = self._residual(key, dense, x.device)
+                residual, parked = self.residuals.take(key, dense, x.device)
             idx, values = tk.topk_chunks(x, s.topk_chunk, s.topk_k, residual, s.ef_decay)
             late.append((value_bytes, pack_bits(idx, bits_for(s.topk_chunk))))
             if residual is not None:
@@ -485,35 +282,14 @@ class Codec:
             dst = wire.tensor_view(mem, base + size * a, base + size * b, dtype)
             if limit is None:
                 dst.copy_(src)
-                ok = _finite(dst)
+                ok = finite(dst)
             else:
-                ok = _finite(src)
+                ok = finite(src)
                 dst.copy_(src.clamp(-limit, limit))
             if not ok:
                 raise ValueError("cannot encode a tensor with NaN or Inf values")
             if h is not None:
                 h.update(mem[base + size * a:base + size * b])
-
-    def release_buffers(self) -> None:
-        """Forget the output buffers kept for reuse (they are freed once nothing else holds them)."""
-        self._buffers.clear()
-
-    def _residual(self, key: Hashable, length: int, device: torch.device
-                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The residual of ``key`` on ``device``, and where the encode copies it back when it is done: the
-        residual's own tensor where it was parked at :attr:`home` on purpose (a simulated worker waiting in an
-        exchange, with ``sim.offload``: each bucket's residual visits the device for its encode and goes back, or
-        every parked worker's would gather on the GPU bucket by bucket); else None, and it stays on ``device``
-        (one loaded from a checkpoint on the host moves over on first use)."""
-        r = self.residuals.get(key)
-        device = torch.device(device)
-        if r is None or r.numel() != length:  # new buffer (or its size changed: the group did): start empty
-            r = self.residuals[key] = torch.zeros(length, dtype=torch.float32, device=device)
-        elif r.device != device:
-            if self.home is not None and r.device == self.home:
-                return r.to(device, non_blocking=r.is_pinned()), r
-            r = self.residuals[key] = r.to(device)
-        return r, None
 
     # ---- decode -----------------------------------------------------------------------------
     def decode(self, payload: bytes | bytearray | memoryview, *, expect_numel: Optional[int] = None,
@@ -529,7 +305,7 @@ class Codec:
         out = torch.empty(header.numel, dtype=torch.float32, device=device)
         self._accumulate(body, header, out, 1.0, fresh=True)
         result = out.view(header.shape).to(header.dtype)
-        if header.dtype != torch.float32 and not _finite(result):
+        if header.dtype != torch.float32 and not finite(result):
             raise CorruptPayload(f"decoded values overflow {header.dtype}")
         return result
 
@@ -564,13 +340,8 @@ class Codec:
         _, _, index_bytes, value_bytes = self._layout(header.numel)
         body = memoryview(payload).cast("B")[header.offset:]
         expected = index_bytes + value_bytes
-        if self._zc is not None:
-            if not vouched and len(body) < zstd_min_bytes(expected):
-                raise CorruptPayload(
-                    f"zstd bomb: {header.numel} values need {expected} bytes from {len(body)} compressed bytes, more "
-                    f"than {ZSTD_MAX_RATIO}x (a decompression bomb, or a tensor that compresses that well: pass "
-                    f"expect_numel= to decode a tensor whose size you know)")
-            body = self._unzstd(body, expected)
+        if self.zstd is not None:
+            body = self.zstd.inflate(body, expected, header.numel, vouched)
         if len(body) != expected:
             raise CorruptPayload(f"payload of {len(body)} bytes, the chain {self.chain!r} needs {expected} for "
                                  f"{header.numel} values")
@@ -607,19 +378,19 @@ class Codec:
             if direct:  # unpack + dequantize (+ weighted accumulate) in one kernel
                 q.dequantize(packed, scales, count, s.block, s.value, out=out, weight=weight, accumulate=not fresh)
                 # fresh: |weight x code x scale| <= |weight| x 127 x 1e36, finite unless the weight is huge
-                if not _cannot_overflow(weight, _CODE_MAX[s.value] * hi) and not _finite(out):
+                if not cannot_overflow(weight, _CODE_MAX[s.value] * hi) and not finite(out):
                     raise CorruptPayload("decoded values overflow the accumulator")
                 return
             values = q.dequantize(packed, scales, count, s.block, s.value)
         else:
             values = section(0, value_bytes, _FLOAT_DTYPES[s.value])
             if direct and fresh:
-                self._copy_checked(values, out, weight)
+                copy_checked(values, out, weight)
                 return
             if direct:
-                self._add_checked(values, out, weight)
+                add_checked(values, out, weight)
                 return
-            hi = _magnitude(values)
+            hi = magnitude(values)
             if not math.isfinite(hi):
                 raise CorruptPayload("payload holds NaN or Inf values")
             values = values.float()
@@ -627,13 +398,13 @@ class Codec:
             top = hi if s.value not in q.FORMATS else _CODE_MAX[s.value] * hi  # bounds |values|
             if fresh:
                 scaled = values * weight if weight != 1.0 else values
-                if not abs(weight) <= 1.0 and not _cannot_overflow(weight, top) and not _finite(scaled):
+                if not abs(weight) <= 1.0 and not cannot_overflow(weight, top) and not finite(scaled):
                     raise CorruptPayload("decoded values overflow")
                 out.zero_()
                 out.index_put_((flat,), scaled.to(out.dtype))  # computed in fp32, as for a dense ``out``
             else:  # indices strictly increase within a chunk (checked): no position is written twice
                 summed = torch.add(out[flat], values, alpha=weight).to(out.dtype)
-                if not _cannot_overflow(weight, top) and not _finite(summed):
+                if not cannot_overflow(weight, top) and not finite(summed):
                     raise CorruptPayload("decoded values overflow the accumulator")
                 out.index_put_((flat,), summed)
             return
@@ -643,64 +414,19 @@ class Codec:
         else:
             coeffs = values
         x = idct_chunks(coeffs, s.dct_chunk, numel) if s.dct_chunk else coeffs
-        if not _finite(x):
+        if not finite(x):
             raise CorruptPayload("decoded values overflow")
         if fresh:
             if weight != 1.0:
                 torch.mul(x, weight, out=out)
             else:
                 out.copy_(x)
-            if not abs(weight) <= 1.0 and not _finite(out):  # x is finite: only a weight above 1 can overflow
+            if not abs(weight) <= 1.0 and not finite(out):  # x is finite: only a weight above 1 can overflow
                 raise CorruptPayload("decoded values overflow")
         else:
             out.add_(x, alpha=weight)
-            if not _finite(out):  # two finite sums can overflow float32: the others' paths check as they add
+            if not finite(out):  # two finite sums can overflow float32: the others' paths check as they add
                 raise CorruptPayload("decoded values overflow when added")
-
-    @staticmethod
-    def _add_checked(values: torch.Tensor, out: torch.Tensor, weight: float) -> None:
-        """``out += weight * values`` piece by piece, each piece checked finite while it is in cache (a NaN or Inf
-        raises CorruptPayload, with the pieces before it added), and the sum checked where it could overflow.
-        On a GPU in one piece: the values are checked before anything is added (one host sync)."""
-        n = values.numel()
-        piece = PIECE if values.device.type == "cpu" else max(n, 1)
-        for a in range(0, n, piece):
-            b = min(a + piece, n)
-            src, dst = values[a:b], out[a:b]
-            top = _magnitude(src)
-            if not math.isfinite(top):
-                raise CorruptPayload("payload holds NaN or Inf values")
-            dst.add_(src, alpha=weight)
-            if not _cannot_overflow(weight, top) and not _finite(dst):
-                raise CorruptPayload("decoded values overflow the accumulator")
-
-    @staticmethod
-    def _copy_checked(values: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -> None:
-        """``out <- weight * values`` piece by piece, each piece checked finite while it is in cache (on a GPU: at
-        once)."""
-        n = values.numel()
-        piece = PIECE if values.device.type == "cpu" else max(n, 1)
-        for a in range(0, n, piece):
-            b = min(a + piece, n)
-            dst = out[a:b]
-            dst.copy_(values[a:b])
-            if weight != 1.0:  # in fp32 (a product in the payload's own dtype would round to it)
-                dst.mul_(weight)
-            if not _finite(dst):
-                raise CorruptPayload("payload holds NaN or Inf values")
-
-    def _unzstd(self, body: memoryview, expected: int) -> bytes:
-        try:
-            declared = zstandard.frame_content_size(body)
-        except zstandard.ZstdError as e:
-            raise CorruptPayload(f"zstd frame: {e}") from None
-        if declared not in (-1, expected):
-            raise CorruptPayload(f"zstd frame declares {declared} bytes, the chain needs {expected}")
-        try:
-            raw = self._zd.decompress(body, max_output_size=expected)
-        except zstandard.ZstdError as e:
-            raise CorruptPayload(f"zstd: {e}") from None
-        return raw
 
     def _indices(self, data: torch.Tensor, dense: int, count: int) -> torch.Tensor:
         """Flat positions of the sent values; each chunk's indices must be in range and strictly increasing."""
@@ -718,10 +444,8 @@ class Codec:
 
     # ---- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The chain and the live residuals (as torch's own ``state_dict`` hands out tensors): a caller copies
-        them, or writes them, before the next exchange (a checkpoint copies them to host memory; a clone here was
-        a second copy on the GPU, 4 bytes a parameter, at every checkpoint)."""
-        return {"chain": self.chain, "residuals": {k: v.detach() for k, v in self.residuals.items()}}
+        """The chain and the live residuals (:meth:`Residuals.state`)."""
+        return {"chain": self.chain, "residuals": self.residuals.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take the residuals of a state saved by this chain, or by another whose residuals mean the same here:
@@ -738,12 +462,7 @@ class Codec:
             if other is None or not self.error_feedback or other.dct_chunk != self.spec.dct_chunk:
                 raise ValueError(f"codec state is for {saved!r}, this codec is {self.chain!r}: its error-feedback "
                                  f"residuals mean nothing here")
-        self.residuals = {k: v.clone() for k, v in residuals.items()}
-
-
-def chunk_indices_ok(rows: torch.Tensor, limit: int) -> bool:
-    """Each row (one chunk's received indices) lies in ``[0, limit)`` and is strictly increasing."""
-    return not rows.numel() or not (bool((rows >= limit).any()) or bool((rows[:, 1:] <= rows[:, :-1]).any()))
+        self.residuals.load(residuals)
 
 
 def _flat_positions(idx: torch.Tensor, k: int, chunk: int) -> torch.Tensor:

@@ -1,17 +1,18 @@
-"""The compressed collective: a weighted mean of tensors through a codec, over any transport.
+"""The weighted mean of tensors over the workers, for fp32 and every codec, on any transport.
 
-``all_reduce_compressed_(transport, tensors, codec, weight, key)`` sets every
-worker's tensors to ``sum_i w_i x_i / sum_i w_i`` and returns the total weight.
-It is written once, here, on the transports' byte collectives
-(``all_to_all_bytes``, ``all_gather_bytes``), so every codec runs on every
-transport and the transports know bytes, not codecs. Each message is the
-weight (``<d``, 8 bytes) followed by the codec's self-describing payload.
+``weighted_mean(transport, tensors, weight, codec, key)`` sets every worker's
+tensors to ``sum_i w_i x_i / sum_i w_i`` and returns the total weight
+(``weight`` None: every worker counts once). ``weighted_mean_async`` starts it.
+How it aggregates is chosen in one place, :func:`aggregation`, from the
+transport's capabilities and the codec:
 
-Three aggregators share one decode/accumulate core (:func:`split_weight`, then
-``codec.decode_accumulate_``):
+* **dense** (fixed ranks, no codec): the exact ring all-reduce of fp32 sums,
+  bucket by bucket (:func:`all_reduce_`); a weighted mean sends the weighted
+  tensors and the total weight in the same all-reduce, and divides after.
 
-* **sharded** (transports with fixed ranks: torch.distributed, the simulator),
-  a reduce-scatter by shards:
+* **sharded** (fixed ranks: torch.distributed, the simulator), a reduce-scatter
+  by shards, written on the transports' byte collectives (``all_to_all_bytes``,
+  ``all_gather_bytes``), so every codec runs on every transport:
 
   1. cut the flat buffer into one shard per worker (at multiples of the codec's
      chunk/block size), encode shard j and send it to worker j (all-to-all);
@@ -34,120 +35,153 @@ Three aggregators share one decode/accumulate core (:func:`split_weight`, then
   never densified and sent again. Each worker sends ``W - 1`` times its
   payload.
 
-* **robust** (peers without fixed ranks: hivemind), for members that need not
-  trust each other: every member's payload reaches every member
-  (``all_gather_bytes``, canonical order); each member decodes all of them,
-  leaves out what fails validation (wire format, weight, finiteness), clips
-  (or drops, ``transport.clip_action``) a contribution whose norm is more than
-  ``transport.norm_clip`` times the median of the *other* members' norms,
-  counts a weight above ``transport.weight_clip`` times the median of the
-  others' weights as that bound (a member announcing more tokens than it
-  trained cannot outweigh the group), and takes the weighted mean in the
-  canonical order. Every member decides alike,
-  so every member ends with the same result; the transport is told who was
-  accepted, left out and clipped (``transport.record_contributions``).
+* **robust** (peers without fixed ranks: hivemind, the simulator under churn):
+  every member validates, clips and averages every member's payload
+  (:mod:`diloco.compress.robust`), through the codec, or raw fp32 without one.
+
+Each message of the coded means is the weight (``<d``, 8 bytes) followed by the
+codec's self-describing payload (:mod:`diloco.compress.message`);
+:func:`exchange_sizes` gives their sizes without running an exchange.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
-import struct
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generator, Hashable, Optional, Sequence
+from typing import Generator, Hashable, Optional, Sequence
 
 import torch
 
-from diloco.comm.base import (Handle, SharedResult, Transport, TransportError, buckets, end_to_end, shard_bounds,
-                              unflatten_into)
+from diloco.comm.base import Handle, Transport, TransportError, shard_bounds
+from diloco.comm.caps import Capabilities
+from diloco.compress.codec import Codec, make_codec
+from diloco.compress.flat import Scratch, bucket_groups, buckets, end_to_end, scratch_for, unflatten_into
+from diloco.compress.message import check_weight, known_sizes, message_size, pack_weight, split_weight
+from diloco.compress.robust import robust_dense_mean_, robust_mean_
 from diloco.compress.wire import CorruptPayload
 
-if TYPE_CHECKING:
-    from diloco.compress.codec import Codec
 
-WEIGHT = struct.Struct("<d")
-
-
-def pack_weight(weight: float) -> bytes:
-    return WEIGHT.pack(weight)
-
-
-def _valid_weight(w: float) -> bool:
-    return w >= 0 and w < float("inf")
+def aggregation(caps: Capabilities, codec: Optional[Codec], gather: bool = False) -> str:
+    """How a weighted mean aggregates, decided here alone: ``robust`` where the ranks are not fixed; else
+    ``dense`` without a codec, ``gathered`` where the caller asks for it, ``sharded`` otherwise."""
+    if not caps.fixed_ranks:
+        return "robust"
+    if codec is None:
+        return "dense"
+    return "gathered" if gather else "sharded"
 
 
-def split_weight(msg: bytes | memoryview) -> tuple[float, memoryview]:
-    """(weight, codec payload) of one message; a missing or invalid weight raises :class:`CorruptPayload`."""
-    if len(msg) < WEIGHT.size:
-        raise CorruptPayload(f"message of {len(msg)} bytes has no weight")
-    (w,) = WEIGHT.unpack_from(msg, 0)
-    if not _valid_weight(w):
-        raise CorruptPayload(f"weight {w} is not finite and >= 0")
-    return w, memoryview(msg)[WEIGHT.size:]
-
-
-def _check_weight(weight: float) -> None:
-    if not _valid_weight(weight):
-        raise ValueError(f"the weight of a compressed all-reduce must be finite and >= 0, got {weight}")
-
-
-def _split_all(received: Sequence[bytes], me: int, what: str) -> list[tuple[float, memoryview]]:
-    """Every worker's (weight, payload), in rank order; a bad one is a TransportError naming its sender."""
-    out = []
-    for src, msg in enumerate(received):
-        try:
-            out.append(split_weight(msg))
-        except CorruptPayload as e:
-            raise TransportError(f"rank {me}: worker {src} sent a corrupt {what.format(src=src)}: {e}") from None
-    return out
-
-
-def _decode_into(codec: "Codec", body: memoryview, out: torch.Tensor, scale: float, fresh: bool, me: int, src: int,
-                 what: str) -> None:
-    """``out += scale * decode(body)`` (``fresh``: ``out <- scale * decode(body)``, in the same one pass); a bad
-    payload is a TransportError naming its sender."""
-    try:
-        if fresh:
-            codec.decode_into_(body, out, scale)
-        else:
-            codec.decode_accumulate_(body, out, scale)
-    except CorruptPayload as e:
-        raise TransportError(f"rank {me}: worker {src} sent a corrupt {what.format(src=src)}: {e}") from None
+def codec_for(transport: Transport, codec: Optional[Codec]) -> Optional[Codec]:
+    """The codec that a caller keeping one (its error feedback, its byte counts) hands :func:`weighted_mean` over
+    ``transport``: None where the exact dense mean serves (fixed ranks, and no codec or one that changes
+    nothing); peers without fixed ranks always encode, through fp32 where no codec is given (each update
+    travels with its weight and is validated)."""
+    if transport.caps.fixed_ranks:
+        return None if codec is None or codec.is_identity else codec
+    return codec or make_codec("fp32")
 
 
 # ---- the entry points -----------------------------------------------------------------------------
-def all_reduce_compressed_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "Codec",
-                           weight: float = 1.0, key: Hashable = "", gather: bool = False) -> float:
-    """Weighted mean over the workers through ``codec``, in place: ``x <- sum_i w_i x_i / sum_i w_i``.
+def weighted_mean(transport: Transport, tensors: Sequence[torch.Tensor], weight: Optional[float] = None,
+                  codec: Optional[Codec] = None, key: Hashable = "", gather: bool = False) -> float:
+    """Weighted mean over the workers, in place: ``x <- sum_i w_i x_i / sum_i w_i`` (``weight`` None: every
+    worker counts once); the aggregation is :func:`aggregation`'s.
 
-    Returns the total weight (0: every worker sent weight 0, the tensors are then zero). ``key``
-    names this list of tensors for the codec's error feedback (use one key per list that is
-    reduced repeatedly). With one worker the codec still runs, so compression acts alike at any scale.
-    ``gather``: every worker decodes every worker's payload (exact, sparse on the wire) instead of the
-    reduce-scatter by shards.
+    Returns the total weight (0: every worker sent weight 0, the tensors are then zero). ``codec``: what the
+    tensors travel through (None: exact fp32). ``key`` names this list of tensors for the codec's error feedback
+    (use one key per list that is reduced repeatedly). With one worker the codec still runs, so compression acts
+    alike at any scale. ``gather``: every worker decodes every worker's payload (exact, sparse on the wire)
+    instead of the reduce-scatter by shards.
     """
-    _check_weight(weight)
+    how = aggregation(transport.caps, codec, gather)
+    if how == "dense":
+        return _dense_mean_(transport, tensors, weight)
+    if weight is not None:
+        check_weight(weight)
     if not tensors:
         return 0.0
-    if not transport.fixed_ranks:
-        return _robust_all_reduce_(transport, tensors, codec, weight, key)
-    mean_ = _gathered_mean_ if gather else _sharded_mean_
+    if how == "robust":
+        if codec is None:  # an exact mean, of members that validate each other: raw fp32
+            return robust_dense_mean_(transport, tensors, make_codec("fp32"), weight)
+        return robust_mean_(transport, tensors, codec, weight, key)
+    return _coded_mean_(transport, tensors, codec, 1.0 if weight is None else float(weight), key,
+                        _gathered_mean_ if how == "gathered" else _sharded_mean_)
+
+
+def weighted_mean_async(transport: Transport, tensors: Sequence[torch.Tensor], weight: Optional[float] = None,
+                        codec: Optional[Codec] = None, key: Hashable = "", gather: bool = False) -> Handle:
+    """Start :func:`weighted_mean`; the handle's ``wait()`` returns the total weight."""
+    return transport.start(lambda: weighted_mean(transport, tensors, weight, codec, key, gather))
+
+
+def all_reduce_(transport: Transport, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
+    """Sum or average a list of tensors over workers with fixed ranks, in place, in flat buckets: the exact ring
+    all-reduce (:meth:`Transport.all_reduce_sum_`) of each."""
+    if op not in ("sum", "mean"):
+        raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+    if not transport.caps.fixed_ranks:
+        raise TransportError("a transport without fixed ranks averages with weighted_mean (its robust mean)")
+    if transport.world_size == 1 or not tensors:
+        return
+    groups = buckets(tensors, transport.bucket_bytes)
+    largest = max((sum(t.numel() for t in g) for g in groups if g[0].dtype == torch.float32), default=0)
+    pool = scratch_for(transport)
+    scratch = None  # fp32 buckets are concatenated into one buffer (kept between exchanges where that pays)
+    with transport.exchange_scope():
+        for bucket in groups:
+            if bucket[0].dtype == torch.float32:
+                # a bucket of one tensor is copied too: a failed exchange leaves the tensor as it was
+                flat, scratch = pool.concat(bucket, scratch, largest)
+            else:
+                flat = (torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1
+                        else bucket[0].reshape(-1).clone())
+            transport.all_reduce_sum_(flat)
+            if op == "mean":
+                flat.div_(transport.world_size)
+            unflatten_into(bucket, flat)
+    pool.give(scratch)
+
+
+def all_reduce_async_(transport: Transport, tensors: Sequence[torch.Tensor], op: str = "mean") -> Handle:
+    """Start :func:`all_reduce_`; the tensors hold the result once the handle's ``wait()`` returns."""
+    return transport.start(lambda: all_reduce_(transport, tensors, op))
+
+
+def _dense_mean_(transport: Transport, tensors: Sequence[torch.Tensor], weight: Optional[float]) -> float:
+    if weight is None:
+        all_reduce_(transport, tensors, "mean")
+        return float(transport.world_size)
+    # the weighted sums and the total weight in one all-reduce: the weight is one more element of the last bucket
+    total = torch.tensor([weight], dtype=torch.float32, device=tensors[-1].device if tensors else None)
+    with torch.no_grad():
+        for t in tensors:
+            t.mul_(weight)
+        all_reduce_(transport, [*tensors, total], "sum")
+        value = float(total.item())
+        if value > 0:
+            for t in tensors:
+                t.div_(value)
+    return value
+
+
+def _coded_mean_(transport: Transport, tensors: Sequence[torch.Tensor], codec: Codec, weight: float, key: Hashable,
+                 mean_) -> float:
+    """The sharded or gathered mean (``mean_``), bucket by bucket: buckets that lie end to end are reduced where
+    they lie, others through a concatenation buffer."""
     groups = buckets(tensors, transport.bucket_bytes)
     alone = [_alone(bucket) for bucket in groups]
     largest = max((sum(t.numel() for t in g) for g, a in zip(groups, alone) if not a), default=0)
+    pool = scratch_for(transport)
     with transport.exchange_scope():
-        if transport.overlaps_exchange and len(groups) > 1:
-            return _pipelined(transport, groups, alone, largest, mean_, codec, float(weight), key)
+        if transport.caps.overlaps_exchange and len(groups) > 1:
+            return _pipelined(transport, pool, groups, alone, largest, mean_, codec, weight, key)
         totals = []
         scratch = None  # one buffer for every bucket that is concatenated (its pages faulted in once)
         for b, bucket in enumerate(groups):
-            flat, scratch = _flat_of(transport, bucket, alone[b], scratch, largest)
+            flat, scratch = _flat_of(pool, bucket, alone[b], scratch, largest)
             totals.append(transport.on_my_share(
-                flat, codec.align, (key, b),
-                lambda share, k: _complete(mean_(transport, share, codec, float(weight), k))))
+                flat, codec.align, (key, b), lambda share, k: _complete(mean_(transport, share, codec, weight, k))))
             if not alone[b]:
                 unflatten_into(bucket, flat)
-        transport.give_scratch(scratch)
+        pool.give(scratch)
     return max(totals)
 
 
@@ -161,8 +195,8 @@ def _complete(steps: Generator[Handle, object, float]) -> float:
         return done.value
 
 
-def _pipelined(transport: Transport, groups: list[list[torch.Tensor]], alone: list[bool], largest: int, mean_,
-               codec: "Codec", weight: float, key: Hashable) -> float:
+def _pipelined(transport: Transport, pool: Scratch, groups: list[list[torch.Tensor]], alone: list[bool], largest: int,
+               mean_, codec: "Codec", weight: float, key: Hashable) -> float:
     """The buckets' exchanges overlapped: while one bucket's payloads are on the wire, this worker encodes the
     next and decodes an earlier one.
 
@@ -195,7 +229,7 @@ def _pipelined(transport: Transport, groups: list[list[torch.Tensor]], alone: li
         older = list(active)  # resumed this tick; a bucket started now waits for the next
         if b < len(groups):
             slot = None if alone[b] else free_slots.pop() if free_slots else f"concat{len(scratch) or ''}"
-            flat, kept = _flat_of(transport, groups[b], alone[b], scratch.get(slot), largest, slot or "concat")
+            flat, kept = _flat_of(pool, groups[b], alone[b], scratch.get(slot), largest, slot or "concat")
             if slot is not None:
                 scratch[slot] = kept
             steps = mean_(transport, flat, codec, weight, (key, b))
@@ -204,7 +238,7 @@ def _pipelined(transport: Transport, groups: list[list[torch.Tensor]], alone: li
         done = {id(item) for item in reversed(older) if resume(item)}
         active = [item for item in active if id(item) not in done]
     for slot, buf in scratch.items():
-        transport.give_scratch(buf, slot)
+        pool.give(buf, slot)
     return max(totals)
 
 
@@ -214,35 +248,39 @@ def _alone(bucket: Sequence[torch.Tensor]) -> bool:
     return bucket[0].dtype == torch.float32 and end_to_end(bucket) is not None
 
 
-def _flat_of(transport: Transport, bucket: Sequence[torch.Tensor], alone: bool, scratch: Optional[torch.Tensor],
+def _flat_of(pool: Scratch, bucket: Sequence[torch.Tensor], alone: bool, scratch: Optional[torch.Tensor],
              largest: int, slot: str = "concat") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(the bucket as one flat fp32 buffer, the scratch kept for the next bucket): the tensors themselves where
     they are ``alone`` (reduced in place: every payload is encoded before the result is written back), else the
-    bucket concatenated into scratch of ``slot`` (:meth:`Transport.concat_bucket`); its result is written back
-    with ``unflatten_into`` then."""
+    bucket concatenated into scratch of ``slot`` (:meth:`Scratch.concat`); its result is written back with
+    ``unflatten_into`` then."""
     if alone:
         return end_to_end(bucket), scratch
-    return transport.concat_bucket(bucket, scratch, largest, slot)
+    return pool.concat(bucket, scratch, largest, slot)
 
 
-def all_reduce_compressed_async_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "Codec",
-                                 weight: float = 1.0, key: Hashable = "", gather: bool = False) -> Handle:
-    """Start :func:`all_reduce_compressed_`; the handle's ``wait()`` returns the total weight."""
-    return transport.start(lambda: all_reduce_compressed_(transport, tensors, codec, weight, key, gather))
+def _split_all(received: Sequence[bytes], me: int, what: str) -> list[tuple[float, memoryview]]:
+    """Every worker's (weight, payload), in rank order; a bad one is a TransportError naming its sender."""
+    out = []
+    for src, msg in enumerate(received):
+        try:
+            out.append(split_weight(msg))
+        except CorruptPayload as e:
+            raise TransportError(f"rank {me}: worker {src} sent a corrupt {what.format(src=src)}: {e}") from None
+    return out
 
 
-def robust_all_reduce_(transport: Transport, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
-    """The dense all-reduce of a transport without fixed ranks: raw fp32 payloads, validated and clipped."""
-    from diloco.compress.codec import make_codec
-
-    if op not in ("sum", "mean"):
-        raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
-    if not tensors:
-        return
-    flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
-    result = robust_mean(transport, flat, make_codec("fp32"), None, key=None)
-    mean = result.mean * result.total if op == "sum" else result.mean  # not in place: the result may be shared
-    unflatten_into(list(tensors), mean)  # piece by piece from host memory: no second model-sized copy on a GPU
+def _decode_into(codec: "Codec", body: memoryview, out: torch.Tensor, scale: float, fresh: bool, me: int, src: int,
+                 what: str) -> None:
+    """``out += scale * decode(body)`` (``fresh``: ``out <- scale * decode(body)``, in the same one pass); a bad
+    payload is a TransportError naming its sender."""
+    try:
+        if fresh:
+            codec.decode_into_(body, out, scale)
+        else:
+            codec.decode_accumulate_(body, out, scale)
+    except CorruptPayload as e:
+        raise TransportError(f"rank {me}: worker {src} sent a corrupt {what.format(src=src)}: {e}") from None
 
 
 # ---- sharded: reduce-scatter by shards ------------------------------------------------------------
@@ -255,14 +293,15 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
     w, me = transport.world_size, transport.rank
     bounds = shard_bounds(flat.numel(), w, codec.align)
     prefix = pack_weight(weight)
-    sizes = _known_sizes(codec, [b - a for a, b in bounds], len(prefix))  # shard j's payloads, and its mean's
+    sizes = known_sizes(codec, [b - a for a, b in bounds])  # shard j's payloads, and its mean's
     sends = [codec.encode(flat[a:b], key=(key, "shard", j), prefix=prefix, feedback=weight > 0)
              for j, (a, b) in enumerate(bounds)]
     started = transport.all_to_all_bytes_start(sends, None if sizes is None else [sizes[me]] * w)
     del sends  # the transport holds what it still sends; the buffers are free for the next encode
     received = _split_all((yield started), me, f"payload for shard {me}")
     a, b = bounds[me]
-    room = transport.take_scratch(b - a, flat.device, "mean")
+    pool = scratch_for(transport)
+    room = pool.take(b - a, flat.device, "mean")
     acc = room[:b - a]
     total = sum(wi for wi, _ in received)
     # the mean as sum_i (w_i / total) x_i: the first payload written, the others added, each in one pass
@@ -273,7 +312,7 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
     del received  # its buffer is free for the next receive
     mine = codec.encode(acc, key=(key, "mean"), prefix=pack_weight(total), feedback=total > 0)
     del acc
-    transport.give_scratch(room, "mean")
+    pool.give(room, "mean")
     started = transport.all_gather_bytes_start(mine, sizes)
     del mine
     means = _split_all((yield started), me, "mean of shard {src}")
@@ -283,13 +322,6 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
     return max(wi for wi, _ in means)
 
 
-def _known_sizes(codec: "Codec", numels: Sequence[int], prefix: int) -> Optional[list[int]]:
-    """The message lengths of 1-D pieces of ``numels`` elements, where the codec's sizes do not depend on the
-    values (no zstd): every worker then knows what it will receive, and the transport needs no size exchange."""
-    sizes = [codec.wire_size(n) for n in numels]
-    return None if None in sizes else [prefix + n for n in sizes]
-
-
 # ---- gathered: every worker's payload, decoded by every worker -------------------------------------
 def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float,
                     key: Hashable) -> Generator[Handle, object, float]:
@@ -297,7 +329,7 @@ def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", we
     generator, as :func:`_sharded_mean_`)."""
     me = transport.rank
     prefix = pack_weight(weight)
-    sizes = _known_sizes(codec, [flat.numel()] * transport.world_size, len(prefix))
+    sizes = known_sizes(codec, [flat.numel()] * transport.world_size)
     mine = codec.encode(flat, key=key, prefix=prefix, feedback=weight > 0)
     started = transport.all_gather_bytes_start(mine, sizes)
     del mine
@@ -310,117 +342,33 @@ def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", we
         flat.zero_()
     return total
 
+# ---- sizes, without an exchange ------------------------------------------------------------------------
+def exchange_sizes(numels: Sequence[int], world: int, codec: Optional[Codec] = None, *, weighted: bool = True,
+                   gather: bool = False, bucket_bytes: int = Transport.bucket_bytes) -> list[list[int]]:
+    """The messages of one :func:`weighted_mean` of fp32 tensors of ``numels`` values over ``world`` workers with
+    fixed ranks, bucket by bucket, as the exchange makes them:
 
-# ---- robust: every member's payload, validated, clipped, averaged -----------------------------------
-@dataclass
-class RobustResult:
-    mean: torch.Tensor
-    total: float
-    accepted: dict = field(default_factory=dict)  # member -> weight
-    rejected: dict = field(default_factory=dict)  # member -> why
-    clipped: dict = field(default_factory=dict)  # member -> its norm over the bound
-    weights_clipped: dict = field(default_factory=dict)  # member -> its announced weight over the bound
+    * dense (no codec): per bucket ``[bytes of the bucket]``, of which the ring all-reduce puts ``2 (W - 1) / W``
+      on the wire each way; ``weighted``: the one-element total weight joins the last bucket;
+    * sharded: per bucket, the message of each shard j: worker j receives every worker's copy of it in the
+      all-to-all, and every worker receives the mean of shard j, of the same size, in the all-gather;
+    * gathered (``gather``): per bucket, every worker's message of the whole bucket.
 
-
-def _robust_all_reduce_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "Codec", weight: float,
-                        key: Hashable) -> float:
-    if len(buckets(tensors, 1 << 62)) > 1:
-        raise ValueError("tensors of one compressed all-reduce must share dtype and device")
-    # no copy where they lie end to end: read (encoded) before the result is written
-    flat = end_to_end(tensors) if tensors[0].dtype == torch.float32 else None
-    if flat is None:
-        flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-    result = robust_mean(transport, flat, codec, weight, key)
-    unflatten_into(list(tensors), result.mean.to(tensors[0].device))
-    return result.total
-
-
-def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float | None,
-                key: Hashable) -> RobustResult:
-    """Exchange ``flat`` with every member and average what passes validation and the norm bound.
-
-    ``weight`` None sends no weight (every member counts 1). ``flat`` (fp32) is the caller's to give: once
-    encoded it may become the mean's buffer.
+    With a zstd stage the sizes are those before zstd (:func:`~diloco.compress.message.message_size`).
     """
-    with transport.exchange_scope():
-        prefix = b"" if weight is None else pack_weight(weight)
-        payloads = transport.all_gather_bytes(codec.encode(flat, key=key, prefix=prefix,
-                                                           feedback=weight is None or weight > 0))
-    names = transport.member_names()
-    shared_key = (codec.chain, flat.numel(), flat.device, weight is None, transport.norm_clip, transport.clip_action,
-                  transport.weight_clip)
-    shared = _SHARED_ROBUST.take(payloads, shared_key) if transport.shared_results else None
-    if shared is not None:  # simulated members of one collective: the mean was computed once, from the same bytes
-        transport.record_contributions(shared.accepted, shared.rejected, shared.clipped, shared.weights_clipped)
-        return shared
-    # the mean's own tensor is pass 1's buffer too: one vector for the whole mean (on a GPU, 4 GB less for 1B); a
-    # member alone with this list writes it over ``flat``, encoded already (4 GB less again); simulated members
-    # share the result, so it gets its own
-    own = transport.shared_results or flat.dtype != torch.float32 or not flat.is_contiguous()
-    result = RobustResult(torch.empty(flat.numel(), dtype=torch.float32, device=flat.device) if own
-                          else flat.view(-1), 0.0)
-    # pass 1: validate every member's update and measure its norm, each decoded into that buffer in turn
-    rows: list[tuple[str, memoryview, float, float]] = []  # (member, body, weight, norm)
-    x = result.mean
-    for name, msg in zip(names, payloads):
-        try:
-            w, body = split_weight(msg) if weight is not None else (1.0, memoryview(msg))
-            codec.decode_into_(body, x)
-            # in float64, whose sum of float32 squares cannot overflow (a float32 norm near 1.8e19 was finite or
-            # not by the order of the reduction, so members on other hardware could accept other payloads), and
-            # rounded to 9 digits, so the clip decisions below come out alike on every member
-            norm = float(f"{float(torch.linalg.vector_norm(x, dtype=torch.float64)):.9g}")
-            if not math.isfinite(norm):
-                raise CorruptPayload("non-finite values")
-        except (CorruptPayload, ValueError) as e:
-            result.rejected[name] = f"invalid payload: {e}"
-            continue
-        rows.append((name, body, float(w), norm))
-    result.mean.zero_()
-    # clip (or drop) an update far above the others' median norm; every member decides alike
-    scale: dict[str, float] = {}
-    bound_factor, action = transport.norm_clip, transport.clip_action
-    if bound_factor > 0 and len(rows) > 1:
-        for i, (name, _, _, n) in enumerate(rows):
-            others = [r[3] for j, r in enumerate(rows) if j != i and r[3] > 0]  # zeros: members that sat out
-            if not others:
-                continue
-            bound = bound_factor * statistics.median(others)
-            if n > bound:
-                if action == "drop":
-                    result.rejected[name] = (f"norm {n:.4g} > {bound_factor:g} x the others' median "
-                                             f"{bound / bound_factor:.4g}: dropped")
-                else:
-                    scale[name] = bound / n
-                    result.clipped[name] = n / bound
-    rows = [r for r in rows if r[0] not in result.rejected]
-    # a weight far above the others' median counts as that bound: honest members differ by their batch sizes and
-    # speeds, while a member announcing a billion tokens would otherwise make the mean its own update
-    if weight is not None and transport.weight_clip > 0 and len(rows) > 1:
-        announced = [r[2] for r in rows]
-        for i, (name, body, w, n) in enumerate(rows):
-            others = [a for j, a in enumerate(announced) if j != i and a > 0]
-            if not others:
-                continue
-            bound = transport.weight_clip * statistics.median(others)
-            if w > bound:
-                rows[i] = (name, body, bound, n)
-                result.weights_clipped[name] = w / bound
-    result.total = sum(r[2] for r in rows)
-    # pass 2: the weighted mean, accumulated in the canonical member order
-    if result.total > 0:
-        for name, body, w, _ in rows:
-            codec.decode_accumulate_(body, result.mean, w / result.total * scale.get(name, 1.0))
-    result.accepted = {r[0]: r[2] for r in rows}
-    if transport.shared_results:
-        _SHARED_ROBUST.fill(payloads, shared_key, result, len(payloads) - 1)
-    transport.record_contributions(result.accepted, result.rejected, result.clipped, result.weights_clipped)
-    return result
+    how = aggregation(Capabilities(), codec, gather)
+    sizes = [*numels, 1] if how == "dense" and weighted else list(numels)
+    out = []
+    for group in bucket_groups([4 * n for n in sizes], bucket_bytes):
+        n = sum(sizes[i] for i in group)
+        if how == "dense":
+            out.append([4 * n])
+        elif how == "gathered":
+            out.append([message_size(codec, n)] * world)
+        else:
+            out.append([message_size(codec, b - a) for a, b in shard_bounds(n, world, codec.align)])
+    return out
 
 
-# one robust mean, for the other simulated workers that received the same payload list (read only: callers copy it)
-_SHARED_ROBUST = SharedResult()
-
-
-__all__ = ["RobustResult", "WEIGHT", "all_reduce_compressed_", "all_reduce_compressed_async_", "pack_weight",
-           "robust_all_reduce_", "robust_mean", "split_weight"]
+__all__ = ["aggregation", "all_reduce_", "all_reduce_async_", "codec_for", "exchange_sizes", "weighted_mean",
+           "weighted_mean_async"]

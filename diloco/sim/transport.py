@@ -11,7 +11,7 @@ synchronous collective moves the worker's clock to its end; an asynchronous one
 
 Under churn the members change, and the endpoints behave like ``loco join``
 peers: no fixed ranks, so averages travel with their weights and are validated
-(``fixed_ranks = False``). A worker that leaves learns it from
+(``caps.fixed_ranks`` is False). A worker that leaves learns it from
 :meth:`InProcessTransport.advance_compute` (:class:`WorkerLeft`).
 
 The group builds its endpoints, so this module knows the group only by what an
@@ -21,11 +21,13 @@ endpoint calls on it.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from diloco.comm.base import DeviceSpan, Handle, Transport, TransportError
+from diloco.comm.caps import Capabilities
 from diloco.sim.clock import VirtualTime
 
 
@@ -53,18 +55,18 @@ class WorkerLeft(Exception):
 class InProcessTransport(Transport):
     """Rank ``rank`` of an :class:`InProcessGroup`."""
 
-    shared_stop = True  # a signal reaches every worker of this process at once, and they stop at one sync
-    shared_results = True  # every worker's all_gather_bytes returns the one list rendezvous combined
-    device_gather = True  # all_gather_tensor hands the workers each other's tensors, where they lie
-    settings_agreed = True  # every simulated worker runs the one config
-    measures_compute = True  # advance_compute turns each step's measured compute into virtual time
-    seeded_alike = True  # every worker builds its model here, on the one device, from the run's seed
+    # a signal reaches every worker of this process at once, and they stop at one sync; every worker's
+    # all_gather_bytes returns the one list rendezvous combined; all_gather_tensor hands the workers each other's
+    # tensors, where they lie; every simulated worker runs the one config; advance_compute turns each step's
+    # measured compute into virtual time; every worker builds its model here, on the one device, from the run's seed
+    caps = Capabilities(shared_stop=True, shared_results=True, device_gather=True, settings_agreed=True,
+                        measures_compute=True, seeded_alike=True)
 
     def __init__(self, group: "InProcessGroup", rank: int) -> None:
         super().__init__()
         self.group, self.rank, self.world_size = group, rank, group.world
         # under churn the members change: averages go the way of peers without fixed ranks (loco join's)
-        self.fixed_ranks = group.churn is None
+        self.caps = replace(self.caps, fixed_ranks=group.churn is None)
         self._deferred: Optional[list[tuple[VirtualTime, VirtualTime]]] = None
 
     @contextlib.contextmanager
@@ -120,13 +122,6 @@ class InProcessTransport(Transport):
     def all_gather_object(self, obj: Any) -> list[Any]:
         return self.group.rendezvous(self.rank, obj, list)[0]
 
-    def all_reduce_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
-        if self.fixed_ranks:
-            return super().all_reduce_(tensors, op)
-        from diloco.compress.collective import robust_all_reduce_
-
-        robust_all_reduce_(self, tensors, op)  # over the members present, as a loco join peer averages
-
     def _gather(self, value: Any, size: Callable[[Any], int]) -> list[Any]:
         """Every member's ``value``, in the time the network model gives an all-gather of their sizes."""
         g = self.group
@@ -169,7 +164,7 @@ class InProcessTransport(Transport):
         sizes nobody knew beforehand (a zstd stage): a collective of its own, W-1 latency-bound phases for 8 bytes
         per peer (not counted in the bytes sent, as torch_dist does not count it). Peers without fixed ranks
         (loco join's) send their sizes with the payloads: nothing to charge there."""
-        if not self.fixed_ranks or self.world_size == 1:
+        if not self.caps.fixed_ranks or self.world_size == 1:
             return
         net, w = self.group.network, self.world_size
         small = [8 * (w - 1)] * w
@@ -181,8 +176,8 @@ class InProcessTransport(Transport):
         self._finish(done, start)
 
     def _all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
-        if not self.fixed_ranks:
-            raise TransportError("a simulation with churn has no fixed ranks: it averages with all_reduce_* and "
+        if not self.caps.fixed_ranks:
+            raise TransportError("a simulation with churn has no fixed ranks: it averages with weighted_mean and "
                                  "all_gather_bytes")
         net, w, me = self.group.network, self.world_size, self.rank
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from diloco.comm.base import Transport, TransportError
+from diloco.comm.caps import Capabilities, RobustBounds
 from diloco.comm.hivemind.auth import check_run_name
 from diloco.comm.hivemind.commit import resync_sources
 from diloco.comm.hivemind.deadlines import STATE_CEILING_S, Deadlines
@@ -51,7 +52,7 @@ class HivemindTransport(Transport):
 
     rank = 0
     world_size = 1
-    fixed_ranks = False
+    caps = Capabilities(fixed_ranks=False)
 
     def __init__(self, run: str = "loco", *, initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = (),
                  announce_maddrs: Sequence[str] = (), identity_path: Optional[str] = None,
@@ -70,7 +71,7 @@ class HivemindTransport(Transport):
         if not (weight_clip == 0 or weight_clip >= 1):
             raise ValueError(f"weight_clip must be 0 (off) or at least 1, got {weight_clip}")
         self.deadlines = Deadlines(matchmaking_time, exchange_timeout)
-        self.norm_clip, self.clip_action, self.weight_clip = float(norm_clip), clip_action, float(weight_clip)
+        self.bounds = RobustBounds(float(norm_clip), clip_action, float(weight_clip))
         self.max_payload_bytes = max_payload_bytes
         self.max_state_bytes: Optional[int] = None
         self.fingerprint_fn: Optional[Callable[[], bytes]] = None
@@ -309,14 +310,8 @@ class HivemindTransport(Transport):
         return [p.to_base58() for p in self._last.members] if self._last is not None else [self.me]
 
     def _all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
-        raise TransportError("the hivemind transport has no fixed ranks: it averages with all_reduce_* and "
+        raise TransportError("the hivemind transport has no fixed ranks: it averages with weighted_mean and "
                              "all_gather_bytes")
-
-    def all_reduce_(self, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
-        """Sum or average over the members of this round (raw fp32 payloads, validated and norm-clipped)."""
-        from diloco.compress.collective import robust_all_reduce_
-
-        robust_all_reduce_(self, tensors, op)
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         return tensor
@@ -328,7 +323,7 @@ class HivemindTransport(Transport):
         return [obj]
 
     def _all_reduce_sum_(self, flat: torch.Tensor) -> None:
-        raise TransportError("the hivemind transport averages with all_reduce_ (no fixed ranks)")
+        raise TransportError("the hivemind transport averages with weighted_mean (no fixed ranks)")
 
     # metrics.jsonl and summary.json keep their keys: "epoch" is this peer's round, "epochs" its rounds
     def metrics(self) -> dict[str, Any]:

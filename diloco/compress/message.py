@@ -1,0 +1,51 @@
+"""One message of the weighted mean: the sender's weight (``<d``, 8 bytes) followed by the codec's self-describing
+payload, in one buffer (the codec writes its payload behind the prefix it is given)."""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from diloco.compress import wire
+from diloco.compress.wire import CorruptPayload
+
+if TYPE_CHECKING:
+    from diloco.compress.codec import Codec
+
+WEIGHT = struct.Struct("<d")
+
+
+def pack_weight(weight: float) -> bytes:
+    return WEIGHT.pack(weight)
+
+
+def _valid_weight(w: float) -> bool:
+    return w >= 0 and w < float("inf")
+
+
+def check_weight(weight: float) -> None:
+    if not _valid_weight(weight):
+        raise ValueError(f"the weight of a compressed all-reduce must be finite and >= 0, got {weight}")
+
+
+def split_weight(msg: bytes | memoryview) -> tuple[float, memoryview]:
+    """(weight, codec payload) of one message; a missing or invalid weight raises :class:`CorruptPayload`."""
+    if len(msg) < WEIGHT.size:
+        raise CorruptPayload(f"message of {len(msg)} bytes has no weight")
+    (w,) = WEIGHT.unpack_from(msg, 0)
+    if not _valid_weight(w):
+        raise CorruptPayload(f"weight {w} is not finite and >= 0")
+    return w, memoryview(msg)[WEIGHT.size:]
+
+
+def message_size(codec: "Codec", numel: int) -> int:
+    """Bytes of the message of a 1-D piece of ``numel`` values: the weight, the wire header and the payload (with
+    a zstd stage: the payload before zstd, which the values then shrink)."""
+    return WEIGHT.size + wire.header_size(1, codec.chain) + codec.payload_bytes(numel)
+
+
+def known_sizes(codec: "Codec", numels: Sequence[int]) -> Optional[list[int]]:
+    """The message lengths of 1-D pieces of ``numels`` values, where the codec's sizes do not depend on the values
+    (no zstd): every worker then knows what it will receive, and the transport needs no size exchange."""
+    sizes = [codec.wire_size(n) for n in numels]
+    return None if None in sizes else [WEIGHT.size + n for n in sizes]
