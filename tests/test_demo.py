@@ -13,6 +13,7 @@ import torch
 from conftest import FAST, KERNEL_DEVICES, TINY, HostReads
 from demo_optim import DeMo
 from demo_optim import kernels as K
+from demo_optim.kernels import dispatch, fused
 from diloco.comm import Capabilities
 from diloco.compress import from_chunks, plan_for, to_chunks
 from diloco.compress.flat import end_to_end
@@ -285,7 +286,7 @@ def test_same_shaped_parameters_take_one_launch_and_match_one_by_one(device, in_
     lie back to back in one buffer, else through a copy written back; decode: above STACK_BYTES of them, a launch
     each rather than a copy): the same result as one at a time."""
     if stack_bytes is not None:
-        monkeypatch.setattr(K, "STACK_BYTES", stack_bytes)
+        monkeypatch.setattr(dispatch, "STACK_BYTES", stack_bytes)
     shapes = [(64, 128), (64, 128), (64, 128), (32, 64), (32, 64), (64, 64)]
     plans = [plan_for(s, 64, 16, "divisor") for s in shapes]
     g = torch.Generator().manual_seed(5)
@@ -330,7 +331,7 @@ def test_momentum_kept_as_coefficients_sends_what_the_momentum_in_the_parameters
     settings, and the coefficients in one buffer or apart; the kernel stacks a run's gradients, or (above
     STACK_BYTES of them) launches once per parameter."""
     if triton == "per-parameter":
-        monkeypatch.setattr(K, "STACK_BYTES", 0)
+        monkeypatch.setattr(dispatch, "STACK_BYTES", 0)
         triton = True
     shapes = [(64, 128), (64, 128), (128, 64), (32, 64), (100,), (40, 70)]
     plans = [plan_for(s, 32, 16, "pad" if s == (40, 70) else "auto") for s in shapes]
@@ -415,7 +416,7 @@ class _TooBigForThisDevice:
     def __getitem__(self, grid):
         def launch(*args, **meta):
             self.launches += 1
-            raise K.OutOfResources(147456, 101376, "shared memory")
+            raise fused.OutOfResources(147456, 101376, "shared memory")
         return launch
 
 
@@ -423,11 +424,11 @@ class _TooBigForThisDevice:
 def test_blocks_a_device_cannot_run_take_the_torch_path_with_one_warning(device, monkeypatch):
     """Where the device refuses a kernel for a block size, encode, the step's encode and decode fall back to the
     reference for it: the same results as the reference, one warning per kernel, no second try."""
-    monkeypatch.setattr(K, "REFUSED", set())
+    monkeypatch.setattr(fused, "REFUSED", set())
     stand_ins = {name: _TooBigForThisDevice() for name in ("_encode_kernel", "_step_encode_kernel",
                                                              "_decode_sign_kernel")}
     for name, kernel in stand_ins.items():
-        monkeypatch.setattr(K, name, kernel)
+        monkeypatch.setattr(fused, name, kernel)
     shapes = [(64, 128), (64, 128), (32, 64)]
     plans = [plan_for(s, 32, 16, "divisor") for s in shapes]
     g = torch.Generator().manual_seed(8)
@@ -452,7 +453,7 @@ def test_blocks_a_device_cannot_run_take_the_torch_path_with_one_warning(device,
     for got in (first, again):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     # every kernel was tried once on the one block size, then remembered as refused
-    assert {(name, s1, s2) for name, _, s1, s2 in K.REFUSED} == {("encode", 32, 32), ("step", 32, 32),
+    assert {(name, s1, s2) for name, _, s1, s2 in fused.REFUSED} == {("encode", 32, 32), ("step", 32, 32),
                                                                   ("decode", 32, 32)}
     assert [k.launches for k in stand_ins.values()] == [1, 1, 1]
 
