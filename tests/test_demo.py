@@ -107,7 +107,8 @@ def test_aggregate_is_the_mean_over_the_workers_that_sent_it():
         payload = opt._encode(entries, chain) if rank < 2 else None
         from diloco.compress import wire
         payload = payload or wire.pack(b"", torch.float32, (0,), chain)
-        sums, counts = opt._aggregate(transport.all_gather_bytes(payload), plans, chain)
+        sums, counts = opt.aggregation.sum_wire(transport.all_gather_bytes(payload),
+                                                opt._layout(plans, chain, torch.device("cpu")))
         return (sums[0] / counts[0].clamp(min=1)), counts[0], opt.last_contributors
 
     for agg, counts, contributors in run_workers(InProcessGroup(3), body):
@@ -646,7 +647,7 @@ def _tiny(n_layers: int) -> torch.nn.Module:
 
 def _aggregate_cost(n_layers: int, world: int, on_device: bool) -> tuple[int, int, int, int]:
     """(parameter tensors, ops, host syncs, payloads) of one worker's aggregation in one DeMo step: of the wire
-    payloads (``_aggregate``), or of device payloads (``_aggregate_device``)."""
+    payloads (``Aggregation.sum_wire``), or of device payloads (``Aggregation.sum_device``)."""
     seen = {}
 
     def body(rank, transport):
@@ -655,7 +656,7 @@ def _aggregate_cost(n_layers: int, world: int, on_device: bool) -> tuple[int, in
         opt = DeMo(model.parameters(), lr=1e-3, transport=transport)
         for i, p in enumerate(model.parameters()):
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * rank + i))
-        aggregate = opt._aggregate_device if on_device else opt._aggregate
+        aggregate = opt.aggregation.sum_device if on_device else opt.aggregation.sum_wire
 
         def counted(payloads, *a, **kw):  # runs between two collectives: no other worker's ops interleave
             with HostReads() as counter:
@@ -664,9 +665,9 @@ def _aggregate_cost(n_layers: int, world: int, on_device: bool) -> tuple[int, in
             return out
 
         if on_device:
-            opt._aggregate_device = counted
+            opt.aggregation.sum_device = counted
         else:
-            opt._aggregate = counted
+            opt.aggregation.sum_wire = counted
         opt.step()
         return opt.last_contributors
 
@@ -693,7 +694,8 @@ def test_simulated_workers_share_one_mean_and_end_as_if_each_computed_it(bad_ran
                     return aggregate(*a, **kw)
                 return wrapper
 
-            opt._aggregate, opt._aggregate_device = counted(opt._aggregate), counted(opt._aggregate_device)
+            opt.aggregation.sum_wire = counted(opt.aggregation.sum_wire)
+            opt.aggregation.sum_device = counted(opt.aggregation.sum_device)
             for step in range(2):
                 for i, p in enumerate(model.parameters()):
                     p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * rank + 10 * step + i))
@@ -869,7 +871,7 @@ def test_forged_payloads_are_rejected_whatever_their_header_says(caplog):
 
     def kept(payload: bytes) -> bool:
         before = opt.rejected_payloads
-        opt._aggregate([honest, payload], plans, chain)
+        opt.aggregation.sum_wire([honest, payload], layout)
         assert opt.last_contributors == 1 + (opt.rejected_payloads == before)
         return opt.rejected_payloads == before
 
