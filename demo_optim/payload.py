@@ -3,9 +3,8 @@
 Every parameter travels in one payload per worker (chain ``demo:v3``): loco's wire header (magic, version,
 settings + model layout fingerprint, length, CRC-32), then every kept value (fp32, or 1 bit each with
 ``sign_values``), then the indices in ``ceil(log2(s1*s2))`` bits (12 for 64 x 64). Parameters are laid out in
-*wire order*: grouped by index width (ascending), in parameter order within a width; the values follow that
-order, and each width's indices form one bit stream (padded to a whole byte once per width, not once per
-parameter). So a payload is unpacked and checked with a fixed number of tensor ops whatever the number of
+*wire order* (:class:`Layout`): grouped by index width (ascending); the values follow that order, and each
+width's indices form one bit stream (padded to a whole byte once per width, not once per parameter). So a payload is unpacked and checked with a fixed number of tensor ops whatever the number of
 parameters: one ``unpack_bits`` per width, and one vectorised expression for the range, the strict increase
 within every chunk and the finiteness of the values (:meth:`Layout.check_rows`).
 
