@@ -131,7 +131,7 @@ def encode_times(model_size: str, device: torch.device, repeats: int, topk: int 
 def decode_times(model_size: str, device: torch.device, repeats: int, workers: int = 4,
                  topk: int = 32) -> dict[str, float]:
     """One worker's decode of ``workers`` payloads as ``DeMo.step`` runs it: validate each payload and sum it
-    into the flat buffers (``_aggregate``), divide, and apply sign(IDCT(mean)) to every parameter
+    into the flat buffers (``Aggregation.sum_wire``), divide, and apply sign(IDCT(mean)) to every parameter
     (``decode_sign_many``). Returns the median seconds, the dense bytes that pass writes (the sum and count
     buffers, the mean, the parameters) and one payload's size."""
     from demo_optim import kernels
@@ -146,7 +146,7 @@ def decode_times(model_size: str, device: torch.device, repeats: int, workers: i
 
     @torch.no_grad()
     def decode():
-        sums, counts = opt._aggregate(payloads, plans, chain)
+        sums, counts = opt.aggregation.sum_wire(payloads, layout)
         agg = sums.flat.div_(counts.flat.clamp_(min=1))
         kernels.decode_sign_many(agg, [params[j] for j in order], [1e-3] * len(order), [plans[j] for j in order])
 

@@ -13,6 +13,7 @@ import torch
 from conftest import FAST, KERNEL_DEVICES, TINY, HostReads
 from demo_optim import DeMo
 from demo_optim import kernels as K
+from demo_optim.kernels import dispatch, fused
 from diloco.comm import Capabilities
 from diloco.compress import from_chunks, plan_for, to_chunks
 from diloco.compress.flat import end_to_end
@@ -106,7 +107,8 @@ def test_aggregate_is_the_mean_over_the_workers_that_sent_it():
         payload = opt._encode(entries, chain) if rank < 2 else None
         from diloco.compress import wire
         payload = payload or wire.pack(b"", torch.float32, (0,), chain)
-        sums, counts = opt._aggregate(transport.all_gather_bytes(payload), plans, chain)
+        sums, counts = opt.aggregation.sum_wire(transport.all_gather_bytes(payload),
+                                                opt._layout(plans, chain, torch.device("cpu")))
         return (sums[0] / counts[0].clamp(min=1)), counts[0], opt.last_contributors
 
     for agg, counts, contributors in run_workers(InProcessGroup(3), body):
@@ -285,7 +287,7 @@ def test_same_shaped_parameters_take_one_launch_and_match_one_by_one(device, in_
     lie back to back in one buffer, else through a copy written back; decode: above STACK_BYTES of them, a launch
     each rather than a copy): the same result as one at a time."""
     if stack_bytes is not None:
-        monkeypatch.setattr(K, "STACK_BYTES", stack_bytes)
+        monkeypatch.setattr(dispatch, "STACK_BYTES", stack_bytes)
     shapes = [(64, 128), (64, 128), (64, 128), (32, 64), (32, 64), (64, 64)]
     plans = [plan_for(s, 64, 16, "divisor") for s in shapes]
     g = torch.Generator().manual_seed(5)
@@ -330,7 +332,7 @@ def test_momentum_kept_as_coefficients_sends_what_the_momentum_in_the_parameters
     settings, and the coefficients in one buffer or apart; the kernel stacks a run's gradients, or (above
     STACK_BYTES of them) launches once per parameter."""
     if triton == "per-parameter":
-        monkeypatch.setattr(K, "STACK_BYTES", 0)
+        monkeypatch.setattr(dispatch, "STACK_BYTES", 0)
         triton = True
     shapes = [(64, 128), (64, 128), (128, 64), (32, 64), (100,), (40, 70)]
     plans = [plan_for(s, 32, 16, "pad" if s == (40, 70) else "auto") for s in shapes]
@@ -415,7 +417,7 @@ class _TooBigForThisDevice:
     def __getitem__(self, grid):
         def launch(*args, **meta):
             self.launches += 1
-            raise K.OutOfResources(147456, 101376, "shared memory")
+            raise fused.OutOfResources(147456, 101376, "shared memory")
         return launch
 
 
@@ -423,11 +425,11 @@ class _TooBigForThisDevice:
 def test_blocks_a_device_cannot_run_take_the_torch_path_with_one_warning(device, monkeypatch):
     """Where the device refuses a kernel for a block size, encode, the step's encode and decode fall back to the
     reference for it: the same results as the reference, one warning per kernel, no second try."""
-    monkeypatch.setattr(K, "REFUSED", set())
+    monkeypatch.setattr(fused, "REFUSED", set())
     stand_ins = {name: _TooBigForThisDevice() for name in ("_encode_kernel", "_step_encode_kernel",
                                                              "_decode_sign_kernel")}
     for name, kernel in stand_ins.items():
-        monkeypatch.setattr(K, name, kernel)
+        monkeypatch.setattr(fused, name, kernel)
     shapes = [(64, 128), (64, 128), (32, 64)]
     plans = [plan_for(s, 32, 16, "divisor") for s in shapes]
     g = torch.Generator().manual_seed(8)
@@ -452,7 +454,7 @@ def test_blocks_a_device_cannot_run_take_the_torch_path_with_one_warning(device,
     for got in (first, again):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     # every kernel was tried once on the one block size, then remembered as refused
-    assert {(name, s1, s2) for name, _, s1, s2 in K.REFUSED} == {("encode", 32, 32), ("step", 32, 32),
+    assert {(name, s1, s2) for name, _, s1, s2 in fused.REFUSED} == {("encode", 32, 32), ("step", 32, 32),
                                                                   ("decode", 32, 32)}
     assert [k.launches for k in stand_ins.values()] == [1, 1, 1]
 
@@ -645,7 +647,7 @@ def _tiny(n_layers: int) -> torch.nn.Module:
 
 def _aggregate_cost(n_layers: int, world: int, on_device: bool) -> tuple[int, int, int, int]:
     """(parameter tensors, ops, host syncs, payloads) of one worker's aggregation in one DeMo step: of the wire
-    payloads (``_aggregate``), or of device payloads (``_aggregate_device``)."""
+    payloads (``Aggregation.sum_wire``), or of device payloads (``Aggregation.sum_device``)."""
     seen = {}
 
     def body(rank, transport):
@@ -654,7 +656,7 @@ def _aggregate_cost(n_layers: int, world: int, on_device: bool) -> tuple[int, in
         opt = DeMo(model.parameters(), lr=1e-3, transport=transport)
         for i, p in enumerate(model.parameters()):
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * rank + i))
-        aggregate = opt._aggregate_device if on_device else opt._aggregate
+        aggregate = opt.aggregation.sum_device if on_device else opt.aggregation.sum_wire
 
         def counted(payloads, *a, **kw):  # runs between two collectives: no other worker's ops interleave
             with HostReads() as counter:
@@ -663,9 +665,9 @@ def _aggregate_cost(n_layers: int, world: int, on_device: bool) -> tuple[int, in
             return out
 
         if on_device:
-            opt._aggregate_device = counted
+            opt.aggregation.sum_device = counted
         else:
-            opt._aggregate = counted
+            opt.aggregation.sum_wire = counted
         opt.step()
         return opt.last_contributors
 
@@ -692,7 +694,8 @@ def test_simulated_workers_share_one_mean_and_end_as_if_each_computed_it(bad_ran
                     return aggregate(*a, **kw)
                 return wrapper
 
-            opt._aggregate, opt._aggregate_device = counted(opt._aggregate), counted(opt._aggregate_device)
+            opt.aggregation.sum_wire = counted(opt.aggregation.sum_wire)
+            opt.aggregation.sum_device = counted(opt.aggregation.sum_device)
             for step in range(2):
                 for i, p in enumerate(model.parameters()):
                     p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * rank + 10 * step + i))
@@ -868,7 +871,7 @@ def test_forged_payloads_are_rejected_whatever_their_header_says(caplog):
 
     def kept(payload: bytes) -> bool:
         before = opt.rejected_payloads
-        opt._aggregate([honest, payload], plans, chain)
+        opt.aggregation.sum_wire([honest, payload], layout)
         assert opt.last_contributors == 1 + (opt.rejected_payloads == before)
         return opt.rejected_payloads == before
 
