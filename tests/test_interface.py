@@ -205,6 +205,78 @@ def test_layers_import_downwards_only():
         assert not bad, f"{path} imports {bad}: only diloco/comm/ talks to a backend"
 
 
+PACKAGES = ("diloco", "demo_optim", "launch")
+
+
+def _import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the project's modules it imports, wherever in the file (a function-local import that dodges a
+    circle is still one). ``from package import name`` is an edge to the submodule ``name`` where there is one,
+    else to the package's ``__init__``."""
+    files = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in files.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                           for a in node.names]
+            else:
+                continue
+            edges.update(t for t in targets if t in files and t != name)
+        graph[name] = edges
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_imports_itself_through_others(tmp_path):
+    assert _circles(_import_graph()) == []
+    # the scan sees a circle made through a package's __init__ and one made by a function-local import
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "diloco/__init__.py").write_text("from diloco.a import x\n")
+    (tmp_path / "diloco/a.py").write_text("from diloco import y\nx = 1\n")
+    (tmp_path / "launch/b.py").write_text("def f():\n    from launch.c import g\n")
+    (tmp_path / "launch/c.py").write_text("from launch.b import f\n")
+    assert _circles(_import_graph(tmp_path)) == [["diloco", "diloco.a"], ["launch.b", "launch.c"]]
+
+
 def test_the_transport_knows_bytes_not_codecs():
     tree = ast.parse((ROOT / "diloco/comm/base.py").read_text())
     # the collective builds on the transport, never the reverse
@@ -235,18 +307,24 @@ def test_demo_uses_only_what_compress_exports():
         assert not deep, f"{path} reaches into {deep} instead of what diloco.compress exports"
 
 
+# the training loop and the rooms it holds
+LOOP = ("trainer.py", "build.py", "compute.py", "report.py", "rounds.py", "rundir.py", "runtime.py", "schedule.py",
+        "signals.py", "state.py")
+
+
 def test_the_loop_never_asks_which_algorithm_runs():
     inside = {"global_params", "outer_optimizers", "policy", "global_tokens", "round_steps", "pieces", "global_views"}
     classes = {"DDP", "DiLoCo", "StreamingDiLoCo", "DeMo", "DeMoAlgorithm"}
-    for name in ("trainer.py", "simulate.py", "join.py"):
+    for name in (*LOOP, "simulate.py", "join.py"):
         tree = ast.parse((ROOT / "launch" / name).read_text())
         attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)}
         names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         assert not (attrs & inside), f"launch/{name} reaches into an algorithm: {attrs & inside}"
         assert not (names & classes), f"launch/{name} names an algorithm class: {names & classes}"
-    trainer = ast.parse((ROOT / "launch/trainer.py").read_text())
-    named = {n.value for n in ast.walk(trainer) if isinstance(n, ast.Constant) and n.value in ALGORITHMS}
-    assert not named, f"the loop dispatches on algorithm names: {named}"
+    for name in LOOP:
+        tree = ast.parse((ROOT / "launch" / name).read_text())
+        named = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in ALGORITHMS}
+        assert not named, f"the loop dispatches on algorithm names in launch/{name}: {named}"
 
 
 # ---- one owner for per-algorithm facts: launch/ asks the class, never the name ---------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from diloco.compress.kernels import HAVE_TRITON, require_triton, use_triton
+from diloco.compress.kernels.backend import HAVE_TRITON, require_triton, use_triton
 
 # fmt -> (format id, bits per value, values per byte)
 FORMATS = {"int8": (0, 8, 1), "int4": (1, 4, 2), "fp4": (2, 4, 2), "2bit": (3, 2, 4)}

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from diloco.compress.bits import bits_for
-from diloco.compress.kernels import HAVE_TRITON, require_triton, use_triton
+from diloco.compress.kernels.backend import HAVE_TRITON, require_triton, use_triton
 
 
 def check_chunk(chunk: int, k: Optional[int] = None) -> None:
