@@ -390,6 +390,27 @@ class Algorithm:
         self.steps = state["steps"]
         self.skipped_steps = state["skipped_steps"]
 
+    def _codec_state(self) -> dict[str, Any]:
+        """The codec's state for a checkpoint. Where a worker is several processes (a node of a torchrun mesh) and
+        workers differ, each process keeps the error-feedback residuals of its own shares: they are gathered at
+        the worker's first process, in host memory, as ``residuals_by_process`` (a collective every process of the
+        worker takes part in)."""
+        state = self.codec.state_dict()
+        if not self.replicated_state:
+            mine = {k: v.detach().to("cpu", copy=True) for k, v in state["residuals"].items()}
+            parts = self.transport.gather_in_worker(mine)
+            if parts is not None and len(parts) > 1:
+                state["residuals_by_process"] = parts
+        return state
+
+    def _load_codec_state(self, state: dict[str, Any]) -> None:
+        """Take a :meth:`_codec_state`: this process's own residuals where they were kept by process."""
+        if "residuals_by_process" in state:
+            parts, r = state["residuals_by_process"], self.transport.local_rank
+            state = {**{k: v for k, v in state.items() if k != "residuals_by_process"},
+                     "residuals": parts[r] if r < len(parts) else {}}
+        self.codec.load_state_dict(state)
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups

@@ -88,10 +88,10 @@ class DDP(Algorithm):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self.codec is not None:
-            state["codec"] = self.codec.state_dict()
+            state["codec"] = self._codec_state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.codec is not None and "codec" in state:
-            self.codec.load_state_dict(state["codec"])
+            self._load_codec_state(state["codec"])

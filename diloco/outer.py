@@ -274,7 +274,7 @@ class DiLoCo(Algorithm):
         state = super().state_dict()
         state.update(fragments=self._layout(), round_steps=self.round_steps, **self.shared_state())
         if self.codec is not None:
-            state["codec"] = self.codec.state_dict()
+            state["codec"] = self._codec_state()
         return state
 
     def _layout(self) -> list[list[list[int]]]:
@@ -298,7 +298,7 @@ class DiLoCo(Algorithm):
         self.round, self.round_steps = state["round"], state["round_steps"]
         self.global_tokens = state["global_tokens"]
         if self.codec is not None and "codec" in state:
-            self.codec.load_state_dict(state["codec"])
+            self._load_codec_state(state["codec"])
         self.policy.start_round(self.transport.mark)
 
 

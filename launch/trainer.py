@@ -182,11 +182,6 @@ class Trainer:
         if self.algo.replicated_state:
             return {**shared, **self.worker_state()}
         mine = host_copy(self.worker_state())
-        codec = mine["algo"].get("codec")
-        # a worker of several processes (a node of a torchrun mesh): each keeps the residuals of its own shares
-        parts = self.transport.gather_in_worker(codec["residuals"] if codec is not None else None)
-        if codec is not None and parts is not None and len(parts) > 1:
-            codec["residuals_by_process"] = parts
         states = self.transport.gather_object(mine)  # on the leader only
         if states is None:
             return {}
@@ -200,13 +195,7 @@ class Trainer:
                            f"{self.world}; resume with the same number of workers")
         mine = state["workers"][self.rank] if "workers" in state else state
         self.model.load_state_dict(mine["model"])
-        algo = mine["algo"]
-        codec = algo.get("codec") if isinstance(algo, dict) else None
-        if isinstance(codec, dict) and "residuals_by_process" in codec:  # this process's own (see state_dict)
-            parts, r = codec["residuals_by_process"], self.transport.local_rank
-            codec = {k: v for k, v in codec.items() if k != "residuals_by_process"}
-            algo = {**algo, "codec": {**codec, "residuals": parts[r] if r < len(parts) else {}}}
-        self.algo.load_state_dict(algo)
+        self.algo.load_state_dict(mine["algo"])
         set_rng_state(mine["rng"])
         self.progress.step = int(mine["step"])
         self.clock.wall_prior = float(state.get("wall_s", 0.0))
