@@ -931,7 +931,7 @@ def test_peers_whose_outer_step_differs_do_not_share_a_schema(algo, apart, toget
     part ways after a round, so they never group (the schema keys matchmaking) and a state of theirs is
     refused; settings each peer keeps to itself (its inner optimizer, its seed) do not count."""
     from launch.config import load_config
-    from diloco.comm.hivemind import schema_differs
+    from diloco.comm.agreement import schema_differs
     from launch.join import schema_of
 
     def schema(*overrides):

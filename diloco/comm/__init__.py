@@ -3,6 +3,7 @@ and sim (the simulator's in-process workers); :func:`make_transport` builds any 
 
 from typing import Any
 
+from diloco.comm.agreement import schema_differs
 from diloco.comm.base import CommStats, Handle, Transport, TransportError
 from diloco.comm.caps import Capabilities, RobustBounds
 from diloco.comm.local import LocalTransport
@@ -54,7 +55,7 @@ def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: f
     raise ValueError(f"transport.backend: unknown backend {backend!r}")
 
 
-_SWARM_HELPERS = ("check_run_name", "fingerprint", "merge_ledgers", "read_swarm", "schema_differs")
+_SWARM_HELPERS = ("check_run_name", "fingerprint", "merge_ledgers", "read_swarm")
 
 
 def __getattr__(name: str) -> Any:

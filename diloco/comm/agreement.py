@@ -1,12 +1,14 @@
 """What the processes of a run and the peers of a swarm must agree on, compared key by key.
 
 Settings travel as flat ``{"section.key": value}`` mappings (:func:`flat_settings`), so a config, a swarm's
-schema and a checkpoint's saved settings compare alike; :func:`settings_differ` words what differs across a
-run's processes as one message that names the keys, values, ranks and hosts.
+schema and a checkpoint's saved settings compare alike. :func:`settings_differ` words what differs across a
+run's processes as one message that names the keys, values, ranks and hosts; :func:`schema_differs` what differs
+between two peers' schemas.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping, Optional, Sequence
 
 
@@ -23,6 +25,20 @@ def flat_settings(nested: Any) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def schema_differs(theirs: object, mine: str) -> str:
+    """The keys of two peers' settings (JSON objects, as ``launch.join.schema_of`` makes them) that differ, as
+    ``key: theirs there, mine here; ...`` (the keys of a nested object, the model's, named one by one)."""
+    try:
+        a, b = json.loads(theirs), json.loads(mine)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        a = b = None
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return f"its settings {theirs!r}, this peer's {mine!r}"
+    a, b = flat_settings(a), flat_settings(b)
+    return "; ".join(f"{k}: {a.get(k, '(none)')!r} there, {b.get(k, '(none)')!r} here"
+                     for k in sorted(set(a) | set(b)) if a.get(k, "(none)") != b.get(k, "(none)"))
 
 
 def settings_differ(views: Sequence[tuple[str, Mapping[str, Any]]], shown: int = 6) -> Optional[str]:

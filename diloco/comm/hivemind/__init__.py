@@ -21,8 +21,9 @@ The modules, one per job; a :class:`HivemindTransport` holds one object of each:
 
 * ``node`` -- the DHT process, its p2pd and their sockets, the event loop, the run key and the ``on_phase``
   hook every phase awaits (the fault tests act there);
-* ``registry`` -- the run's registry of live peers (heartbeats), the rendezvous before a round, and how two
-  peers' settings differ (``schema_differs``); ``links`` -- which peers libp2p reaches, mending partitions;
+* ``registry`` -- the run's registry of live peers (heartbeats), the rendezvous before a round, and the peers
+  whose settings differ (:func:`diloco.comm.agreement.schema_differs` words how); ``links`` -- which peers
+  libp2p reaches, mending partitions;
 * ``matchmaking`` -- forming a round's group and vetting each member's announcement;
 * ``push`` -- sending a round's messages, through another member where a peer is unreachable; ``inbox`` --
   taking them: a push is checked by its header before any body byte is read, and purged when the round ends;
@@ -41,9 +42,8 @@ where one does, a comment says so. Importing this package does not import hivemi
 from diloco.comm.hivemind.auth import check_run_name, mac
 from diloco.comm.hivemind.commit import fingerprint, same_state
 from diloco.comm.hivemind.ledger import PeerRecord, merge_ledgers
-from diloco.comm.hivemind.registry import schema_differs
 from diloco.comm.hivemind.report import RoundReport, RoundResult
 from diloco.comm.hivemind.transport import HivemindTransport, read_swarm
 
 __all__ = ["HivemindTransport", "PeerRecord", "RoundReport", "RoundResult", "fingerprint", "same_state", "mac",
-           "merge_ledgers", "read_swarm", "check_run_name", "schema_differs"]
+           "merge_ledgers", "read_swarm", "check_run_name"]

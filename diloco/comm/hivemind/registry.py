@@ -12,29 +12,14 @@ by the settings): they are named once, with what differs, and never waited for.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from diloco.comm.agreement import flat_settings
+from diloco.comm.agreement import schema_differs
 from diloco.comm.hivemind.framing import _now, log
 from diloco.comm.hivemind.links import Links
 from diloco.comm.hivemind.node import Node
-
-
-def schema_differs(theirs: object, mine: str) -> str:
-    """The keys of two peers' settings (JSON objects, as ``launch.join.schema_of`` makes them) that differ, as
-    ``key: theirs there, mine here; ...`` (the keys of a nested object, the model's, named one by one)."""
-    try:
-        a, b = json.loads(theirs), json.loads(mine)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        a = b = None
-    if not isinstance(a, dict) or not isinstance(b, dict):
-        return f"its settings {theirs!r}, this peer's {mine!r}"
-    a, b = flat_settings(a), flat_settings(b)
-    return "; ".join(f"{k}: {a.get(k, '(none)')!r} there, {b.get(k, '(none)')!r} here"
-                     for k in sorted(set(a) | set(b)) if a.get(k, "(none)") != b.get(k, "(none)"))
 
 
 @dataclass
