@@ -140,7 +140,9 @@ class Peer:
             use_relay=opts.use_relay, use_auto_relay=opts.auto_relay, nat_port_map=opts.upnp,
             client_mode=opts.client_mode,
             matchmaking_time=opts.matchmaking_time, exchange_timeout=opts.round_timeout, norm_clip=opts.norm_clip,
-            clip_action=opts.clip_action, weight_clip=opts.weight_clip, schema=self.schema)
+            clip_action=opts.clip_action, weight_clip=opts.weight_clip, schema=self.schema,
+            fingerprint_fn=self.fingerprint,  # from the first round on, when the trainer exists
+            stop_requested=lambda: STOP.signum is not None)  # a signal: stop waiting for late peers, save, leave
         try:
             self._start()
         except BaseException:
@@ -175,8 +177,6 @@ class Peer:
         # hivemind draws group ids and tie-breaks from Python's global random, which run.seed just fixed
         # alike on every peer: give it this machine's entropy back
         random.seed()
-        t.fingerprint_fn = self.fingerprint
-        t.stop_requested = lambda: STOP.signum is not None  # a signal: stop waiting for late peers, save, leave
         m = tr.metrics
         # the line to paste elsewhere: an announced or public address before loopback and relay ones
         best = sorted(addrs, key=lambda a: ("/p2p-circuit" in a, "/127.0.0.1/" in a or "/::1/" in a))

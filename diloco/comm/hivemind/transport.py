@@ -44,10 +44,11 @@ class HivemindTransport(Transport):
     ``weight_clip``: a member's announced weight (the tokens of its round) counts at most this many times the
     median of the other members' weights; 0 turns this off.
     ``observer``: only read the DHT (``loco status``): no heartbeat, no handlers.
+    ``fingerprint_fn``: the sketch of this peer's state, announced every round (called from the first round on).
+    ``stop_requested``: true when this peer should stop waiting for late peers (a signal came).
 
-    Set by the driver after construction: ``fingerprint_fn`` (the sketch of this peer's state, announced every
-    round), ``stop_requested`` (true: stop waiting for late peers), ``max_state_bytes`` (the largest state this
-    peer downloads; None: ``max_payload_bytes``) and ``on_phase`` (see :meth:`Node.phase`).
+    Set by the driver once it knows its model: ``max_state_bytes`` (the largest state this peer downloads; None:
+    ``max_payload_bytes``); and by the fault tests, ``on_phase`` (see :meth:`Node.phase`).
     """
 
     rank = 0
@@ -61,7 +62,9 @@ class HivemindTransport(Transport):
                  matchmaking_time: Union[float, str, None] = 5.0, exchange_timeout: Union[float, str, None] = None,
                  heartbeat_ttl: float = 60.0, norm_clip: float = 10.0,
                  clip_action: str = "clip", weight_clip: float = 10.0, schema: str = "", max_payload_bytes: int = 4 << 30,
-                 startup_timeout: float = 30.0, observer: bool = False, wait_rounds: float = 4.0) -> None:
+                 startup_timeout: float = 30.0, observer: bool = False, wait_rounds: float = 4.0,
+                 fingerprint_fn: Optional[Callable[[], bytes]] = None,
+                 stop_requested: Optional[Callable[[], bool]] = None) -> None:
         super().__init__()
         check_run_name(run)
         if clip_action not in ("clip", "drop"):
@@ -74,8 +77,7 @@ class HivemindTransport(Transport):
         self.bounds = RobustBounds(float(norm_clip), clip_action, float(weight_clip))
         self.max_payload_bytes = max_payload_bytes
         self.max_state_bytes: Optional[int] = None
-        self.fingerprint_fn: Optional[Callable[[], bytes]] = None
-        self.stop_requested: Optional[Callable[[], bool]] = None
+        self.fingerprint_fn, self.stop_requested = fingerprint_fn, stop_requested
         self.wait_rounds = float(wait_rounds)
         self.observer = observer
         options: dict[str, Any] = dict(
