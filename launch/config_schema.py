@@ -82,7 +82,7 @@ class AlgoConfig:
                "then an outer step on the averaged pseudo-gradient; streaming: Streaming DiLoCo (fragments, overlap); "
                "demo: DeMo, the optimizer exchanges DCT top-k momentum components every step; sparseloco: "
                "DiLoCo rounds exchanging the top-k of an error-feedback buffer at 2 bits a value (no outer momentum).")
-    inner_steps: int = _f(100, "Inner steps per round (H) for diloco and streaming.", gt=0)
+    inner_steps: int = _f(100, "Inner steps per round (H) for diloco, streaming and sparseloco.", gt=0)
     outer_lr: Optional[float] = _f(None, "Outer optimizer (SGD) learning rate; SparseLoCo: its alpha. Empty: the algorithm's own (0.7 for DiLoCo and Streaming, 1.0 for SparseLoCo; configs/sparseloco.yaml sets 4).", gt=0)
     outer_momentum: float = _f(0.9, "Outer optimizer momentum (0: plain SGD; sparseloco has none: its error feedback is the momentum).", ge=0, lt=1)
     nesterov: bool = _f(True, "Nesterov momentum in the outer optimizer.")
