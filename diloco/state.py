@@ -118,9 +118,9 @@ def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> N
 
     torch takes every key of the saved param groups, so a run resumed with changed settings
     (``--resume --set algo.outer_lr=0.5``) would go on with the checkpoint's, silently; and a state saved on
-    one device would bring that device's kernel choice along: a checkpoint saved unfused (a CPU run's, before
-    the CPU's optimizer was fused too) resumed where the step is fused left the fused step's on-device checks
-    (:meth:`Algorithm._checks_on_device`) driving an unfused optimizer, which refuses them on the first step.
+    one device would bring that device's kernel choice along: a checkpoint saved by an unfused optimizer, resumed
+    where the step is fused, would leave the fused step's on-device checks (:meth:`Algorithm._checks_on_device`)
+    driving an unfused optimizer, which refuses them on the first step.
     The settings go into the state before it is loaded, so an optimizer that converts its state to its
     settings (DeMo's momenta, kept in the blocks of its ``compression_chunk``) converts it to these.
     Where the kernel is fused, each parameter's step count moves to its device, as the fused kernel keeps it.
