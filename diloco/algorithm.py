@@ -279,8 +279,8 @@ class Algorithm:
         """What every worker holds alike, for a peer that joins the run (see :meth:`load_shared_state`).
 
         The live tensors, not copies (as ``state_dict`` gives them): a caller serializes them, or copies them to
-        host memory, before training goes on (a copy here was a second one, on the GPU: 4 GB more for a 1B
-        model at every checkpoint and every state a ``loco join`` peer publishes)."""
+        host memory, before training goes on (a copy here would hold a second one on the GPU at every
+        checkpoint and every state a ``loco join`` peer publishes)."""
         return {"params": [p.detach() for p in self.params], "round": self.round,
                 "global_tokens": self.global_tokens}
 

@@ -164,7 +164,8 @@ def _unscaled(codes: torch.Tensor, fmt: str, work: _Work) -> torch.Tensor:
     """The values the bytes ``codes`` of an int4, fp4 or 2bit payload hold, before their scale, in value order,
     as a tensor whose product with an fp32 scale rounds once, as the kernel's does (int8 for int4; fp32 for
     fp4's signed powers of two and zeros and 2bit's levels). Bit operations and ``index_select`` with int32
-    indices into small tables: a gather with int64 indices (``table[codes.long()]``) ran 4-7x slower."""
+    indices into small tables, which run several times faster than a gather with int64 indices
+    (``table[codes.long()]``)."""
     m = codes.numel()
     if fmt == "2bit":
         idx = work.get("i32", m, torch.int32).copy_(codes)
