@@ -183,7 +183,7 @@ class Algorithm:
     baseline = False  # True: the one every other is compared with (loco simulate's baseline run, loco plan's)
     swarm = False  # True: it runs over internet peers (loco join), whose rounds average whoever reaches them
     fragmented = False  # True: algo.fragments parts on staggered schedules, each applied algo.overlap_steps later
-    weighted_mean = False  # True: an exchange is the mean weighted by tokens trained; the total weight travels too
+    token_weighted = False  # True: an exchange is the mean weighted by tokens trained; the total weight travels too
     # the algo.* keys peers must hold alike to average together, besides algo.outer_lr (read by outer_lr_of): the
     # round's length and the outer step's settings, since every peer applies the outer step to one averaged update
     peer_settings: tuple[str, ...] = ("inner_steps", "outer_momentum", "nesterov")

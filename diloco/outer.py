@@ -47,7 +47,7 @@ class DiLoCo(Algorithm):
     replicated_state = False
     gather = False  # True: every worker decodes every worker's payload (exact mean; SparseLoCo)
     swarm = True
-    weighted_mean = True
+    token_weighted = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Optional[Transport] = None,
                  grad_clip: float = 0.0, *, inner_steps: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,

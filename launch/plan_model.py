@@ -54,7 +54,7 @@ class Setting:
         algo = algorithm_class(self.algo)
         staggered = algo.fragmented
         return Schedule(self.inner_steps if algo.round_based else 1, self.fragments if staggered else 1,
-                        self.overlap if staggered else 0, algo.weighted_mean)
+                        self.overlap if staggered else 0, algo.token_weighted)
 
 
 @dataclass(frozen=True)
