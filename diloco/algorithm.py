@@ -236,7 +236,8 @@ class Algorithm:
         """Raise :class:`ConfigConflict` for settings this algorithm cannot run with (types and ranges are the
         config's own checks)."""
         if cfg.sync.mode == "time" and not cls.round_based:
-            raise ConfigConflict("sync.mode", "time-budgeted rounds need a round-based algorithm (algo.name=diloco or sparseloco)")
+            raise ConfigConflict("sync.mode", "time-budgeted rounds need a round-based algorithm "
+                                              "(algo.name=diloco or sparseloco)")
 
     @staticmethod
     def _codec(cfg: Any) -> "Codec":

@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute seconds per training step of one worker (default 1s, assumed), e.g. --step-time 0.5")
     p.add_argument("--links", metavar="FILE",
                    help="a link trace (CSV or YAML: time, worker, bandwidth, latency); the plan uses the link "
-                        "the simulator times (the slowest member's at each moment, averaged over the run), e.g. --links configs/links-home-uplink.csv")
+                        "the simulator times (the slowest member's at each moment, averaged over the run), "
+                        "e.g. --links configs/links-home-uplink.csv")
     p.add_argument("--check", action="store_true",
                    help="also simulate the recommendation on the tiny model and print predicted and simulated "
                         "utilization side by side")

@@ -34,9 +34,9 @@ from diloco.compress import make_codec
 from launch.algorithms import algorithm_class, swarm_names
 from launch.config import Config
 from launch.data import Batcher, load_data
+from launch.errors import RunError
 from launch.metrics import human_bytes
 from launch.rounds import RoundsLog
-from launch.errors import RunError
 from launch.signals import STOP, stop_signals
 from launch.trainer import Hooks, Trainer
 

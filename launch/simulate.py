@@ -159,8 +159,8 @@ def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool =
 
     def worker(rank: int, transport) -> Any:
         # parked from its first wait on (the start-up collectives that find the run folder and the checkpoint)
-        trainer = Trainer(cfg, transport=transport, data=data, restart=restart,
-                          hooks=Hooks(on_built=lambda t: trainers.__setitem__(rank, t), on_step_end=boundaries(rank)))
+        hooks = Hooks(on_built=lambda t: trainers.__setitem__(rank, t), on_step_end=boundaries(rank))
+        trainer = Trainer(cfg, transport=transport, data=data, restart=restart, hooks=hooks)
         if membership is not None and rank == 0:
             membership.start(trainer)
         try:
