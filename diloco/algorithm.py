@@ -394,12 +394,11 @@ class Algorithm:
     def _codec_state(self) -> dict[str, Any]:
         """The codec's state for a checkpoint. Where a worker is several processes (a node of a torchrun mesh) and
         workers differ, each process keeps the error-feedback residuals of its own shares: they are gathered at
-        the worker's first process, in host memory, as ``residuals_by_process`` (a collective every process of the
-        worker takes part in)."""
+        the worker's first process as ``residuals_by_process`` (a collective every process of the worker takes
+        part in)."""
         state = self.codec.state_dict()
         if not self.replicated_state:
-            mine = {k: v.detach().to("cpu", copy=True) for k, v in state["residuals"].items()}
-            parts = self.transport.gather_in_worker(mine)
+            parts = self.transport.gather_in_worker(state["residuals"])
             if parts is not None and len(parts) > 1:
                 state["residuals_by_process"] = parts
         return state

@@ -14,7 +14,7 @@ whole parameters or row ranges of one (views of the global copy and of the
 model), so fragments can be even when one matrix is large. The global copy and
 the outer momentum can live on the CPU (``offload_outer``) to save
 accelerator memory. With a lossy ``codec`` (``compress.codec``) the average
-runs through the transport's compressed all-reduce: each worker's
+runs through the codec: each worker's
 pseudo-gradient is encoded (with the codec's error feedback), the weights
 travel exactly beside the payloads, and every worker decodes the same bytes.
 Whatever the codec, the average is one call, ``collective.weighted_mean``,

@@ -117,10 +117,11 @@ class NodeMeshTransport(TorchDistTransport):
 
     def gather_in_worker(self, obj: Any) -> Optional[list[Any]]:
         """Every process of this node's ``obj`` at its local rank 0 (each holds state of its own share: the
-        error-feedback residuals of the pieces it encodes)."""
+        error-feedback residuals of the pieces it encodes). Its tensors travel as host copies: a GPU tensor
+        pickled to another process would come back on that process's device."""
         out: Optional[list[Any]] = [None] * self.per_node if self.local_rank == 0 else None
-        self._run("gather_object (inside the node)", dist.gather_object, obj, out, dst=self.node * self.per_node,
-                  group=self._g("node_group"))
+        self._run("gather_object (inside the node)", dist.gather_object, _on_host(obj), out,
+                  dst=self.node * self.per_node, group=self._g("node_group"))
         return out
 
     def barrier(self) -> None:
@@ -139,6 +140,17 @@ class NodeMeshTransport(TorchDistTransport):
 
     def summary(self) -> dict[str, Any]:
         return {"mesh": f"{self.nodes} nodes x {self.per_node} processes", "intra_node_bytes": self.inner.stats.bytes_sent}
+
+
+def _on_host(obj: Any) -> Any:
+    """``obj`` with every tensor in it (dicts, lists, tuples) copied to host memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _on_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_host(v) for v in obj)
+    return obj
 
 
 class _NodeInner(Transport):

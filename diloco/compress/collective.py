@@ -100,7 +100,7 @@ def weighted_mean(transport: Transport, tensors: Sequence[torch.Tensor], weight:
         return 0.0
     if how == "robust":
         if codec is None:  # an exact mean, of members that validate each other: raw fp32
-            return robust_dense_mean_(transport, tensors, make_codec("fp32"), weight)
+            return robust_dense_mean_(transport, tensors, weight)
         return robust_mean_(transport, tensors, codec, weight, key)
     return _coded_mean_(transport, tensors, codec, 1.0 if weight is None else float(weight), key,
                         _gathered_mean_ if how == "gathered" else _sharded_mean_)

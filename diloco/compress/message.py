@@ -47,5 +47,6 @@ def message_size(codec: "Codec", numel: int) -> int:
 def known_sizes(codec: "Codec", numels: Sequence[int]) -> Optional[list[int]]:
     """The message lengths of 1-D pieces of ``numels`` values, where the codec's sizes do not depend on the values
     (no zstd): every worker then knows what it will receive, and the transport needs no size exchange."""
-    sizes = [codec.wire_size(n) for n in numels]
-    return None if None in sizes else [WEIGHT.size + n for n in sizes]
+    if codec.wire_size(1) is None:
+        return None
+    return [message_size(codec, n) for n in numels]

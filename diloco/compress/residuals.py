@@ -40,5 +40,6 @@ class Residuals(dict):
 
     def load(self, residuals: dict[Hashable, torch.Tensor]) -> None:
         """Copies of ``residuals`` in place of these (:attr:`home` stays)."""
+        copies = [(k, v.clone()) for k, v in residuals.items()]  # made first: ``residuals`` may be these
         self.clear()
-        self.update((k, v.clone()) for k, v in residuals.items())
+        self.update(copies)

@@ -53,12 +53,11 @@ def robust_mean_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "
     return result.total
 
 
-def robust_dense_mean_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "Codec",
-                       weight: Optional[float]) -> float:
+def robust_dense_mean_(transport: Transport, tensors: Sequence[torch.Tensor], weight: Optional[float]) -> float:
     """The exact mean a caller asked for (tensors of any dtypes and devices), as the robust mean of raw fp32
     payloads gathered on the host; returns the total weight."""
     flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
-    result = robust_mean(transport, flat, codec, weight, key=None)
+    result = robust_mean(transport, flat, make_codec("fp32"), weight, key=None)
     unflatten_into(list(tensors), result.mean)  # piece by piece from host memory: no second model-sized copy on a GPU
     return result.total
 

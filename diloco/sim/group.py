@@ -188,7 +188,7 @@ class InProcessGroup:
         leaves the GPU and comes back once an exchange instead of once a bucket (a large model's exchange has
         many). What the exchange reads and writes stays where it began (it holds DiLoCo's pseudo-gradients and
         DDP's gradients, which a move of the model leaves alone; a codec's residual visits the GPU for its
-        bucket's encode and goes back, ``Codec.home``), so the exchange of a released worker runs on the GPU while
+        bucket's encode and goes back, ``Codec.residuals.home``), so the exchange of a released worker runs on the GPU while
         its parameters, moments and residuals wait on the host. An exchange that fails moves nobody back."""
         self._exchanges[rank] += 1
         try:
