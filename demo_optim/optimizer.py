@@ -107,7 +107,7 @@ class DeMo(torch.optim.Optimizer):
         key = (chain, torch.device(device))
         layout = layouts.get(key)
         if layout is None:
-            layout = layouts[key] = Layout(plans, chain, self.sign_values, device)
+            layout = layouts[key] = Layout(plans, self.sign_values, device)
         return layout
 
     def _device(self) -> torch.device:
@@ -302,7 +302,7 @@ class DeMo(torch.optim.Optimizer):
     def bytes_per_step(self) -> int:
         """Exact payload bytes one worker sends per step (header included)."""
         plans = [plan for _, _, plan in self._entries()]
-        return Layout(plans, self._chain(plans), self.sign_values, None).wire_size()
+        return Layout(plans, self.sign_values, None).wire_size()
 
 
 def _momentum_key(plan: ChunkPlan) -> str:

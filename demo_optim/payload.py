@@ -4,9 +4,10 @@ Every parameter travels in one payload per worker (chain ``demo:v3``): loco's wi
 settings + model layout fingerprint, length, CRC-32), then every kept value (fp32, or 1 bit each with
 ``sign_values``), then the indices in ``ceil(log2(s1*s2))`` bits (12 for 64 x 64). Parameters are laid out in
 *wire order* (:class:`Layout`): grouped by index width (ascending); the values follow that order, and each
-width's indices form one bit stream (padded to a whole byte once per width, not once per parameter). So a payload is unpacked and checked with a fixed number of tensor ops whatever the number of
-parameters: one ``unpack_bits`` per width, and one vectorised expression for the range, the strict increase
-within every chunk and the finiteness of the values (:meth:`Layout.check_rows`).
+width's indices form one bit stream (padded to a whole byte once per width, not once per parameter). So a
+payload is unpacked and checked with a fixed number of tensor ops whatever the number of parameters: one
+``unpack_bits`` per width, and one vectorised expression for the range, the strict increase within every chunk
+and the finiteness of the values (:meth:`Layout.check_rows`).
 
 A worker that sends nothing this step (its gradients are not finite) sends the silent payload: no values
 (shape (0,)) and zeros in place of a body, so it is as long as every other worker's payload and every
@@ -52,9 +53,8 @@ class Layout:
     for the strict-increase check).
     """
 
-    def __init__(self, plans: list[ChunkPlan], chain: str, sign_values: bool,
-                 device: Optional[torch.device]) -> None:
-        self.plans, self.chain, self.sign_values = plans, chain, sign_values
+    def __init__(self, plans: list[ChunkPlan], sign_values: bool, device: Optional[torch.device]) -> None:
+        self.plans, self.chain, self.sign_values = plans, chain_of(plans, sign_values), sign_values
         widths = [bits_for(p.chunk_size) for p in plans]
         self.order = sorted(range(len(plans)), key=lambda j: (widths[j], plans[j].s1, plans[j].s2, plans[j].k,
                                                               plans[j].shape, j))
@@ -115,7 +115,7 @@ class Layout:
 
     def wire_size(self) -> int:
         """The length of every wire payload of this layout (header included)."""
-        return len(wire.pack(bytes(self.body_bytes), torch.float32, (self.sent,), self.chain))
+        return wire.header_size(1, self.chain) + self.body_bytes
 
     def encode_device(self, idx: torch.Tensor, values: torch.Tensor,
                       ok: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -78,7 +78,7 @@ class VirtualTime:
         return VirtualTime(self.seconds + seconds, self.steps + steps)
 
     def __add__(self, span: "VirtualTime") -> "VirtualTime":
-        return VirtualTime(self.seconds + span.seconds, self.steps + span.steps)
+        return self.plus(span.seconds, span.steps)
 
     def __sub__(self, begin: "VirtualTime") -> "VirtualTime":
         """The span from ``begin`` to this point, in both parts: its steps are priced when it is read, so a
