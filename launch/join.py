@@ -273,7 +273,6 @@ class Peer:
                    + "".join(f"; {n}" for n in report.notes), tr.step)
         if report is not None and report.resync_from:
             line.update(self._resync(report))
-        line.pop("total_weight", None)  # the log's own: the sum of the weights
         self.rounds.write(round=tr.algo.round, step=tr.step, members=line.pop("members", []),
                           weights=report.accepted if report is not None else {},
                           fp_after=hashlib.sha256(self.fingerprint()).hexdigest()[:16], **line)

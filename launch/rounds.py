@@ -5,7 +5,8 @@ Every line holds ``round`` (the run's rounds done after this one: 1 for the firs
 and a churn trace keys its events), ``step`` (the writer's step after it), ``members`` (who took part), their
 ``weights`` (what each member's update counted with), ``total_weight`` and ``time`` (Unix seconds). What the
 writer knows besides follows: a swarm peer's group, bytes, deadline, resync and fingerprint (``epoch`` is the
-swarm's number for the round, from 0); a simulated run's virtual time and who left or joins.
+swarm's number for the round, from 0, as its ``notes`` number rounds); a simulated run's virtual time and who left
+or joins.
 """
 
 from __future__ import annotations

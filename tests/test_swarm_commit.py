@@ -37,7 +37,7 @@ def test_a_commit_that_would_narrow_the_round_to_its_own_payload_leaves_that_mem
     assert got.narrowed == {"e": (3, 4)}  # b, c and d left out, of the four this peer holds besides e's
 
 
-def test_one_missing_payload_narrows_while_most_missing_leaves_out():
+def test_a_commit_missing_one_payload_narrows_the_round():
     # in a group of three, a commit missing one other payload narrows the round (2 x 1 is not more than 2)
     held = {"b": {"a", "b"}, "c": {"a", "b", "c"}}
     got = agree("a", {"a", "b", "c"}, held)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, fields
-from typing import Awaitable, Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from diloco.comm.hivemind.framing import _now, log
 from diloco.comm.hivemind.node import Node
@@ -41,11 +41,11 @@ class PeerRecord:
 
 
 class Ledger:
-    """This peer's ledger (``records``: peer id -> :class:`PeerRecord`) and its entry in the DHT. ``subkeys``
-    reads a DHT dictionary record (the registry's reader)."""
+    """This peer's ledger (``records``: peer id -> :class:`PeerRecord`) and its entry in the DHT (``key``: one
+    subkey per observer)."""
 
-    def __init__(self, node: Node, subkeys: Callable[[str], Awaitable[dict]]) -> None:
-        self.node, self._subkeys = node, subkeys
+    def __init__(self, node: Node) -> None:
+        self.node = node
         self.key = f"{node.run}.ledger"
         self.records: dict[str, PeerRecord] = {}
 
@@ -85,10 +85,6 @@ class Ledger:
         value = {pid: rec.as_list() for pid, rec in self.records.items()}
         await self.node.dht.store(self.key, subkey=self.node.me, value=value, expiration_time=_now() + LEDGER_TTL_S,
                                   return_future=True)
-
-    async def published(self) -> dict[str, dict]:
-        """Every observer's published ledger: observer id -> {peer id: counts as a list}."""
-        return await self._subkeys(self.key)
 
 
 def merge_ledgers(ledgers: dict[str, dict]) -> dict[str, PeerRecord]:

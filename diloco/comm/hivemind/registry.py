@@ -137,7 +137,7 @@ class Registry:
         where there are none, the state comes, and the caller refuses it naming what differs."""
         live = {pid: v for pid, v in entries.items() if pid != self.node.me}
         live = {pid: v for pid, v in live.items() if self.alike(v)} or live
-        rounds = {pid: int(v.get("epoch", 0)) for pid, v in live.items()}
+        rounds = {pid: max(round_of(v), 0) for pid, v in live.items()}
         order = sorted(live, key=lambda pid: -rounds[pid])
         return order, rounds[order[0]] if order else 0
 

@@ -25,14 +25,13 @@ class RoundResult:
     exchange_s: float = 0.0  # seconds from the group's forming to the last payload delivered and received
     deadline_s: float = 0.0  # how long this peer waited at most for the members' payloads (exchange_timeout)
 
-    def report(self, resync_from: list, total_sent: int, total_received: int) -> "RoundReport":
+    def report(self, resync_from: list) -> "RoundReport":
         """This round's report, before the collective weighs the members' updates (see
-        :meth:`RoundReport.weighed`)."""
+        :meth:`RoundReport.weighed`) and the transport counts its bytes (``total_*``)."""
         return RoundReport(
             round=self.round, group=self.group, members=tuple(p.to_base58() for p in self.members),
             alone=self.alone, seconds=self.seconds, matchmaking_s=self.matchmaking_s, deadline_s=self.deadline_s,
             notes=tuple(self.notes), bytes_sent=self.sent_bytes, bytes_received=self.received_bytes,
-            total_sent=total_sent, total_received=total_received,
             resync_from=tuple(p.to_base58() for p in resync_from))
 
 
@@ -67,10 +66,6 @@ class RoundReport:
     notes: tuple = ()
     resync_from: tuple = ()
 
-    @property
-    def total_weight(self) -> float:
-        return sum(self.accepted.values())
-
     def weighed(self, accepted: Mapping[str, float], rejected: Mapping[str, str], clipped: Mapping[str, float],
                 weights_clipped: Mapping[str, float]) -> "RoundReport":
         """This report with what the collective made of each member's update."""
@@ -82,7 +77,7 @@ class RoundReport:
         scripts and tests: ``epoch`` is the round, ``bytes_sent`` / ``bytes_received`` the run's totals."""
         return {"epoch": self.round, "group": self.group, "alone": self.alone, "members": list(self.members),
                 "accepted": sorted(self.accepted), "rejected": dict(self.rejected), "clipped": dict(self.clipped),
-                "weights_clipped": dict(self.weights_clipped), "total_weight": self.total_weight,
+                "weights_clipped": dict(self.weights_clipped),
                 "seconds": round(self.seconds, 3), "matchmaking_s": round(self.matchmaking_s, 3),
                 "bytes_sent": self.total_sent, "bytes_received": self.total_received, "notes": list(self.notes),
                 "deadline_s": round(self.deadline_s, 1)}

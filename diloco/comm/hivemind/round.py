@@ -37,9 +37,8 @@ class Round:
         self.matchmaker, self.inbox, self.pusher = matchmaker, inbox, pusher
         self.payload, self.fp, self.wait_cap, self.largest = payload, fp, wait_cap, largest
         self.stop_requested = stop_requested
-        self.me = node.peer_id
+        self.peer_id = node.peer_id
         self.notes: list[str] = []
-        self.start = time.perf_counter()
 
     async def run(self) -> RoundResult:
         self.start = time.perf_counter()
@@ -68,7 +67,7 @@ class Round:
         self.members, self.meta = self.matchmaker.vet(group, self.round, self.fp, window, self.notes)
         self.gid = group.group_id
         self.inbox.know_group(window, self.gid, {p: self.meta[p]["n"] for p in self.members})
-        self.peers = [p for p in self.members if p != self.me]
+        self.peers = [p for p in self.members if p != self.peer_id]
         # the members and their payload sizes are known: what this peer sends and receives in this round
         self.deadlines.for_exchange(len(self.payload) * len(self.peers) + sum(self.meta[p]["n"] for p in self.peers),
                                     len(self.peers))
@@ -80,8 +79,8 @@ class Round:
             self.round, self.gid.hex()[:12], ordered, {p: self.received[p] for p in ordered},
             {p: self.meta[p] for p in ordered}, alone=len(ordered) == 1, seconds=time.perf_counter() - self.start,
             matchmaking_s=mm_s, notes=self.notes, sent_bytes=len(self.payload) * self.delivered,
-            received_bytes=sum(len(d) for p, d in self.received.items() if p != self.me), exchange_s=self.exchange_s,
-            deadline_s=self.deadlines.exchange_timeout)
+            received_bytes=sum(len(d) for p, d in self.received.items() if p != self.peer_id),
+            exchange_s=self.exchange_s, deadline_s=self.deadlines.exchange_timeout)
 
     async def _form(self, expected: int):
         """The group, through matchmaking (the registry says this peer is forming one meanwhile)."""
@@ -90,7 +89,8 @@ class Round:
         return await self.matchmaker.form(self.round, expected, self.mine)
 
     def _alone(self, mm_s: float, others: int) -> RoundResult:
-        return RoundResult(self.round, "", [self.me], {self.me: self.payload}, {self.me: self.mine}, alone=True,
+        me = self.peer_id
+        return RoundResult(self.round, "", [me], {me: self.payload}, {me: self.mine}, alone=True,
                            seconds=time.perf_counter() - self.start, matchmaking_s=mm_s,
                            deadline_s=self.deadlines.exchange_timeout,
                            notes=self.notes + [self.registry.why_alone(self.round, mm_s, others)])
@@ -118,7 +118,7 @@ class Round:
             if (p, "ag") in self.window.refused and p not in got:
                 self.notes.append(f"peer {p.to_base58()[-8:]}: its payload was refused "
                                   f"({self.window.refused[(p, 'ag')]})")
-        self.received = {self.me: self.payload}
+        self.received = {self.peer_id: self.payload}
         for p, data in got.items():  # each body was checked against its push's hash as it came: compare those
             if self.window.hashes.get((p, "ag")) == self.meta[p]["sha"]:
                 self.received[p] = data
@@ -133,7 +133,7 @@ class Round:
                                    committing)
         acks = await self.inbox.collect(self.gid, "ack", set(self.peers) - self.refusers, committing, self.round,
                                         self.pusher.relayed)
-        agreement = agree(self.me, set(self.received), read_acks(acks, type(self.me)))
+        agreement = agree(self.peer_id, set(self.received), read_acks(acks, type(self.peer_id)))
         for p, (missing, base) in agreement.narrowed.items():
             self.notes.append(f"peer {p.to_base58()[-8:]}'s commit leaves out {missing} of the {base} other "
                               "payloads this peer holds: left out")

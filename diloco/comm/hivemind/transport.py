@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -96,7 +97,7 @@ class HivemindTransport(Transport):
         self.matchmaker = Matchmaker(self.node, self.deadlines,
                                      hashlib.sha256(f"loco-swarm-v2|{run}|{schema}".encode()).digest(), client_mode)
         self.state = StateService(self.node, self.deadlines)
-        self.ledger = Ledger(self.node, self.registry.subkeys)
+        self.ledger = Ledger(self.node)
         self._last: Optional[RoundResult] = None  # the latest round's (its payloads handed to the collective)
         self._report: Optional[RoundReport] = None  # the latest round's report, until the driver takes it
         self._round_start = time.perf_counter()
@@ -144,7 +145,10 @@ class HivemindTransport(Transport):
     def take_report(self) -> Optional[RoundReport]:
         """The report of the latest round, once (None when no round ended since the last call)."""
         report, self._report = self._report, None
-        return report
+        if report is None:
+            return None
+        # the run's bytes as counted by now: the collective counted this round's once it took the payloads
+        return replace(report, total_sent=self.stats.bytes_sent, total_received=self.stats.bytes_received)
 
     def visible_maddrs(self) -> list[str]:
         return self.node.visible_maddrs()
@@ -209,9 +213,7 @@ class HivemindTransport(Transport):
         self._last = result
         for note in result.notes:
             log.info("peer %s | round %d: %s", self.node.tag, result.round, note)
-        # the transport counts this round's bytes (_moved) once the collective has them
-        self._report = result.report(resync, self.stats.bytes_sent + result.sent_bytes,
-                                     self.stats.bytes_received + result.received_bytes)
+        self._report = result.report(resync)
 
     def record_contributions(self, accepted: dict[str, float], rejected: dict[str, str],
                              clipped: dict[str, float], weights_clipped: Optional[dict[str, float]] = None) -> None:
@@ -341,7 +343,7 @@ class HivemindTransport(Transport):
 def read_swarm(transport: HivemindTransport) -> dict[str, Any]:
     """The run's registry and every peer's published ledger, as seen from the DHT (``loco status``)."""
     async def both():
-        return await transport.registry.read(), await transport.ledger.published()
+        return await transport.registry.read(), await transport.registry.subkeys(transport.ledger.key)
 
     peers, ledgers = transport.node.call(both(), 60)
     return {"peers": peers, "ledgers": ledgers}
