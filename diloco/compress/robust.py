@@ -15,18 +15,16 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable, Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 import torch
 
 from diloco.comm.base import Transport
+from diloco.compress.codec import Codec, make_codec
 from diloco.compress.flat import buckets, end_to_end, unflatten_into
 from diloco.compress.message import pack_weight, split_weight
 from diloco.compress.shared import SharedResult
 from diloco.compress.wire import CorruptPayload
-
-if TYPE_CHECKING:
-    from diloco.compress.codec import Codec
 
 
 @dataclass
