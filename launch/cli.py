@@ -1,4 +1,4 @@
-"""The ``loco`` command: train | simulate | join | sample | plot | status | plan.
+"""The ``loco`` command: train | simulate | join | sample | plot | status | plan | tokenizer | data.
 
 Also runs as ``python -m launch.cli ...`` (for torchrun: ``torchrun --nproc-per-node 2 -m launch.cli train ...``).
 A user mistake (bad config, missing data, unusable checkpoint) prints one line
@@ -13,6 +13,8 @@ import sys
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from launch.cli_data import add_data_commands, cmd_data, cmd_tokenizer
 
 EXAMPLES = {
     "train": """examples:
@@ -173,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed, e.g. --seed 3")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda, e.g. --device cpu")
 
+    add_data_commands(sub, fmt)
+
     p = sub.add_parser("plot", help="plot loss vs tokens and vs bytes for run folders", formatter_class=fmt,
                        description="Draw loss vs tokens and loss vs bytes communicated for one or more runs into a PNG.",
                        epilog=EXAMPLES["plot"])
@@ -313,53 +317,9 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    import torch
+    from launch.sample import main_sample
 
-    from launch.checkpoint import latest_checkpoint, load_checkpoint
-    from launch.token_data import decode_tokens, encode_text
-    from launch.models import ModelArgs, Transformer
-    from launch.runtime import resolve_device
-
-    path = Path(args.checkpoint)
-    if path.is_dir():
-        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        hit = latest_checkpoint(folder)
-        if hit is None:
-            raise UserError(f"{path}: no valid checkpoint found")
-        path, state = hit
-    else:
-        state = load_checkpoint(path)
-    if not state.get("model_args"):
-        raise UserError(f"{path}: trained with a custom model; sample with your own code via the Python API")
-    device = resolve_device(args.device)
-    model = Transformer(ModelArgs(**state["model_args"]))
-    model.load_state_dict(state["model"])
-    model.to(device).eval()
-    byte_level = state.get("tokenizer") == "bytes"
-    if byte_level:
-        ids = encode_text(args.prompt).astype("int64")
-    else:  # a tokenized run: the prompt is token ids
-        try:
-            ids = [int(t) for t in args.prompt.split()]
-        except ValueError:
-            raise UserError(f"{path}: trained on token ids (data.source=shards), so --prompt is ids separated by "
-                            f"spaces, e.g. --prompt '17 4051 9'; got {args.prompt[:40]!r}") from None
-        vocab = int(state["model_args"].get("vocab_size", 0))
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise UserError(f"--prompt: token id {bad[0]} is outside this model's vocabulary of {vocab}")
-    if len(ids) == 0:
-        ids = [0]  # start of a document
-    idx = torch.tensor([list(ids)], dtype=torch.long, device=device)
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k or None, gen)[0].tolist()
-    new = out[len(ids):]
-    if byte_level:
-        text = decode_tokens(new)
-        sys.stdout.write(args.prompt + text + "\n")
-    else:
-        sys.stdout.write(" ".join(map(str, out)) + "\n")
-    return 0
+    return main_sample(args)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -407,7 +367,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(describe_fields())
         return 0
     handler = {"train": cmd_train, "simulate": cmd_simulate, "join": cmd_join, "sample": cmd_sample,
-               "plot": cmd_plot, "status": cmd_status, "plan": cmd_plan}[args.command]
+               "plot": cmd_plot, "status": cmd_status, "plan": cmd_plan, "tokenizer": cmd_tokenizer,
+               "data": cmd_data}[args.command]
     warnings.simplefilter("default", UserWarning)
     try:
         if args.command in ("train", "simulate"):  # Ctrl-C and SIGTERM save a checkpoint, then stop

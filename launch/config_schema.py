@@ -53,7 +53,13 @@ class DataConfig:
     val_fraction: float = _f(0.02, "Share of files (or, for one file, of tokens) held out for validation.", gt=0, le=0.5)
     seq_len: int = _f(256, "Tokens per training sequence.", gt=1)
     dtype: Literal["auto", "uint16", "uint32"] = _f("auto", "Token dtype of shard files; auto reads .npy headers and assumes uint16 for .bin.")
-    vocab_size: Optional[int] = _f(None, "Vocabulary size of shard tokens (required for shards).", gt=0)
+    vocab_size: Optional[int] = _f(None, "Vocabulary size of shard tokens: empty takes it from the shards' manifest.json "
+                                         "(loco data prepare writes one); plain token files need it.", gt=0)
+    tokenizer: Optional[str] = _f(None, "bytes (UTF-8 bytes, 256 ids) or a Hugging Face tokenizers JSON file (loco "
+                                        "tokenizer train makes one). Empty: bytes for text, the manifest's for shards.")
+    streaming: bool = _f(False, "hf only: read the dataset as a stream, tokenized on the fly in a background thread; "
+                                "memory stays bounded whatever its size, and a checkpoint keeps the position.")
+    val_docs: int = _f(200, "Streamed datasets: the first N documents of the stream are the validation split.", gt=0)
     hf_name: Optional[str] = _f(None, "Configuration name passed to datasets.load_dataset.")
     hf_split: str = _f("train", "Split of the Hugging Face dataset to read.")
     hf_text_field: str = _f("text", "Column that holds the text.")

@@ -51,9 +51,15 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
             value = getattr(d, key)
             if value and not Path(value).exists():
                 fail(f"data.{key}", f"{value!r} does not exist")
-    if d.source == "shards" and not d.vocab_size:
+    if d.source == "shards" and not d.vocab_size and d.path and not (Path(d.path) / "manifest.json").is_file():
         raise ConfigError(f"{where('data.source')}: data.vocab_size: source 'shards' needs the vocabulary size "
-                          f"of its tokens (data.vocab_size)")
+                          f"of its tokens (data.vocab_size), or a manifest.json beside them (loco data prepare "
+                          f"writes one)")
+    if d.streaming and d.source != "hf":
+        fail("data.streaming", f"streams Hugging Face datasets (data.source: hf); data.source is {d.source!r}")
+    if d.tokenizer and d.tokenizer != "bytes" and not Path(d.tokenizer).is_file():
+        fail("data.tokenizer", f"{d.tokenizer!r} is not a file: use bytes, or a tokenizers JSON file "
+                               f"(loco tokenizer train --out FILE makes one)")
     try:  # the named size with its overrides must make a valid shape
         args = model_args_from_config(cfg.model, cfg.model.vocab_size or 256, d.seq_len)
     except ValueError as e:

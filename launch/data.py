@@ -10,50 +10,108 @@ rows would see, and a batch depends only on the step, which makes resume exact.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from launch.data_sources import load_hf, load_shards, load_stdlib, load_text
+from launch.data_sources import load_hf, load_stdlib, load_text
+from launch.documents import HFOptions
 from launch.python_corpus import load_python
-from launch.token_data import DataError, TokenData
+from launch.shards import load_shards
+from launch.stream import StreamBatcher, load_stream
+from launch.token_data import EOS, DataError, TokenData, Windows
+from launch.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 
 def load_data(dcfg) -> TokenData:
-    """Build the splits named by a ``DataConfig``."""
+    """Build the splits named by a ``DataConfig``, in the run's tokens (``data.tokenizer``)."""
+    tokenizer = load_tokenizer(dcfg.tokenizer)
+    hf = HFOptions(dcfg.hf_name, dcfg.hf_split, dcfg.hf_text_field, dcfg.hf_data_files)
+    if dcfg.streaming:
+        data = load_stream(dcfg.path, hf, tokenizer, dcfg.val_docs)
+    elif dcfg.source == "shards":
+        data = load_shards(dcfg.path, dcfg.val_path, dcfg.dtype, dcfg.vocab_size, dcfg.val_fraction,
+                           tokenizer if dcfg.tokenizer else None)
+    else:
+        data = encoded(_load_bytes(dcfg, hf), tokenizer)
+    for split_name, split in (("train", data.train), ("validation", data.val)):
+        if data.stream is not None and split_name == "train":
+            continue
+        if sum(max(0, len(a) - 1) // dcfg.seq_len for a in split) == 0:
+            raise DataError(f"{data.description}: the {split_name} split has fewer than data.seq_len+1={dcfg.seq_len + 1} tokens")
+    return data
+
+
+def _load_bytes(dcfg, hf: HFOptions) -> TokenData:
     if dcfg.source == "stdlib":
         data = load_stdlib(dcfg.val_fraction, dcfg.max_docs)
     elif dcfg.source == "python":
         data = load_python(dcfg.val_fraction, dcfg.max_docs)
     elif dcfg.source == "text":
         data = load_text(dcfg.path, dcfg.val_path, dcfg.pattern, dcfg.val_fraction, dcfg.max_docs)
-    elif dcfg.source == "shards":
-        data = load_shards(dcfg.path, dcfg.val_path, dcfg.dtype, dcfg.vocab_size, dcfg.val_fraction)
     elif dcfg.source == "hf":
-        data = load_hf(dcfg.path, dcfg.hf_name, dcfg.hf_split, dcfg.hf_text_field, dcfg.val_fraction, dcfg.max_docs,
-                       dcfg.hf_data_files)
+        data = load_hf(dcfg.path, hf, dcfg.val_fraction, dcfg.max_docs)
     else:
         raise DataError(f"data.source: unknown source {dcfg.source!r}")
-    for split_name, split in (("train", data.train), ("validation", data.val)):
-        if sum(max(0, len(a) - 1) // dcfg.seq_len for a in split) == 0:
-            raise DataError(f"{data.description}: the {split_name} split has fewer than data.seq_len+1={dcfg.seq_len + 1} tokens")
     return data
 
 
-class Windows:
-    """Non-overlapping windows of ``seq_len + 1`` tokens over a list of token arrays."""
+def encoded(data: TokenData, tokenizer: Tokenizer) -> TokenData:
+    """Byte documents (each ending in byte 0) in ``tokenizer``'s ids; byte-level data as it is."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return data
+    splits = []
+    for arrays in (data.train, data.val):
+        out = []
+        for a in arrays:
+            ends = np.flatnonzero(np.asarray(a) == EOS)
+            starts = np.concatenate(([0], ends[:-1] + 1)) if len(ends) else np.zeros(0, dtype=np.int64)
+            texts = [bytes(a[s:e]).decode("utf-8", errors="replace") for s, e in zip(starts, ends)]
+            if len(ends) == 0 or ends[-1] != len(a) - 1:  # a tail without its separator (a cut document)
+                texts.append(bytes(a[(ends[-1] + 1) if len(ends) else 0:]).decode("utf-8", errors="replace"))
+            parts = tokenizer.encode_batch(texts)
+            out.append(_joined(parts, tokenizer.eos, closed=len(ends) > 0 and ends[-1] == len(a) - 1))
+        splits.append(out)
+    return TokenData(splits[0], splits[1], tokenizer.vocab_size, tokenizer,
+                     f"{data.description}, encoded with {tokenizer.describe()}")
 
-    def __init__(self, arrays: list[np.ndarray], seq_len: int) -> None:
-        self.arrays, self.seq_len = arrays, seq_len
-        counts = np.array([max(0, len(a) - 1) // seq_len for a in arrays], dtype=np.int64)
-        self.cum = np.cumsum(counts)
-        self.n = int(self.cum[-1]) if len(self.cum) else 0
 
-    def get(self, i: int) -> np.ndarray:
-        a = int(np.searchsorted(self.cum, i, side="right"))
-        off = (i - (int(self.cum[a - 1]) if a else 0)) * self.seq_len
-        return np.asarray(self.arrays[a][off:off + self.seq_len + 1], dtype=np.int64)
+def _joined(parts: list[np.ndarray], eos: int, closed: bool) -> np.ndarray:
+    """``parts`` one after another, each followed by ``eos`` (the last one only when ``closed``)."""
+    dtype = parts[0].dtype if parts else np.uint16
+    out = np.empty(sum(len(a) + 1 for a in parts) - (0 if closed or not parts else 1), dtype=dtype)
+    pos = 0
+    for i, a in enumerate(parts):
+        out[pos:pos + len(a)] = a
+        pos += len(a)
+        if pos < len(out):
+            out[pos] = eos
+            pos += 1
+    return out
+
+
+def val_bytes_per_token(batcher: "Batcher | StreamBatcher", tokenizer: Optional[Tokenizer],
+                        batches: int) -> Optional[float]:
+    """Bytes of text per target token over the validation batches an evaluation reads (None without a
+    tokenizer): the loss in nats per token, divided by ln 2 and by this, is bits per byte."""
+    if tokenizer is None:
+        return None
+    lengths = tokenizer.token_bytes()
+    total = count = 0
+    for k in range(batches):
+        y = batcher.val_batch(k)[1].numpy()
+        total += int(lengths[np.minimum(y, len(lengths) - 1)].sum())
+        count += y.size
+    return total / count if count else None
+
+
+def make_batcher(data: TokenData, seq_len: int, batch_size: int, worker_index: int = 0, num_workers: int = 1,
+                 seed: int = 0, grad_accum: int = 1) -> "Batcher | StreamBatcher":
+    """A worker's batcher: windows cut from splits held in memory or on disk, or read from a stream."""
+    if data.stream is not None:
+        return StreamBatcher(data, seq_len, batch_size, worker_index, num_workers, grad_accum)
+    return Batcher(data, seq_len, batch_size, worker_index, num_workers, seed, grad_accum)
 
 
 class Batcher:
@@ -111,4 +169,4 @@ class Batcher:
         return self._stack(self.val, [(start + j) % self.val.n for j in range(self.micro)], "validation")
 
 
-__all__ = ["Batcher", "Windows", "load_data"]
+__all__ = ["Batcher", "Windows", "encoded", "load_data", "make_batcher"]

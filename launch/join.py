@@ -132,6 +132,9 @@ class Peer:
         self.rounds = RoundsLog(self.run_dir)
         identity = Path(opts.identity) if opts.identity else self.run_dir / "identity.key"
         identity.parent.mkdir(parents=True, exist_ok=True)
+        if cfg.data.streaming:  # a stream is dealt out by worker index, which peers of a swarm do not have
+            raise RunError("data.streaming: loco join reads data held in memory or shards; prepare shards with "
+                           "loco data prepare and train on them (data.source: shards)")
         self.data = load_data(cfg.data)  # before the DHT forks: a data error needs no swarm
         self.schema = schema_of(cfg, opts)
         self.transport = make_transport(

@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 
 from launch.token_data import BYTE_VOCAB, EOS, DataError, TokenData, _is_val, _split_documents
+from launch.tokenizer import ByteTokenizer
 
 
 class PyFile(NamedTuple):
@@ -192,7 +193,7 @@ def load_python(fraction: float, max_docs: Optional[int], stdlib_root: Optional[
             f"{tokens:,} tokens")
     if skipped:
         desc += f"; {skipped:,} unreadable or non-UTF-8 files skipped"
-    return TokenData([train], [val], BYTE_VOCAB, "bytes", desc + ")")
+    return TokenData([train], [val], BYTE_VOCAB, ByteTokenizer(), desc + ")")
 
 
 def _compact(buf: np.ndarray, used: int) -> np.ndarray:

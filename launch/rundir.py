@@ -123,6 +123,11 @@ class RunDir:
     def truncate_metrics(self, step: int) -> None:
         truncate_metrics(self.path / "metrics.jsonl", step)
 
+    def write_tokenizer(self, tokenizer: Any) -> None:
+        """A copy of a BPE tokenizer's file (the checkpoints hold it too), for tools that read the folder."""
+        if self.leader and getattr(tokenizer, "json", None):
+            self._write("tokenizer.json", tokenizer.json)
+
     def write_config(self, cfg: Config) -> None:
         """The run's settings, for --resume (written once the run starts: a refused resume leaves them alone)."""
         if self.leader:

@@ -1,7 +1,8 @@
 """Token data: every source becomes two *splits* (train, validation), each a list of 1-D token arrays (one per
 file or shard; memory-mapped where the source is on disk).
 
-Text is tokenized as bytes (vocabulary 256; byte 0 separates documents), so nothing is ever downloaded. Documents
+Text sources read bytes (vocabulary 256; byte 0 separates documents); a run with a BPE tokenizer encodes those
+documents again (:func:`launch.data.load_data`). Documents
 are split between training and validation by their names, so the same corpus always splits alike.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -26,8 +27,9 @@ class TokenData:
     train: list[np.ndarray]
     val: list[np.ndarray]
     vocab_size: int
-    tokenizer: Optional[str]  # "bytes" when text is byte-level, else None (ids only)
+    tokenizer: Any  # a launch.tokenizer.Tokenizer, or None for token ids without one
     description: str
+    stream: Any = None  # a launch.stream.StreamSpec: the training split is read as it is needed (train is empty)
 
     @property
     def train_tokens(self) -> int:
@@ -82,3 +84,18 @@ def _concat_with_eos(arrays: list[np.ndarray]) -> np.ndarray:
         out[pos + len(a)] = EOS
         pos += len(a) + 1
     return out
+
+
+class Windows:
+    """Non-overlapping windows of ``seq_len + 1`` tokens over a list of token arrays."""
+
+    def __init__(self, arrays: list[np.ndarray], seq_len: int) -> None:
+        self.arrays, self.seq_len = arrays, seq_len
+        counts = np.array([max(0, len(a) - 1) // seq_len for a in arrays], dtype=np.int64)
+        self.cum = np.cumsum(counts)
+        self.n = int(self.cum[-1]) if len(self.cum) else 0
+
+    def get(self, i: int) -> np.ndarray:
+        a = int(np.searchsorted(self.cum, i, side="right"))
+        off = (i - (int(self.cum[a - 1]) if a else 0)) * self.seq_len
+        return np.asarray(self.arrays[a][off:off + self.seq_len + 1], dtype=np.int64)

@@ -23,6 +23,7 @@ Python API::
 
 from __future__ import annotations
 
+import math
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from launch.build import build_algorithm, build_model, build_optimizer
 from launch.checkpoint import checkpoint_name, rng_state, set_rng_state
 from launch.compute import StepCompute
 from launch.config import Config, changed_settings, shared_settings
-from launch.data import Batcher, load_data
+from launch.data import Batcher, load_data, make_batcher, val_bytes_per_token
 from launch.errors import RunError
 from launch.metrics import Metrics
 from launch.mfu import matmul_precision, mfu_basis
@@ -88,8 +89,12 @@ class Trainer:
         self.micro_offset = (self.inner.rank if self.inner is not None else 0) * run.grad_accum
         seed_everything(run.seed)
         self.data = data or load_data(cfg.data)
-        self.batcher = batcher or Batcher(self.data, cfg.data.seq_len, run.batch_size * procs, self.rank, self.world,
-                                          run.seed, run.grad_accum * procs)
+        if self.data.stream is not None and procs > 1:
+            raise RunError("data.streaming: one process a worker reads a stream; run torchrun with --nproc-per-node 1 "
+                           "(or transport.mesh: off), or prepare shards with loco data prepare")
+        self.batcher = batcher or make_batcher(self.data, cfg.data.seq_len, run.batch_size * procs, self.rank,
+                                               self.world, run.seed, run.grad_accum * procs)
+        self.bytes_per_token: Optional[float] = None  # of the validation targets, for bits per byte; read once
         built_here = model is None  # from the run's seed (a model handed in may differ from worker to worker)
         if built_here:
             model, self.model_args = build_model(cfg, self.data, self.device)
@@ -124,6 +129,7 @@ class Trainer:
         self.resume_changes: Optional[str] = None  # settings changed since the checkpoint (set by a resume)
         self.resumed_from = self._resume()
         self.folder.write_config(cfg)
+        self.folder.write_tokenizer(self.data.tokenizer)
         self.progress.start_step = self.step
         # a signal stops the loop where every process can save: one worker at any step end; several where a
         # broadcast spans them all (round ends, or every log.every-th step)
@@ -176,9 +182,11 @@ class Trainer:
             "budget_s": self.clock.budget_spent_s(),
             "config": self.cfg.to_dict(),
             "model_args": vars(self.model_args) if self.model_args is not None else None,
-            "tokenizer": self.data.tokenizer,
+            "tokenizer": self.data.tokenizer.state() if self.data.tokenizer is not None else None,
             "num_workers": self.world,
         }
+        if hasattr(self.batcher, "state_dict"):  # a stream's position: each worker's own, whatever the algorithm
+            shared["streams"] = self.transport.gather_object(self.batcher.state_dict())
         if self.algo.replicated_state:
             return {**shared, **self.worker_state()}
         mine = host_copy(self.worker_state())
@@ -198,6 +206,9 @@ class Trainer:
         self.algo.load_state_dict(mine["algo"])
         set_rng_state(mine["rng"])
         self.progress.step = int(mine["step"])
+        if hasattr(self.batcher, "load_state_dict"):
+            streams = state.get("streams") or []
+            self.batcher.load_state_dict(streams[self.rank] if self.rank < len(streams) else None)
         self.clock.wall_prior = float(state.get("wall_s", 0.0))
         self.clock.budget_prior = float(state["budget_s"])  # the time budget spent before (virtual in the simulator)
         self.window.load(mine.get("log_window", {}))
@@ -257,6 +268,18 @@ class Trainer:
         self.model.train()
         return total / self.cfg.run.eval_batches
 
+    def bits_per_byte(self, val_loss: float) -> Optional[float]:
+        """The validation loss in bits per byte of text (None for token ids without a tokenizer)."""
+        if self.bytes_per_token is None:
+            self.bytes_per_token = val_bytes_per_token(self.batcher, self.data.tokenizer, self.cfg.run.eval_batches)
+        return val_loss / math.log(2) / self.bytes_per_token if self.bytes_per_token else None
+
+    def close_data(self) -> None:
+        """Stop a stream's reader (a batcher cut from arrays has nothing to stop)."""
+        close = getattr(self.batcher, "close", None)
+        if close is not None:
+            close()
+
     def fit(self) -> dict[str, Any]:
         if self.leader:
             self._announce()
@@ -300,6 +323,7 @@ class Trainer:
             record = self.report.line(self.window, lr, info)
             if evaluate:
                 record["val_loss"] = self.evaluate()
+                record["val_bpb"] = self.bits_per_byte(record["val_loss"])
                 self.last_val = (self.step, record["val_loss"])
             self.metrics.log(record)
             if hooks.on_step is not None:
@@ -350,10 +374,11 @@ class Trainer:
             val = self.evaluate()
             if not (at_end and self.folder.final_line_logged(self.step)):
                 # the done line below prints it
-                m.log(self.report.final_line(val, self.optimizer.param_groups[0]["lr"]), show=False)
+                m.log(self.report.final_line(val, self.bits_per_byte(val), self.optimizer.param_groups[0]["lr"]),
+                      show=False)
         if self.cfg.run.checkpoint_final:  # again at_end too: the checkpoint there may predate algo.finalize()
             self.save()
-        summary = self.report.summary(val, self.run_dir)
+        summary = self.report.summary(val, self.bits_per_byte(val), self.run_dir)
         if self.leader:
             path = self.folder.write_summary(summary)
             if self.cfg.log.plot:
@@ -371,12 +396,14 @@ def train(cfg: Config, model: Optional[nn.Module] = None, **kwargs: Any) -> dict
     try:
         summary = trainer.fit()
     except BaseException as e:
+        trainer.close_data()
         if owned:  # a failing run ends now, with its error: it does not wait for exchanges other ranks won't finish
             if isinstance(e, Interrupted) and e.clean:
                 trainer.transport.close()  # every worker stopped here together, after the save
             else:
                 trainer.transport.abort()
         raise
+    trainer.close_data()
     if owned:
         trainer.transport.close()
     return summary

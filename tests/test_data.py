@@ -17,7 +17,8 @@ import torch
 from launch.config import ConfigError, load_config
 from launch.config_schema import DataConfig
 from launch.data import Batcher, load_data
-from launch.data_sources import LLMC_MAGIC, _binary_reason, stdlib_files
+from launch.documents import _binary_reason, stdlib_files
+from launch.shards import LLMC_MAGIC
 from launch.python_corpus import load_python, python_files, python_roots
 from launch.token_data import BYTE_VOCAB, EOS, DataError, TokenData, _is_val, _split_documents
 
@@ -56,7 +57,7 @@ def _write(path: Path, text: str | bytes) -> Path:
 def test_stdlib_is_deterministic_byte_level():
     cfg = DataConfig(source="stdlib", max_docs=300, seq_len=64)
     a, b = load_data(cfg), load_data(cfg)
-    assert a.vocab_size == BYTE_VOCAB == 256 and a.tokenizer == "bytes"
+    assert a.vocab_size == BYTE_VOCAB == 256 and a.tokenizer.name == "bytes"
     assert len(a.train) == len(b.train) and len(a.val) == len(b.val)
     for x, y in zip(a.train + a.val, b.train + b.val):
         assert x.dtype == np.uint8
@@ -195,7 +196,7 @@ def test_python_source_documents_and_skips_on_a_temporary_tree(tmp_path):
     assert "+ 4 site-packages folder(s) (8 files: 2 stdlib, 6 site-packages" in data.description
     assert f"{data.train_tokens + data.val_tokens:,} tokens" in data.description
     assert "1 unreadable or non-UTF-8 files skipped" in data.description
-    assert data.vocab_size == BYTE_VOCAB and data.tokenizer == "bytes"
+    assert data.vocab_size == BYTE_VOCAB and data.tokenizer.name == "bytes"
 
 
 @pytest.mark.parametrize("n_files,fraction", [(1, 0.3), (3, 1e-9), (3, 0.9999), (8, 0.3), (8, 0.5)])
@@ -263,7 +264,7 @@ def test_text_single_file_split_by_token_tail(tmp_path):
     cut = int(len(raw) * 0.9)
     assert np.array_equal(data.train[0], raw[:cut])
     assert np.array_equal(data.val[0], raw[cut:])
-    assert data.vocab_size == 256 and data.tokenizer == "bytes"
+    assert data.vocab_size == 256 and data.tokenizer.name == "bytes"
 
 
 def _make_tree(root: Path) -> dict[str, bytes]:
@@ -525,7 +526,7 @@ def test_hf_saved_dataset(hf, tmp_path):
     rows = [*TEXTS, "", None]  # empty rows are skipped
     hf.Dataset.from_dict({"text": rows, "id": list(range(len(rows)))}).save_to_disk(str(tmp_path / "ds"))
     data = load_data(DataConfig(source="hf", path=str(tmp_path / "ds"), val_fraction=0.1, seq_len=16))
-    assert data.vocab_size == 256 and data.tokenizer == "bytes"
+    assert data.vocab_size == 256 and data.tokenizer.name == "bytes"
     train_docs, val_docs = _docs(data.train), _docs(data.val)
     assert train_docs and val_docs
     assert sorted(train_docs + val_docs) == sorted(t.encode() for t in TEXTS)
@@ -585,7 +586,7 @@ def test_hf_missing_local_path_raises(hf, tmp_path):
 
 
 def test_shards_all_named_for_validation_fall_back_to_a_tail_cut(tmp_path, monkeypatch):
-    import launch.data_sources as data_mod
+    import launch.shards as data_mod
 
     folder = tmp_path / "shards"
     folder.mkdir()
