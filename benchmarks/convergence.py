@@ -109,7 +109,8 @@ def run_one(args, method: str, seed: int, data, step_time: float, out_dir: Path)
     summary = simulate_once(cfg, data)
     curve = [(r["tokens"], r.get("bytes_sent", 0), r.get("virtual_s", 0.0), r["val_loss"])
              for r in read_metrics(run_dir) if r.get("val_loss") is not None]
-    return {"method": method, "seed": seed, "val_loss": summary["val_loss"], "bytes": summary["bytes_sent"],
+    return {"method": method, "seed": seed, "val_loss": summary["val_loss"], "val_bpb": summary.get("val_bpb"),
+            "bytes": summary["bytes_sent"],
             "peak": summary.get("peak_bytes_per_exchange", 0), "virtual_s": summary.get("virtual_wall_s", 0.0),
             "curve": curve, "real_s": time.perf_counter() - start}
 
@@ -184,10 +185,10 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
                  "evaluation), median over seeds; real / DDP's: against DDP's on the same steps")
     lines += [
         "",
-        "| method | val loss (median) | seeds | vs DDP | bytes sent / worker | DDP bytes / these | peak bytes / exchange | "
+        "| method | val loss (median) | val bpb (median) | seeds | vs DDP | bytes sent / worker | DDP bytes / these | peak bytes / exchange | "
         "virtual wall | virtual time to DDP's loss |" + (f" virtual time to {ref}'s loss |" if ref else "") +
         " real s (median) | real / DDP's |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if ref else "") + " --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if ref else "") + " --- | --- |",
     ]
     real = {m: statistics.median(r.get("real_s", math.nan) for r in by[m]) for m in methods}
     for m in methods:
@@ -202,7 +203,9 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
         to_ddp = median_time_to(rs, ddp, time_to) if ddp is not None else "not reached"
         to_ref = f" {median_time_to(rs, ref_loss, time_to_interp)} |" if ref else ""
         slower = f"{real[m] / real['ddp']:.2f}x" if "ddp" in real and real["ddp"] > 0 else ""
-        lines.append(f"| {m} | {med[m]:.4f} | {seeds} | {gap} | {human_bytes(b)} | {fewer} | {peak} | {wall:.1f} s | "
+        bpbs = [r["val_bpb"] for r in rs if r.get("val_bpb") is not None]
+        bpb = f"{statistics.median(bpbs):.4f}" if bpbs else "n/a"
+        lines.append(f"| {m} | {med[m]:.4f} | {bpb} | {seeds} | {gap} | {human_bytes(b)} | {fewer} | {peak} | {wall:.1f} s | "
                      f"{to_ddp} |{to_ref} {real[m]:.1f} | {slower} |")
     return "\n".join(lines) + "\n"
 

@@ -55,8 +55,8 @@ def add_data_commands(sub: Any, fmt: type) -> None:
     d.add_argument("--hf-split", default=defaults.hf_split, metavar="SPLIT", help="data.hf_split")
     d.add_argument("--hf-text-field", default=defaults.hf_text_field, metavar="FIELD", help="data.hf_text_field")
     d.add_argument("--hf-data-files", metavar="GLOB", help="data.hf_data_files")
-    d.add_argument("--shard-mb", type=float, default=64.0, metavar="MB",
-                   help="text per shard, in MB (default 64)")
+    d.add_argument("--shard-mb", type=float, metavar="MB",
+                   help="text per shard, in MB (default: a 64th of the source, from 1 to 64; 64 for hf)")
     d.add_argument("--workers", type=int, metavar="N", help="processes (default: every core this process may use)")
 
 
@@ -85,7 +85,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     if not 0 < args.val_fraction <= 0.5:
         raise DataError(f"--val-fraction {args.val_fraction}: a share in (0, 0.5]")
-    if args.shard_mb <= 0:
+    if args.shard_mb is not None and args.shard_mb <= 0:
         raise DataError(f"--shard-mb {args.shard_mb}: a positive size")
     hf = HFOptions(args.hf_name, args.hf_split, args.hf_text_field, args.hf_data_files)
     prepare(args.source, args.path, args.tokenizer, args.out, pattern=args.pattern, val_fraction=args.val_fraction,

@@ -10,6 +10,7 @@ rows would see, and a batch depends only on the step, which makes resume exact.
 
 from __future__ import annotations
 
+import sys
 from typing import Optional, Sequence
 
 import numpy as np
@@ -57,10 +58,17 @@ def _load_bytes(dcfg, hf: HFOptions) -> TokenData:
     return data
 
 
+LARGE_TEXT = 64_000_000  # bytes of text whose encoding at start is announced
+
+
 def encoded(data: TokenData, tokenizer: Tokenizer) -> TokenData:
     """Byte documents (each ending in byte 0) in ``tokenizer``'s ids; byte-level data as it is."""
     if isinstance(tokenizer, ByteTokenizer):
         return data
+    size = sum(len(a) for a in data.train + data.val)
+    if size > LARGE_TEXT:  # a minute or more: say what is happening, and how to do it once
+        print(f"encoding {size / 1e6:,.0f} MB of text with {tokenizer.describe()} (loco data prepare does it once "
+              f"for every run)", file=sys.stderr, flush=True)
     splits = []
     for arrays in (data.train, data.val):
         out = []

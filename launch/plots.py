@@ -173,7 +173,9 @@ def runs_figure(run_dirs: Iterable[str | Path], title: Optional[str] = None):
         color = line.get_color()
         if val:
             ax_tok.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o-", color=color, ms=4)
-        handles.append(Line2D([], [], color=color, lw=2, label=label))
+        bpb = next((r["val_bpb"] for r in reversed(val) if r.get("val_bpb") is not None), None)
+        handles.append(Line2D([], [], color=color, lw=2,
+                              label=label if bpb is None else f"{label}: val {bpb:.3f} bits/byte"))
         sent = [r for r in train if r.get("bytes_sent")]
         sent_val = [r for r in val if r.get("bytes_sent")]
         for r in sent + sent_val:

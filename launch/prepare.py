@@ -27,6 +27,15 @@ from launch.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 
 SETTINGS = "prepare.json"
 UNITS = "units"  # one record per finished unit
+MAX_SHARD_MB = 64
+
+
+def auto_shard_mb(total: Optional[int]) -> float:
+    """Text per shard when none is asked for: a 64th of a source of known size (so every core of a large machine
+    has units to take), from 1 to 64 MB; 64 MB for a stream of unknown size."""
+    if total is None:
+        return MAX_SHARD_MB
+    return float(min(MAX_SHARD_MB, max(1, round(total / 1e6 / 64))))
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -118,12 +127,14 @@ def _check_folder(out: Path, settings: dict[str, Any]) -> Optional[dict[str, Any
 
 def prepare(source: str, path: Optional[str], tokenizer: str, out: str, *, pattern: str = "**/*",
             val_fraction: float = 0.01, max_docs: Optional[int] = None, hf: Optional[HFOptions] = None,
-            shard_mb: float = 64.0, workers: Optional[int] = None,
+            shard_mb: Optional[float] = None, workers: Optional[int] = None,
             say: Callable[[str], None] = print) -> dict[str, Any]:
     """Tokenize a source into ``out``; returns the manifest. Resumes an interrupted folder."""
     tok = load_tokenizer(tokenizer)
     hf = hf or HFOptions()
     folder = Path(out)
+    where, docs, total = documents(source, path, pattern, max_docs, hf)
+    shard_mb = shard_mb or auto_shard_mb(total)
     settings = {"source": source, "path": str(Path(path).resolve()) if path and Path(path).exists() else path,
                 "pattern": pattern, "val_fraction": val_fraction, "max_docs": max_docs,
                 "hf": vars(hf) if source == "hf" else None, "tokenizer_sha256": tok.sha256 or tok.name,
@@ -132,7 +143,6 @@ def prepare(source: str, path: Optional[str], tokenizer: str, out: str, *, patte
     if done is not None:
         say(f"{folder}: already prepared ({done['tokens']['train']:,} train / {done['tokens']['val']:,} val tokens)")
         return done
-    where, docs, total = documents(source, path, pattern, max_docs, hf)
     (folder / UNITS).mkdir(parents=True, exist_ok=True)
     _atomic_write(folder / SETTINGS, json.dumps(settings, indent=1).encode())
     if isinstance(tok, BPETokenizer):

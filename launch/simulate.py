@@ -289,7 +289,7 @@ def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel) 
     equal = rows[0][1].get("equal_time") if len(rows) == 2 else None
     width = max(28, *(len(label) for label, _ in rows))
     at_head = f"loss at {equal['at_s']:.1f}s" if equal else ""
-    head = (f"{'run':<{width}} {'val loss':>9} {'tokens':>9} {'sent/worker':>12} {'virtual wall':>13} "
+    head = (f"{'run':<{width}} {'val loss':>9} {'val bpb':>8} {'tokens':>9} {'sent/worker':>12} {'virtual wall':>13} "
             f"{'compute util':>13}")
     at_w = max(15, len(at_head))
     if equal:
@@ -299,7 +299,8 @@ def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel) 
     for i, (label, s) in enumerate(rows):
         per_worker = s.get("bytes_sent_per_worker") or [s["bytes_sent"]]
         util = s.get("compute_utilization")
-        line = (f"{label:<{width}} {s['val_loss']:>9.4f} {s['tokens'] / 1e6:>8.2f}M {human_bytes(max(per_worker)):>12} "
+        bpb = "n/a" if s.get("val_bpb") is None else f"{s['val_bpb']:.4f}"
+        line = (f"{label:<{width}} {s['val_loss']:>9.4f} {bpb:>8} {s['tokens'] / 1e6:>8.2f}M {human_bytes(max(per_worker)):>12} "
                 f"{s.get('virtual_wall_s', 0):>12.1f}s {'' if util is None else f'{100 * util:.1f}%':>13}")
         if equal:
             loss = equal["loss_at"][i]

@@ -65,6 +65,46 @@ class _Stop(Exception):
     pass
 
 
+def share_docs(spec: StreamSpec, share: int, shares: int, position: Optional[dict[str, int]],
+               stopped: Optional[threading.Event] = None) -> Iterator[tuple[int, int, int, np.ndarray, int]]:
+    """(epoch, document, row, tokens with their EOS, tokens already used) of one share, from ``position``,
+    epoch after epoch."""
+    epoch = position["epoch"] if position else 0
+    while True:
+        first = position is not None and position["epoch"] == epoch
+        start_row = position["row"] if first else 0
+        doc = position["doc"] if first else -spec.val_docs  # the validation documents come first, below 0
+        found = False
+        batch: list[tuple[int, int, str]] = []
+        for row, text in hf_texts(open_hf(spec.path, spec.opts, streaming=True), spec.path, spec.opts.text_field,
+                                  start_row):
+            if stopped is not None and stopped.is_set():
+                raise _Stop
+            if doc >= 0 and doc % shares == share:
+                batch.append((doc, row, text))
+            doc += 1
+            if len(batch) == BATCH_DOCS:
+                yield from _encoded(spec.tokenizer, epoch, batch, position if first else None)
+                batch, found = [], True
+        if batch:
+            yield from _encoded(spec.tokenizer, epoch, batch, position if first else None)
+            found = True
+        if not found and not first:
+            raise DataError(f"{spec.path}: worker {share} of {shares} has no documents to train on (the stream has "
+                            f"fewer than data.val_docs + {shares} = {spec.val_docs + shares} documents)")
+        epoch += 1
+
+
+def _encoded(tok: Any, epoch: int, batch: list[tuple[int, int, str]],
+             position: Optional[dict[str, int]]) -> Iterator[tuple[int, int, int, np.ndarray, int]]:
+    for (doc, row, _), ids in zip(batch, tok.encode_batch([t for _, _, t in batch])):
+        tokens = np.empty(len(ids) + 1, dtype=np.int64)
+        tokens[:-1] = ids
+        tokens[-1] = tok.eos
+        used = position["offset"] if position is not None and doc == position["doc"] else 0
+        yield epoch, doc, row, tokens, used
+
+
 class StreamReader:
     """This share's micro-batches, in order, from a position; a daemon thread fills a short queue."""
 
@@ -99,49 +139,12 @@ class StreamReader:
                 continue
         raise _Stop
 
-    def _docs(self, position: Optional[dict[str, int]]) -> Iterator[tuple[int, int, int, np.ndarray, int]]:
-        """(epoch, document, row, tokens with their EOS, tokens already used) of this share, from ``position``."""
-        spec, tok = self.spec, self.spec.tokenizer
-        epoch = position["epoch"] if position else 0
-        while True:
-            first = position is not None and position["epoch"] == epoch
-            start_row = position["row"] if first else 0
-            doc = position["doc"] if first else -spec.val_docs  # the val documents come first, numbered below 0
-            found = False
-            batch: list[tuple[int, int, str]] = []
-            for row, text in hf_texts(open_hf(spec.path, spec.opts, streaming=True), spec.path,
-                                      spec.opts.text_field, start_row):
-                if self.stopped.is_set():
-                    raise _Stop
-                if doc >= 0 and doc % self.shares == self.share:
-                    batch.append((doc, row, text))
-                    if len(batch) == BATCH_DOCS:
-                        yield from self._encoded(epoch, batch, position if first else None)
-                        batch, found = [], True
-                doc += 1
-            if batch:
-                yield from self._encoded(epoch, batch, position if first else None)
-                found = True
-            if not found and not (first and position["doc"] >= 0):
-                raise DataError(f"{spec.path}: worker {self.share} of {self.shares} has no documents to train on "
-                                f"(the stream has fewer than {spec.val_docs + self.shares} documents)")
-            epoch += 1
-
-    def _encoded(self, epoch: int, batch: list[tuple[int, int, str]],
-                 position: Optional[dict[str, int]]) -> Iterator[tuple[int, int, int, np.ndarray, int]]:
-        tok = self.spec.tokenizer
-        for (doc, row, _), ids in zip(batch, tok.encode_batch([t for _, _, t in batch])):
-            tokens = np.empty(len(ids) + 1, dtype=np.int64)
-            tokens[:-1] = ids
-            tokens[-1] = tok.eos
-            used = position["offset"] if position is not None and doc == position["doc"] else 0
-            yield epoch, doc, row, tokens, used
-
     def _run(self, position: Optional[dict[str, int]]) -> None:
         try:
             block = np.empty((self.rows, self.need), dtype=np.int64)
             filled, row_i = 0, 0
-            for epoch, doc, row, tokens, used in self._docs(position):
+            for epoch, doc, row, tokens, used in share_docs(self.spec, self.share, self.shares, position,
+                                                            self.stopped):
                 while used < len(tokens):
                     take = min(self.need - filled, len(tokens) - used)
                     block[row_i, filled:filled + take] = tokens[used:used + take]

@@ -19,6 +19,7 @@ import numpy as np
 
 from launch.token_data import BYTE_VOCAB, EOS, DataError
 
+ENCODE_CHUNK = 256  # texts per encode_batch call
 # the end-of-document tokens of common tokenizers, in the order they are looked for
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
 
@@ -113,7 +114,11 @@ class BPETokenizer(Tokenizer):
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
-        return [np.asarray(e.ids, dtype=dtype) for e in self.tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+        out: list[np.ndarray] = []
+        for i in range(0, len(texts), ENCODE_CHUNK):  # an Encoding holds each token's string too: a few at a time
+            encodings = self.tok.encode_batch_fast(list(texts[i:i + ENCODE_CHUNK]), add_special_tokens=False)
+            out.extend(np.asarray(e.ids, dtype=dtype) for e in encodings)
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -184,8 +189,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | os.PathLike, tot
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_NAMES[0]],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_counted(texts, total_bytes, say), trainer=trainer)
-    say(f"merging pairs into {vocab_size:,} ids ...")
     bpe = BPETokenizer(tok, str(out))
+    if bpe.vocab_size < vocab_size:
+        say(f"the text has no more pairs seen twice: the vocabulary stops at {bpe.vocab_size:,} of {vocab_size:,} ids")
     bpe.save(out)
     return bpe
 

@@ -337,7 +337,8 @@ class Trainer:
 
     def _announce(self) -> None:
         cfg, m = self.cfg, self.metrics
-        m.info(f"{self.data.description}: {self.data.train_tokens:,} train / {self.data.val_tokens:,} val tokens; "
+        train = "streamed" if self.data.stream is not None else f"{self.data.train_tokens:,}"
+        m.info(f"{self.data.description}: {train} train / {self.data.val_tokens:,} val tokens; "
                f"model {count_params(self.model) / 1e6:.2f}M params on {self.device}; algorithm {cfg.algo.name} "
                f"x {self.world} worker(s); run folder {self.run_dir}")
         if self.device.type != "cpu":  # a CPU has no datasheet peak: no MFU, and no line about it
