@@ -57,9 +57,6 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
                           f"writes one)")
     if d.streaming and d.source != "hf":
         fail("data.streaming", f"streams Hugging Face datasets (data.source: hf); data.source is {d.source!r}")
-    if d.tokenizer and d.tokenizer != "bytes" and not Path(d.tokenizer).is_file():
-        fail("data.tokenizer", f"{d.tokenizer!r} is not a file: use bytes, or a tokenizers JSON file "
-                               f"(loco tokenizer train --out FILE makes one)")
     try:  # the named size with its overrides must make a valid shape
         args = model_args_from_config(cfg.model, cfg.model.vocab_size or 256, d.seq_len)
     except ValueError as e:

@@ -93,7 +93,8 @@ class BPETokenizer(Tokenizer):
 
         p = Path(path)
         if not p.is_file():
-            raise DataError(f"{p}: no such tokenizer file (data.tokenizer is 'bytes' or a tokenizers JSON file)")
+            raise DataError(f"{p}: no such tokenizer file (data.tokenizer is bytes or a tokenizers JSON file; "
+                            f"loco tokenizer train --out {p} makes one)")
         try:
             tok = HFTokenizer.from_file(str(p))
         except Exception as e:  # the Rust side raises plain Exceptions with serde's message

@@ -380,6 +380,9 @@ class Trainer:
         if self.cfg.run.checkpoint_final:  # again at_end too: the checkpoint there may predate algo.finalize()
             self.save()
         summary = self.report.summary(val, self.bits_per_byte(val), self.run_dir)
+        tok = self.data.tokenizer
+        summary["tokenizer"] = None if tok is None else {"name": tok.name, "sha256": tok.sha256,
+                                                         "vocab_size": tok.vocab_size}
         if self.leader:
             path = self.folder.write_summary(summary)
             if self.cfg.log.plot:
