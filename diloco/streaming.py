@@ -73,10 +73,13 @@ def layer_fragments(model: torch.nn.Module, num_fragments: int) -> list[list[Any
     """
     params = [p for p in model.parameters() if p.requires_grad]
     index = {id(p): i for i, p in enumerate(params)}
+    # the layers: the children of the list of modules that holds the most parameters (loco's model.layers, a
+    # transformers model's model.layers or transformer.h, wherever it is nested)
+    lists = [m for m in model.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))]
+    stack = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
     layers: list[list[int]] = []
-    for child in model.children():
-        if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)):
-            layers.extend([index[id(p)] for p in layer.parameters() if id(p) in index] for layer in child)
+    if stack is not None:
+        layers.extend([index[id(p)] for p in layer.parameters() if id(p) in index] for layer in stack)
     layers = [l for l in layers if l]
     if num_fragments > len(layers):
         raise ValueError(f"algo.fragments={num_fragments} is more than the model's {len(layers)} layers")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -13,6 +14,8 @@ from diloco.comm import Transport
 from launch.algorithms import algorithm_class
 from launch.config import Config
 from launch.errors import RunError
+from launch.hf_models import build_hf_model, load_hf_weights
+from launch.hf_init import load_loco_weights, loco_args_of, maps_to_loco
 from launch.models import Transformer, model_args_from_config
 from launch.runtime import check_model_fits
 from launch.token_data import TokenData
@@ -21,9 +24,27 @@ FUSED_DEVICES = ("cuda", "cpu")  # where torch has fused AdamW and SGD kernels
 
 
 def build_model(cfg: Config, data: TokenData, device: torch.device) -> tuple[nn.Module, Any]:
-    """loco's model of ``cfg.model`` for ``data``'s vocabulary, initialised from ``run.seed`` where it trains (a
-    1B model takes seconds to initialise on a CPU), and its arguments."""
-    args = model_args_from_config(cfg.model, data.vocab_size, cfg.data.seq_len)
+    """The run's model for ``data``'s vocabulary, initialised from ``run.seed`` where it trains (a 1B model takes
+    seconds to initialise on a CPU), or loaded from ``model.init_from``; and loco's model arguments (None for a
+    ``transformers`` model)."""
+    m = cfg.model
+    hf_config = m.hf_config or (m.init_from if m.init_from and not maps_to_loco(m.init_from) else None)
+    if hf_config:
+        torch.manual_seed(cfg.run.seed)
+        with torch.device(device):
+            model = build_hf_model(hf_config, data.vocab_size, cfg.data.seq_len)
+        if m.init_from:
+            load_hf_weights(model, Path(m.init_from))
+        return model, None
+    if m.init_from:
+        args = loco_args_of(m.init_from, cfg.data.seq_len)
+        model, _ = _loco_model(cfg, args, data, device)
+        load_loco_weights(model, Path(m.init_from))
+        return model, args
+    return _loco_model(cfg, model_args_from_config(m, data.vocab_size, cfg.data.seq_len), data, device)
+
+
+def _loco_model(cfg: Config, args: Any, data: TokenData, device: torch.device) -> tuple[nn.Module, Any]:
     if args.vocab_size < data.vocab_size:  # a token past the embedding: a device assert
         raise RunError(f"model.vocab_size={args.vocab_size} is smaller than the data's vocabulary of "
                        f"{data.vocab_size} tokens: raise it, or leave it unset to take the data's")

@@ -36,6 +36,11 @@ class ModelConfig:
     rope_theta: float = _f(10000.0, "Base of the rotary position embedding frequencies.", gt=0)
     norm_eps: float = _f(1e-5, "Epsilon of RMSNorm.", gt=0)
     init_std: float = _f(0.02, "Standard deviation of the weight initialisation.", gt=0)
+    hf_config: Optional[str] = _f(None, "A transformers config.json (or its folder): the model is that causal LM, built "
+                                        "with AutoModelForCausalLM.from_config (pip install 'loco[hf]'); the keys "
+                                        "above are then unused.")
+    init_from: Optional[str] = _f(None, "A Hugging Face model folder (safetensors) to start from: loco's own Llama "
+                                        "model mapped back, or the hf_config model; every worker starts from it.")
 
 
 @dataclass

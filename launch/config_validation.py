@@ -4,6 +4,7 @@ algorithm cannot run with, a simulator trace that does not parse)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
     def fail(key: str, msg: str) -> None:
         raise ConfigError(f"{where(key)}: {key}: {msg}")
 
-    from launch.models import SIZES, model_args_from_config  # local import: models imports torch
+    from launch.models import SIZES  # local import: models imports torch
 
     if cfg.model.size not in SIZES:
         fail("model.size", f"unknown size {cfg.model.size!r}, allowed: {', '.join(SIZES)}")
@@ -57,16 +58,12 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
                           f"writes one)")
     if d.streaming and d.source != "hf":
         fail("data.streaming", f"streams Hugging Face datasets (data.source: hf); data.source is {d.source!r}")
-    try:  # the named size with its overrides must make a valid shape
-        args = model_args_from_config(cfg.model, cfg.model.vocab_size or 256, d.seq_len)
-    except ValueError as e:
-        named = re.findall(r"model\.\w+", str(e))  # blame the first key in the message the user set
-        fail(next((k for k in named if where(k) != "default"), named[0] if named else "model.size"), str(e))
+    n_layers = _model_layers(cfg, fail, where)
     from diloco import ConfigConflict
     from launch.algorithms import algorithm_class
 
     try:  # each algorithm states its own constraints across keys
-        algorithm_class(cfg.algo.name).check_config(cfg, args.n_layers)
+        algorithm_class(cfg.algo.name).check_config(cfg, n_layers)
     except ConfigConflict as e:
         fail(e.key, e.message)
     if cfg.sync.mode == "time" and not cfg.sync.time_budget_s:
@@ -98,3 +95,32 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
             ChurnSchedule.parse(sim.churn, sim.workers, cfg.run.seed)
         except (OSError, ChurnError) as e:
             fail("sim.churn", str(e))
+
+
+def _model_layers(cfg: Any, fail: Any, where: Any) -> int:
+    """The model's number of layers (what algorithms check their settings against); a model that cannot be
+    built as configured fails on the key to blame."""
+    m = cfg.model
+    for key in ("hf_config", "init_from"):
+        value = getattr(m, key)
+        if value and not Path(value).exists():
+            fail(f"model.{key}", f"{value!r} does not exist")
+    if m.hf_config or m.init_from:
+        from launch.errors import RunError
+        from launch.hf_models import config_file, n_layers_of, read_hf_config
+
+        key = "model.hf_config" if m.hf_config else "model.init_from"
+        try:
+            if m.hf_config:
+                return n_layers_of(read_hf_config(m.hf_config))
+            raw = json.loads(config_file(m.init_from).read_text())
+            return int(raw.get("num_hidden_layers") or raw.get("n_layer") or 1)
+        except (RunError, OSError, ValueError) as e:
+            fail(key, str(e))
+    from launch.models import model_args_from_config
+
+    try:  # the named size with its overrides must make a valid shape
+        return model_args_from_config(m, m.vocab_size or 256, cfg.data.seq_len).n_layers
+    except ValueError as e:
+        named = re.findall(r"model\.\w+", str(e))  # blame the first key in the message the user set
+        fail(next((k for k in named if where(k) != "default"), named[0] if named else "model.size"), str(e))

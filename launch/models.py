@@ -198,19 +198,26 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.args.max_seq_len:]
-            logits = self(context)[:, -1, :].float()
-            if temperature <= 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
-        return idx
+        return sample_tokens(self, idx, max_new_tokens, self.args.max_seq_len, temperature, top_k, generator)
+
+
+@torch.no_grad()
+def sample_tokens(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, context: int, temperature: float = 1.0,
+                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """``idx`` and ``max_new_tokens`` more ids, each drawn from the logits of the last ``context`` ids (greedy
+    at temperature 0)."""
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -context:])[:, -1, :].float()
+        if temperature <= 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
 
 
 def count_params(model: nn.Module, non_embedding: bool = False) -> int:

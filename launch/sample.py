@@ -49,14 +49,20 @@ def sample(checkpoint: str, prompt: str, max_new_tokens: int, temperature: float
     from launch.tokenizer import tokenizer_from_state
 
     path, state = load_for_sampling(checkpoint)
-    if not state.get("model_args"):
+    if state.get("hf_config"):
+        from launch.hf_models import HFCausalLM, config_from_dict
+
+        model = HFCausalLM(config_from_dict(state["hf_config"], str(path)))
+        vocab = int(model.hf.get_output_embeddings().weight.shape[0])
+    elif state.get("model_args"):
+        model = Transformer(ModelArgs(**state["model_args"]))
+        vocab = int(state["model_args"].get("vocab_size", 0))
+    else:
         raise RunError(f"{path}: trained with a custom model; sample with your own code via the Python API")
     tokenizer = tokenizer_from_state(state.get("tokenizer"), str(path))
     device = resolve_device(device_name)
-    model = Transformer(ModelArgs(**state["model_args"]))
     model.load_state_dict(state["model"])
     model.to(device).eval()
-    vocab = int(state["model_args"].get("vocab_size", 0))
     ids = prompt_ids(prompt, tokenizer, vocab, path)
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)

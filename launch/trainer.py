@@ -39,6 +39,7 @@ from launch.compute import StepCompute
 from launch.config import Config, changed_settings, shared_settings
 from launch.data import Batcher, load_data, make_batcher, val_bytes_per_token
 from launch.errors import RunError
+from launch.hf_models import folder_sha256
 from launch.metrics import Metrics
 from launch.mfu import matmul_precision, mfu_basis
 from launch.models import count_params
@@ -182,6 +183,7 @@ class Trainer:
             "budget_s": self.clock.budget_spent_s(),
             "config": self.cfg.to_dict(),
             "model_args": vars(self.model_args) if self.model_args is not None else None,
+            "hf_config": self.model.config_dict() if hasattr(self.model, "config_dict") else None,
             "tokenizer": self.data.tokenizer.state() if self.data.tokenizer is not None else None,
             "num_workers": self.world,
         }
@@ -347,6 +349,15 @@ class Trainer:
             changes = f"; settings changed since it was saved: {self.resume_changes}" if self.resume_changes else ""
             m.info(f"resumed from {self.resumed_from}{changes}", self.step)
 
+    def _sources(self) -> dict[str, Any]:
+        """What the run started from, for summary.json: its tokenizer, and the weights of ``model.init_from``."""
+        tok, init = self.data.tokenizer, self.cfg.model.init_from
+        out: dict[str, Any] = {"tokenizer": None if tok is None else {"name": tok.name, "sha256": tok.sha256,
+                                                                      "vocab_size": tok.vocab_size}}
+        if init:
+            out["init_from"] = {"path": init, "sha256": folder_sha256(Path(init))}
+        return out
+
     def _stop(self, signum: int) -> None:
         """Save where a signal stopped the loop (every worker is here), then raise Interrupted."""
         m = self.metrics
@@ -380,9 +391,7 @@ class Trainer:
         if self.cfg.run.checkpoint_final:  # again at_end too: the checkpoint there may predate algo.finalize()
             self.save()
         summary = self.report.summary(val, self.bits_per_byte(val), self.run_dir)
-        tok = self.data.tokenizer
-        summary["tokenizer"] = None if tok is None else {"name": tok.name, "sha256": tok.sha256,
-                                                         "vocab_size": tok.vocab_size}
+        summary.update(self._sources())
         if self.leader:
             path = self.folder.write_summary(summary)
             if self.cfg.log.plot:

@@ -1,0 +1,128 @@
+"""Any transformers causal LM as loco's model (model.hf_config) and weights from a Hugging Face folder
+(model.init_from): trained with DiLoCo alike in the simulator and under torchrun, resumed exactly, and every bad
+input refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, loco, simulate_and_torchrun
+from launch.cli import main
+
+CONFIGS = {
+    "llama": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64,
+              "tie_word_embeddings": False},
+    # no dropout: its draws come from each process's generator, which the simulator's workers share
+    "gpt2": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 64,
+             "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+}
+COMMON = ["--set", "data.seq_len=32", "--set", "run.batch_size=4", "--set", "data.max_docs=60",
+          "--set", "run.eval_batches=1", "--set", "log.plot=false", "--set", "run.device=cpu",
+          "--set", "run.threads=1"]
+
+
+def _config(folder: Path, kind: str, **changes) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{kind}.json"
+    path.write_text(json.dumps({**CONFIGS[kind], **changes}))
+    return path
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_an_hf_config_model_trains_alike_simulated_and_under_torchrun(tmp_path, kind, capfd):
+    config = _config(tmp_path, kind)
+    args = ["--config", TINY, "--max-steps", "4", "--seed", "3", *COMMON, "--set", f"model.hf_config={config}",
+            "--set", "algo.name=diloco", "--set", "algo.inner_steps=2", "--set", "run.checkpoint_every=4"]
+    a, b, sa, sb = simulate_and_torchrun(tmp_path, args, 2, capfd)
+    assert a["hf_config"]["model_type"] == kind and a["model_args"] is None
+    assert next(iter(a["model"])).startswith("hf.")
+    assert _max_diff(a["model"], b["model"]) < 1e-5
+    assert sa["bytes_sent"] == sb["bytes_sent"] > 0 and sa["val_bpb"] is not None
+
+
+def test_an_hf_config_run_resumes_exactly_and_samples(tmp_path, tiny_cfg, capsys):
+    from launch.trainer import Hooks, train
+
+    config = _config(tmp_path, "gpt2")
+    extra = ["data.seq_len=32", "run.batch_size=4", "run.max_steps=6", "run.eval_every=3", "log.every=1",
+             f"model.hf_config={config}", "run.checkpoint_every=0"]
+    whole = train(tiny_cfg(*extra, run_dir=tmp_path / "whole"))
+
+    def interrupt(step, record):
+        if step == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_cfg(*extra, run_dir=tmp_path / "broken"), hooks=Hooks(on_step=interrupt))
+    resumed = train(tiny_cfg(*extra, "run.resume=true", run_dir=tmp_path / "broken"))
+    assert resumed["val_loss"] == whole["val_loss"]
+    capsys.readouterr()
+    assert main(["sample", "--run-dir", str(tmp_path / "whole"), "--prompt", "def ", "--max-new-tokens", "5",
+                 "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+
+def test_init_from_a_saved_hf_model_starts_every_worker_from_its_weights(tmp_path, capfd):
+    from launch.hf_models import HFCausalLM, read_hf_config
+
+    config = _config(tmp_path, "gpt2")
+    torch.manual_seed(123)
+    saved = HFCausalLM(read_hf_config(config))
+    saved.hf.save_pretrained(tmp_path / "start")
+    run = loco(["simulate", "--config", TINY, "--workers", "2", "--max-steps", "1", *COMMON,
+                "--set", f"model.hf_config={config}", "--set", f"model.init_from={tmp_path / 'start'}",
+                "--set", "optim.lr=1e-12", "--set", "optim.warmup_steps=0", "--set", "algo.name=diloco",
+                "--set", "algo.inner_steps=1", "--set", "run.checkpoint_every=1", "--baseline", "none",
+                "--run-dir", str(tmp_path / "run")], capfd)
+    assert run.returncode == 0, run.stderr[-2000:]
+    from launch.checkpoint import latest_checkpoint
+
+    state = latest_checkpoint(tmp_path / "run" / "checkpoints")[1]
+    for w in state["workers"]:
+        assert _max_diff({k: v for k, v in saved.state_dict().items()}, w["model"]) < 1e-6
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["init_from"]["path"] == str(tmp_path / "start") and len(summary["init_from"]["sha256"]) == 64
+
+
+def _one_error(capsys, *sets: str) -> str:
+    capsys.readouterr()
+    argv = ["train", "--config", TINY, "--max-steps", "1", *COMMON]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+def test_bad_models_and_weights_are_one_line(tmp_path, capsys):
+    from launch.hf_models import HFCausalLM, read_hf_config
+
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"model_type": "no-such-model", "hidden_size": 8}))
+    assert "transformers does not know model_type 'no-such-model'" in _one_error(capsys, f"model.hf_config={unknown}")
+    small = _config(tmp_path / "small", "gpt2", vocab_size=200)
+    assert "vocab_size 200 is smaller than the tokenizer's 256 ids" in _one_error(capsys, f"model.hf_config={small}")
+    gpt2 = _config(tmp_path, "gpt2")
+    folder = tmp_path / "sharded"
+    HFCausalLM(read_hf_config(gpt2)).hf.save_pretrained(folder, max_shard_size="20KB")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[-1]
+    (folder / victim).rename(tmp_path / victim)
+    assert f"names {victim}, which is not in" in _one_error(capsys, f"model.hf_config={gpt2}",
+                                                             f"model.init_from={folder}")
+    wide = tmp_path / "wide"
+    HFCausalLM(read_hf_config(_config(tmp_path / "w", "gpt2", n_embd=48))).hf.save_pretrained(wide)
+    assert "has shape" in _one_error(capsys, f"model.hf_config={gpt2}", f"model.init_from={wide}")
+    llama = tmp_path / "llama"
+    HFCausalLM(read_hf_config(_config(tmp_path / "l", "llama"))).hf.save_pretrained(llama)
+    assert "another architecture" in _one_error(capsys, f"model.hf_config={gpt2}", f"model.init_from={llama}")
