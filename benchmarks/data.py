@@ -116,31 +116,32 @@ def bench_steps(args, tok_path: str, shards: str, work: Path) -> dict:
         "stream": base + ["data.source=hf", f"data.path={jsonl}", "data.streaming=true"],
     }
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    out = {}
+    runs = {}
     for name, sets in sources.items():
         cfg, _ = load_config([str(ROOT / "configs" / "tiny.yaml")], sets)
         data = load_data(cfg.data)
-        batcher = make_batcher(data, cfg.data.seq_len, cfg.run.batch_size)
         torch.manual_seed(0)
         model = Transformer(model_args_from_config(cfg.model, data.vocab_size, cfg.data.seq_len))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        fetch, whole = [], []
-        for step in range(args.steps + 5):
+        runs[name] = {"batcher": make_batcher(data, cfg.data.seq_len, cfg.run.batch_size), "model": model,
+                      "opt": torch.optim.AdamW(model.parameters(), lr=1e-3), "fetch": [], "whole": [],
+                      "batch": f"{cfg.run.batch_size} x {cfg.data.seq_len}"}
+    for step in range(args.steps + 5):  # the sources alternate, step by step, so the machine's load hits both
+        for r in runs.values():
             t0 = time.perf_counter()
-            x, y = batcher.train_batch(step)
+            x, y = r["batcher"].train_batch(step)
             t1 = time.perf_counter()
-            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss = torch.nn.functional.cross_entropy(r["model"](x).flatten(0, 1), y.flatten())
             loss.backward()
-            opt.step()
-            opt.zero_grad()
+            r["opt"].step()
+            r["opt"].zero_grad()
             t2 = time.perf_counter()
             if step >= 5:  # the first steps warm the allocator and fill the stream's queue
-                fetch.append(t1 - t0)
-                whole.append(t2 - t0)
-        getattr(batcher, "close", lambda: None)()
-        out[name] = {"fetch_ms": 1e3 * statistics.median(fetch), "step_ms": 1e3 * statistics.median(whole),
-                     "batch": f"{cfg.run.batch_size} x {cfg.data.seq_len}"}
-    return out
+                r["fetch"].append(t1 - t0)
+                r["whole"].append(t2 - t0)
+    for r in runs.values():
+        getattr(r["batcher"], "close", lambda: None)()
+    return {name: {"fetch_ms": 1e3 * statistics.median(r["fetch"]), "step_ms": 1e3 * statistics.median(r["whole"]),
+                   "batch": r["batch"]} for name, r in runs.items()}
 
 
 def bench_stream_memory(args, work: Path) -> dict:

@@ -30,7 +30,7 @@ def load_data(dcfg) -> TokenData:
     tokenizer = load_tokenizer(dcfg.tokenizer)
     hf = HFOptions(dcfg.hf_name, dcfg.hf_split, dcfg.hf_text_field, dcfg.hf_data_files)
     if dcfg.streaming:
-        data = load_stream(dcfg.path, hf, tokenizer, dcfg.val_docs)
+        data = load_stream(dcfg.path, hf, tokenizer, dcfg.val_docs, dcfg.max_docs)
     elif dcfg.source == "shards":
         data = load_shards(dcfg.path, dcfg.val_path, dcfg.dtype, dcfg.vocab_size, dcfg.val_fraction,
                            tokenizer if dcfg.tokenizer else None)

@@ -32,9 +32,10 @@ class StreamSpec:
     opts: HFOptions
     tokenizer: Any
     val_docs: int
+    max_docs: Optional[int] = None  # documents (validation ones included) read of the stream before it starts again
 
 
-def load_stream(path: str, opts: HFOptions, tokenizer: Any, val_docs: int) -> TokenData:
+def load_stream(path: str, opts: HFOptions, tokenizer: Any, val_docs: int, max_docs: Optional[int] = None) -> TokenData:
     """The validation documents (read now) and what the batchers read the rest with."""
     ds = open_hf(path, opts, streaming=True)
     texts: list[str] = []
@@ -46,7 +47,7 @@ def load_stream(path: str, opts: HFOptions, tokenizer: Any, val_docs: int) -> To
         raise DataError(f"{path}: the stream has {len(texts)} documents, so none are left to train on after "
                         f"data.val_docs={val_docs}")
     val = _with_eos(tokenizer.encode_batch(texts[:val_docs]), tokenizer.eos)
-    spec = StreamSpec(path, opts, tokenizer, val_docs)
+    spec = StreamSpec(path, opts, tokenizer, val_docs, max_docs)
     return TokenData([], [val], tokenizer.vocab_size, tokenizer,
                      f"streamed Hugging Face dataset {path} (the first {val_docs} documents validate)", stream=spec)
 
@@ -80,6 +81,8 @@ def share_docs(spec: StreamSpec, share: int, shares: int, position: Optional[dic
                                   start_row):
             if stopped is not None and stopped.is_set():
                 raise _Stop
+            if spec.max_docs and doc + spec.val_docs >= spec.max_docs:
+                break
             if doc >= 0 and doc % shares == share:
                 batch.append((doc, row, text))
             doc += 1

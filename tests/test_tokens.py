@@ -3,6 +3,7 @@ sampling through the run's tokenizer, bits per byte, and every bad input as one 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -172,6 +173,8 @@ def test_each_worker_takes_its_own_interleaved_share(corpus):
             for share in range(3)]
     assert all(seen) and not (seen[0] & seen[1]) and not (seen[1] & seen[2])
     assert seen[0] | seen[1] | seen[2] == set(range(360 - 20))
+    capped = dataclasses.replace(data.stream, max_docs=50)  # data.max_docs: 50 read, 20 of them validate
+    assert {d[1] for d in itertools.takewhile(lambda d: d[0] == 0, share_docs(capped, 0, 1, None))} == set(range(30))
 
 
 def _one_error(capsys, argv) -> str:
