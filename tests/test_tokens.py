@@ -215,3 +215,16 @@ def test_bad_inputs_are_one_line_and_write_nothing(corpus, tmp_path, capsys):
     assert "not a Hugging Face tokenizers JSON file" in _one_error(
         capsys, ["data", "prepare", "--source", "stdlib", "--tokenizer", str(fake), "--out", str(tmp_path / "p")])
     assert not (tmp_path / "p").exists()
+
+
+def test_the_cli_trains_a_tokenizer_and_prepares_a_jsonl_dataset(corpus, tmp_path, capsys):
+    root = corpus["root"]
+    out = tmp_path / "cli-tok.json"
+    assert main(["tokenizer", "train", "--data", str(root / "text"), "--vocab-size", "300", "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out and load_tokenizer(str(out)).vocab_size <= 300
+    assert "no such file or folder" in _one_error(
+        capsys, ["tokenizer", "train", "--data", str(tmp_path / "nope"), "--vocab-size", "300", "--out", str(out)])
+    assert main(["data", "prepare", "--source", "hf", "--path", str(root / "docs.jsonl"), "--tokenizer", str(out),
+                 "--out", str(tmp_path / "hf")]) == 0
+    m = json.loads((tmp_path / "hf" / "manifest.json").read_text())
+    assert m["documents"]["train"] + m["documents"]["val"] == 360 and m["source"]["hf"]["text_field"] == "text"
