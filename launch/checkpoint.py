@@ -12,7 +12,6 @@ naming the file and the bytes it needs; the older checkpoints stay as they were.
 
 from __future__ import annotations
 
-import errno
 import os
 import random
 import re
@@ -23,7 +22,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from launch.metrics import human_bytes
+from launch.disk import space_for
 
 FORMAT = "loco-checkpoint"
 VERSION = 1
@@ -62,46 +61,19 @@ def _payload_bytes(obj: Any) -> int:
     return 0
 
 
-def _out_of_space(e: BaseException) -> bool:
-    """A write that failed because the disk (or the quota, or the file size limit) is full.
-
-    torch's zip writer reports a failed write as ``RuntimeError: [enforce fail at inline_container.cc] ...
-    unexpected pos``, without the errno; the file handle's own errors are OSErrors.
-    """
-    if isinstance(e, OSError):
-        return e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-    text = str(e)
-    return isinstance(e, RuntimeError) and ("unexpected pos" in text or "file write failed" in text)
-
-
-def _free_bytes(directory: Path) -> Optional[int]:
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
 def write_file(path: str | Path, payload: dict[str, Any], final: Optional[Path] = None) -> None:
-    """``torch.save(payload)`` into ``path`` and fsync it; a full disk becomes one CheckpointError line."""
+    """``torch.save(payload)`` into ``path`` and fsync it; a full disk becomes one CheckpointError line (the
+    partial file removed)."""
     path = Path(path)
     final = final or path
-    try:
+    advice = ("the older checkpoints are intact; free some space (or lower run.keep_checkpoints, or choose "
+              "another --run-dir) and resume")
+    with space_for(final, _payload_bytes(payload), advice, CheckpointError,
+                   partial=path if path.is_file() or not path.exists() else None):
         with open(path, "wb") as fh:
             torch.save(payload, fh)
             fh.flush()
             os.fsync(fh.fileno())
-    except (OSError, RuntimeError) as e:
-        if not _out_of_space(e):
-            raise
-        if path.is_file():  # the partial temp file: its space counts as free
-            path.unlink(missing_ok=True)
-        need = _payload_bytes(payload)
-        free = _free_bytes(final.parent)
-        where = f", {human_bytes(free)} free there" if free is not None else ""
-        raise CheckpointError(f"no space left on device: writing {final} needs about {human_bytes(need)} "
-                              f"({need:,} bytes){where}; the older checkpoints are intact; free some space "
-                              f"(or lower run.keep_checkpoints, or choose another --run-dir) and resume") from None
 
 
 def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], keep: int = 3) -> Path:
@@ -207,12 +179,16 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
 def _reason(path: Path, e: Exception) -> str:
     """Why a file did not load, in a few words (not the zip library's paragraph)."""
     text = str(e)
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = None
+    if size == 0:
+        return "an empty file"
     if "zip archive" in text or "central directory" in text or "PytorchStreamReader" in text:
-        try:
-            size = f", {path.stat().st_size:,} bytes"
-        except OSError:
-            size = ""
-        return f"truncated or corrupted file{size}"
+        return "truncated or corrupted file" + (f", {size:,} bytes" if size is not None else "")
+    if "_use_new_zipfile_serialization" in text:  # torch's mmap load of a file that is no zip archive at all
+        return "not a torch checkpoint (no zip archive)" + (f", {size:,} bytes" if size is not None else "")
     first = text.splitlines()[0] if text else ""
     first = first.split(". ")[0]
     return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__

@@ -258,6 +258,7 @@ def _load(args: argparse.Namespace):
         value = getattr(args, flag, None)
         if value is not None:
             extra[key] = (value, "--" + flag.replace("_", "-"))
+    _one_link(args)
     if args.resume:
         extra["run.resume"] = (True, "--resume")
     restart = getattr(args, "restart", False)
@@ -277,6 +278,15 @@ def _load(args: argparse.Namespace):
         args.config = ["join"] + args.config  # peers run DiLoCo unless the files say otherwise
     cfg, _ = load_config(args.config, args.overrides, extra)
     return cfg
+
+
+def _one_link(args: argparse.Namespace) -> None:
+    """--links gives every link its bandwidth and latency: with --bandwidth or --latency beside it, one would be
+    unused (simulate and plan alike refuse the pair)."""
+    given = [f for f in ("bandwidth", "latency") if getattr(args, f, None) is not None]
+    if getattr(args, "links", None) and given:
+        raise UserError(f"--links {args.links} gives every worker's bandwidth and latency over time, so "
+                        f"--{given[0]} would be unused: pass --links, or --bandwidth and --latency")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -326,7 +336,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from launch.plots import plot_runs
 
     try:
-        out = plot_runs(args.run_dirs, args.out, args.title)
+        out = plot_runs(args.run_dirs, args.out, args.title, advice="free some space, or choose another --out")
     except FileNotFoundError as e:
         raise UserError(str(e)) from None
     print(f"wrote {out}")
@@ -336,6 +346,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from launch.plan import check, format_check, format_plan, make_plan
 
+    _one_link(args)
     plan = make_plan(args.model, args.workers, args.bandwidth, args.latency, args.step_time, args.links)
     print(format_plan(plan), flush=True)
     if args.check:

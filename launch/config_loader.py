@@ -47,7 +47,14 @@ def _coerce(value: Any, tp: Any, meta: dict[str, Any]) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.strip().lower() in ("", "null", "none", "~")):
             return None
-        return _coerce(value, args[0], meta)
+        if meta.get("auto") and isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        try:
+            return _coerce(value, args[0], meta)
+        except ValueError as e:
+            if meta.get("auto"):  # a number or the word auto
+                raise ValueError(f"got {value!r}, expected a positive integer, auto or empty (null)") from None
+            raise e
     if meta.get("duration"):
         try:
             return parse_duration(value)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 
 class ConfigError(ValueError):
@@ -189,7 +189,11 @@ class RunConfig:
     precision: Literal["auto", "fp32", "bf16"] = _f("auto", "auto: bf16 autocast on CUDA, fp32 on CPU.")
     compile: Optional[bool] = _f(None, "torch.compile the model (empty: on CUDA yes, on CPU no); if compiling "
                                        "fails the run goes on uncompiled with a one-line warning.")
-    threads: Optional[int] = _f(None, "CPU threads for torch (empty: torch's default).", gt=0)
+    threads: Optional[Union[int, str]] = _f(
+        "auto", "CPU threads for torch. auto: on a CPU this process's share of the cores it may use (divided among "
+                "torchrun's processes on the node, at most OMP_NUM_THREADS, fewer where other work keeps cores "
+                "busy), and one for a model under 0.2M parameters; the start line says how many and why. A number "
+                "fixes it; empty: torch's default.", gt=0, auto=True)
     eval_every: int = _f(100, "Validation every this many steps (0: only at the end).", ge=0)
     eval_batches: int = _f(10, "Validation batches per evaluation.", gt=0)
     checkpoint_every: int = _f(500, "Checkpoint every this many steps (0: only at the end).", ge=0)

@@ -281,8 +281,8 @@ class Peer:
                           fp_after=hashlib.sha256(self.fingerprint()).hexdigest()[:16], **line)
         self.publish()
         elapsed = max(tr.clock.wall_s(), 1e-9)
-        t.heartbeat(step=tr.step, tokens=tr.step * tr.tokens_per_step,
-                    tokens_per_s=round(tr.step * tr.tokens_per_step / elapsed, 1), round=tr.algo.round)
+        mine = (tr.step - tr.progress.followed) * tr.tokens_per_step  # what this peer trained
+        t.heartbeat(step=tr.step, tokens=mine, tokens_per_s=round(mine / elapsed, 1), round=tr.algo.round)
         self.write_ledger()
 
     def _resync(self, report: Any) -> dict[str, Any]:

@@ -17,6 +17,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Optional
 
+from launch.disk import AppendFile, human_bytes, write_file
+
+__all__ = ["Metrics", "human_bytes", "read_metrics", "truncate_metrics", "count_label"]
+
 
 def _wandb_mode(requested: str) -> str:
     if requested != "auto":
@@ -51,7 +55,7 @@ class Metrics:
             self.mode = "bar" if sys.stderr.isatty() else "plain"
         if not self.active:
             return
-        self._file = open(self.path, "a", buffering=1)
+        self._file = AppendFile(self.path)  # a full disk: one DiskFull line, the run stops
         if self.mode == "bar":
             from tqdm import tqdm
 
@@ -128,7 +132,7 @@ def _wandb_id(run_dir: Path) -> str:
     import uuid
 
     rid = uuid.uuid4().hex[:12]
-    f.write_text(rid)
+    write_file(f, rid)
     return rid
 
 
@@ -147,42 +151,32 @@ def _format(r: dict[str, Any]) -> str:
     return " | ".join(p for p in parts if p)
 
 
-def human_bytes(n: float) -> str:
-    """A byte count in binary units, named as such: ``512 B``, ``1.5 KiB``, ``10.7 MiB``, ``2.0 GiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+def _lines(path: Path) -> list[tuple[str, Any]]:
+    """Each line of ``path`` with its JSON record, None for one that is not (cut by a crash or a full disk, or
+    not UTF-8)."""
+    out = []
+    for raw in path.read_bytes().splitlines():
+        try:
+            out.append((raw.decode(), json.loads(raw)))
+        except ValueError:  # UnicodeDecodeError and JSONDecodeError both
+            out.append(("", None))
+    return out
 
 
 def truncate_metrics(path: Path, after_step: int) -> None:
-    """Drop lines logged after ``after_step`` (a resumed run logs them again)."""
+    """Drop lines logged after ``after_step`` (a resumed run logs them again), and lines that do not read."""
     if not path.is_file():
         return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= after_step:
-                keep.append(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(l + "\n" for l in keep))
-    os.replace(tmp, path)
+    keep = [line for line, r in _lines(path) if isinstance(r, dict) and r.get("step", 0) <= after_step]
+    write_file(path, "".join(l + "\n" for l in keep))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a run folder's metrics.jsonl; lines that do not read are left out."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a loco run folder?)")
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    return [r for _, r in _lines(path) if isinstance(r, dict)]
 
 
 def count_label(x: float) -> str:

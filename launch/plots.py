@@ -3,12 +3,14 @@ time, each run labelled by what it was (:func:`run_label`), and two runs compare
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from launch.algorithms import declared_by
+from launch.disk import RESUME, write_file
 from launch.metrics import count_label, read_metrics
 
 
@@ -236,12 +238,12 @@ def _mark_equal_time(ax, curves: list[tuple[list[tuple[float, float]], Any]]) ->
     ax.axvline(at, color="0.35", ls=":", lw=1.2)
     ax.annotate(f"first to finish: {at:.3g} s", xy=(at, 1.0), xycoords=("data", "axes fraction"),
                 xytext=(4, -12), textcoords="offset points", fontsize=8, color="0.25")
-    for curve, color in curves:
-        loss = loss_at(curve, at)
-        if loss is None:
-            continue
+    rings = sorted((loss, color) for curve, color in curves if (loss := loss_at(curve, at)) is not None)
+    for i, (loss, color) in enumerate(rings):
         ax.plot([at], [loss], "o", ms=9, mfc="none", mec=color, mew=1.6)
-        ax.annotate(f"{loss:.3f}", xy=(at, loss), xytext=(7, 3), textcoords="offset points", fontsize=8, color=color)
+        # the lowest label below its ring, the others above and stacked: close losses never share a line
+        dy = -11 if i == 0 and len(rings) > 1 else 3 + 11 * max(0, i - 1)
+        ax.annotate(f"{loss:.3f}", xy=(at, loss), xytext=(7, dy), textcoords="offset points", fontsize=8, color=color)
     # when the others reach the final loss of the first to finish: a dashed line across, a cross where they do
     first, first_color = min(curves, key=lambda cc: cc[0][-1][0])
     target = first[-1][1]
@@ -256,15 +258,18 @@ def _mark_equal_time(ax, curves: list[tuple[list[tuple[float, float]], Any]]) ->
                     bbox=dict(facecolor="white", edgecolor="none", alpha=0.85, pad=1))
 
 
-def plot_runs(run_dirs: Iterable[str | Path], out: str | Path, title: Optional[str] = None) -> Path:
-    """Loss vs tokens and loss vs bytes communicated, one line per run, into a PNG (see :func:`runs_figure`)."""
+def plot_runs(run_dirs: Iterable[str | Path], out: str | Path, title: Optional[str] = None,
+              advice: str = RESUME) -> Path:
+    """Loss vs tokens and loss vs bytes communicated, one line per run, into a PNG (see :func:`runs_figure`); a
+    full disk is one DiskFull line that ends with ``advice``."""
     fig = runs_figure(run_dirs, title)
     import matplotlib.pyplot as plt
 
     try:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=110)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=110)
     finally:
         plt.close(fig)
-    return out
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return write_file(out, png.getvalue(), advice)

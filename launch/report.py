@@ -92,7 +92,7 @@ class Reporter:
         """``summary.json``: the run's totals and every worker's own (a collective: every worker calls it)."""
         p, stats = self.progress, self.transport.stats
         trained = self.transport.my_steps_trained()  # under churn: not the steps of the run while it was away
-        steps = p.step if trained is None else trained
+        steps = p.step - p.followed if trained is None else trained  # a joiner's own, not the run's before it
         mine = {"worker": self.transport.rank, "tokens": steps * p.tokens_per_step, "bytes_sent": stats.bytes_sent,
                 "bytes_received": stats.bytes_received, "val_loss": val_loss, "steps": steps}
         workers = self.transport.all_gather_object(mine)

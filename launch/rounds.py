@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from launch.disk import append_line, write_file
+
 
 class RoundsLog:
     """Appends the lines of ``run_dir/rounds.jsonl``; ``fresh`` starts the file over (a run's own rounds only)."""
@@ -23,13 +25,12 @@ class RoundsLog:
     def __init__(self, run_dir: Path, fresh: bool = False) -> None:
         self.path = Path(run_dir) / "rounds.jsonl"
         if fresh:
-            self.path.write_text("")
+            write_file(self.path, "")
 
     def write(self, *, round: int, step: int, members: Sequence[Any], weights: Mapping[str, float],
               **more: Any) -> dict[str, Any]:
         line = {"round": round, "step": step, "members": list(members),
                 "weights": {str(k): float(v) for k, v in weights.items()},
                 "total_weight": float(sum(weights.values())), "time": time.time(), **more}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        append_line(self.path, json.dumps(line) + "\n")  # a full disk: one DiskFull line
         return line

@@ -19,7 +19,8 @@ from diloco.comm import Transport
 from launch.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from launch.config import Config, dump_config
 from launch.errors import RunError
-from launch.metrics import truncate_metrics
+from launch.disk import write_file
+from launch.metrics import read_metrics, truncate_metrics
 
 # what --restart (or a new run over one that left no checkpoint) moves aside
 RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", ".wandb_id")
@@ -137,24 +138,13 @@ class RunDir:
         return self._write("summary.json", json.dumps(summary, indent=2) + "\n")
 
     def _write(self, name: str, text: str) -> Path:
-        tmp = self.path / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, self.path / name)
-        return self.path / name
+        return write_file(self.path / name, text)  # a full disk: one DiskFull line
 
     def final_line_logged(self, step: int) -> bool:
         """Whether metrics.jsonl already ends ``step`` with a final validation line (leader; False elsewhere)."""
-        path = self.path / "metrics.jsonl"
-        if not self.leader or not path.is_file():
+        if not self.leader or not (self.path / "metrics.jsonl").is_file():
             return False
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if r.get("step") == step and "val_loss" in r and "loss" not in r:
-                return True
-        return False
+        return any(r.get("step") == step and "val_loss" in r and "loss" not in r for r in read_metrics(self.path))
 
 
 def discard_run(path: Path, why: str = "--restart") -> Optional[Path]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 from typing import Optional
 
 import numpy as np
@@ -42,12 +43,74 @@ def keep_freed_memory() -> bool:
     return _MEMORY_KEPT
 
 
-def start_process(threads: Optional[int], device: str) -> torch.device:
-    """``run.threads`` and the allocator's habits for this process; returns the device it trains on."""
-    if threads:
+def start_process(threads: Optional[int | str], device: str) -> torch.device:
+    """``run.threads`` (a number; ``auto`` is settled by :func:`settle_threads` once the model is built) and the
+    allocator's habits for this process; returns the device it trains on."""
+    if isinstance(threads, int):
         torch.set_num_threads(threads)
     keep_freed_memory()
     return resolve_device(device)
+
+
+# Below this many parameters a model takes one thread: its ops are a few of torch's 32K-value grains each, and a
+# parallel region's start and barrier cost about what splitting them saves (benchmarks/results/threads_cpu.md).
+SMALL_MODEL_PARAMS = 200_000
+_SETTLED: Optional[tuple[int, str]] = None  # auto's choice: once per process, the same for every simulated worker
+
+
+def settle_threads(setting: Optional[int | str], device: torch.device, n_params: int) -> Optional[tuple[int, str]]:
+    """``run.threads: auto`` on a CPU: the threads this process takes and why, set; None where torch's default
+    stands (empty), a number was given, or the model trains on a GPU."""
+    global _SETTLED
+    if setting != "auto" or device.type != "cpu":
+        return None
+    if _SETTLED is None:
+        _SETTLED = auto_threads(len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
+                                os.environ.get("OMP_NUM_THREADS"), n_params, busy_cores())
+    torch.set_num_threads(_SETTLED[0])
+    return _SETTLED
+
+
+def threads_note(settled: Optional[tuple[int, str]]) -> str:
+    """What the start line says of ``auto``'s choice: `` (1 thread: 2 core(s), 1.8 of them kept busy ...)``."""
+    return "" if settled is None else f" ({settled[0]} thread{'s' if settled[0] > 1 else ''}: {settled[1]})"
+
+
+def auto_threads(cores: int, processes: int, omp: Optional[str], n_params: int,
+                 busy: float) -> tuple[int, str]:
+    """How many threads ``auto`` takes, and the reason in a few words: never more than this process's share of
+    the cores it may use (``cores`` divided among the node's ``processes``), nor more than the cores that other
+    work leaves idle (``busy``: cores kept busy by others); one for a model under :data:`SMALL_MODEL_PARAMS`;
+    what ``OMP_NUM_THREADS`` says where it is set. Threads that spin at barriers need every core they ask for:
+    one descheduled thread stalls each parallel region (9x slower on 2 loaded cores)."""
+    share = max(1, cores // max(1, processes))
+    cap, why = share, f"{cores} core(s)" + (f" shared by {processes} processes" if processes > 1 else "")
+    if omp and omp.strip().isdigit() and 0 < int(omp) < share:
+        cap, why = int(omp), f"OMP_NUM_THREADS={omp.strip()}"
+    if cap > 1 and n_params < SMALL_MODEL_PARAMS:
+        return 1, f"a model under {SMALL_MODEL_PARAMS / 1e6:g}M parameters computes fastest on one"
+    idle = max(1, int(cores - busy + 0.5))
+    if idle < cap:
+        return idle, f"{why}, {busy:.1f} of them kept busy by other work"
+    return cap, why
+
+
+def busy_cores() -> float:
+    """Cores other work keeps busy now: the larger of the 1-minute load average and the threads running at this
+    moment (the median of a few looks, this one's own left out); 0 where the system does not say."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = 0.0
+    running = []
+    for _ in range(5):
+        try:
+            with open("/proc/stat") as f:
+                running += [int(line.split()[1]) - 1 for line in f if line.startswith("procs_running")]
+        except (OSError, ValueError, IndexError):
+            break
+        time.sleep(0.01)
+    return max(load, sorted(running)[len(running) // 2] if running else 0.0)
 
 
 def resolve_device(name: str) -> torch.device:

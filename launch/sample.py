@@ -72,7 +72,18 @@ def sample(checkpoint: str, prompt: str, max_new_tokens: int, temperature: float
     return prompt + tokenizer.decode(out[len(ids) if prompt else 1:])
 
 
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int) -> None:
+    """One line for a flag outside what sampling takes, before the checkpoint loads."""
+    if max_new_tokens < 0:
+        raise RunError(f"--max-new-tokens {max_new_tokens}: a count of at least 0, e.g. --max-new-tokens 200")
+    if not temperature >= 0:
+        raise RunError(f"--temperature {temperature:g}: at least 0 (0 is greedy), e.g. --temperature 0.8")
+    if top_k < 0:
+        raise RunError(f"--top-k {top_k}: a count of at least 0 (0 samples among all tokens), e.g. --top-k 50")
+
+
 def main_sample(args: Any) -> int:
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k)
     sys.stdout.write(sample(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                             args.seed, args.device) + "\n")
     return 0

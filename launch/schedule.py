@@ -46,6 +46,7 @@ class Progress:
         self.step = 0
         self.start_step = 0  # where this segment of the run began (a resume, a join)
         self.synced_step = 0  # the step of this worker's latest sync
+        self.followed = 0  # steps taken from the run's progress (a join, a resync), not trained by this worker
 
     def stepped(self, synced: bool) -> None:
         self.step += 1

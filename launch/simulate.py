@@ -310,7 +310,8 @@ def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel) 
         (name, a), (_, b) = rows
         ratio = (max(b["bytes_sent_per_worker"]) / max(1, max(a["bytes_sent_per_worker"])))
         speed = b["virtual_wall_s"] / a["virtual_wall_s"] if a.get("virtual_wall_s") else float("nan")
-        faster = f"finishes {speed:.1f}x sooner" if speed >= 1 else f"takes {1 / speed:.1f}x longer"
+        faster = f"finishes {speed:.1f}x sooner" if speed >= 1.05 else f"takes {1 / speed:.1f}x longer" \
+            if speed <= 1 / 1.05 else "finishes about as fast"
         lines.append(f"at equal tokens: {name} sends {ratio:.0f}x fewer bytes than DDP and {faster} in "
                      f"virtual time; val loss {100 * (a['val_loss'] / b['val_loss'] - 1):+.1f}% vs DDP.")
         if equal:

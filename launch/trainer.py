@@ -46,7 +46,7 @@ from launch.models import count_params
 from launch.plots import plot_runs
 from launch.report import Reporter, Window
 from launch.rundir import RunDir
-from launch.runtime import seed_everything, start_process
+from launch.runtime import seed_everything, settle_threads, start_process, threads_note
 from launch.schedule import LrSchedule, Progress, RunClock, StopRule
 from launch.signals import STOP, Interrupted, save_waiting_for_it
 from launch.state import host_copy, load_shared_blob, shared_blob, shared_later
@@ -102,6 +102,7 @@ class Trainer:
         else:
             self.model_args = getattr(model, "args", None)
         self.model = model.to(self.device)
+        self.threads = settle_threads(run.threads, self.device, count_params(self.model))  # (count, why) or None
         self.bf16 = run.precision == "bf16" or (run.precision == "auto" and self.device.type == "cuda")
         self.compute = StepCompute(self.model, self.device, self.bf16, run.compile,
                                    say=lambda message: self.metrics.info(message, self.step))
@@ -174,6 +175,7 @@ class Trainer:
             "rng": rng_state(),
             "comm": self.transport.stats.as_dict(),
             "log_window": self.window.state(),
+            "followed": self.progress.followed,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -207,7 +209,7 @@ class Trainer:
         self.model.load_state_dict(mine["model"])
         self.algo.load_state_dict(mine["algo"])
         set_rng_state(mine["rng"])
-        self.progress.step = int(mine["step"])
+        self.progress.step, self.progress.followed = int(mine["step"]), int(mine.get("followed", 0))
         if hasattr(self.batcher, "load_state_dict"):
             streams = state.get("streams") or []
             self.batcher.load_state_dict(streams[self.rank] if self.rank < len(streams) else None)
@@ -239,7 +241,8 @@ class Trainer:
 
     def follow_run(self, step: int) -> None:
         """This worker takes the run's step (``loco join`` after taking another peer's state): its lr schedule and
-        ``run.max_steps`` follow the run's progress."""
+        ``run.max_steps`` follow the run's progress; the steps it skips are not this worker's tokens."""
+        self.progress.followed += step - self.progress.step
         self.progress.step = step
 
     def save(self) -> Optional[Path]:
@@ -341,7 +344,8 @@ class Trainer:
         cfg, m = self.cfg, self.metrics
         train = "streamed" if self.data.stream is not None else f"{self.data.train_tokens:,}"
         m.info(f"{self.data.description}: {train} train / {self.data.val_tokens:,} val tokens; "
-               f"model {count_params(self.model) / 1e6:.2f}M params on {self.device}; algorithm {cfg.algo.name} "
+               f"model {count_params(self.model) / 1e6:.2f}M params on {self.device}{threads_note(self.threads)}; "
+               f"algorithm {cfg.algo.name} "
                f"x {self.world} worker(s); run folder {self.run_dir}")
         if self.device.type != "cpu":  # a CPU has no datasheet peak: no MFU, and no line about it
             m.info(self.mfu.describe())

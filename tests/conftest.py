@@ -12,7 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+
+# one thread for every process the suite starts (this one, its in-process runs and hivemind peers, and every child
+# through child_env, torchrun's and simulate's included): the suite runs beside other work, and a thread that spins
+# at a barrier of a parallel region while another is descheduled makes a step several times slower
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 # CI has no GPU: the Triton kernels then run in the interpreter on CPU tensors (must be set before diloco is imported)
 CUDA = torch.cuda.is_available()

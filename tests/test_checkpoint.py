@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import os
 import random
 import re
@@ -20,6 +21,7 @@ import torch
 from conftest import FAST, ROOT, TINY, child_env, kill_when
 from launch.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, rng_state,
                                save_checkpoint, set_rng_state, write_file)
+from launch.metrics import read_metrics
 
 
 def test_save_load_and_keep_last_k(tmp_path):
@@ -215,3 +217,66 @@ def test_a_signal_during_the_final_checkpoint_stops_after_it_is_written(tmp_path
     assert info.value.signum == signal.SIGTERM and info.value.clean
     assert info.value.saved is not None and info.value.saved.name == "step_00000004.pt"
     assert load_checkpoint(info.value.saved)["step"] == 4
+
+
+FULL_LINE = re.compile(r"^no space left on device: writing (\S+) needs about [\d.]+ (B|KiB|MiB) \([\d,]+ bytes\), "
+                       r"[\d.]+ (B|KiB|MiB|GiB|TiB) free there; ")
+
+
+def test_appended_lines_on_a_full_disk_are_one_line(tmp_path):
+    """metrics.jsonl and rounds.jsonl on /dev/full (every write fails with ENOSPC): one DiskFull line naming the
+    file, the bytes and the space free, the same line a checkpoint gives; closing afterwards raises nothing."""
+    from types import SimpleNamespace
+
+    from launch.disk import DiskFull
+    from launch.metrics import Metrics
+    from launch.rounds import RoundsLog
+
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    (tmp_path / "rounds.jsonl").symlink_to("/dev/full")
+    metrics = Metrics(tmp_path, SimpleNamespace(progress="off", wandb=False), True, 10)
+    with pytest.raises(DiskFull) as info:
+        metrics.log({"step": 1, "tokens": 4096, "loss": 5.25})
+    metrics.close()
+    line = str(info.value)
+    assert FULL_LINE.match(line) and "metrics.jsonl" in line and "\n" not in line, line
+    assert "--resume" in line, line
+    with pytest.raises(DiskFull) as info:
+        RoundsLog(tmp_path).write(round=1, step=5, members=[0, 1], weights={0: 1.0, 1: 1.0})
+    assert FULL_LINE.match(str(info.value)) and "rounds.jsonl" in str(info.value), info.value
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unprivileged user namespaces (unshare -rm) for a tiny tmpfs")
+def test_a_run_on_a_full_disk_stops_with_one_line_and_resumes_once_space_is_freed(tmp_path):
+    """A run folder on a 34 MB tmpfs (three 10.1 MB checkpoints: a resumed run maps the one it loaded): 5 steps
+    and their checkpoint; the disk filled; --resume stops at its first write (metrics.jsonl cut back to the
+    checkpoint, or config.yaml) with one line and the checkpoint intact; the filler removed, --resume trains on to step 12 with every step's line once in metrics.jsonl."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    run_dir.mkdir()
+    out.mkdir()
+    sets = [a for s in [*FAST, "run.checkpoint_every=5", "run.keep_checkpoints=1", "log.every=1", "run.eval_every=0"]
+            for a in ("--set", s)]
+    train = [sys.executable, "-m", "launch.cli", "train", "--config", TINY, *sets, "--run-dir", str(run_dir)]
+    steps = lambda n: ["--max-steps", str(n)]  # noqa: E731
+    script = (f"mount -t tmpfs -o size=34m none {run_dir} || exit 99; "
+              f"{shlex.join(train + steps(5))} 2> {out / 'first.err'} || exit 98; "
+              f"dd if=/dev/zero of={run_dir / 'filler'} bs=64k 2>/dev/null; "
+              f"{shlex.join(train + steps(12) + ['--resume'])} 2> {out / 'full.err'}; echo $? > {out / 'rc'}; "
+              f"cp -a {run_dir / 'checkpoints'} {out / 'kept'}; rm {run_dir / 'filler'}; "
+              f"{shlex.join(train + steps(12) + ['--resume'])} 2> {out / 'again.err'}; rc=$?; "
+              f"cp -a {run_dir}/. {out / 'run'}; exit $rc")
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=400,
+                         env=child_env(), cwd=ROOT)
+    full = (out / "full.err").read_text() if (out / "full.err").exists() else res.stderr
+    assert (out / "rc").read_text().strip() == "2", full[-3000:]
+    last = full.strip().splitlines()[-1]
+    assert last.startswith("loco train: error: "), full[-3000:]
+    assert FULL_LINE.match(last.removeprefix("loco train: error: ")), last
+    assert "Traceback" not in full and "Errno" not in full, full[-3000:]
+    assert [p.name for p in list_checkpoints(out / "kept")] == ["step_00000005.pt"]
+    assert load_checkpoint(out / "kept" / "step_00000005.pt")["step"] == 5
+    assert res.returncode == 0, (out / "again.err").read_text()[-3000:]
+    summary = json.loads((out / "run" / "summary.json").read_text())
+    assert summary["steps"] == 12
+    logged = [r["step"] for r in read_metrics(out / "run") if "loss" in r]
+    assert logged == list(range(1, 13)), logged

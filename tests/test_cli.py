@@ -414,3 +414,54 @@ def test_help_checker_flags_an_option_without_explanation():
     p.add_argument("--bare")
     p.add_argument("--a-very-long-option-name-that-wraps", metavar="SOMETHING_LONG", help="explained below")
     assert undocumented_options(p.format_help()) == ["--bare BARE"]
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--top-k", "-3", "--top-k -3: a count of at least 0"),
+    ("--temperature", "-1", "--temperature -1: at least 0"),
+    ("--max-new-tokens", "-2", "--max-new-tokens -2: a count of at least 0"),
+])
+def test_sample_flags_out_of_range_are_one_line(capsys, tmp_path, flag, value, expected):
+    """Refused before the checkpoint loads (a negative top-k was torch's own RuntimeError)."""
+    _save_tiny_checkpoint(tmp_path)
+    assert main(["sample", "--checkpoint", str(tmp_path), "--device", "cpu", flag, value]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith("loco sample: error: ") and expected in lines[0], lines
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"", "unreadable (an empty file)"),
+    (bytes(range(256)) * 8, "unreadable (not a torch checkpoint (no zip archive), 2,048 bytes)"),
+])
+def test_empty_or_random_checkpoint_is_one_line_without_torchs_text(capsys, tmp_path, content, expected):
+    bad = tmp_path / "step_00000003.pt"
+    bad.write_bytes(content)
+    assert main(["sample", "--checkpoint", str(bad)]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and f"{bad}: {expected}" in lines[0], lines
+    assert "mmap" not in lines[0] and "_use_new_zipfile_serialization" not in lines[0]
+
+
+def test_plot_of_metrics_that_are_not_utf8_draws_the_lines_that_read(capsys, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "tokens": 100 * s, "loss": 5.0 - 0.1 * s, "bytes_sent": 0} for s in range(1, 6)]
+    good = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    (run / "metrics.jsonl").write_bytes(good[:60] + b"\xff\xfe\x80garbage\n" + good)
+    out = tmp_path / "loss.png"
+    assert main(["plot", str(run), "--out", str(out)]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--model", "tiny", "--workers", "4", "--links", "configs/links-home-uplink.csv", "--bandwidth", "1Gbit"],
+    ["plan", "--model", "tiny", "--workers", "4", "--links", "configs/links-home-uplink.csv", "--latency", "5ms"],
+    ["simulate", "--links", "configs/links-home-uplink.csv", "--bandwidth", "1Gbit", "--max-steps", "1"],
+])
+def test_links_beside_bandwidth_or_latency_is_refused_alike(capsys, argv):
+    """--links gives every link: simulate used to take it over --bandwidth and plan the other way, silently."""
+    assert main(argv) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and "--links configs/links-home-uplink.csv gives every worker's bandwidth" in lines[0], lines
+    assert "would be unused" in lines[0]

@@ -776,3 +776,33 @@ def test_a_header_with_a_dimension_past_the_limit_is_corrupt_even_with_no_elemen
     with pytest.raises(CorruptPayload, match="a dimension above the limit"):
         codec.decode(payload)
 
+
+
+@pytest.mark.parametrize("chain", ["fp32", "int8", "topk:0.02+2bit+zstd"])
+def test_host_codecs_run_each_op_on_one_thread_and_give_the_count_back(chain):
+    """On the CPU every op of an encode and a decode runs on one torch thread (a bucket's hundreds of small ops
+    each opened a parallel region, and on a loaded machine each waited at its barrier); the caller's thread count
+    is put back after the call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Threads(TorchDispatchMode):
+        seen: set[int] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Threads.seen.add(torch.get_num_threads())
+            return func(*args, **(kwargs or {}))
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(300_000)
+        codec = make_codec(chain)
+        out = torch.zeros_like(x)
+        with Threads():
+            payload = codec.encode(x, key="k")
+            codec.decode_accumulate_(payload, out, 0.5)
+            codec.decode(payload, expect_numel=x.numel())
+        assert Threads.seen == {1}, Threads.seen
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -596,3 +596,37 @@ def test_extends_layers_a_parent_file_and_refuses_cycles(tmp_path):
 def test_preset_names_resolve_to_the_configs_folder():
     cfg, _ = load_config(["simulate"])
     assert cfg.algo.name == "diloco" and cfg.data.seq_len == 128  # its own keys and tiny's
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("AUTO", "auto"), ("3", 3), ("null", None), (2, 2)])
+def test_run_threads_takes_auto_a_number_or_empty(value, expected):
+    if isinstance(value, int):  # a YAML number
+        cfg = config_from_dict({"run": {"threads": value}})
+    else:
+        cfg, _ = load_config([], [f"run.threads={value}"])
+    assert cfg.run.threads == expected
+    assert Config().run.threads == "auto"
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_run_threads_refuses_other_values_in_one_line(value):
+    with pytest.raises(ConfigError) as info:
+        load_config([], [f"run.threads={value}"])
+    text = str(info.value)
+    assert "run.threads" in text and "\n" not in text, text
+
+
+@pytest.mark.parametrize("cores, processes, omp, params, busy, threads, why", [
+    (16, 1, None, 10_000_000, 0.0, 16, "16 core(s)"),
+    (16, 4, None, 10_000_000, 0.0, 4, "16 core(s) shared by 4 processes"),  # torchrun's LOCAL_WORLD_SIZE
+    (2, 4, None, 10_000_000, 0.0, 1, "2 core(s) shared by 4 processes"),
+    (16, 1, "2", 10_000_000, 0.0, 2, "OMP_NUM_THREADS=2"),
+    (4, 1, "8", 10_000_000, 0.0, 4, "4 core(s)"),  # never more than the cores
+    (16, 1, None, 100_000, 0.0, 1, "a model under 0.2M parameters computes fastest on one"),
+    (8, 1, None, 10_000_000, 5.2, 3, "8 core(s), 5.2 of them kept busy by other work"),
+    (2, 1, None, 10_000_000, 3.0, 1, "2 core(s), 3.0 of them kept busy by other work"),
+])
+def test_auto_threads_takes_a_share_of_the_idle_cores(cores, processes, omp, params, busy, threads, why):
+    from launch.runtime import auto_threads
+
+    assert auto_threads(cores, processes, omp, params, busy) == (threads, why)

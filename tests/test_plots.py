@@ -236,3 +236,25 @@ def test_simulated_runs_get_a_virtual_time_panel_marking_equal_time(tmp_path):
         assert "reaches 2.500 at 30 s" in texts
     finally:
         plt.close(fig)
+
+
+def test_two_close_losses_at_the_first_finish_get_labels_apart(tmp_path):
+    """Two simulated runs whose validation losses are 0.002 apart when the first finishes: their two labels at the
+    dotted line are drawn apart (one below its ring, one above), not on top of each other."""
+    runs = []
+    for name, points in (("a", [(10.0, 3.0), (20.0, 2.5)]), ("b", [(10.0, 3.1), (20.0, 2.502), (40.0, 2.2)])):
+        folder = tmp_path / name
+        folder.mkdir()
+        rows = [{"step": i + 1, "tokens": 1000 * (i + 1), "val_loss": loss, "virtual_s": t}
+                for i, (t, loss) in enumerate(points)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(folder)
+    fig = runs_figure(runs)
+    try:
+        _draw(fig)
+        renderer = fig.canvas.get_renderer()
+        boxes = [t.get_window_extent(renderer) for ax in fig.axes for t in ax.texts if t.get_text() in ("2.500", "2.502")]
+        assert len(boxes) == 2
+        assert not boxes[0].overlaps(boxes[1]), (boxes[0], boxes[1])
+    finally:
+        plt.close(fig)

@@ -488,3 +488,18 @@ def test_simulate_with_links_reports_where_time_went(tmp_path):
                                    "algo.inner_steps=2", "sim.step_time=0.1", "sim.bandwidth=4Mbit",
                                    "sim.latency=20ms", f"run.dir={tmp_path / 'fixed'}"])
     assert simulate_once(same)["virtual_wall_s"] == pytest.approx(s["virtual_wall_s"])  # a constant trace
+
+
+@pytest.mark.parametrize("ddp_s, words", [(20.5, "finishes about as fast"), (19.5, "finishes about as fast"),
+                                          (21.5, "finishes 1.1x sooner"), (18.0, "takes 1.1x longer")])
+def test_the_table_says_about_as_fast_where_a_ratio_would_read_1_0x(ddp_s, words):
+    from launch.simulate import format_table
+
+    run = {"val_loss": 2.5, "tokens": 1e6, "bytes_sent_per_worker": [1 << 20], "virtual_wall_s": 20.0,
+           "compute_utilization": 0.9, "run_dir": "runs/x", "virtual_step_time_s": 0.5,
+           "virtual_step_time_source": "sim.step_time"}
+    ddp = {"val_loss": 2.4, "tokens": 1e6, "bytes_sent_per_worker": [4 << 20], "virtual_wall_s": ddp_s,
+           "compute_utilization": 0.8, "run_dir": "runs/x/baseline-ddp"}
+    text = format_table([("diloco x4 (H=50)", run), ("ddp x4", ddp)], NetworkModel(125e6, 0.08))
+    assert f"sends 4x fewer bytes than DDP and {words} in virtual time" in text, text
+    assert "1.0x" not in text

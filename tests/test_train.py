@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -440,3 +441,34 @@ def test_a_step_reads_nothing_back_to_the_host_outside_log_steps_and_rounds(algo
         else:
             assert 0 < count <= 6, (step, synced, count)  # a log step (3 reads), a round (3), or both
     assert any(synced for _, synced, _ in seen[2]) == (algo == "diloco")
+
+
+def test_a_worker_that_takes_the_runs_step_counts_only_the_tokens_it_trained(tiny_cfg):
+    """A late ``loco join`` peer takes the run's step with its state (``follow_run``): its summary's tokens are the
+    steps it trained, not the run's steps before it joined."""
+    from launch.trainer import Trainer
+
+    cfg = tiny_cfg("run.max_steps=14", "run.batch_size=4", "run.eval_every=0", "run.checkpoint_every=0",
+                   "run.checkpoint_final=false")
+    trainer = Trainer(cfg)
+    trainer.follow_run(10)  # as a peer does after taking another's state at step 10
+    summary = trainer.fit()
+    trainer.transport.close()
+    per_step = 4 * cfg.data.seq_len
+    assert summary["steps"] == 14
+    assert summary["workers"][0]["tokens"] == 4 * per_step and summary["workers"][0]["steps"] == 4
+    assert summary["tokens"] == 4 * per_step
+
+
+def test_the_start_line_says_how_many_threads_auto_took_and_why(tmp_path):
+    """run.threads: auto (the default) on a CPU, with torchrun's LOCAL_WORLD_SIZE saying 4096 processes share the
+    node: one thread each, and the start line says so; a number given is taken as it is, without a note."""
+    env = child_env(LOCAL_WORLD_SIZE="4096")
+    env.pop("OMP_NUM_THREADS")
+    args = ["train", "--config", TINY, "--max-steps", "2", *[a for s in FAST for a in ("--set", s)],
+            "--set", "run.eval_every=0", "--set", "run.checkpoint_final=false"]
+    res = run_cli([*args, "--set", "run.threads=auto", "--run-dir", str(tmp_path / "auto")], env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert re.search(r"params on cpu \(1 thread: \d+ core\(s\) shared by 4096 processes", res.stderr), res.stderr[-3000:]
+    res = run_cli([*args, "--run-dir", str(tmp_path / "one")], env=env)  # FAST sets run.threads=1
+    assert res.returncode == 0 and "params on cpu; algorithm" in res.stderr, res.stderr[-3000:]

@@ -37,6 +37,7 @@ from diloco.compress.checked import (PIECE, add_checked, cannot_overflow, chunk_
 from diloco.compress.dct import dct_chunks, idct_chunks, padded_length
 from diloco.compress.kernels import quant as q
 from diloco.compress.kernels import topk as tk
+from diloco.compress.kernels.backend import one_host_thread
 from diloco.compress.residuals import Residuals
 from diloco.compress.wire import CorruptPayload
 from diloco.compress.zstd import Zstd
@@ -136,6 +137,7 @@ class Codec:
         return wire.header_size(ndim, self.chain) + self.payload_bytes(numel)
 
     # ---- encode -----------------------------------------------------------------------------
+    @one_host_thread
     def encode(self, tensor: torch.Tensor, key: Hashable = None, *, prefix: bytes = b"",
                feedback: bool = True) -> bytearray | memoryview:
         """The wire bytes of ``tensor`` (header + payload), written once into one buffer of exactly their size.
@@ -292,6 +294,7 @@ class Codec:
                 h.update(mem[base + size * a:base + size * b])
 
     # ---- decode -----------------------------------------------------------------------------
+    @one_host_thread
     def decode(self, payload: bytes | bytearray | memoryview, *, expect_numel: Optional[int] = None,
                device: torch.device | str = "cpu") -> torch.Tensor:
         """The tensor (its shape and dtype from the header); raises CorruptPayload for any bad input.
@@ -347,6 +350,7 @@ class Codec:
                                  f"{header.numel} values")
         return body
 
+    @one_host_thread
     def _accumulate(self, body: bytes | memoryview, header: wire.Header, out: torch.Tensor, weight: float,
                     fresh: bool = False) -> None:
         """``out += weight * values`` of ``body``; ``fresh``: ``out`` holds nothing yet, write the values into it.
