@@ -79,7 +79,7 @@ def write_safetensors(folder: str | os.PathLike, tensors: Iterable[tuple[str, to
     groups = shard_plan(shapes, itemsize, max_shard_bytes)
     n = len(groups)
     files = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    stream = _converted_ahead(iter(tensors), dtype)
+    stream = _converted_ahead(iter(tensors), dtype, max(map(_numel, shapes.values()), default=0))
     for file, group in zip(files, groups):
         _write_file(folder / file, [(name, shapes[name]) for name in group], stream, dtype)
     if next(stream, None) is not None:
@@ -117,17 +117,30 @@ def _write_file(path: Path, entries: list[tuple[str, tuple[int, ...]]],
         os.fsync(fh.fileno())
 
 
-def _converted_ahead(stream: Iterator[tuple[str, torch.Tensor]],
-                     dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _converted_ahead(stream: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                     largest: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The stream's tensors in ``dtype``, contiguous on the CPU; a thread takes and converts the next while the
-    caller writes this one (torch's conversion and the file's write both release the GIL), so at most two
-    converted tensors are alive."""
+    caller writes this one (torch's conversion and the file's write both release the GIL).
+
+    Conversions go into two buffers of ``largest`` elements, used in turn, so memory stays at two tensors and
+    no page is faulted in again for each one: a tensor it yields is valid until the caller asks for the next.
+    """
+    buffers = [torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)]
+    turn = 0
 
     def take() -> Optional[tuple[str, torch.Tensor]]:
+        nonlocal turn
         item = next(stream, None)
         if item is None:
             return None
-        return item[0], item[1].detach().to(device="cpu", dtype=dtype).contiguous()
+        name, t = item[0], item[1].detach()
+        if t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous():
+            return name, t
+        if buffers[turn].numel() == 0:
+            buffers[turn] = torch.empty(largest, dtype=dtype)
+        out = buffers[turn][:t.numel()].view(t.shape)
+        turn = 1 - turn
+        return name, out.copy_(t)
 
     with ThreadPoolExecutor(1, thread_name_prefix="loco-export") as pool:
         ahead = pool.submit(take)
@@ -138,7 +151,10 @@ def _converted_ahead(stream: Iterator[tuple[str, torch.Tensor]],
 
 
 def _write_text(path: Path, text: str) -> None:
-    path.write_text(text, encoding="utf-8")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _check_out(out: Path, force: bool) -> None:
