@@ -12,6 +12,7 @@ into a temporary folder beside ``out``, renamed at the end, so a failure leaves 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -203,13 +204,14 @@ def export(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16
     kind = "none" if tokenizer is None else ("bpe" if isinstance(tokenizer, BPETokenizer) else "bytes")
     shapes = hf_shapes(args)
     weight_bytes = sum(_numel(s) for s in shapes.values()) * torch.empty((), dtype=torch_dtype).element_size()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _check_space(out.parent, weight_bytes)
-
-    tmp = out.parent / f".{out.name}.export-tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    target = Path(os.path.abspath(out))  # "." has no name to put a temporary folder beside
+    made = [d for d in (target.parent, *target.parent.parents) if not d.exists()]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.export-tmp{os.getpid()}"
     try:
+        _check_space(target.parent, weight_bytes)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         files = write_safetensors(tmp, tensors, shapes, torch_dtype, max_shard_bytes)
         _write_json(tmp / "config.json", llama_config(args, torch_dtype, eos))
         generation = {"_from_model_config": True, "bos_token_id": eos, "eos_token_id": eos}
@@ -218,7 +220,18 @@ def export(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16
             files += write_tokenizer(tmp, tokenizer, args.max_seq_len)
         _write_text(tmp / "README.md", readme(path, int(state.get("step", 0)), args, dtype, kind, eos))
         _fsync_dir(tmp)
-        _replace(tmp, out)
+        _replace(tmp, target)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in made:  # the folders made for --out, innermost first, where nothing else came into them
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise RunError(f"--out {out}: no space left on device for the export's {weight_bytes / 1e9:,.2f} GB "
+                           "of weights; nothing was written there") from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"out": out, "checkpoint": path, "step": int(state.get("step", 0)), "files": files,

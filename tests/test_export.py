@@ -190,6 +190,20 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, trained, capsys):
         assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
 
 
+def test_a_failure_while_writing_leaves_neither_the_folder_nor_the_folders_made_for_it(tmp_path, trained,
+                                                                                      monkeypatch):
+    import launch.hf_export as hf_export
+
+    def full_disk(folder, *args, **kwargs):
+        (Path(folder) / "model.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hf_export, "write_safetensors", full_disk)
+    with pytest.raises(RunError, match="no space left on device for the export's .* GB of weights; nothing"):
+        hf_export.export(trained, tmp_path / "new" / "deeper" / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_weight_map_names_a_mismatch_in_one_line():
     args = ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, tie_embeddings=False)
     tensors = {name: torch.zeros(shape) for name, shape in hf_shapes(args).items()}
