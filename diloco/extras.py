@@ -8,7 +8,8 @@ extra         package                     needed for
 ============  ==========================  ===============================================
 ``swarm``     hivemind                    ``loco join``, ``loco status``, ``transport.backend: hivemind``
 ``wandb``     wandb                       ``log.wandb: true``
-``hf``        datasets                    ``data.source: hf``
+``hf``        datasets, transformers,     ``data.source: hf``, ``model.hf_config``,
+              safetensors                 ``model.init_from``
 ``dev``       all of the above, pytest,   the test suite (Triton's interpreter runs the kernels
               triton                      on CPU); CUDA builds of torch bring Triton themselves
 ============  ==========================  ===============================================
@@ -22,7 +23,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-EXTRA_OF = {"hivemind": "swarm", "wandb": "wandb", "datasets": "hf", "triton": "dev"}
+EXTRA_OF = {"hivemind": "swarm", "wandb": "wandb", "datasets": "hf", "transformers": "hf", "safetensors": "hf",
+            "triton": "dev"}
 
 
 class MissingExtra(ImportError):

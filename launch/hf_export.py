@@ -190,9 +190,11 @@ def export(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16
     out = Path(out)
     _check_out(out, force)
     path, state = open_checkpoint(source)
+    if state.get("hf_config"):
+        return _export_hf(path, state, out, dtype)
     if not state.get("model_args"):
-        raise RunError(f"{path}: trained with a custom model (the checkpoint has no model_args); only loco's "
-                       "Transformer exports to a Llama folder")
+        raise RunError(f"{path}: trained with a custom model (the checkpoint has no model_args or hf_config); "
+                       "only loco's Transformer and model.hf_config models export")
     try:
         args = ModelArgs(**state["model_args"])
     except TypeError as e:
@@ -204,6 +206,52 @@ def export(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16
     kind = "none" if tokenizer is None else ("bpe" if isinstance(tokenizer, BPETokenizer) else "bytes")
     shapes = hf_shapes(args)
     weight_bytes = sum(_numel(s) for s in shapes.values()) * torch.empty((), dtype=torch_dtype).element_size()
+
+    def write(tmp: Path) -> list[str]:
+        files = write_safetensors(tmp, tensors, shapes, torch_dtype, max_shard_bytes)
+        _write_json(tmp / "config.json", llama_config(args, torch_dtype, eos))
+        generation = {"_from_model_config": True, "bos_token_id": eos, "eos_token_id": eos}
+        _write_json(tmp / "generation_config.json", generation)
+        if isinstance(tokenizer, BPETokenizer):
+            files += write_tokenizer(tmp, tokenizer, args.max_seq_len)
+        _write_text(tmp / "README.md", readme(path, int(state.get("step", 0)), args, dtype, kind, eos))
+        return files
+
+    files = _written_whole(out, weight_bytes, write)
+    return {"out": out, "checkpoint": path, "step": int(state.get("step", 0)), "files": files,
+            "weight_bytes": weight_bytes, "tokenizer": kind, "dtype": dtype}
+
+
+def _export_hf(path: Path, state: dict[str, Any], out: Path, dtype: str) -> dict[str, Any]:
+    """A ``model.hf_config`` model: ``transformers``' own ``save_pretrained``, and the run's tokenizer."""
+    from launch.hf_models import HFCausalLM, config_from_dict
+    from launch.tokenizer import BPETokenizer, tokenizer_from_state
+
+    model = HFCausalLM(config_from_dict(state["hf_config"], str(path)))
+    try:
+        model.load_state_dict(state.get("model") or {})
+    except RuntimeError as e:
+        raise RunError(f"{path}: its weights do not fit its hf_config ({str(e).splitlines()[0][:200]})") from None
+    model.hf.to(DTYPES[dtype])
+    tokenizer = tokenizer_from_state(state.get("tokenizer"), str(path))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.hf.parameters())
+
+    def write(tmp: Path) -> list[str]:
+        model.hf.save_pretrained(tmp, safe_serialization=True, max_shard_size=SHARD_BYTES)
+        files = sorted(f.name for f in tmp.iterdir())
+        if isinstance(tokenizer, BPETokenizer):
+            files += write_tokenizer(tmp, tokenizer, model.max_seq_len or 0)
+        return files
+
+    files = _written_whole(out, weight_bytes, write)
+    kind = "none" if tokenizer is None else ("bpe" if isinstance(tokenizer, BPETokenizer) else "bytes")
+    return {"out": out, "checkpoint": path, "step": int(state.get("step", 0)), "files": files,
+            "weight_bytes": weight_bytes, "tokenizer": kind, "dtype": dtype}
+
+
+def _written_whole(out: Path, weight_bytes: int, write: Any) -> list[str]:
+    """``write(folder)`` into a temporary folder beside ``out``, renamed to ``out`` once whole; on any failure
+    nothing is left, not even the folders made for ``out``."""
     target = Path(os.path.abspath(out))  # "." has no name to put a temporary folder beside
     made = [d for d in (target.parent, *target.parent.parents) if not d.exists()]
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -212,13 +260,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16
         _check_space(target.parent, weight_bytes)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        files = write_safetensors(tmp, tensors, shapes, torch_dtype, max_shard_bytes)
-        _write_json(tmp / "config.json", llama_config(args, torch_dtype, eos))
-        generation = {"_from_model_config": True, "bos_token_id": eos, "eos_token_id": eos}
-        _write_json(tmp / "generation_config.json", generation)
-        if isinstance(tokenizer, BPETokenizer):
-            files += write_tokenizer(tmp, tokenizer, args.max_seq_len)
-        _write_text(tmp / "README.md", readme(path, int(state.get("step", 0)), args, dtype, kind, eos))
+        files = write(tmp)
         _fsync_dir(tmp)
         _replace(tmp, target)
     except BaseException as e:
@@ -234,8 +276,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"out": out, "checkpoint": path, "step": int(state.get("step", 0)), "files": files,
-            "weight_bytes": weight_bytes, "tokenizer": kind, "dtype": dtype}
+    return files
 
 
 def _write_json(path: Path, obj: Any) -> None:

@@ -142,14 +142,16 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a folder's safetensors files (an index's tensors must all be there)."""
-    from safetensors import SafetensorError
+    from diloco.extras import require
+
+    safetensors = require("safetensors", "model.init_from")
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
     for f in safetensors_files(folder):
         try:
             tensors.update(load_file(str(f)))
-        except (SafetensorError, OSError) as e:
+        except (safetensors.SafetensorError, OSError) as e:
             raise RunError(f"{f}: unreadable safetensors file ({e})") from None
     index = folder / INDEX
     if index.is_file():

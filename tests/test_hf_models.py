@@ -126,3 +126,54 @@ def test_bad_models_and_weights_are_one_line(tmp_path, capsys):
     llama = tmp_path / "llama"
     HFCausalLM(read_hf_config(_config(tmp_path / "l", "llama"))).hf.save_pretrained(llama)
     assert "another architecture" in _one_error(capsys, f"model.hf_config={gpt2}", f"model.init_from={llama}")
+
+
+def test_an_hf_config_run_exports_with_save_pretrained_and_its_tokenizer(tmp_path, tiny_cfg):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from launch.checkpoint import latest_checkpoint
+    from launch.hf_export import export
+    from launch.hf_models import HFCausalLM, config_from_dict
+    from launch.tokenizer import train_bpe
+    from launch.trainer import train
+
+    texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)]
+    tok = train_bpe(texts, 300, tmp_path / "tok.json", say=lambda m: None)
+    cfg = tiny_cfg("data.seq_len=32", "run.batch_size=4", "run.max_steps=2", "run.eval_every=0",
+                   f"model.hf_config={_config(tmp_path, 'llama', vocab_size=320)}", f"data.tokenizer={tmp_path / 'tok.json'}")
+    train(cfg)
+    state = latest_checkpoint(tmp_path / "run" / "checkpoints")[1]
+    export(tmp_path / "run", tmp_path / "out", dtype="fp32")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ours = HFCausalLM(config_from_dict(state["hf_config"], "checkpoint"))
+    ours.load_state_dict(state["model"])
+    ids = torch.randint(0, tok.vocab_size, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, ours.eval()(ids), atol=1e-5)
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert hf_tok.decode(hf_tok("def f3(x):")["input_ids"]) == "def f3(x):"
+
+
+def test_init_from_an_export_then_export_gives_the_same_weights_back(tmp_path, tiny_cfg):
+    from safetensors.torch import load_file
+
+    from launch.build import build_model
+    from launch.checkpoint import latest_checkpoint, save_checkpoint
+    from launch.data import load_data
+    from launch.hf_export import export
+    from launch.trainer import train
+
+    base = ["data.seq_len=32", "run.batch_size=4", "run.eval_every=0", "model.n_kv_heads=2",
+            "model.tie_embeddings=false"]
+    cfg = tiny_cfg(*base, "run.max_steps=2")
+    train(cfg)
+    first = latest_checkpoint(tmp_path / "run" / "checkpoints")[1]
+    export(tmp_path / "run", tmp_path / "a", dtype="fp32")
+    again = tiny_cfg(*base, "run.max_steps=1", f"model.init_from={tmp_path / 'a'}", run_dir=tmp_path / "again")
+    model, args = build_model(again, load_data(again.data), torch.device("cpu"))
+    assert args.n_kv_heads == 2 and not args.tie_embeddings
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in first["model"].items())
+    save_checkpoint(tmp_path / "b", 1, {"model": model.state_dict(), "model_args": vars(args), "tokenizer": "bytes"})
+    export(tmp_path / "b", tmp_path / "b-out", dtype="fp32")
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b-out" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
