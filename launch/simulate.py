@@ -110,7 +110,7 @@ class Membership:
         if joining:
             self.snapshot = (trainer.shared_state_blob(), trainer.step, trainer.run_dir)
         for w in joining:
-            g.admit(w, now)
+            g.admit(w, now, trainer.step)
         self.log.write(round=g.rounds[0], step=trainer.step, members=members, weights=weights,
                        virtual_s=round(g.seconds(now), 4), left=sorted(g.left_now), joining=joining)
         g.left_now = []
