@@ -66,7 +66,7 @@ def churn_of(cfg: Config) -> Optional[ChurnSchedule]:
         return None
     if cfg.run.resume:
         raise ConfigError("sim.churn: a simulation with churn cannot be resumed (its members change from round to "
-                          "round); run it again with --restart, or without --churn")
+                          "round); run it again with --restart, or resume it without churn: --resume --set sim.churn=")
     try:
         return ChurnSchedule.parse(cfg.sim.churn, cfg.sim.workers, cfg.run.seed)
     except (OSError, ChurnError) as e:
