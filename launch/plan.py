@@ -14,7 +14,8 @@ The expected loss penalty against DDP is what loco measured (:data:`MEASURED`, e
 ``benchmarks/results/`` it comes from); a setting that was never measured says "unmeasured".
 
 ``--check`` simulates the recommended setting on the ``tiny`` model with the same link and a fixed step time,
-and prints the utilization predicted for that very run beside the one the simulator reports.
+and prints the utilization predicted for that very run beside the one the simulator reports, and the table's row
+for the plan's own model and workers, which it does not simulate.
 """
 
 from __future__ import annotations
