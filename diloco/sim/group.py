@@ -338,6 +338,8 @@ class InProcessGroup:
             "virtual_step_time_source": "sim.step_time" if self.step_time is not None else "median of measured steps",
             "measured_step_time_s": measured,  # the median of the steps this run measured (None: none ran)
             "measured_steps": len(self.measured),
+            # the lowest and highest median of eighths of the run's measured steps: how far the host moved them
+            "measured_step_time_range_s": self.measured.drift(),
             "speeds": list(self.speeds),
             "network": self.network.describe(),
         }
