@@ -33,6 +33,9 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
         builder.apply_override(o)
     for key, (value, source) in (extra or {}).items():
         builder.set(key, value, source)
+    sim = builder.config.sim
+    if sim.step_time_note and builder.where("sim.step_time") != builder.where("sim.step_time_note"):
+        sim.step_time_note = None  # it names the step time set beside it, not one given elsewhere
     validate(builder.config, builder.where)
     return builder.config, builder
 

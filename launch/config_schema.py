@@ -135,6 +135,8 @@ class SimConfig:
     bandwidth: Optional[str] = _f("1Gbit", "Per-worker link bandwidth for virtual time, e.g. 1Gbit, 100Mbit/s, 50MB/s; empty: unlimited.")
     latency: float = _f(0.08, "One-way latency per message, e.g. 80ms.", ge=0, duration=True)
     step_time: Optional[float] = _f(None, "Virtual compute seconds per step at speed 1 (empty: the median of the measured step times), e.g. 0.35s.", gt=0, duration=True)
+    step_time_note: Optional[str] = _f(None, "What sim.step_time stands for, named beside it in the table (e.g. a "
+                                             "step measured on a GPU); dropped where sim.step_time is set elsewhere.")
     links: Optional[str] = _f(None, "A link trace (CSV or YAML: time, worker or *, bandwidth, latency) replayed over "
                                     "virtual time instead of sim.bandwidth and sim.latency, e.g. "
                                     "configs/links-home-uplink.csv (--links).")

@@ -50,6 +50,7 @@ class Metrics:
         self._bar = None
         self._wandb = None
         self._rates: deque[tuple[float, Optional[float]]] = deque(maxlen=RATE_WINDOW)  # (tokens/s, mfu) per record
+        self._pace: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW + 1)  # (step, wall_s) per record, for the ETA
         self.mode = log_cfg.progress
         if self.mode == "auto":
             self.mode = "bar" if sys.stderr.isatty() else "plain"
@@ -106,11 +107,25 @@ class Metrics:
         if not show:
             return
         text = _format(clean)
+        eta = self._eta(record)
+        if eta is not None and self._bar is None:  # a bar shows its own
+            text += f" | eta {format_seconds(eta)}"
         if self._bar is not None:
             self._bar.n = record["step"]
             self._bar.set_postfix_str(text, refresh=True)
         elif self.mode == "plain":
             print(f"{self.prefix(record['step'])} {text}", file=sys.stderr, flush=True)
+
+    def _eta(self, record: dict[str, Any]) -> Optional[float]:
+        """Seconds until ``total_steps`` at the pace of the last :data:`RATE_WINDOW` lines (None: no step budget,
+        or a single line so far)."""
+        if record.get("wall_s") is None or not self.total:
+            return None
+        self._pace.append((record["step"], record["wall_s"]))
+        (s0, t0), (s1, t1) = self._pace[0], self._pace[-1]
+        if s1 <= s0:
+            return None
+        return max(0.0, (self.total - s1) * (t1 - t0) / (s1 - s0))
 
     def close(self) -> None:
         if self._bar is not None:
@@ -161,6 +176,25 @@ def _lines(path: Path) -> list[tuple[str, Any]]:
         except ValueError:  # UnicodeDecodeError and JSONDecodeError both
             out.append(("", None))
     return out
+
+
+def format_seconds(s: float) -> str:
+    """A duration to read at a glance: ``45s``, ``12m30s``, ``3h05m``."""
+    s = int(round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def human_bytes(n: float) -> str:
+    """A byte count in binary units, named as such: ``512 B``, ``1.5 KiB``, ``10.7 MiB``, ``2.0 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def truncate_metrics(path: Path, after_step: int) -> None:

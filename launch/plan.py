@@ -14,7 +14,8 @@ The expected loss penalty against DDP is what loco measured (:data:`MEASURED`, e
 ``benchmarks/results/`` it comes from); a setting that was never measured says "unmeasured".
 
 ``--check`` simulates the recommended setting on the ``tiny`` model with the same link and a fixed step time,
-and prints the utilization predicted for that very run beside the one the simulator reports.
+and prints the utilization predicted for that very run beside the one the simulator reports, and the table's row
+for the plan's own model and workers, which it does not simulate.
 """
 
 from __future__ import annotations
@@ -135,12 +136,20 @@ def format_plan(plan: Plan) -> str:
 # ---- --check ----------------------------------------------------------------------------------------------------
 @dataclass
 class Check:
+    """A run small enough to simulate here (``setting`` on tiny, ``workers`` workers, ``steps`` steps, the plan's
+    link and step time), predicted by the accounting the table rests on and simulated; ``row``: the table's own
+    prediction for ``setting`` on the plan's model and workers, which the check does not simulate."""
+
     setting: Setting
     workers: int
     steps: int
     predicted: float
     simulated: float
     run_dir: str
+    row: Optional[Row] = None
+    recommended: bool = True
+    plan_model: str = ""
+    plan_workers: int = 0
 
     @property
     def agrees(self) -> bool:
@@ -157,6 +166,7 @@ def check(plan: Plan, setting: Optional[Setting] = None, run_dir: Optional[str] 
     from launch.models import Transformer, model_args_from_config
     from launch.simulate import simulate_once
 
+    recommended = setting is None and plan.cheapest is not None
     setting = setting or (plan.cheapest or max(plan.rows, key=lambda r: r.utilization)).setting
     workers = min(plan.workers, CHECK_WORKERS)
     steps = CHECK_ROUNDS * setting.inner_steps
@@ -176,17 +186,27 @@ def check(plan: Plan, setting: Optional[Setting] = None, run_dir: Optional[str] 
     model = model_of("tiny", tiny, args.n_layers, [parts] if parts > 1 else [])
     predicted = timeline(setting, model, workers, plan.network, plan.step_time, steps).utilization
     summary = simulate_once(cfg, data)
-    return Check(setting, workers, steps, predicted, summary["compute_utilization"], summary["run_dir"])
+    row = next((r for r in plan.rows if r.setting == setting), None)
+    return Check(setting, workers, steps, predicted, summary["compute_utilization"], summary["run_dir"], row,
+                 recommended, plan.model.name, plan.workers)
 
 
 def format_check(c: Check) -> str:
+    """What was simulated, against what: the check replays the table's accounting on a run small enough to
+    simulate here, which is not the table's row unless the plan is of that very run."""
     verdict = "agree" if c.agrees else "DISAGREE"
-    return (f"check: {c.setting.label()} {c.setting.codec} simulated on tiny, {c.workers} workers, {c.steps} steps, "
-            f"the same link and step time\n"
-            f"  {'predicted utilization':<24} {100 * c.predicted:6.1f}%\n"
-            f"  {'simulated utilization':<24} {100 * c.simulated:6.1f}%\n"
-            f"  they {verdict} within 5 points ({100 * abs(c.predicted - c.simulated):.2f} points apart); "
-            f"run folder {c.run_dir}")
+    which = "the recommended setting" if c.recommended else "the setting of highest utilization (none is recommended)"
+    same = c.plan_model == "tiny" and c.plan_workers == c.workers and c.row is not None
+    lines = [f"check: {which}, {c.setting.label()} {c.setting.codec}, simulated on tiny with {c.workers} workers for "
+             f"{c.steps} steps, on the same link and step time",
+             f"  {'predicted utilization':<24} {100 * c.predicted:6.1f}%  (the table's accounting, for this run)",
+             f"  {'simulated utilization':<24} {100 * c.simulated:6.1f}%",
+             f"  they {verdict} within 5 points ({100 * abs(c.predicted - c.simulated):.2f} points apart); "
+             f"run folder {c.run_dir}"]
+    if c.row is not None and not same:
+        lines.append(f"  the table's row is another run ({c.plan_model}, {c.plan_workers} workers, steady state): "
+                     f"{100 * c.row.utilization:.1f}% predicted there, by the accounting checked here, not simulated")
+    return "\n".join(lines)
 
 
 __all__ = ["Check", "Plan", "candidates", "check", "format_check", "format_plan", "make_plan"]

@@ -143,19 +143,29 @@ def resolve_model(spec: str, fragment_counts: Sequence[int] = FRAGMENTS) -> Mode
         raise PlanError(f"--model {spec!r}: expected a size ({', '.join(SIZES)}) or a parameter count such as "
                         f"150m or 1.1e9")
     n = int(count)
-    per = max(1, min(n, 4 << 20))  # a large matrix: 4M elements, as in a model of this scale
+    per = _tensor_size(n)
     tensors = [per] * (n // per) + ([n % per] if n % per else [])
     layers = max(1, min(64, round(math.log2(max(n, 2) / 1e6) * 3)))  # only bounds how many fragments make sense
     frags = {p: _split(n, p) for p in fragment_counts if p <= layers}
     return Model(f"{count_label(n)} parameters", tensors, layers, frags)
 
 
+MAX_TENSORS = 4096  # a parameter count is cut in at most this many tensors, whatever its size
+
+
+def _tensor_size(n: int) -> int:
+    """Elements of a typical large matrix of an ``n``-parameter model: 4M (a width of 2048 times its MLP's), and
+    from 17B parameters on, a 4096th of the model (GPT-3's 175B has matrices of 600M): the plan's cost then
+    stays that of at most :data:`MAX_TENSORS` tensors."""
+    return max(1, min(n, 4 << 20), -(-n // MAX_TENSORS))
+
+
 def _split(n: int, p: int) -> list[list[int]]:
-    """``n`` elements in ``p`` fragments of equal size, each in tensors of at most 4M elements."""
+    """``n`` elements in ``p`` fragments of equal size, each in tensors of a typical size (:func:`_tensor_size`)."""
     out = []
     for j in range(p):
         size = n // p + (1 if j < n % p else 0)
-        per = max(1, min(size, 4 << 20))
+        per = max(1, min(size, _tensor_size(n)))
         out.append([per] * (size // per) + ([size % per] if size % per else []))
     return out
 

@@ -3,11 +3,15 @@ simulator charges them (:mod:`diloco.sim.group`), for equal-speed workers."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional, Sequence
 
+from diloco.comm import Transport
 from diloco.compress import make_codec
 from diloco.compress.collective import exchange_sizes
+from diloco.compress.flat import bucket_groups
 from diloco.sim import NetworkModel
 from launch.plan_model import MEASURED, Measured, Model, Setting
 
@@ -17,14 +21,11 @@ TARGET_UTILIZATION = 0.95
 # ---- the collectives, as the transports and the simulator count them ---------------------------------------
 @dataclass(frozen=True)
 class Exchange:
-    """One exchange on one worker's link: the collectives it runs (seconds each) and the bytes it sends."""
+    """One exchange on one worker's link: the seconds its collectives take one after another, and the bytes it
+    sends."""
 
-    seconds: tuple[float, ...]
+    total_s: float
     bytes_sent: int
-
-    @property
-    def total_s(self) -> float:
-        return sum(self.seconds)
 
 
 def exchange(tensors: Sequence[int], codec_chain: str, world: int, net: NetworkModel, dense_total: bool) -> Exchange:
@@ -32,25 +33,43 @@ def exchange(tensors: Sequence[int], codec_chain: str, world: int, net: NetworkM
     collective itself makes (:func:`diloco.compress.collective.exchange_sizes`).
 
     fp32: the exact ring all-reduce of each bucket (``dense_total``: DiLoCo adds its one-element weight);
-    another codec: per bucket, an all-to-all of the shards then an all-gather of their means."""
-    if world <= 1:
-        return Exchange((), 0)
+    another codec: per bucket, an all-to-all of the shards then an all-gather of their means.
+
+    Buckets alike cost alike: each kind is priced once and counted, so a model of many equal tensors costs no
+    more to plan than one of a few (the weight joins the last bucket only, which is priced on its own)."""
+    if world <= 1 or not tensors:
+        return Exchange(0.0, 0)
+    groups = bucket_groups([4 * n for n in tensors], Transport.bucket_bytes)
+    kinds = Counter(tuple(tensors[i] for i in g) for g in groups[:-1])
+    total_s, sent = 0.0, 0
+    for numels, count, weighted in [*((k, c, False) for k, c in kinds.items()),
+                                    (tuple(tensors[i] for i in groups[-1]), 1, dense_total)]:
+        seconds, nbytes = _buckets(numels, codec_chain, world, net.bandwidth, net.latency, weighted)
+        total_s += count * seconds
+        sent += count * nbytes
+    return Exchange(total_s, sent)
+
+
+@lru_cache(maxsize=4096)
+def _buckets(numels: tuple[int, ...], codec_chain: str, world: int, bandwidth: Optional[float], latency: float,
+             weighted: bool) -> tuple[float, int]:
+    """(seconds, bytes sent) of the exchange of one bucket's tensors (a weight may make it two buckets)."""
+    net = NetworkModel(bandwidth, latency)
     codec = None if codec_chain == "fp32" else make_codec(codec_chain)
-    seconds: list[float] = []
-    sent = 0
-    for msgs in exchange_sizes(list(tensors), world, codec, weighted=dense_total):
+    seconds, sent = 0.0, 0
+    for msgs in exchange_sizes(list(numels), world, codec, weighted=weighted):
         if codec is None:
             nbytes = msgs[0]
-            seconds.append(net.all_reduce_s(nbytes, world))
+            seconds += net.all_reduce_s(nbytes, world)
             sent += 2 * (world - 1) * nbytes // world
             continue
-        total = sum(msgs)
+        total, sizes = sum(msgs), set(msgs)  # shards differ by an alignment at most: a few sizes, however many
         # all-to-all: worker r sends every shard but its own, receives W-1 copies of its own
-        seconds.append(max(net.all_to_all_s(total - m, (world - 1) * m, world) for m in msgs))
+        seconds += max(net.all_to_all_s(total - m, (world - 1) * m, world) for m in sizes)
         # all-gather of the means: worker r receives every other shard's mean
-        seconds.append(max(net.all_gather_s(total - m, world) for m in msgs))
+        seconds += max(net.all_gather_s(total - m, world) for m in sizes)
         sent += (total - msgs[0]) + (world - 1) * msgs[0]  # worker 0, as its summary counts
-    return Exchange(tuple(seconds), sent)
+    return seconds, sent
 
 
 # ---- virtual time, step by step as the simulator charges it -------------------------------------------------
@@ -78,7 +97,7 @@ def timeline(setting: Setting, model: Model, world: int, net: NetworkModel, step
     def run(x: Exchange) -> float:
         """Start ``x`` now (when the link is free); its end."""
         nonlocal link_free, sent
-        if not x.seconds:
+        if not x.total_s and not x.bytes_sent:
             return clock
         start = max(clock, link_free)
         end = start + x.total_s

@@ -34,9 +34,10 @@ from diloco.sim.transport import WorkerLeft
 from launch.algorithms import algorithm_class, baseline_name
 from launch.config import Config, ConfigError
 from launch.data import load_data
-from launch.metrics import human_bytes
 from launch.plots import equal_time_comparison, plot_runs
 from launch.rounds import RoundsLog
+from launch.sim_limits import MemoryWatch, check_workers_fit
+from launch.sim_report import baseline_line, format_table, run_label
 from launch.signals import STOP, Interrupted
 from launch.token_data import TokenData
 from launch.trainer import Hooks, Trainer
@@ -66,7 +67,7 @@ def churn_of(cfg: Config) -> Optional[ChurnSchedule]:
         return None
     if cfg.run.resume:
         raise ConfigError("sim.churn: a simulation with churn cannot be resumed (its members change from round to "
-                          "round); run it again with --restart, or without --churn")
+                          "round); run it again with --restart, or resume it without churn: --resume --set sim.churn=")
     try:
         return ChurnSchedule.parse(cfg.sim.churn, cfg.sim.workers, cfg.run.seed)
     except (OSError, ChurnError) as e:
@@ -110,7 +111,7 @@ class Membership:
         if joining:
             self.snapshot = (trainer.shared_state_blob(), trainer.step, trainer.run_dir)
         for w in joining:
-            g.admit(w, now)
+            g.admit(w, now, trainer.step)
         self.log.write(round=g.rounds[0], step=trainer.step, members=members, weights=weights,
                        virtual_s=round(g.seconds(now), 4), left=sorted(g.left_now), joining=joining)
         g.left_now = []
@@ -127,6 +128,8 @@ def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool =
     sim = cfg.sim
     churn = churn_of(cfg)
     data = data or load_data(cfg.data)
+    check_workers_fit(cfg, data)
+    memory = MemoryWatch(sim.workers, sim.offload)
     speeds = resolve_speeds(sim.workers, sim.speeds, sim.speed_dist, cfg.run.seed)
     group = InProcessGroup(sim.workers, speeds, network_of(cfg), sim.step_time, churn=churn)
     membership = Membership(group, churn) if churn is not None else None
@@ -159,7 +162,11 @@ def simulate_once(cfg: Config, data: Optional[TokenData] = None, restart: bool =
 
     def worker(rank: int, transport) -> Any:
         # parked from its first wait on (the start-up collectives that find the run folder and the checkpoint)
-        hooks = Hooks(on_built=lambda t: trainers.__setitem__(rank, t), on_step_end=boundaries(rank))
+        def built(t: Trainer) -> None:
+            trainers[rank] = t
+            memory.built(t.model, t.device)  # N models in one process: refused in one line if they cannot fit
+
+        hooks = Hooks(on_built=built, on_step_end=boundaries(rank))
         trainer = Trainer(cfg, transport=transport, data=data, restart=restart, hooks=hooks)
         if membership is not None and rank == 0:
             membership.start(trainer)
@@ -236,148 +243,21 @@ def simulate(cfg: Config, restart: bool = False) -> dict[str, Any]:
     data = load_data(cfg.data)
     summary = simulate_once(cfg, data, restart)
     run_dir = Path(summary["run_dir"])
-    rows = [(_label(cfg), summary)]
+    rows = [(run_label(cfg), summary)]
     if cfg.sim.baseline != "none" and not algorithm_class(cfg.algo.name).baseline:
         if STOP.signum is not None:  # a signal came as the run ended: it is saved; --resume runs the baseline
             raise Interrupted(STOP.signum, clean=True)
-        print(f"[simulate] baseline: DDP with {cfg.sim.workers} workers on the same tokens", file=sys.stderr, flush=True)
         base_cfg = baseline_config(cfg, run_dir)
+        print(baseline_line(base_cfg, summary), file=sys.stderr, flush=True)
         if base_cfg.sim.step_time is None and summary.get("virtual_step_time_s"):
             # the same model on the same device: one compute time for both, so the comparison is of the networks
             base_cfg.sim.step_time = summary["virtual_step_time_s"]
         base = simulate_once(base_cfg, data, restart)
-        rows.append((_label(base_cfg), base))
-        plot_runs([run_dir, Path(base["run_dir"])], run_dir / "compare.png", title=f"{_label(cfg)} vs DDP")
+        rows.append((run_label(base_cfg), base))
+        plot_runs([run_dir, Path(base["run_dir"])], run_dir / "compare.png", title=f"{run_label(cfg)} vs DDP")
         equal = equal_time_comparison(run_dir, Path(base["run_dir"]))
         if equal is not None:
             summary["equal_time"] = equal
         (run_dir / "comparison.json").write_text(json.dumps({label: s for label, s in rows}, indent=2) + "\n")
-    print(format_table(rows, network_of(cfg)))
+    print(format_table(rows, network_of(cfg), cfg.sim.step_time_note))
     return summary
-
-
-def _label(cfg: Config) -> str:
-    a, w = cfg.algo, cfg.sim.workers
-    algo = algorithm_class(a.name)
-    codec = "" if cfg.compress.codec == "fp32" else f" {cfg.compress.codec}"
-    if not algo.round_based:
-        return f"{a.name} x{w}{codec}"
-    extra = f", P={a.fragments}" if algo.fragmented else ""
-    return f"{a.name} x{w} (H={a.inner_steps}{extra}){codec}"
-
-
-def _step_time_line(summary: dict[str, Any]) -> list[str]:
-    """How long a step takes in virtual time, and why: ``virtual compute: 0.0213 s per step at speed 1 (...)``."""
-    step = summary.get("virtual_step_time_s")
-    if not step:
-        return []
-    if summary.get("virtual_step_time_source") == "sim.step_time":
-        why = "fixed: sim.step_time, or --step-time"
-    else:
-        why = f"the median of {summary.get('measured_steps', 0)} measured steps; fix it with --step-time"
-    return [f"virtual compute: {step:.4g} s per step at speed 1 ({why})"]
-
-
-def _seconds(t: Optional[float]) -> str:
-    return "not reached" if t is None else f"{t:.1f}s"
-
-
-def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel) -> str:
-    """The comparison printed at the end of ``loco simulate``: one row per run, then (against the DDP baseline)
-    bytes, time and loss at equal tokens, and the loss at equal virtual time (``equal_time`` in the run's
-    summary, from :func:`launch.plots.equal_time_comparison`)."""
-    equal = rows[0][1].get("equal_time") if len(rows) == 2 else None
-    width = max(28, *(len(label) for label, _ in rows))
-    at_head = f"loss at {equal['at_s']:.1f}s" if equal else ""
-    head = (f"{'run':<{width}} {'val loss':>9} {'val bpb':>8} {'tokens':>9} {'sent/worker':>12} {'virtual wall':>13} "
-            f"{'compute util':>13}")
-    at_w = max(15, len(at_head))
-    if equal:
-        head += f" {at_head:>{at_w}} {'time to the other':>18}"
-    lines = ["", f"simulated network: {network.describe()} per worker", *_step_time_line(rows[0][1]), head,
-             "-" * len(head)]
-    for i, (label, s) in enumerate(rows):
-        per_worker = s.get("bytes_sent_per_worker") or [s["bytes_sent"]]
-        util = s.get("compute_utilization")
-        bpb = "n/a" if s.get("val_bpb") is None else f"{s['val_bpb']:.4f}"
-        line = (f"{label:<{width}} {s['val_loss']:>9.4f} {bpb:>8} {s['tokens'] / 1e6:>8.2f}M {human_bytes(max(per_worker)):>12} "
-                f"{s.get('virtual_wall_s', 0):>12.1f}s {'' if util is None else f'{100 * util:.1f}%':>13}")
-        if equal:
-            loss = equal["loss_at"][i]
-            line += f" {'n/a' if loss is None else f'{loss:.4f}':>{at_w}} {_seconds(equal['time_to_other'][i]):>18}"
-        lines.append(line)
-    if len(rows) == 2:
-        (name, a), (_, b) = rows
-        ratio = (max(b["bytes_sent_per_worker"]) / max(1, max(a["bytes_sent_per_worker"])))
-        speed = b["virtual_wall_s"] / a["virtual_wall_s"] if a.get("virtual_wall_s") else float("nan")
-        faster = f"finishes {speed:.1f}x sooner" if speed >= 1.05 else f"takes {1 / speed:.1f}x longer" \
-            if speed <= 1 / 1.05 else "finishes about as fast"
-        lines.append(f"at equal tokens: {name} sends {ratio:.0f}x fewer bytes than DDP and {faster} in "
-                     f"virtual time; val loss {100 * (a['val_loss'] / b['val_loss'] - 1):+.1f}% vs DDP.")
-        if equal:
-            lines.extend(_equal_time_lines(name, equal))
-        lines.append(f"plot: {Path(a['run_dir']) / 'compare.png'}")
-    for label, s in rows:
-        lines.extend(_churn_lines(label, s))
-        lines.extend(_time_split_lines(label, s))
-    return "\n".join(lines)
-
-
-def _time_split_lines(label: str, s: dict[str, Any], most: int = 8) -> list[str]:
-    """Where each worker's virtual time went: ``worker 0: compute 80.1%, waiting 2.3%, sending 17.6%`` (and
-    ``away`` under churn); with more than ``most`` workers, the least and the most computing ones and the mean."""
-    compute, wait, send = (s.get(k) for k in ("virtual_compute_s_per_worker", "virtual_wait_s_per_worker",
-                                                "virtual_send_s_per_worker"))
-    away = s.get("virtual_away_s_per_worker")
-    wall = s.get("virtual_wall_s")
-    if not (compute and wait and send and wall):
-        return []
-    parts = [("compute", compute), ("waiting", wait), ("sending", send)] + ([("away", away)] if away else [])
-
-    def share(i: int) -> str:
-        return ", ".join(f"{name} {100 * values[i] / wall:.1f}%" for name, values in parts)
-
-    if len({share(i) for i in range(len(compute))}) == 1:
-        return [f"{label}, every worker's virtual time: {share(0)}"]
-    lines = [f"{label}: virtual time of each worker"]
-    order = range(len(compute))
-    if len(compute) > most:
-        lo, hi = min(order, key=lambda i: compute[i]), max(order, key=lambda i: compute[i])
-        order = [lo, hi]
-        n = len(compute)
-        lines.append(f"  mean of {n}: " + ", ".join(f"{name} {100 * sum(values) / n / wall:.1f}%"
-                                                     for name, values in parts))
-    lines.extend(f"  worker {i}: {share(i)}" for i in order)
-    return lines
-
-
-def _churn_lines(label: str, s: dict[str, Any]) -> list[str]:
-    """``diloco x8 (H=50): churn poisson:...: 5 leaves, 4 joins; 6.9 of 8 workers per round on average (fewest 5)``"""
-    m = s.get("membership")
-    if not s.get("churn") or not m:
-        return []
-    mean = f"{m['mean_members']:.1f}" if m.get("mean_members") is not None else "n/a"
-    return [f"{label}: churn {s['churn']}: {sum(s.get('leaves_per_worker', []))} leaves, "
-            f"{sum(s.get('joins_per_worker', []))} joins; {mean} of {len(s.get('leaves_per_worker', []))} workers per "
-            f"round on average (fewest {m.get('fewest_members')}); compute util counts the time in the run only"]
-
-
-def _equal_time_lines(name: str, equal: dict[str, Any]) -> list[str]:
-    """``at equal time (12.3 s, when diloco finished): DDP's val loss was 1.9021, diloco's 1.7012 (-10.6%).``"""
-    names = [name, "DDP"]
-    first = 0 if equal["final_s"][0] <= equal["final_s"][1] else 1
-    other = 1 - first
-    mine, theirs = equal["loss_at"][first], equal["loss_at"][other]
-    head = f"at equal virtual time ({equal['at_s']:.1f}s, when {names[first]} finished): "
-    if theirs is None:
-        head += f"{names[other]} had not evaluated yet (no validation loss before then)."
-    else:
-        head += (f"{names[other]}'s val loss was {theirs:.4f}, {names[first]}'s {mine:.4f} "
-                 f"({100 * (mine / theirs - 1):+.1f}%).")
-    reach = []
-    for i, j in ((1, 0), (0, 1)):
-        t = equal["time_to_other"][i]
-        target = f"{names[j]}'s final {equal['final_loss'][j]:.4f}"
-        reach.append(f"{names[i]} never reaches {target}" if t is None else
-                     f"{names[i]} reaches {target} at {t:.1f}s")
-    return [head, "to reach the other's final loss: " + "; ".join(reach) + "."]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -192,20 +193,28 @@ class Trainer:
         if hasattr(self.batcher, "state_dict"):  # a stream's position: each worker's own, whatever the algorithm
             shared["streams"] = self.transport.gather_object(self.batcher.state_dict())
         if self.algo.replicated_state:
-            return {**shared, **self.worker_state()}
+            mine = self.worker_state()
+            return {**shared, **mine, **self._clock_state()}
         mine = host_copy(self.worker_state())
         states = self.transport.gather_object(mine)  # on the leader only
+        clock = self._clock_state()
         if states is None:
             return {}
         with self.algo.evaluation_weights():  # the global model, for sampling and evaluation
             global_model = host_copy(self.model.state_dict())
-        return {**shared, "model": global_model, "workers": states}
+        return {**shared, "model": global_model, "workers": states, **clock}
+
+    def _clock_state(self) -> dict[str, Any]:
+        """The transport's clock (the simulator's virtual time), read after the workers' states: an exchange in
+        flight that a state waits for moves it."""
+        clock = self.transport.clock_state()
+        return {} if clock is None else {"clock": clock}
 
     def load_state(self, state: dict[str, Any]) -> None:
         if state.get("num_workers", 1) != self.world:
             raise RunError(f"the checkpoint was written by {state.get('num_workers', 1)} workers and this run has "
                            f"{self.world}; resume with the same number of workers")
-        mine = state["workers"][self.rank] if "workers" in state else state
+        mine = self._my_state(state)
         self.model.load_state_dict(mine["model"])
         self.algo.load_state_dict(mine["algo"])
         set_rng_state(mine["rng"])
@@ -220,6 +229,20 @@ class Trainer:
         self.transport.stats.bytes_sent = int(comm.get("bytes_sent", 0))
         self.transport.stats.bytes_received = int(comm.get("bytes_received", 0))
         self.transport.stats.peak_bytes = int(comm.get("peak_bytes", 0))
+        if "clock" in state:
+            self.transport.load_clock_state(state["clock"])
+
+    def _my_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This worker's part of a checkpoint. A worker a simulation with churn had away when it was written has
+        none: it comes back as a joining worker would, on worker 0's state (the run's model, at the run's step)."""
+        if "workers" not in state:
+            return state
+        workers = {int(w["data"]["worker_index"]): w for w in state["workers"]}
+        if self.rank in workers:
+            return workers[self.rank]
+        print(f"[worker {self.rank}] away when the checkpoint was written: it starts from worker 0's state",
+              file=sys.stderr, flush=True)
+        return workers[0]
 
     def shared_state_blob(self, **extra: Any) -> bytes:
         """What every worker shares, and ``extra``, as bytes (:func:`launch.state.shared_blob`)."""

@@ -26,6 +26,10 @@ round,worker,event
 """
 
 
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def _rounds(run_dir) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "rounds.jsonl").read_text().splitlines()]
 
@@ -154,7 +158,8 @@ def test_diloco_with_a_scripted_trace_records_its_members_and_joiners_take_the_s
     trace = tmp_path / "churn.csv"
     trace.write_text(TRACE)
     cfg, _ = load_config([TINY], [*QUICK, "run.max_steps=40", "sim.workers=3", "algo.name=diloco",
-                                  "algo.inner_steps=10", f"sim.churn={trace}", f"run.dir={tmp_path / 'run'}"])
+                                  "algo.inner_steps=10", f"sim.churn={trace}", f"run.dir={tmp_path / 'run'}",
+                                  "log.every=5"])
     summary = simulate_once(cfg)
     rounds = _rounds(tmp_path / "run")
     assert [r["members"] for r in rounds] == [[0, 1, 2], [0, 2], [0], [0, 1]]
@@ -167,6 +172,12 @@ def test_diloco_with_a_scripted_trace_records_its_members_and_joiners_take_the_s
     # steps: worker 1 trained round 0, one step of round 1 (lost), rounds 3; worker 2 rounds 0, 1 and a step of 2
     assert summary["steps_per_worker"] == [40, 21, 21]
     assert summary["tokens"] == 82 * 4 * cfg.data.seq_len
+    # between rounds too, where worker 0 logs before the others take their turn: they count as far as its step
+    # while they are members (before, step 5 counted worker 0's 5 steps alone); a sync step counts what they ran,
+    # and worker 2, the last to reach the sync of step 20, runs first in round 2 and leaves at its first step
+    lines = [r for r in _metrics(tmp_path / "run") if "loss" in r]
+    assert [(r["step"], r["tokens"] // (4 * cfg.data.seq_len)) for r in lines] == [
+        (5, 15), (10, 30), (15, 45), (20, 51), (25, 57), (30, 62), (35, 72), (40, 82)]
     away = summary["virtual_away_s_per_worker"]
     assert away[0] == 0 and away[1] > 0 and away[2] > away[1]  # worker 2 is still away at the end
     # the joiner took the run's state: at the end it evaluates the very model worker 0 holds
@@ -229,6 +240,28 @@ def test_a_run_with_churn_is_not_resumed(tmp_path):
                                   f"run.dir={tmp_path}"])
     with pytest.raises(ConfigError, match="cannot be resumed"):
         simulate_once(cfg)
+
+
+def test_a_run_with_churn_resumes_without_it(tmp_path, capfd):
+    """What the refusal above suggests: --resume --set sim.churn= goes on with every worker, the one away when the
+    checkpoint was written on worker 0's state (before: an IndexError, and worker 1 took worker 2's state)."""
+    trace = tmp_path / "churn.csv"
+    trace.write_text(TRACE)
+    run_dir = tmp_path / "run"
+    sets = [*QUICK, "sim.workers=3", "algo.name=diloco", "algo.inner_steps=10", f"sim.churn={trace}"]
+    res = loco(["simulate", "--config", TINY, *[a for kv in sets for a in ("--set", kv)], "--max-steps", "20",
+                "--run-dir", str(run_dir)], capfd)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["leaves_per_worker"] == [0, 1, 0]  # 1 away at 20
+    res = loco(["simulate", "--run-dir", str(run_dir), "--resume", "--set", "sim.churn=", "--max-steps", "40"], capfd)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "[worker 1] away when the checkpoint was written: it starts from worker 0's state" in res.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 40 and "churn" not in summary
+    losses = [w["val_loss"] for w in summary["workers"]]
+    assert len(losses) == 3 and len(set(losses)) == 1 and torch.isfinite(torch.tensor(losses[0]))
+    # worker 1 was away from step 11 to step 20: that time is away time, not compute or waiting
+    assert summary["virtual_compute_s_per_worker"] == [40.0, 31.0, 40.0]
 
 
 def test_demo_with_churn_keeps_every_worker_on_one_model(tmp_path):

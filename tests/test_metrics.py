@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks import train_throughput
-from launch.metrics import Metrics, human_bytes
+from launch.metrics import Metrics, format_seconds, human_bytes
 from launch.mfu import MFU_RULE, Peak, matmul_precision, mfu_basis, peak_flops, peak_of
 from launch.models import ModelArgs, Transformer, count_params, flops_per_token
 
@@ -125,3 +125,15 @@ def test_a_record_can_be_written_without_a_progress_line(tmp_path, capsys):
     m.close()
     assert capsys.readouterr().err == ""
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 5, "val_loss": 2.5}
+
+
+def test_plain_progress_lines_say_how_long_is_left(tmp_path, capsys):
+    """At the pace of the last lines: a slow machine says how long it still needs (a bar shows its own)."""
+    m = _metrics(tmp_path)
+    for step, wall in ((10, 5.0), (20, 6.0), (30, 7.0), (40, 14.0)):
+        m.log({"step": step, "loss": 3.0, "lr": 1e-3, "wall_s": wall})
+    m.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert "eta" not in lines[0]  # one line: no pace yet
+    assert [l.split(" | ")[-1] for l in lines[1:]] == ["eta 8s", "eta 7s", "eta 18s"]  # 60 steps at 0.3 s
+    assert format_seconds(59.6) == "1m00s" and format_seconds(3725) == "1h02m"

@@ -15,7 +15,7 @@ from launch.cli import main
 from launch.config import load_config
 from launch.plan import format_plan, make_plan
 from launch.plan_model import MEASURED, PlanError, Setting, resolve_model
-from launch.plan_timeline import predict, timeline
+from launch.plan_timeline import exchange, predict, timeline
 from launch.simulate import simulate_once
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,6 +116,42 @@ def test_cli_plan_check_prints_both(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "utilization" in out and "predicted utilization" in out and "simulated utilization" in out
     assert "agree within 5 points" in out
+
+
+def test_cli_plan_check_says_what_it_simulated(capsys, monkeypatch):
+    """The check runs tiny on at most 4 workers: for a plan of another model or more workers it names the setting
+    it ran and says the table's row (which it printed "they agree" beside) is another run, not simulated."""
+    monkeypatch.setattr(planner, "candidates", lambda model: [Setting("ddp"), Setting("diloco", 3, "fp4")])
+    assert main(["plan", "--model", "150m", "--workers", "8", "--bandwidth", "100Gbit", "--latency", "0s",
+                 "--step-time", "0.2", "--check"]) == 0
+    out = capsys.readouterr().out
+    recommended = re.search(r"recommended .*?: (.*?): ", out).group(1)
+    assert f"check: the recommended setting, {recommended}, simulated on tiny with 4 workers" in out
+    assert "the table's row is another run (150m, 8 workers, steady state)" in out
+    assert main(["plan", "--model", "150m", "--workers", "8", "--bandwidth", "1Mbit", "--latency", "1s",
+                 "--step-time", "0.2", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "no setting reaches 95%" in out and "the setting of highest utilization (none is recommended)" in out
+
+
+def test_plan_costs_the_same_for_any_model_or_number_of_workers():
+    """Buckets alike are priced once, and a parameter count is cut in at most MAX_TENSORS tensors: a model of
+    10^15 parameters or 10,000 workers plan like 150m on 8 (before: minutes, and 72 s for 10,000 workers)."""
+    from launch.plan_model import MAX_TENSORS
+
+    huge = resolve_model("1e15")
+    assert huge.params == 10 ** 15 and len(huge.tensors) <= MAX_TENSORS + 1
+    assert all(len(f) <= MAX_TENSORS for f in huge.fragment_pieces(4))
+    big = make_plan("1e15", 10_000, "1Gbit", "80ms", "1")
+    assert big.cheapest is None and all(r.bytes_per_round > 0 for r in big.rows)
+    # the prediction of a bucket priced once and counted is the one of every bucket priced (10 GB in 4M tensors)
+    model = resolve_model("1e10")
+    for codec in ("fp32", "int8"):
+        x = exchange(model.tensors, codec, 3, NetworkModel(1e9, 0.01), True)
+        per_bucket = [exchange(model.tensors[i:i + 2], codec, 3, NetworkModel(1e9, 0.01), i + 2 >= len(model.tensors))
+                      for i in range(0, len(model.tensors), 2)]
+        assert x.bytes_sent == sum(b.bytes_sent for b in per_bucket)
+        assert x.total_s == pytest.approx(sum(b.total_s for b in per_bucket), rel=1e-12)
 
 
 @pytest.mark.parametrize("argv, expected", [

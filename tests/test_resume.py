@@ -100,14 +100,16 @@ def _signals_as_at_a_terminal() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _stop_with(signum, args, run_dir, after_step):
-    """Start ``loco ARGS``, send ``signum`` once a metrics line of ``after_step`` is written; (rc, stderr)."""
+def _stop_with(signum, args, run_dir, after_step, watch=None):
+    """Start ``loco ARGS``, send ``signum`` once a metrics line of ``after_step`` is written (in the folder ``watch``,
+    default the run's); (rc, stderr)."""
     proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *args, "--run-dir", str(run_dir)], cwd=ROOT,
                             env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, preexec_fn=_signals_as_at_a_terminal)
+    watch = watch or run_dir
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None and after_step not in _logged_steps(run_dir):
+        while time.time() < deadline and proc.poll() is None and after_step not in _logged_steps(watch):
             time.sleep(0.01)
         os.kill(proc.pid, signum)
         _, err = proc.communicate(timeout=120)
@@ -238,3 +240,44 @@ def test_simulator_ctrl_c_saves_every_worker_and_resumes_exactly(tmp_path, capfd
     assert _curve(run_dir) == _curve(ref)
     assert json.loads((run_dir / "summary.json").read_text())["val_loss"] == \
         json.loads((ref / "summary.json").read_text())["val_loss"]
+
+
+# the demo's comparison (DiLoCo against the DDP baseline) on a fixed step time: only the virtual clock differs if a
+# resume loses it
+COMPARE = ["simulate", "--config", TINY, *[a for s in FAST + SHORT for a in ("--set", s)], "--workers", "2",
+           "--max-steps", "30", "--step-time", "0.1", "--set", "algo.name=diloco", "--set", "algo.inner_steps=5",
+           "--set", "log.every=5", "--set", "run.eval_every=10", "--set", "run.checkpoint_every=100"]
+VIRTUAL = ("virtual_wall_s", "compute_utilization", "tokens_per_virtual_s", "virtual_compute_s_per_worker",
+           "virtual_wait_s_per_worker", "virtual_send_s_per_worker", "bytes_sent_per_worker", "tokens", "val_loss",
+           "equal_time", "virtual_step_time_s")
+
+
+def _compared(run_dir, stdout):
+    from launch.plots import virtual_curve
+
+    runs = json.loads((run_dir / "comparison.json").read_text())
+    table = stdout[stdout.index("simulated network"):].replace(str(run_dir), "RUN")
+    curves = [virtual_curve(d, key) for d in (run_dir, run_dir / "baseline-ddp") for key in ("loss", "val_loss")]
+    return ([{k: s.get(k) for k in VIRTUAL} for s in runs.values()],
+            {k: json.loads((run_dir / "summary.json").read_text()).get(k) for k in VIRTUAL}, table, curves)
+
+
+def test_a_resumed_simulation_keeps_its_virtual_clock(tmp_path, capfd):
+    """SIGTERM in the run or in its DDP baseline, then --resume: the table, summary and the curves the plot draws
+    are an unbroken run's (the virtual clocks go on where they stopped, not from 0)."""
+    ref = tmp_path / "reference"
+    res = loco([*COMPARE, "--run-dir", str(ref)], capfd)
+    assert res.returncode == 0, res.stderr[-3000:]
+    expected = _compared(ref, res.stdout)
+    for where in ("run", "baseline"):
+        run_dir = tmp_path / f"stopped-in-{where}"
+        watch = run_dir if where == "run" else run_dir / "baseline-ddp"
+        rc, err = _stop_with(signal.SIGTERM, COMPARE, run_dir, after_step=10, watch=watch)
+        assert rc == 128 + signal.SIGTERM, err[-3000:]
+        assert load_checkpoint_step(watch) < 30, "the signal came too late to test a resume"
+        res = loco(["simulate", "--run-dir", str(run_dir), "--resume"], capfd)
+        assert res.returncode == 0, res.stderr[-3000:]
+        got = _compared(run_dir, res.stdout)
+        assert got[0] == expected[0] and got[1] == expected[1], where
+        assert got[2] == expected[2], where
+        assert got[3] == expected[3], where

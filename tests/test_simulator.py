@@ -173,6 +173,9 @@ def test_main_demo_prints_a_table_and_plots(tmp_path, capfd):
     out = res.stdout
     assert "diloco x4 (H=4)" in out and "ddp x4" in out and "fewer bytes than DDP" in out
     assert "at equal virtual time" in out and "to reach the other's final loss" in out
+    # the preset's step time, named: the same story on any machine
+    assert "virtual compute: 0.0235 s per step at speed 1 (fixed: a step of small on one H100" in out
+    assert "[simulate] baseline: DDP with 4 workers on the same tokens; about " in res.stderr
     assert (tmp_path / "demo" / "compare.png").read_bytes()[:4] == b"\x89PNG"
     comparison = json.loads((tmp_path / "demo" / "comparison.json").read_text())
     diloco, ddp = comparison.values()
@@ -361,8 +364,28 @@ def test_step_time_flag_sets_sim_step_time():
     from launch.cli import _load, build_parser
 
     cfg = _load(build_parser().parse_args(["simulate", "--step-time", "0.25"]))
-    assert cfg.sim.step_time == 0.25
-    assert _load(build_parser().parse_args(["simulate"])).sim.step_time is None
+    assert cfg.sim.step_time == 0.25 and cfg.sim.step_time_note is None  # the preset's note named its own figure
+    demo = _load(build_parser().parse_args(["simulate"])).sim  # the demo's step is a stated GPU figure
+    assert demo.step_time == 0.0235 and "H100" in demo.step_time_note
+    assert _load(build_parser().parse_args(["simulate", "--config", "tiny"])).sim.step_time is None
+
+
+def test_a_measured_step_time_that_moved_with_the_host_says_so():
+    """A step time measured while other jobs came and went moves over the run: the table says so in one line and
+    suggests a fixed one; one slow step among many is no such move."""
+    from launch.simulate import format_table
+
+    def run(seconds):
+        group = InProcessGroup(1)
+        run_workers(group, lambda rank, transport: [transport.advance_compute(s) for s in seconds])
+        return {"val_loss": 2.0, "tokens": 1e6, "run_dir": "runs/x", **group.summary()}
+
+    steady, busy = run([0.1] * 63 + [5.0]), run([0.1] * 32 + [0.4] * 32)  # busy: other jobs from half-way on
+    assert steady["measured_step_time_range_s"] == pytest.approx((0.1, 0.1))
+    assert busy["measured_step_time_range_s"] == pytest.approx((0.1, 0.4))
+    assert "moved" not in format_table([("diloco x1", steady)], NetworkModel())
+    text = format_table([("diloco x1", busy)], NetworkModel())
+    assert "the measured step time moved during the run (0.1 s to 0.4 s" in text and "--step-time 0.1" in text
 
 
 def test_the_baseline_runs_on_the_measured_step_time_of_the_run(tmp_path):
@@ -503,3 +526,23 @@ def test_the_table_says_about_as_fast_where_a_ratio_would_read_1_0x(ddp_s, words
     text = format_table([("diloco x4 (H=50)", run), ("ddp x4", ddp)], NetworkModel(125e6, 0.08))
     assert f"sends 4x fewer bytes than DDP and {words} in virtual time" in text, text
     assert "1.0x" not in text
+
+
+def test_workers_that_cannot_fit_in_memory_are_refused_in_one_line(tmp_path, capfd):
+    """N simulated workers hold N models: too many are refused before anything is built (a lower bound: 8 bytes a
+    parameter a worker), or after a few, by what they took (before: --workers 2000 was killed for memory)."""
+    import torch
+
+    from launch.runtime import available_memory
+
+    sets = [a for s in QUICK for a in ("--set", s)]
+    res = loco(["simulate", "--config", TINY, *sets, "--workers", "1000000", "--run-dir", str(tmp_path / "a")], capfd)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-3000:]
+    assert "simulating 1000000 workers needs at least" in res.stderr and "[worker" not in res.stderr
+    # between the bound and what a worker takes: tiny's DiLoCo worker holds about 17 MiB, the bound says 6.8
+    workers = int(available_memory(torch.device("cpu")) / (10 << 20))
+    res = loco(["simulate", "--config", TINY, *sets, "--workers", str(workers), "--run-dir", str(tmp_path / "b")],
+               capfd)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert f"simulating {workers} workers needs about" in res.stderr.splitlines()[-1]
+    assert "as measured on the first 4 built" in res.stderr

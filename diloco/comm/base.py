@@ -221,6 +221,14 @@ class Transport(ABC):
         churn: a worker that comes back takes the run's step count); None where that is its step count."""
         return None
 
+    def clock_state(self) -> Optional[dict[str, Any]]:
+        """What a checkpoint keeps of this transport's own clock (the simulator's virtual time), taken where every
+        worker saves (a collective where there is one); None where time is the wall's."""
+        return None
+
+    def load_clock_state(self, state: dict[str, Any]) -> None:
+        """Take back :meth:`clock_state` on a resume, once this worker has loaded its own part of the checkpoint."""
+
     def metrics(self) -> dict[str, Any]:
         """Extra per-log-line metrics of this transport (virtual time in the simulator)."""
         return {}

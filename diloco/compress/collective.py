@@ -358,15 +358,22 @@ def exchange_sizes(numels: Sequence[int], world: int, codec: Optional[Codec] = N
     """
     how = aggregation(Capabilities(), codec, gather)
     sizes = [*numels, 1] if how == "dense" and weighted else list(numels)
+    sized: dict[int, int] = {}  # shards differ by an alignment at most: each size is priced once, whatever W is
+
+    def size_of(n: int) -> int:
+        if n not in sized:
+            sized[n] = message_size(codec, n)
+        return sized[n]
+
     out = []
     for group in bucket_groups([4 * n for n in sizes], bucket_bytes):
         n = sum(sizes[i] for i in group)
         if how == "dense":
             out.append([4 * n])
         elif how == "gathered":
-            out.append([message_size(codec, n)] * world)
+            out.append([size_of(n)] * world)
         else:
-            out.append([message_size(codec, b - a) for a, b in shard_bounds(n, world, codec.align)])
+            out.append([size_of(b - a) for a, b in shard_bounds(n, world, codec.align)])
     return out
 
 

@@ -18,6 +18,7 @@ give the same times on any machine, however loaded.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -30,10 +31,13 @@ class RunningMedian:
     ``done()`` and ``seconds()``): it joins the sample once it is done, in the order given; the median waits for
     the oldest only when nothing is in the sample yet, and the length waits for all of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, values: Any = ()) -> None:
         self._lo: list[float] = []  # negated
         self._hi: list[float] = []
         self._later: deque = deque()
+        self._order = array("d")  # every value, in the order it came (a checkpoint keeps them; spread() reads them)
+        for x in values:
+            self.add(float(x))
 
     def __len__(self) -> int:
         self._harvest(everything=True)
@@ -48,6 +52,7 @@ class RunningMedian:
             self.add(self._later.popleft().seconds())
 
     def add(self, x: float) -> None:
+        self._order.append(x)
         if self._lo and x > -self._lo[0]:
             heapq.heappush(self._hi, x)
         else:
@@ -64,6 +69,22 @@ class RunningMedian:
         if len(self._lo) > len(self._hi):
             return -self._lo[0]
         return (self._hi[0] - self._lo[0]) / 2
+
+    def values(self) -> list[float]:
+        """Every value so far, in the order it came."""
+        self._harvest(everything=True)
+        return self._order.tolist()
+
+    def drift(self, parts: int = 8) -> Optional[tuple[float, float]]:
+        """How far the sample moved over time: the lowest and the highest median of ``parts`` runs of consecutive
+        values (None for fewer than 4 values a part). A step time that a busy host stretched for a while shows as
+        a high part, where one slow step among many does not."""
+        values = self.values()
+        n = len(values) // parts
+        if n < 4:
+            return None
+        medians = [sorted(values[i * n:(i + 1) * n])[n // 2] for i in range(parts)]
+        return min(medians), max(medians)
 
 
 @dataclass(frozen=True)

@@ -78,11 +78,13 @@ class InProcessGroup:
         self.sending = [VirtualTime()] * world
         self.link_free_at = VirtualTime()
         self.measured = RunningMedian()  # every step's measured compute seconds, all workers
+        self._clock_loaded = False  # a resumed run's clocks are taken back once (load_clock_state)
         # membership: who is in the run now; under churn, away workers park until admitted again
         self.churn = churn
         self.up = [True] * world
         self.away = [VirtualTime()] * world  # virtual time each worker spent out of the run
         self.steps_done = [0] * world  # steps each worker trained, over all the times it was in the run
+        self.at_step = [0] * world  # the run's step each worker has reached (a joiner starts at the run's)
         self.leaves = [0] * world
         self.joins = [0] * world
         self.rounds = [0] * world  # the round each worker is in (its round boundaries so far; a joiner: worker 0's)
@@ -146,15 +148,27 @@ class InProcessGroup:
         self._yield(rank)
         return not self.run_over
 
-    def admit(self, rank: int, at: VirtualTime) -> None:
-        """Let the away worker ``rank`` back in at virtual time ``at`` (a round boundary on rank 0's clock)."""
+    def admit(self, rank: int, at: VirtualTime, step: Optional[int] = None) -> None:
+        """Let the away worker ``rank`` back in at virtual time ``at`` and the run's step ``step`` (default: worker
+        0's), a round boundary on rank 0's clock."""
+        self._back(rank, at, self.at_step[0] if step is None else step)
+        self.joins[rank] += 1
+        self.runnable.append(rank)
+
+    def _back(self, rank: int, at: VirtualTime, step: int) -> None:
         if self.seconds(at) > self.seconds(self.clock[rank]):
             self.away[rank] = self.away[rank] + (at - self.clock[rank])
             self.clock[rank] = at
         self.up[rank] = True
         self.rounds[rank] = self.rounds[0]
-        self.joins[rank] += 1
-        self.runnable.append(rank)
+        self.at_step[rank] = step
+
+    def steps_trained(self, rank: int) -> int:
+        """The steps all workers trained, as of ``rank``'s step: those lost with a worker that left included, and
+        the steps of this point of the run that members who take their turn after ``rank`` have still to run
+        (a round runs worker after worker; without them, the tokens between rounds would count one worker's)."""
+        mine = self.at_step[rank]
+        return sum(self.steps_done) + sum(mine - self.at_step[r] for r in range(self.world) if self.up[r])
 
     def parked(self) -> list[int]:
         return [r for r in range(self.world) if not self.up[r]]
@@ -243,6 +257,46 @@ class InProcessGroup:
         self.sending[rank] = self.sending[rank] + (end - begin)
         self.clock[rank] = end
 
+    # ---- a checkpoint of the clocks ---------------------------------------------------------
+    _PER_WORKER = ("clock", "waited", "sending", "away")  # VirtualTime lists
+    _COUNTS = ("compute_steps", "steps_done", "at_step", "leaves", "joins", "rounds", "up")
+
+    def clock_state(self) -> dict[str, Any]:
+        """Every worker's clock and where its time went, its bytes, the link's clock and every measured step: what
+        a resumed run takes back (:meth:`load_clock_state`), so that its virtual times go on where they were.
+        Read where every member waits in one collective (a worker between two collectives may be a step ahead)."""
+        return {
+            **{k: [(t.seconds, t.steps) for t in getattr(self, k)] for k in self._PER_WORKER},
+            **{k: list(getattr(self, k)) for k in self._COUNTS},
+            "bytes": [e.stats.as_dict() for e in self.endpoints],
+            "link_free_at": (self.link_free_at.seconds, self.link_free_at.steps),
+            "measured": torch.tensor(self.measured.values(), dtype=torch.float64),
+            "members_per_round": list(self.members_per_round),
+        }
+
+    def load_clock_state(self, state: dict[str, Any], rank: int) -> None:
+        """Take back :meth:`clock_state` as worker ``rank`` resumes: the whole group's at the first worker's call
+        (before any worker has run a step), and each worker's bytes at its own (after its trainer has set them
+        from its own part of the checkpoint, which a worker away when it was written has not). A worker away
+        then, in a run resumed without churn, is back where worker 0 was."""
+        if len(state["clock"]) != self.world:
+            return
+        if not self._clock_loaded:
+            self._clock_loaded = True
+            for k in self._PER_WORKER:
+                setattr(self, k, [VirtualTime(*t) for t in state[k]])
+            for k in self._COUNTS:
+                setattr(self, k, list(state[k]))
+            self.link_free_at = VirtualTime(*state["link_free_at"])
+            self.measured = RunningMedian(state["measured"].tolist())
+            self.members_per_round = list(state["members_per_round"])
+            for r in range(self.world):
+                if not self.up[r] and self.churn is None:
+                    self._back(r, self.clock[0], self.at_step[0])
+        stats, saved = self.endpoints[rank].stats, state["bytes"][rank]
+        stats.bytes_sent, stats.bytes_received = int(saved["bytes_sent"]), int(saved["bytes_received"])
+        stats.peak_bytes = int(saved.get("peak_bytes", stats.peak_bytes))
+
     # ---- reporting --------------------------------------------------------------------------
     def _tails(self) -> tuple[float, list[float], list[float]]:
         """The wall time, and each worker's away seconds and idle tail (from its clock to the wall) at the end;
@@ -284,6 +338,8 @@ class InProcessGroup:
             "virtual_step_time_source": "sim.step_time" if self.step_time is not None else "median of measured steps",
             "measured_step_time_s": measured,  # the median of the steps this run measured (None: none ran)
             "measured_steps": len(self.measured),
+            # the lowest and highest median of eighths of the run's measured steps: how far the host moved them
+            "measured_step_time_range_s": self.measured.drift(),
             "speeds": list(self.speeds),
             "network": self.network.describe(),
         }

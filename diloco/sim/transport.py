@@ -217,17 +217,25 @@ class InProcessTransport(Transport):
         g.clock[self.rank] = g.clock[self.rank].plus(steps=steps)
         g.compute_steps[self.rank] += steps
         g.steps_done[self.rank] += 1
+        g.at_step[self.rank] += 1
         if g.churn is not None and g.churn.leaves_now(self.rank, self.now(), g.rounds[self.rank]):
             g.leave(self.rank)
             raise WorkerLeft(self.rank)
 
     def steps_trained(self) -> Optional[int]:
-        """Under churn, the steps all workers computed, those lost with a worker that left included (``world x
-        step`` would count the time away too); else None."""
-        return sum(self.group.steps_done) if self.group.churn is not None else None
+        """Under churn, the steps all workers computed as of this worker's step, those lost with a worker that left
+        included (``world x step`` would count the time away too); else None."""
+        return self.group.steps_trained(self.rank) if self.group.churn is not None else None
 
     def my_steps_trained(self) -> Optional[int]:
         return self.group.steps_done[self.rank] if self.group.churn is not None else None
+
+    def clock_state(self) -> dict[str, Any]:
+        """The group's clocks, read once every member has come here (a rendezvous: every worker saves)."""
+        return self.group.rendezvous(self.rank, None, lambda _: self.group.clock_state())[0]
+
+    def load_clock_state(self, state: dict[str, Any]) -> None:
+        self.group.load_clock_state(state, self.rank)
 
     def metrics(self) -> dict[str, Any]:
         """``virtual_s``: this worker's clock with the step time known so far; ``virtual_net_s`` and
