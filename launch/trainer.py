@@ -190,8 +190,8 @@ class Trainer:
             "tokenizer": self.data.tokenizer.state() if self.data.tokenizer is not None else None,
             "num_workers": self.world,
         }
-        if hasattr(self.batcher, "state_dict"):  # a stream's position: each worker's own, whatever the algorithm
-            shared["streams"] = self.transport.gather_object(self.batcher.state_dict())
+        if hasattr(self.batcher, "state_dict"):  # each worker's stream position, by worker (churn leaves gaps)
+            shared["streams"] = self.transport.gather_object((self.rank, self.batcher.state_dict()))
         if self.algo.replicated_state:
             mine = self.worker_state()
             return {**shared, **mine, **self._clock_state()}
@@ -220,8 +220,7 @@ class Trainer:
         set_rng_state(mine["rng"])
         self.progress.step, self.progress.followed = int(mine["step"]), int(mine.get("followed", 0))
         if hasattr(self.batcher, "load_state_dict"):
-            streams = state.get("streams") or []
-            self.batcher.load_state_dict(streams[self.rank] if self.rank < len(streams) else None)
+            self.batcher.load_state_dict(dict(state.get("streams") or []).get(self.rank))
         self.clock.wall_prior = float(state.get("wall_s", 0.0))
         self.clock.budget_prior = float(state["budget_s"])  # the time budget spent before (virtual in the simulator)
         self.window.load(mine.get("log_window", {}))

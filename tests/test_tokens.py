@@ -157,7 +157,7 @@ def test_a_streamed_dataset_resumes_on_the_very_tokens(corpus, tiny_cfg, tmp_pat
 
     with pytest.raises(KeyboardInterrupt):
         _stream_run(tiny_cfg, corpus, tmp_path / "broken", hooks=Hooks(on_step=interrupt))
-    position = torch.load(tmp_path / "broken" / "checkpoints" / "step_00000005.pt", weights_only=False)["streams"][0]
+    position = torch.load(tmp_path / "broken" / "checkpoints" / "step_00000005.pt", weights_only=False)["streams"][0][1]
     assert position["epoch"] == 0 and position["doc"] >= 0 and position["offset"] > 0
     resumed = _stream_run(tiny_cfg, corpus, tmp_path / "broken", "run.resume=true")
     assert resumed["val_loss"] == whole["val_loss"] and resumed["val_bpb"] == whole["val_bpb"]
