@@ -67,7 +67,8 @@ def settle_threads(setting: Optional[int | str], device: torch.device, n_params:
     if _SETTLED is None:
         _SETTLED = auto_threads(len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
                                 os.environ.get("OMP_NUM_THREADS"), n_params, busy_cores())
-    torch.set_num_threads(_SETTLED[0])
+    if torch.get_num_threads() != _SETTLED[0]:  # where auto agrees with torch's default, torch's setup stands
+        torch.set_num_threads(_SETTLED[0])
     return _SETTLED
 
 
@@ -96,12 +97,9 @@ def auto_threads(cores: int, processes: int, omp: Optional[str], n_params: int,
 
 
 def busy_cores() -> float:
-    """Cores other work keeps busy now: the larger of the 1-minute load average and the threads running at this
-    moment (the median of a few looks, this one's own left out); 0 where the system does not say."""
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = 0.0
+    """Cores other work keeps busy now: the threads running at this moment, this one's own left out (the median
+    of a few looks over 50 ms); 0 where the system does not say. Not the load average: it lags a minute behind,
+    so a job that just ended would still take cores from the next."""
     running = []
     for _ in range(5):
         try:
@@ -110,7 +108,7 @@ def busy_cores() -> float:
         except (OSError, ValueError, IndexError):
             break
         time.sleep(0.01)
-    return max(load, sorted(running)[len(running) // 2] if running else 0.0)
+    return float(sorted(running)[len(running) // 2]) if running else 0.0
 
 
 def resolve_device(name: str) -> torch.device:
