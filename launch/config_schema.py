@@ -194,7 +194,7 @@ class RunConfig:
     threads: Optional[Union[int, str]] = _f(
         "auto", "CPU threads for torch. auto: on a CPU this process's share of the cores it may use (divided among "
                 "torchrun's processes on the node, at most OMP_NUM_THREADS, fewer where other work keeps cores "
-                "busy), and one for a model under 0.2M parameters; the start line says how many and why. A number "
+                "busy), and one for a model under 32,768 parameters; the start line says how many and why. A number "
                 "fixes it; empty: torch's default.", gt=0, auto=True)
     eval_every: int = _f(100, "Validation every this many steps (0: only at the end).", ge=0)
     eval_batches: int = _f(10, "Validation batches per evaluation.", gt=0)

@@ -52,9 +52,10 @@ def start_process(threads: Optional[int | str], device: str) -> torch.device:
     return resolve_device(device)
 
 
-# Below this many parameters a model takes one thread: its ops are a few of torch's 32K-value grains each, and a
-# parallel region's start and barrier cost about what splitting them saves (benchmarks/results/threads_cpu.md).
-SMALL_MODEL_PARAMS = 200_000
+# Below this many parameters a model takes one thread: its matrices are about one of torch's 32K-value grains, so a
+# parallel region has nothing to split. On idle cores two threads still won at 41K parameters (16 x 128 tokens a
+# step: the activations are what splits), so the line sits below that (benchmarks/results/threads_cpu.md).
+SMALL_MODEL_PARAMS = 32_768
 _SETTLED: Optional[tuple[int, str]] = None  # auto's choice: once per process, the same for every simulated worker
 
 
@@ -89,7 +90,7 @@ def auto_threads(cores: int, processes: int, omp: Optional[str], n_params: int,
     if omp and omp.strip().isdigit() and 0 < int(omp) < share:
         cap, why = int(omp), f"OMP_NUM_THREADS={omp.strip()}"
     if cap > 1 and n_params < SMALL_MODEL_PARAMS:
-        return 1, f"a model under {SMALL_MODEL_PARAMS / 1e6:g}M parameters computes fastest on one"
+        return 1, f"a model under {SMALL_MODEL_PARAMS:,} parameters has nothing to split"
     idle = max(1, int(cores - busy + 0.5))
     if idle < cap:
         return idle, f"{why}, {busy:.1f} of them kept busy by other work"

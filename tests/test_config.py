@@ -622,7 +622,8 @@ def test_run_threads_refuses_other_values_in_one_line(value):
     (2, 4, None, 10_000_000, 0.0, 1, "2 core(s) shared by 4 processes"),
     (16, 1, "2", 10_000_000, 0.0, 2, "OMP_NUM_THREADS=2"),
     (4, 1, "8", 10_000_000, 0.0, 4, "4 core(s)"),  # never more than the cores
-    (16, 1, None, 100_000, 0.0, 1, "a model under 0.2M parameters computes fastest on one"),
+    (16, 1, None, 20_000, 0.0, 1, "a model under 32,768 parameters has nothing to split"),
+    (16, 1, None, 100_000, 0.0, 16, "16 core(s)"),
     (8, 1, None, 10_000_000, 5.2, 3, "8 core(s), 5.2 of them kept busy by other work"),
     (2, 1, None, 10_000_000, 3.0, 1, "2 core(s), 3.0 of them kept busy by other work"),
 ])
