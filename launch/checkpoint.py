@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from launch.disk import space_for
+from launch.disk import fsync_dir, space_for
+from launch.errors import RunError
 
 FORMAT = "loco-checkpoint"
 VERSION = 1
@@ -35,19 +36,6 @@ class CheckpointError(ValueError):
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}.pt"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _payload_bytes(obj: Any) -> int:
@@ -90,7 +78,7 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     _remember_valid(final)
     prune_checkpoints(directory, keep, final)
     return final
@@ -233,3 +221,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         # takes those it has (torch's set_rng_state_all would fail on the first missing one)
         for index, saved in enumerate(state["cuda"][:torch.cuda.device_count()]):
             torch.cuda.set_rng_state(saved, index)
+
+
+def open_checkpoint(source: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """A checkpoint file, or a run folder's newest valid one (in its ``checkpoints/``, or the folder itself)."""
+    path = Path(source)
+    if path.is_dir():
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        hit = latest_checkpoint(folder)
+        if hit is None:
+            raise RunError(f"{path}: no valid checkpoint found")
+        return hit
+    return path, load_checkpoint(path)

@@ -21,7 +21,7 @@ from launch.documents import HFOptions
 from launch.python_corpus import load_python
 from launch.shards import load_shards
 from launch.stream import StreamBatcher, load_stream
-from launch.token_data import EOS, DataError, TokenData, Windows
+from launch.token_data import EOS, DataError, TokenData, Windows, join_documents
 from launch.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 
@@ -79,24 +79,10 @@ def encoded(data: TokenData, tokenizer: Tokenizer) -> TokenData:
             if len(ends) == 0 or ends[-1] != len(a) - 1:  # a tail without its separator (a cut document)
                 texts.append(bytes(a[(ends[-1] + 1) if len(ends) else 0:]).decode("utf-8", errors="replace"))
             parts = tokenizer.encode_batch(texts)
-            out.append(_joined(parts, tokenizer.eos, closed=len(ends) > 0 and ends[-1] == len(a) - 1))
+            out.append(join_documents(parts, tokenizer.eos, closed=len(ends) > 0 and ends[-1] == len(a) - 1))
         splits.append(out)
     return TokenData(splits[0], splits[1], tokenizer.vocab_size, tokenizer,
                      f"{data.description}, encoded with {tokenizer.describe()}")
-
-
-def _joined(parts: list[np.ndarray], eos: int, closed: bool) -> np.ndarray:
-    """``parts`` one after another, each followed by ``eos`` (the last one only when ``closed``)."""
-    dtype = parts[0].dtype if parts else np.uint16
-    out = np.empty(sum(len(a) + 1 for a in parts) - (0 if closed or not parts else 1), dtype=dtype)
-    pos = 0
-    for i, a in enumerate(parts):
-        out[pos:pos + len(a)] = a
-        pos += len(a)
-        if pos < len(out):
-            out[pos] = eos
-            pos += 1
-    return out
 
 
 def val_bytes_per_token(batcher: "Batcher | StreamBatcher", tokenizer: Optional[Tokenizer],

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 
 from launch.documents import HFOptions, _text_files, open_hf, stdlib_files
-from launch.token_data import (BYTE_VOCAB, DataError, TokenData, _concat_with_eos, _is_val, _split_documents,
+from launch.token_data import (BYTE_VOCAB, DataError, TokenData, join_documents, _is_val, _split_documents,
                                encode_text)
 from launch.tokenizer import ByteTokenizer
 
@@ -33,8 +33,8 @@ def load_text(path: str, val_path: Optional[str], pattern: str, fraction: float,
         raise DataError(f"{path}: the text files are empty")
     if val_path:
         vroot, vfiles, _ = _text_files(Path(val_path), pattern)
-        train = [_concat_with_eos([t for _, t in docs])]
-        val = [_concat_with_eos([t for _, t in _read_docs(vroot, vfiles, None)])]
+        train = [join_documents([t for _, t in docs])]
+        val = [join_documents([t for _, t in _read_docs(vroot, vfiles, None)])]
     else:
         train, val = _split_documents(docs, fraction)
     skipped = f"; {binary} binary files skipped" if binary else ""

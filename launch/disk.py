@@ -35,6 +35,20 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries durable (a rename in it); where the system cannot, nothing."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def out_of_space(e: BaseException) -> bool:
     """A write that failed because the disk (or the quota, or the file size limit) is full.
 

@@ -24,6 +24,8 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from launch.checkpoint import open_checkpoint
+from launch.disk import fsync_dir
 from launch.errors import RunError
 from launch.hf_weights import DTYPES, hf_shapes, llama_config, loco_to_hf
 
@@ -31,20 +33,6 @@ SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def open_checkpoint(source: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
-    """A checkpoint file, or a run folder's newest valid one (in its ``checkpoints/``, or the folder itself)."""
-    from launch.checkpoint import latest_checkpoint, load_checkpoint
-
-    path = Path(source)
-    if path.is_dir():
-        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        hit = latest_checkpoint(folder)
-        if hit is None:
-            raise RunError(f"{path}: no valid checkpoint found in this run folder")
-        return hit
-    return path, load_checkpoint(path)
 
 
 def shard_plan(shapes: dict[str, tuple[int, ...]], itemsize: int, max_bytes: int) -> list[list[str]]:
@@ -261,7 +249,7 @@ def _written_whole(out: Path, weight_bytes: int, write: Any) -> list[str]:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         files = write(tmp)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _replace(tmp, target)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -283,19 +271,6 @@ def _write_json(path: Path, obj: Any) -> None:
     _write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _replace(tmp: Path, out: Path) -> None:
     """``tmp`` becomes ``out``; a folder already there (empty, or replaced with --force) goes only once the new
     one is in place."""
@@ -311,7 +286,7 @@ def _replace(tmp: Path, out: Path) -> None:
         if old is not None and not out.exists():
             os.rename(old, out)
         raise
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -188,15 +188,6 @@ def format_seconds(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def human_bytes(n: float) -> str:
-    """A byte count in binary units, named as such: ``512 B``, ``1.5 KiB``, ``10.7 MiB``, ``2.0 GiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def truncate_metrics(path: Path, after_step: int) -> None:
     """Drop lines logged after ``after_step`` (a resumed run logs them again), and lines that do not read."""
     if not path.is_file():

@@ -22,7 +22,7 @@ import numpy as np
 
 from launch.documents import Doc, HFOptions, doc_text, documents
 from launch.shards import MANIFEST, MANIFEST_FORMAT, TOKENIZER_FILE, shard_dtype
-from launch.token_data import DataError, _is_val
+from launch.token_data import DataError, _is_val, join_documents
 from launch.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 
 SETTINGS = "prepare.json"
@@ -86,12 +86,7 @@ def _encode_unit(index: int, unit: list[Doc], out: str, val_fraction: float, dty
         record["bytes"][side] = sum(len(t.encode("utf-8")) for t, v in zip(texts, sides) if v == is_val)
         if not parts:
             continue
-        tokens = np.empty(sum(len(a) + 1 for a in parts), dtype=dtype)
-        pos = 0
-        for a in parts:
-            tokens[pos:pos + len(a)] = a
-            tokens[pos + len(a)] = tok.eos
-            pos += len(a) + 1
+        tokens = join_documents(parts, tok.eos).astype(dtype, copy=False)
         name = f"{side}-{index:05d}.bin"
         _atomic_write(folder / name, tokens.tobytes())
         record[side] = {"file": name, "tokens": int(len(tokens))}

@@ -7,21 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from launch.checkpoint import open_checkpoint
 from launch.errors import RunError
-
-
-def load_for_sampling(checkpoint: str) -> tuple[Path, dict[str, Any]]:
-    """A checkpoint file, or a run folder's newest valid one."""
-    from launch.checkpoint import latest_checkpoint, load_checkpoint
-
-    path = Path(checkpoint)
-    if path.is_dir():
-        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        hit = latest_checkpoint(folder)
-        if hit is None:
-            raise RunError(f"{path}: no valid checkpoint found")
-        return hit
-    return path, load_checkpoint(path)
 
 
 def prompt_ids(prompt: str, tokenizer: Any, vocab: int, path: Path) -> list[int]:
@@ -48,7 +35,7 @@ def sample(checkpoint: str, prompt: str, max_new_tokens: int, temperature: float
     from launch.runtime import resolve_device
     from launch.tokenizer import tokenizer_from_state
 
-    path, state = load_for_sampling(checkpoint)
+    path, state = open_checkpoint(checkpoint)
     if state.get("hf_config"):
         from launch.hf_models import HFCausalLM, config_from_dict
 

@@ -22,7 +22,7 @@ from launch.config import Config
 from launch.errors import RunError
 from launch.metrics import human_bytes
 from launch.models import model_args_from_config
-from launch.runtime import available_memory, resolve_device
+from launch.runtime import available_memory, check_model_fits, resolve_device
 from launch.token_data import TokenData
 
 AT_LEAST_PER_PARAM = 8  # fp32 weights and one more fp32 state of their size, whatever the algorithm
@@ -55,10 +55,11 @@ def check_workers_fit(cfg: Config, data: TokenData) -> None:
     m = cfg.model
     if m.hf_config or m.init_from:
         return
-    params = model_args_from_config(m, data.vocab_size, cfg.data.seq_len).n_params
-    workers = cfg.sim.workers
+    args = model_args_from_config(m, data.vocab_size, cfg.data.seq_len)
+    params, workers = args.n_params, cfg.sim.workers
     # sim.offload parks idle workers' state in host memory: there is where the N copies are
     device = torch.device("cpu") if cfg.sim.offload else resolve_device(cfg.run.device)
+    check_model_fits(args, device)  # a model too large for one worker is that model's problem, said as such
     free = available_memory(device)
     per = AT_LEAST_PER_PARAM * params
     if free is not None and workers * per > free:

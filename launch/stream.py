@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from launch.documents import HFOptions, hf_texts, open_hf
-from launch.token_data import DataError, TokenData, Windows
+from launch.token_data import DataError, TokenData, Windows, join_documents
 
 AHEAD = 4  # micro-batches the reader keeps ready
 BATCH_DOCS = 64  # documents tokenized together (one encode_batch call)
@@ -46,20 +46,10 @@ def load_stream(path: str, opts: HFOptions, tokenizer: Any, val_docs: int, max_d
     if len(texts) <= val_docs:
         raise DataError(f"{path}: the stream has {len(texts)} documents, so none are left to train on after "
                         f"data.val_docs={val_docs}")
-    val = _with_eos(tokenizer.encode_batch(texts[:val_docs]), tokenizer.eos)
+    val = join_documents(tokenizer.encode_batch(texts[:val_docs]), tokenizer.eos)
     spec = StreamSpec(path, opts, tokenizer, val_docs, max_docs)
     return TokenData([], [val], tokenizer.vocab_size, tokenizer,
                      f"streamed Hugging Face dataset {path} (the first {val_docs} documents validate)", stream=spec)
-
-
-def _with_eos(parts: list[np.ndarray], eos: int) -> np.ndarray:
-    out = np.empty(sum(len(a) + 1 for a in parts), dtype=parts[0].dtype if parts else np.uint16)
-    pos = 0
-    for a in parts:
-        out[pos:pos + len(a)] = a
-        out[pos + len(a)] = eos
-        pos += len(a) + 1
-    return out
 
 
 class _Stop(Exception):

@@ -63,7 +63,7 @@ def _split_documents(docs: list[tuple[str, np.ndarray]], fraction: float) -> tup
     val_idx = _val_indices([name for name, _ in docs], fraction)
     train = [t for i, (_, t) in enumerate(docs) if i not in val_idx]
     val = [t for i, (_, t) in enumerate(docs) if i in val_idx]
-    return [_concat_with_eos(train)], [_concat_with_eos(val)]
+    return [join_documents(train)], [join_documents(val)]
 
 
 def _val_indices(names: Sequence[str], fraction: float) -> set[int]:
@@ -76,13 +76,17 @@ def _val_indices(names: Sequence[str], fraction: float) -> set[int]:
     return val_idx
 
 
-def _concat_with_eos(arrays: list[np.ndarray]) -> np.ndarray:
-    out = np.empty(sum(len(a) + 1 for a in arrays), dtype=np.uint8)
+def join_documents(parts: Sequence[np.ndarray], eos: int = EOS, closed: bool = True) -> np.ndarray:
+    """``parts`` one after another, each followed by ``eos`` (the last one only when ``closed``), in their dtype."""
+    dtype = parts[0].dtype if len(parts) else np.uint8
+    out = np.empty(sum(len(a) + 1 for a in parts) - (0 if closed or not len(parts) else 1), dtype=dtype)
     pos = 0
-    for a in arrays:
+    for a in parts:
         out[pos:pos + len(a)] = a
-        out[pos + len(a)] = EOS
-        pos += len(a) + 1
+        pos += len(a)
+        if pos < len(out):
+            out[pos] = eos
+            pos += 1
     return out
 
 
