@@ -49,12 +49,13 @@ def test_an_hf_config_model_trains_alike_simulated_and_under_torchrun(tmp_path, 
     assert sa["bytes_sent"] == sb["bytes_sent"] > 0 and sa["val_bpb"] is not None
 
 
-def test_an_hf_config_run_resumes_exactly_and_samples(tmp_path, tiny_cfg, capsys):
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_an_hf_config_run_resumes_exactly_and_samples(tmp_path, tiny_cfg, capsys, kind):
     from launch.trainer import Hooks, train
 
-    config = _config(tmp_path, "gpt2")
+    config = _config(tmp_path, kind)
     extra = ["data.seq_len=32", "run.batch_size=4", "run.max_steps=6", "run.eval_every=3", "log.every=1",
-             f"model.hf_config={config}", "run.checkpoint_every=0"]
+             f"model.hf_config={config}", "run.checkpoint_every=0", "algo.name=diloco", "algo.inner_steps=2"]
     whole = train(tiny_cfg(*extra, run_dir=tmp_path / "whole"))
 
     def interrupt(step, record):
