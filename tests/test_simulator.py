@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 
 import pytest
@@ -545,4 +546,4 @@ def test_workers_that_cannot_fit_in_memory_are_refused_in_one_line(tmp_path, cap
                capfd)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert f"simulating {workers} workers needs about" in res.stderr.splitlines()[-1]
-    assert "as measured on the first 4 built" in res.stderr
+    assert re.search(r"as measured on the first \d+ built", res.stderr)  # 4 or more: per-build noise moves it
