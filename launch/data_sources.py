@@ -12,8 +12,7 @@ from typing import Optional
 import numpy as np
 
 from launch.documents import HFOptions, _text_files, open_hf, stdlib_files
-from launch.token_data import (BYTE_VOCAB, DataError, TokenData, join_documents, _is_val, _split_documents,
-                               encode_text)
+from launch.token_data import BYTE_VOCAB, DataError, TokenData, _split_documents, encode_text, join_documents
 from launch.tokenizer import ByteTokenizer
 
 

@@ -18,8 +18,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-import numpy as np
 
+from launch.disk import write_file
 from launch.documents import Doc, HFOptions, doc_text, documents
 from launch.shards import MANIFEST, MANIFEST_FORMAT, TOKENIZER_FILE, shard_dtype
 from launch.token_data import DataError, _is_val, join_documents
@@ -38,11 +38,11 @@ def auto_shard_mb(total: Optional[int]) -> float:
     return float(min(MAX_SHARD_MB, max(1, round(total / 1e6 / 64))))
 
 
+AGAIN = "the shards finished so far are kept; free some space and run the same command again"
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
+    write_file(path, data, AGAIN)
 
 
 def _units(docs: Iterator[Doc], unit_bytes: int) -> Iterator[list[Doc]]:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from launch.disk import write_file
 from launch.token_data import BYTE_VOCAB, EOS, DataError
 
 ENCODE_CHUNK = 256  # texts per encode_batch call
@@ -137,10 +138,7 @@ class BPETokenizer(Tokenizer):
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the tokenizer's JSON to ``path`` whole (a temporary file renamed)."""
-        p = Path(path)
-        tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-        tmp.write_text(self.json, encoding="utf-8")
-        os.replace(tmp, p)
+        write_file(path, self.json, "free some space and train it again")
 
 
 def _token_byte_lengths(tok: Any, vocab_size: int) -> np.ndarray:
