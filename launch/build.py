@@ -15,7 +15,7 @@ from launch.algorithms import algorithm_class
 from launch.config import Config
 from launch.errors import RunError
 from launch.hf_models import build_hf_model, load_hf_weights
-from launch.hf_init import load_loco_weights, loco_args_of, maps_to_loco
+from launch.hf_init import load_loco_weights, loco_args_of
 from launch.models import Transformer, model_args_from_config
 from launch.runtime import check_model_fits
 from launch.token_data import TokenData
@@ -28,19 +28,18 @@ def build_model(cfg: Config, data: TokenData, device: torch.device) -> tuple[nn.
     seconds to initialise on a CPU), or loaded from ``model.init_from``; and loco's model arguments (None for a
     ``transformers`` model)."""
     m = cfg.model
-    hf_config = m.hf_config or (m.init_from if m.init_from and not maps_to_loco(m.init_from) else None)
-    if hf_config:
+    own = loco_args_of(m.init_from, cfg.data.seq_len) if m.init_from and not m.hf_config else None
+    if m.hf_config or m.init_from and own is None:
         torch.manual_seed(cfg.run.seed)
         with torch.device(device):
-            model = build_hf_model(hf_config, data.vocab_size, cfg.data.seq_len)
+            model = build_hf_model(m.hf_config or m.init_from, data.vocab_size, cfg.data.seq_len)
         if m.init_from:
             load_hf_weights(model, Path(m.init_from))
         return model, None
-    if m.init_from:
-        args = loco_args_of(m.init_from, cfg.data.seq_len)
-        model, _ = _loco_model(cfg, args, data, device)
+    if own is not None:
+        model, _ = _loco_model(cfg, own, data, device)
         load_loco_weights(model, Path(m.init_from))
-        return model, args
+        return model, own
     return _loco_model(cfg, model_args_from_config(m, data.vocab_size, cfg.data.seq_len), data, device)
 
 

@@ -4,7 +4,6 @@ algorithm cannot run with, a simulator trace that does not parse)."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -107,15 +106,15 @@ def _model_layers(cfg: Any, fail: Any, where: Any) -> int:
             fail(f"model.{key}", f"{value!r} does not exist")
     if m.hf_config or m.init_from:
         from launch.errors import RunError
-        from launch.hf_models import config_file, n_layers_of, read_hf_config
+        from launch.hf_models import LAYER_KEYS, n_layers_of, read_config_json, read_hf_config
 
         key = "model.hf_config" if m.hf_config else "model.init_from"
         try:
             if m.hf_config:
                 return n_layers_of(read_hf_config(m.hf_config))
-            raw = json.loads(config_file(m.init_from).read_text())
-            return int(raw.get("num_hidden_layers") or raw.get("n_layer") or 1)
-        except (RunError, OSError, ValueError) as e:
+            raw = read_config_json(m.init_from)  # no transformers import for a folder loco's model may hold
+            return next((raw[k] for k in LAYER_KEYS if isinstance(raw.get(k), int)), 1)
+        except RunError as e:
             fail(key, str(e))
     from launch.models import model_args_from_config
 

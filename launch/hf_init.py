@@ -3,50 +3,32 @@ Llama loco's model can hold) mapped back to loco's names and rotary layout."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Optional
 
 import torch.nn as nn
 
 from launch.errors import RunError
-from launch.hf_models import config_file, read_weights
+from launch.hf_models import read_config_json, read_weights
+from launch.hf_weights import args_from_llama_config, hf_to_loco
+from launch.models import ModelArgs
 
 
-def _llama_config(folder: str | Path) -> dict[str, Any]:
-    f = config_file(folder)
-    try:
-        return json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise RunError(f"{f}: not a JSON config ({e})") from None
-
-
-def maps_to_loco(folder: str | Path) -> bool:
-    """Whether loco's own model can hold the folder's model (a Llama it maps), so it trains as loco's."""
-    from launch.hf_weights import args_from_llama_config
-
-    raw = _llama_config(folder)
+def loco_args_of(folder: str | Path, seq_len: int) -> Optional[ModelArgs]:
+    """loco's model arguments for the folder's model, with the run's sequence length; None where loco's own model
+    cannot hold it (not a Llama, or a Llama it does not map), which then trains as a ``transformers`` model."""
+    raw = read_config_json(folder)
     if raw.get("model_type") != "llama":
-        return False
+        return None
     try:
-        args_from_llama_config(raw)
+        return replace(args_from_llama_config(raw), max_seq_len=seq_len)
     except RunError:
-        return False
-    return True
-
-
-def loco_args_of(folder: str | Path, seq_len: int) -> Any:
-    """loco's model arguments for the folder's Llama, with the run's sequence length."""
-    from launch.hf_weights import args_from_llama_config
-
-    return replace(args_from_llama_config(_llama_config(folder)), max_seq_len=seq_len)
+        return None
 
 
 def load_loco_weights(model: nn.Module, folder: Path) -> None:
     """The folder's tensors into loco's model: every one, every shape (one line naming a tensor otherwise)."""
-    from launch.hf_weights import hf_to_loco
-
     state = hf_to_loco(read_weights(folder), model.args)
     try:
         model.load_state_dict(state, strict=True)

@@ -40,14 +40,18 @@ def config_file(path: str | Path) -> Path:
     return f
 
 
-def read_hf_config(path: str | Path) -> Any:
-    """A ``transformers`` config from a config.json; a model type it does not know is one line."""
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The fields of a config.json (the file, or its folder), as written."""
     f = config_file(path)
     try:
-        raw = json.loads(f.read_text())
+        return json.loads(f.read_text())
     except (OSError, ValueError) as e:
         raise RunError(f"{f}: not a JSON config ({e})") from None
-    return config_from_dict(raw, str(f))
+
+
+def read_hf_config(path: str | Path) -> Any:
+    """A ``transformers`` config from a config.json; a model type it does not know is one line."""
+    return config_from_dict(read_config_json(path), str(config_file(path)))
 
 
 def config_from_dict(raw: dict[str, Any], where: str) -> Any:
