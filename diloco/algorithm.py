@@ -91,9 +91,12 @@ def settle(device: torch.device) -> None:
 
 
 def _move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> None:
-    for state in opt.state.values():
+    """Every state tensor goes to ``device``; a step count only where its kernel keeps it beside its parameter (a
+    fused or capturable group), as torch's optimizers place it: elsewhere it stays a host scalar."""
+    beside = {id(p) for g in opt.param_groups if g.get("fused") or g.get("capturable") for p in g["params"]}
+    for p, state in opt.state.items():
         for k, v in state.items():
-            if isinstance(v, torch.Tensor) and v.device != device and k != "step":
+            if isinstance(v, torch.Tensor) and v.device != device and (k != "step" or id(p) in beside):
                 state[k] = move_tensor(v, device)
 
 

@@ -111,6 +111,8 @@ def test_to_moves_every_state_the_algorithm_keeps():
     algo.to(device)
     assert all(p.device.type == device.type for p in model.parameters())
     assert all(v.device.type == device.type for s in algo.optimizer.state.values() for k, v in s.items() if k != "step")
+    fused = algo.optimizer.param_groups[0]["fused"]  # a fused kernel keeps the step count beside its parameter
+    assert fused and all(s["step"].device.type == device.type for s in algo.optimizer.state.values())
     assert all(g.device.type == device.type for g in algo.global_params)
     assert all(v.device.type == device.type for o in algo.outer_optimizers for s in o.state.values() for v in s.values())
     assert algo.outer_device.type == device.type
