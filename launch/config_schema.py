@@ -196,6 +196,10 @@ class RunConfig:
                 "torchrun's processes on the node, at most OMP_NUM_THREADS, fewer where other work keeps cores "
                 "busy), and one for a model under 32,768 parameters; the start line says how many and why. A number "
                 "fixes it; empty: torch's default.", gt=0, auto=True)
+    deterministic: bool = _f(False, "The same result bit for bit from run to run on a GPU (a resumed run and an "
+                                    "unbroken one, torchrun and loco simulate): deterministic CUDA kernels and "
+                                    "torch.compile without on-device autotuning, at some cost in speed. CPU runs "
+                                    "are deterministic without it.")
     eval_every: int = _f(100, "Validation every this many steps (0: only at the end).", ge=0)
     eval_batches: int = _f(10, "Validation batches per evaluation.", gt=0)
     checkpoint_every: int = _f(500, "Checkpoint every this many steps (0: only at the end).", ge=0)

@@ -43,13 +43,34 @@ def keep_freed_memory() -> bool:
     return _MEMORY_KEPT
 
 
-def start_process(threads: Optional[int | str], device: str) -> torch.device:
-    """``run.threads`` (a number; ``auto`` is settled by :func:`settle_threads` once the model is built) and the
-    allocator's habits for this process; returns the device it trains on."""
+def start_process(threads: Optional[int | str], device: str, deterministic: bool = False) -> torch.device:
+    """``run.threads`` (a number; ``auto`` is settled by :func:`settle_threads` once the model is built),
+    ``run.deterministic`` and the allocator's habits for this process; returns the device it trains on."""
     if isinstance(threads, int):
         torch.set_num_threads(threads)
+    if deterministic:
+        make_deterministic()
     keep_freed_memory()
     return resolve_device(device)
+
+
+def make_deterministic() -> None:
+    """Kernels whose results do not depend on the run: two processes given the same state compute the same
+    bits. On a GPU three things break that otherwise: kernels that add with atomics (attention's backward among
+    them), cuBLAS's per-stream workspaces, and torch.compile's autotuning, which times candidate kernels on the
+    device and keeps the fastest, so two processes may sum a reduction in different orders. AdamW turns such
+    last-bit differences into lr-sized ones within a few steps. On a CPU the kernels are deterministic already.
+    Before the first cuBLAS call (cuBLAS reads its workspace setting once); kernels with no deterministic form
+    warn instead of failing."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    import torch._inductor.config as inductor
+
+    if hasattr(inductor, "deterministic"):  # torch >= 2.8: no on-device benchmarking that changes numerics
+        inductor.deterministic = True
+    else:
+        inductor.triton.autotune_pointwise = False
+        inductor.max_autotune = False
 
 
 # Below this many parameters a model takes one thread: its matrices are about one of torch's 32K-value grains, so a

@@ -80,7 +80,7 @@ class Trainer:
         collectives, and the caller loads the run's state (:meth:`join_at`)."""
         self.cfg, self.hooks, self.joining = cfg, hooks or Hooks(), join_run is not None
         run = cfg.run
-        self.device = start_process(run.threads, run.device)
+        self.device = start_process(run.threads, run.device, run.deterministic)
         self.transport = transport or make_transport(cfg.transport.backend, cfg.transport.dist_backend,
                                                      cfg.transport.timeout, self.device, cfg.transport.mesh,
                                                      settings={**shared_settings(cfg), "--restart": restart})

@@ -631,3 +631,24 @@ def test_auto_threads_takes_a_share_of_the_idle_cores(cores, processes, omp, par
     from launch.runtime import auto_threads
 
     assert auto_threads(cores, processes, omp, params, busy) == (threads, why)
+
+
+def test_a_deterministic_run_asks_torch_cublas_and_the_compiler_for_repeatable_kernels(monkeypatch):
+    import os
+
+    import torch
+    import torch._inductor.config as inductor
+
+    from launch.runtime import start_process
+
+    monkeypatch.setattr(inductor, "deterministic", False)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    start_process(None, "cpu", deterministic=False)
+    assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    try:
+        assert start_process(None, "cpu", deterministic=True) == torch.device("cpu")
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and inductor.deterministic
+    finally:
+        torch.use_deterministic_algorithms(False)
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
