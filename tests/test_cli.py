@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from launch.cli import EXAMPLES, build_parser, main
+from conftest import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -219,7 +220,7 @@ sys.exit(main({argv!r}))
 def test_a_missing_extra_is_one_line_naming_the_pip_install(tmp_path, hidden, argv, extra, feature):
     """`pip install loco` holds train and simulate; swarm, wandb and hf are extras, each named when missing."""
     code = WITHOUT.format(hidden=[hidden], argv=[*argv, "--run-dir", str(tmp_path / "run")])
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    env = child_env(OMP_NUM_THREADS="1", WANDB_MODE="offline")  # the caller's PYTHONPATH kept: where packages may lie
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
                           timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -236,7 +237,7 @@ def test_train_and_simulate_import_no_extra(tmp_path):
                                 "none", "--set", "algo.name=diloco", "--set", "algo.inner_steps=1",
                                 "--set", "compress.codec=int8", "--set", "run.device=cpu",
                                 "--run-dir", str(tmp_path / "run")])
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
                           timeout=300)
