@@ -150,7 +150,8 @@ def record(out: Path, times: list[str], commands: list[str], total: str, device:
     when = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
     ran = {t.split("=", 1)[0] for t in times}
     rows, cmds = [], []
-    if out.is_file():
+    same = base or stamp_base(device)  # only a record of the same device and versions is carried on
+    if out.is_file() and any(ln.startswith(same + ";") for ln in out.read_text().splitlines()):
         for ln in out.read_text().splitlines():
             cells = [c.strip() for c in ln.strip().strip("|").split("|")]
             if ln.startswith("| ") and len(cells) == 3 and cells[0] not in ran | {"stage", "---"}:

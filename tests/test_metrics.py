@@ -137,3 +137,31 @@ def test_plain_progress_lines_say_how_long_is_left(tmp_path, capsys):
     assert "eta" not in lines[0]  # one line: no pace yet
     assert [l.split(" | ")[-1] for l in lines[1:]] == ["eta 8s", "eta 7s", "eta 18s"]  # 60 steps at 0.3 s
     assert format_seconds(59.6) == "1m00s" and format_seconds(3725) == "1h02m"
+
+
+def test_gpu_sh_reports_a_junit_result_and_keeps_an_earlier_calls_stage_times(tmp_path):
+    """benchmarks/gpu.sh's helpers: a pytest result becomes a report whose failures decide the exit code, and a
+    run in two calls leaves one record of its stages, but only over a record of the same device."""
+    from benchmarks.gpu_tools import record, tests_report
+
+    junit = tmp_path / "r.xml"
+    junit.write_text('<testsuites><testsuite><testcase classname="tests.test_a" name="test_ok" time="1.5"/>'
+                     '<testcase classname="tests.test_a" name="test_bad" time="2"><failure message="assert 1 | 2">'
+                     'x</failure></testcase><testcase classname="tests.test_b" name="test_skip" time="0">'
+                     '<skipped message="needs a GPU"/></testcase></testsuite></testsuites>')
+    out = tmp_path / "report.md"
+    assert tests_report(out, junit, "T", "pytest", "cpu", base="- produced by X") == 1
+    text = out.read_text()
+    assert "| passed | 1 |" in text and "| failure | 1 |" in text and "| needs a GPU | 1 |" in text
+    assert "`test_a.py::test_bad` | failure | assert 1 \\| 2 |" in text  # a cell's bar is escaped
+    assert tests_report(out, tmp_path / "missing.xml", "T", "pytest", "cpu", base="- produced by X") == 1
+
+    rec = tmp_path / "gpu_sh.md"
+    rec.write_text("- produced by `bash benchmarks/gpu.sh` on another card; x\n| old | 9 | full |\n")
+    base = "- produced by `bash benchmarks/gpu.sh` on cardA"
+    record(rec, ["gpu-tests=100"], ["gpu-tests=pytest -m gpu"], "110", "cpu", False, base)
+    assert "| old |" not in rec.read_text()  # another card's stages are not carried on
+    record(rec, ["suite=200", "demo=30"], ["suite=pytest"], "240", "cpu", False, base)
+    text = rec.read_text()
+    assert all(f"| {s} | {n} |" in text for s, n in (("gpu-tests", 100), ("suite", 200), ("demo", 30)))
+    assert "`pytest -m gpu` (gpu-tests)" in text and "`pytest` (suite)" in text
