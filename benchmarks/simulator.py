@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -60,15 +61,23 @@ def _on_cuda(args) -> bool:
 
 def _timed_fit(cfg, data, workers: int, cuda: bool = False) -> tuple[float, int | None]:
     """Seconds in the training loops (excluding data loading): simulated when workers > 0, else one worker;
-    and on CUDA the peak memory allocated during the run (torch.cuda.max_memory_allocated), else None."""
+    and on CUDA the peak memory the run itself allocated (torch.cuda.max_memory_allocated, less what was still
+    allocated when it began: an earlier run of this process may hold some), else None."""
+    import gc
+
     import torch
 
     from launch.simulate import simulate_once
     from launch.trainer import Trainer
 
+    held = 0
     if cuda:
+        gc.collect()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
+        if held:
+            print(f"[simulator] {held / 2**20:.0f} MiB still allocated as this run begins", file=sys.stderr, flush=True)
     start = time.perf_counter()
     if workers:
         simulate_once(cfg, data)
@@ -76,7 +85,7 @@ def _timed_fit(cfg, data, workers: int, cuda: bool = False) -> tuple[float, int 
         Trainer(cfg, data=data).fit()
     if cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - start, torch.cuda.max_memory_allocated() if cuda else None
+    return time.perf_counter() - start, torch.cuda.max_memory_allocated() - held if cuda else None
 
 
 def measure_time(args) -> dict:
@@ -129,6 +138,17 @@ def peak_memory_child(args) -> None:
     else:
         peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
     print(json.dumps({"peak": peak}))
+
+
+def model_params(args) -> int:
+    """The parameters of ``--model`` at the benchmark's vocabulary and sequence length (built on the meta device)."""
+    import torch
+
+    from launch.models import SIZES, Transformer
+
+    with torch.device("meta"):
+        model = Transformer(replace(SIZES[args.model], vocab_size=256, max_seq_len=args.seq_len))
+    return sum(p.numel() for p in model.parameters())
 
 
 def memory_counts(args) -> list[int]:
@@ -234,9 +254,12 @@ def main() -> None:
         f"({', '.join(f'{r:.3f}' for r in t['ratios'])}) |",
     ]
     if t["sim_peak"] is not None:
-        lines += [f"| peak memory of the timed runs, simulated {args.workers} workers (max allocated) | "
-                  f"{t['sim_peak'] / 2**20:.0f} MiB |",
-                  f"| peak memory of the timed runs, one worker (max allocated) | {t['single_peak'] / 2**20:.0f} MiB |"]
+        extra = (t["sim_peak"] - t["single_peak"]) / max(1, args.workers - 1)
+        lines += [f"| peak memory of the timed runs, simulated {args.workers} workers (max allocated, less what was "
+                  f"allocated before) | {t['sim_peak'] / 2**20:.0f} MiB |",
+                  f"| the same, one worker | {t['single_peak'] / 2**20:.0f} MiB |",
+                  f"| memory per extra worker, from these two | {extra / 2**20:.0f} MiB = "
+                  f"{extra / model_params(args):.1f} bytes a parameter ({model_params(args) / 1e6:.2f}M) |"]
     for n, peak in mem:
         lines.append(f"| peak memory, {n} worker(s) | {peak / 2**20:.0f} MiB |")
     if len(mem) > 1:
