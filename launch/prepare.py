@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -22,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 from launch.disk import write_file
 from launch.documents import Doc, HFOptions, doc_text, documents
 from launch.shards import MANIFEST, MANIFEST_FORMAT, TOKENIZER_FILE, shard_dtype
+from launch.ticker import Ticker
 from launch.token_data import DataError, _is_val, join_documents
 from launch.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 
@@ -194,12 +193,11 @@ def _manifest(records: dict[int, dict[str, Any]], tok: Tokenizer, dtype: str, se
 
 
 class _Progress:
-    """One line a second on a terminal (every 10 s otherwise): shards, tokens, tokens per second."""
+    """The progress line of a prepare: shards, tokens, tokens per second."""
 
     def __init__(self, say: Callable[[str], None], total: Optional[int], resumed: int) -> None:
         self.say, self.total, self.resumed = say, total, resumed
-        self.live = sys.stderr.isatty()
-        self.start = self.last = time.perf_counter()
+        self.ticker = Ticker(say)
         self.tokens = self.units = 0
         self.read = 0  # bytes of text behind finished units, skipped ones included
         if resumed:
@@ -213,24 +211,13 @@ class _Progress:
         self.units += 1
         self.tokens += sum(rec[s]["tokens"] for s in ("train", "val") if s in rec)
         self.read += rec["bytes"]["train"] + rec["bytes"]["val"]
-        now = time.perf_counter()
-        if now - self.last >= (1.0 if self.live else 10.0):
-            self.last = now
-            self.show(now)
-
-    def show(self, now: float) -> None:
-        share = f" ({100 * self.read / self.total:.0f}% of the text)" if self.total else ""
-        line = (f"{self.units + self.resumed} shard(s){share}: {self.tokens / 1e6:,.1f}M tokens, "
-                f"{self.tokens / max(now - self.start, 1e-9) / 1e6:.2f}M tokens/s")
-        if self.live:
-            print("\r" + line, end="", file=sys.stderr, flush=True)
-        else:
-            self.say(line)
+        if (seconds := self.ticker.due()) is not None:
+            share = f" ({100 * self.read / self.total:.0f}% of the text)" if self.total else ""
+            self.ticker.show(f"{self.units + self.resumed} shard(s){share}: {self.tokens / 1e6:,.1f}M tokens, "
+                             f"{self.tokens / max(seconds, 1e-9) / 1e6:.2f}M tokens/s")
 
     def close(self, manifest: dict[str, Any]) -> None:
-        if self.live:
-            print(file=sys.stderr)
-        took = time.perf_counter() - self.start
+        took = self.ticker.close()
         self.say(f"{manifest['tokens']['train']:,} train / {manifest['tokens']['val']:,} val tokens from "
                  f"{manifest['documents']['train'] + manifest['documents']['val']:,} documents in "
                  f"{len(manifest['shards']['train']) + len(manifest['shards']['val'])} shard(s), "

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
 from launch.disk import write_file
+from launch.ticker import Ticker
 from launch.token_data import BYTE_VOCAB, EOS, DataError
 
 ENCODE_CHUNK = 256  # texts per encode_batch call
@@ -196,23 +195,15 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | os.PathLike, tot
 
 
 def _counted(texts: Iterable[str], total_bytes: Optional[int], say: Callable[[str], None]) -> Iterator[str]:
-    """``texts``, with a progress line every second while they are read (counted in UTF-8 bytes)."""
-    start = last = time.perf_counter()
+    """``texts``, with a progress line while they are read (counted in UTF-8 bytes)."""
+    ticker = Ticker(say)
     done = docs = 0
-    live = sys.stderr.isatty()
     for text in texts:
         done += len(text.encode("utf-8"))
         docs += 1
         yield text
-        now = time.perf_counter()
-        if now - last >= (1.0 if live else 10.0):
-            last = now
+        if (seconds := ticker.due()) is not None:
             part = f" of {total_bytes / 1e6:,.0f}" if total_bytes else ""
-            line = f"read {done / 1e6:,.1f}{part} MB ({docs:,} documents, {done / 1e6 / (now - start):.1f} MB/s)"
-            if live:
-                print("\r" + line, end="", file=sys.stderr, flush=True)
-            else:
-                say(line)
-    if live:
-        print(file=sys.stderr)
+            ticker.show(f"read {done / 1e6:,.1f}{part} MB ({docs:,} documents, {done / 1e6 / seconds:.1f} MB/s)")
+    ticker.close()
     say(f"read {done / 1e6:,.1f} MB in {docs:,} documents")
