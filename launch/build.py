@@ -25,8 +25,16 @@ FUSED_DEVICES = ("cuda", "cpu")  # where torch has fused AdamW and SGD kernels
 
 def build_model(cfg: Config, data: TokenData, device: torch.device) -> tuple[nn.Module, Any]:
     """The run's model for ``data``'s vocabulary, initialised from ``run.seed`` where it trains (a 1B model takes
-    seconds to initialise on a CPU), or loaded from ``model.init_from``; and loco's model arguments (None for a
-    ``transformers`` model)."""
+    seconds to initialise on a CPU), or loaded from ``model.init_from``, its blocks recomputed in the backward
+    where ``model.activation_checkpointing`` says so; and loco's model arguments (None for a ``transformers``
+    model)."""
+    model, args = _built_model(cfg, data, device)
+    if cfg.model.activation_checkpointing:
+        model.recompute_blocks(True)
+    return model, args
+
+
+def _built_model(cfg: Config, data: TokenData, device: torch.device) -> tuple[nn.Module, Any]:
     m = cfg.model
     own = loco_args_of(m.init_from, cfg.data.seq_len) if m.init_from and not m.hf_config else None
     if m.hf_config or m.init_from and own is None:

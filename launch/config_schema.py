@@ -41,6 +41,9 @@ class ModelConfig:
                                         "above are then unused.")
     init_from: Optional[str] = _f(None, "A Hugging Face model folder (safetensors) to start from: loco's own Llama "
                                         "model mapped back, or the hf_config model; every worker starts from it.")
+    activation_checkpointing: bool = _f(False, "Recompute each block in the backward instead of keeping its "
+                                               "activations: a step holds one block's at a time, for about a third "
+                                               "more compute (transformers models: their gradient checkpointing).")
 
 
 @dataclass

@@ -100,6 +100,21 @@ class HFCausalLM(nn.Module):
     def config_dict(self) -> dict[str, Any]:
         return self.config.to_dict()
 
+    def recompute_blocks(self, on: bool = True) -> None:
+        """``model.activation_checkpointing`` through transformers' own checkpointing of its layers (named
+        ``activation_checkpointing_*`` in newer transformers, ``gradient_checkpointing_*`` before)."""
+        hf = self.hf
+        new = hasattr(hf, "activation_checkpointing_enable")
+        if not on:
+            (hf.activation_checkpointing_disable if new else hf.gradient_checkpointing_disable)()
+        elif not getattr(hf, "supports_gradient_checkpointing", False):
+            raise RunError(f"model.activation_checkpointing: transformers' {type(hf).__name__} does not "
+                           f"support recomputing its layers; set it to false")
+        elif new:
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:

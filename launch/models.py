@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,14 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.recompute = False  # model.activation_checkpointing: see recompute_blocks
         self.reset_parameters()
+
+    def recompute_blocks(self, on: bool = True) -> None:
+        """``model.activation_checkpointing``: each block keeps only its input through the forward and runs
+        again in the backward, so a step holds one block's activations at a time instead of every block's, for
+        about a third more compute."""
+        self.recompute = on
 
     def compile(self, *args, **kwargs) -> None:
         """``nn.Module.compile``, with the embedding lookup kept out of the graph (see ``_lookup``)."""
@@ -190,8 +198,12 @@ class Transformer(nn.Module):
         if idx.shape[1] > self.args.max_seq_len:
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than max_seq_len={self.args.max_seq_len}")
         h = _lookup(idx, self.embed.weight)
+        recompute = self.recompute and torch.is_grad_enabled()
         for layer in self.layers:
-            h = layer(h, self.rope_cos, self.rope_sin)
+            if recompute:  # the blocks draw no random numbers: the second forward needs no saved RNG state
+                h = checkpoint(layer, h, self.rope_cos, self.rope_sin, use_reentrant=False, preserve_rng_state=False)
+            else:
+                h = layer(h, self.rope_cos, self.rope_sin)
         h = self.norm(h)
         return F.linear(h, self.embed.weight) if self.output is None else self.output(h)
 

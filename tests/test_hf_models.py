@@ -62,10 +62,17 @@ def test_an_hf_config_run_resumes_exactly_and_samples(tmp_path, tiny_cfg, capsys
         if step == 4:
             raise KeyboardInterrupt
 
+    # the broken run recomputes its layers in the backward (transformers' gradient checkpointing): the same bits
+    recompute = "model.activation_checkpointing=true"
     with pytest.raises(KeyboardInterrupt):
-        train(tiny_cfg(*extra, run_dir=tmp_path / "broken"), hooks=Hooks(on_step=interrupt))
-    resumed = train(tiny_cfg(*extra, "run.resume=true", run_dir=tmp_path / "broken"))
+        train(tiny_cfg(*extra, recompute, run_dir=tmp_path / "broken"), hooks=Hooks(on_step=interrupt))
+    resumed = train(tiny_cfg(*extra, recompute, "run.resume=true", run_dir=tmp_path / "broken"))
     assert resumed["val_loss"] == whole["val_loss"]
+    from launch.hf_models import build_hf_model
+
+    model = build_hf_model(str(config), 256, 32)
+    model.recompute_blocks(True)
+    assert getattr(model.hf, "is_activation_checkpointing", None) or model.hf.is_gradient_checkpointing
     capsys.readouterr()
     assert main(["sample", "--run-dir", str(tmp_path / "whole"), "--prompt", "def ", "--max-new-tokens", "5",
                  "--device", "cpu"]) == 0

@@ -342,3 +342,39 @@ def test_custom_module_trains_through_python_api(tmp_path):
     assert (tmp_path / "config.yaml").is_file()
     assert list((tmp_path / "checkpoints").glob("step_*.pt"))
     assert not (tmp_path / "loss.png").exists()  # log.plot=false
+
+
+def test_recomputed_blocks_give_the_same_gradients_and_run_twice_also_compiled():
+    """model.activation_checkpointing: each block runs again in the backward (its forward counted twice a step),
+    the loss and every gradient as without; under torch.compile too (aot_eager: dynamo and autograd's partition
+    of the recomputation, without generating kernels)."""
+    args = small_args(n_layers=3)
+    x = torch.randint(0, args.vocab_size, (2, args.max_seq_len))
+
+    def grads(model: Transformer) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        calls = []
+        # pre-hooks: a recomputation stops once it has what the backward needs, before a block's forward returns
+        hooks = [b.register_forward_pre_hook(lambda *_: calls.append(1)) for b in model.layers]
+        loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        for h in hooks:
+            h.remove()
+        return loss.detach(), [p.grad for p in model.parameters()], len(calls)
+
+    loss, want, calls = grads(build(args))
+    assert calls == 3
+    recomputed = build(args)
+    recomputed.recompute_blocks(True)
+    loss2, got, calls2 = grads(recomputed)
+    assert calls2 == 6 and torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(want, got))
+    with torch.no_grad():  # nothing to recompute for: evaluation keeps running each block once
+        assert torch.equal(recomputed(x), build(args)(x))
+
+    torch._dynamo.reset()
+    compiled = build(args)
+    compiled.recompute_blocks(True)
+    compiled.compile(backend="aot_eager")
+    loss3 = F.cross_entropy(compiled(x).flatten(0, 1), x.flatten())
+    loss3.backward()
+    assert torch.allclose(loss3.detach(), loss, rtol=1e-6)
+    assert all(torch.allclose(p.grad, g, rtol=1e-5, atol=1e-7) for p, g in zip(compiled.parameters(), want))
