@@ -17,6 +17,9 @@ The caption says which; a CPU, or a device the table does not list, gets no MFU 
     python benchmarks/train_throughput.py                              # tiny and small, auto device
     python benchmarks/train_throughput.py --models tiny --steps 50 --out benchmarks/results/x.md
     python benchmarks/train_throughput.py --steps tiny=20,small=5 --batch-size 8 --seq-len 128
+    python benchmarks/train_throughput.py --models 150m,150m+recompute   # activation checkpointing's cost
+
+A size with ``+recompute`` recomputes each block in the backward (``model.activation_checkpointing``).
 """
 
 from __future__ import annotations
@@ -111,9 +114,11 @@ def run_one(args: argparse.Namespace) -> dict:
         mem_before = torch.cuda.memory_allocated(device)
 
     torch.manual_seed(args.seed)
-    margs = replace(SIZES[args.child], vocab_size=256, max_seq_len=args.seq_len)
+    size, _, option = args.child.partition("+")
+    margs = replace(SIZES[size], vocab_size=256, max_seq_len=args.seq_len)
     with torch.device(device):  # initialised where it trains: no CPU initialisation and copy of a 1b model
         model = Transformer(margs)
+    model.recompute_blocks(option == "recompute")
     opt = build_optimizer(model, OptimConfig(), device)
     algo = DDP(model, opt, LocalTransport(), grad_clip=1.0)
     compiled = cuda if args.compile == "auto" else args.compile == "on"
@@ -343,9 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     from launch.models import SIZES
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in models if m not in SIZES]
+    unknown = [m for m in models if m.partition("+")[0] not in SIZES or m.partition("+")[2] not in ("", "recompute")]
     if not models or unknown:
-        p.error(f"--models: unknown {', '.join(unknown) or '(none given)'}; sizes: {', '.join(SIZES)}")
+        p.error(f"--models: unknown {', '.join(unknown) or '(none given)'}; sizes: {', '.join(SIZES)}, each "
+                f"optionally with +recompute")
     steps = parse_steps(args.steps, models)
     if min(steps.values()) < 1:
         p.error("--steps must be >= 1")
