@@ -163,10 +163,10 @@ else
     # 2 throughput: 3 warmup + 3 windows x 10 steps of 16 x 1024 tokens per model, each in its own process; 150m
     #   with +recompute gives activation checkpointing's cost (target at most 1.4x the plain step)
     TP_ARGS=(--models small,150m,150m+recompute --batch-size 16 --seq-len 1024 --steps 10 --repeats 3 --warmup 3)
-    # 2 codecs: 4 AdamW steps of 150m (batch 4 x 128) make the pseudo-gradient once (cached); per chain and
+    # 3 codecs: 4 AdamW steps of 150m (batch 4 x 128) make the pseudo-gradient once (cached); per chain and
     #   kernel one warm-up and the median of 2 (the chains' host copies of a 146M-value vector dominate)
     CODEC_ARGS=(--size 150m --inner-steps 4 --repeats 2 --cache "benchmarks/results/.cache/pseudo_grad_{size}_cuda.pt")
-    # 3 simulator (batch 8 x 128; a loco step of small costs ~34 ms there, mostly the loop's overhead): 3
+    # 4 simulator (batch 8 x 128; a loco step of small costs ~34 ms there, mostly the loop's overhead): 3
     #   one-worker steps warm up, then one pair: N x H simulated steps against N*H steps of one worker, with
     #   the peak memory of each side (no per-worker-count processes: they would double the stage). Both
     #   sides include building their Trainers (8 against 1; models are initialised on the GPU) and no final
@@ -177,7 +177,7 @@ else
     #   leaves and re-enters the GPU (pinned host memory) at every collective; not yet timed
     SIM_OFFLOAD="1b-offload|1b, 4 workers, H=10, offload|--model 1b --workers 4 --inner-steps 10 --repeats 1 --offload --warmup none --mem-workers none"
     if [ "$WITH_1B" = 1 ]; then SIM_RUNS+=("$SIM_OFFLOAD"); fi
-    # 4 demo: one encode of every parameter, median of 3, per model
+    # 5 demo: one encode of every parameter, median of 3, per model
     DEMO_ARGS=(--encode-models small,150m,1b --repeats 3)
     # opt-in: the issue's quality check, 4 workers x batch 16 x 256, 2,000 steps, DDP (AdamW lr 1e-3, warmup 200)
     #   against DeMo k=32 with configs/small-demo.yaml's settings (lr, warmup, decay, final lr)
