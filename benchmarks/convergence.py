@@ -54,17 +54,22 @@ METHODS = {
     "diloco-h50-fp4": ["algo.name=diloco", "algo.inner_steps=50", "compress.codec=fp4+zstd"],
     "diloco-h50-topk2": ["algo.name=diloco", "algo.inner_steps=50", "compress.codec=topk:0.02+2bit+zstd"],
     # SparseLoCo: the top 1, 2 or 3% of each chunk of 4096 values of an error-feedback buffer (decay 0.95) at
-    # 2 bits a value, gathered exactly; the global step is alpha times their mean, no momentum. alpha 4 did best
-    # on tiny (the paper's 1 is a --set algo.outer_lr=1 away; benchmarks/results/sparseloco_cpu.md)
-    "sparseloco-h50-d1": ["algo.name=sparseloco", "algo.inner_steps=50", "algo.topk_density=0.01", "algo.outer_lr=4"],
-    "sparseloco-h50-d2": ["algo.name=sparseloco", "algo.inner_steps=50", "algo.topk_density=0.02", "algo.outer_lr=4"],
-    "sparseloco-h50-d3": ["algo.name=sparseloco", "algo.inner_steps=50", "algo.topk_density=0.03", "algo.outer_lr=4"],
+    # 2 bits a value, gathered exactly; the global step is alpha times their mean over all workers, no momentum.
+    # alpha 4 did best on tiny with that mean (benchmarks/results/sparseloco_cpu.md)
+    **{f"sparseloco-h50-d{d}": ["algo.name=sparseloco", "algo.inner_steps=50", f"algo.topk_density=0.0{d}",
+                                "algo.outer_lr=4", "algo.aggregate=all"] for d in (1, 2, 3)},
+    # SparseLoCo as published: rounds of 15 steps, k = 32, 64 or 128 of each chunk of 4096 (0.78, 1.56, 3.1%),
+    # each position's mean over the workers that sent it, alpha 1
+    **{f"sparseloco-h15-d{pct}": ["algo.name=sparseloco", "algo.inner_steps=15", f"algo.topk_density={k / 4096}",
+                                  "algo.outer_lr=1", "algo.aggregate=senders"]
+       for pct, k in (("0.78", 32), ("1.56", 64), ("3.1", 128))},
     # DeMo (its lr is set by benchmarks/demo.py --demo-lr through --set-like overrides)
     "demo-k32": ["algo.name=demo", "algo.compression_topk=32"],
     "demo-k8": ["algo.name=demo", "algo.compression_topk=8"],
 }
 CODEC_METHODS = ("diloco-h50-int8", "diloco-h50-fp4", "diloco-h50-topk2", "sparseloco-h50-d1", "sparseloco-h50-d2",
-                 "sparseloco-h50-d3", "demo-k32", "demo-k8")
+                 "sparseloco-h50-d3", "sparseloco-h15-d0.78", "sparseloco-h15-d1.56", "sparseloco-h15-d3.1",
+                 "demo-k32", "demo-k8")
 
 
 def measure_step_time(args, data) -> float:

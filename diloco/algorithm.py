@@ -353,6 +353,10 @@ class Algorithm:
         info.update(self._after_step())
         return info
 
+    def figures(self) -> dict[str, Any]:
+        """The algorithm's own figures for a metrics line (read at log steps only: they may read the device)."""
+        return {}
+
     # ---- the interface ----------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
         """One optimizer step on the exchanged gradients; ``info`` holds ``grad_norm`` and ``skipped`` (floats,

@@ -35,6 +35,7 @@ from diloco.algorithm import Algorithm, _move_optimizer_state, all_finite, flatt
 from diloco.comm.base import Handle, Transport
 from diloco.compress import collective
 from diloco.compress.codec import Codec
+from diloco.compress.senders import Senders
 from diloco.state import (check_finite, check_fits, check_optimizer_state, copy_into, counts_of, list_at,
                            load_optimizer_state)
 from diloco.sync import SyncPolicy
@@ -46,6 +47,7 @@ class DiLoCo(Algorithm):
     round_based = True
     replicated_state = False
     gather = False  # True: every worker decodes every worker's payload (exact mean; SparseLoCo)
+    senders: Optional[Senders] = None  # a mean over the workers that sent each position (SparseLoCo), counted here
     swarm = True
     token_weighted = True
 
@@ -165,7 +167,7 @@ class DiLoCo(Algorithm):
         total = torch.zeros(1, dtype=torch.float32)
         return deltas, total, _Filled(collective.weighted_mean_async(
             self.transport, deltas, weight, self.codec, key=f"fragment{key}" if key is not None else "all",
-            gather=self.gather), total)
+            gather=self.gather, senders=self.senders), total)
 
     @staticmethod
     def _total(total: torch.Tensor) -> float:

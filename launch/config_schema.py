@@ -120,6 +120,9 @@ class AlgoConfig:
     ef_decay: float = _f(0.95, "SparseLoCo: error-feedback decay beta (e = beta * e + delta).", ge=0, le=1)
     value_format: Literal["2bit", "int4", "fp4", "int8", "bf16", "fp16", "fp32"] = _f(
         "2bit", "SparseLoCo: how each sent value is coded (2bit: four levels per block of 128).")
+    aggregate: Literal["senders", "all"] = _f(
+        "senders", "SparseLoCo: senders averages each position over the workers that sent it, weighted by their "
+                   "tokens, as the published code does; all divides by every worker's weight.")
 
 
 @dataclass

@@ -65,7 +65,7 @@ class Reporter:
         norm = info.get("grad_norm")
         return {"step": self.progress.step, "tokens": self.progress.tokens_seen(), "loss": loss, "lr": lr,
                 "tokens_per_s": tps_local * self.progress.world, "mfu": mfu,
-                "grad_norm": float(norm) if norm is not None else None, **self._traffic()}
+                "grad_norm": float(norm) if norm is not None else None, **self.algo.figures(), **self._traffic()}
 
     def final_line(self, val_loss: float, val_bpb: Optional[float], lr: float) -> dict[str, Any]:
         """The last line of metrics.jsonl: the final validation (no train loss)."""

@@ -33,21 +33,22 @@ def _loss(model, worker, step):
 
 # ---- the published algorithm, written out independently ----------------------------------------
 def _topk_per_chunk(e: torch.Tensor) -> torch.Tensor:
-    """The K largest |e| of each chunk of CHUNK values (a shorter last chunk keeps min(K, its length)), kept in place."""
-    kept = torch.zeros_like(e)
+    """The positions of the K largest |e| of each chunk of CHUNK values (a shorter last chunk keeps min(K, its
+    length)), as a mask."""
+    sent = torch.zeros(e.numel(), dtype=torch.bool)
     for start in range(0, e.numel(), CHUNK):
         piece = e[start:start + CHUNK]
         order = sorted(range(piece.numel()), key=lambda i: (-abs(float(piece[i])), i))[:min(K, piece.numel())]
         for i in order:
-            kept[start + i] = piece[i]
-    return kept
+            sent[start + i] = True
+    return sent
 
 
-def _two_bit(kept: torch.Tensor, block: int = 128) -> torch.Tensor:
+def _two_bit(e: torch.Tensor, sent: torch.Tensor, block: int = 128) -> torch.Tensor:
     """Four levels (q - 1.5) * s per block of the sent values, s = absmax / 1.5, q = clamp(floor(v / s) + 2, 0, 3)."""
-    idx = kept.nonzero().flatten()  # ascending positions: the order values are sent in
-    values = kept[idx]
-    out = torch.zeros_like(kept)
+    idx = sent.nonzero().flatten()  # ascending positions: the order values are sent in
+    values = e[idx]
+    out = torch.zeros_like(e)
     for b in range(0, values.numel(), block):
         v = values[b:b + block]
         s = float(v.abs().max()) / 1.5
@@ -56,11 +57,11 @@ def _two_bit(kept: torch.Tensor, block: int = 128) -> torch.Tensor:
     return out
 
 
-def _reference(workers: int) -> torch.Tensor:
+def _reference(workers: int, aggregate: str) -> torch.Tensor:
     theta = torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
     e = [torch.zeros_like(theta) for _ in range(workers)]
     for r in range(ROUNDS):
-        sent = []
+        sent, where = [], []
         for w in range(workers):
             local = _model()
             torch.nn.utils.vector_to_parameters(theta.clone(), local.parameters())
@@ -71,41 +72,55 @@ def _reference(workers: int) -> torch.Tensor:
                 opt.zero_grad()
             delta = theta - torch.nn.utils.parameters_to_vector(local.parameters()).detach()
             e[w] = e[w] * BETA + delta
-            s = _two_bit(_topk_per_chunk(e[w]))
+            mask = _topk_per_chunk(e[w])
+            s = _two_bit(e[w], mask)
             e[w] = e[w] - s
             sent.append(s)
-        theta = theta - ALPHA * torch.stack(sent).mean(dim=0)
+            where.append(mask)
+        total = torch.stack(sent).sum(dim=0)
+        if aggregate == "senders":  # as the published scatter_reduce mean: over the workers that sent a position
+            mean = total / torch.stack(where).sum(dim=0).clamp(min=1)
+        else:
+            mean = total / workers
+        theta = theta - ALPHA * mean
     return theta
 
 
-def _loco(workers: int) -> list[torch.Tensor]:
+def _loco(workers: int, aggregate: str = "senders") -> list[torch.Tensor]:
     def body(rank, transport):
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         algo = SparseLoCo(model, opt, transport, inner_steps=H, topk_density=DENSITY, chunk=CHUNK, ef_decay=BETA,
-                          outer_lr=ALPHA)
+                          outer_lr=ALPHA, aggregate=aggregate)
         for step in range(ROUNDS * H):
             _loss(model, rank, step).backward()
             info = algo.step()
             algo.zero_grad()
         assert info.get("synced") and algo.round == ROUNDS
         local = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
-        return torch.cat([g.reshape(-1) for g in algo.global_params]), local, algo.transport.stats.bytes_sent
+        return (torch.cat([g.reshape(-1) for g in algo.global_params]), local, algo.transport.stats.bytes_sent,
+                algo.figures())
 
     return run_workers(InProcessGroup(workers), body)
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-def test_sparseloco_equals_the_published_steps(workers):
-    want = _reference(workers)
-    for theta, local, _ in _loco(workers):
+@pytest.mark.parametrize("workers, aggregate", [(1, "senders"), (3, "senders"), (3, "all")])
+def test_sparseloco_equals_the_published_steps(workers, aggregate):
+    want = _reference(workers, aggregate)
+    for theta, local, _, figures in _loco(workers, aggregate):
         assert torch.allclose(theta, want, atol=1e-6, rtol=1e-5), float((theta - want).abs().max())
         assert torch.equal(theta, local)  # every worker starts the next round from the global model
+        assert 0 < figures["sent_share"] <= 1
+        if aggregate == "senders":  # 1 <= senders of a sent position <= workers (one exactly: a lone worker)
+            assert 1 <= figures["senders_per_position"] <= workers
+            assert (figures["senders_per_position"] == 1) == (workers == 1)
+    if workers == 3:  # the two means differ where top-k sets do not overlap
+        assert not torch.allclose(want, _reference(3, "all" if aggregate == "senders" else "senders"))
 
 
 def test_the_exchange_stays_sparse_on_the_wire():
     """Each worker sends its own sparse payload to the others, never a densified sum."""
-    *_, sent = _loco(3)[0]
+    _, _, sent, _ = _loco(3)[0]
     values = math.ceil(163 / CHUNK) * K  # 5 full or partial chunks of K values
     payload_bound = 8 + 200 + math.ceil(values * 5 / 8) + 4 + math.ceil(values * 2 / 8)  # weight, header, 5-bit indices, a scale, 2-bit codes
     assert 0 < sent <= ROUNDS * 2 * payload_bound  # to 2 other workers per round
@@ -138,6 +153,11 @@ def test_resume_continues_exactly(tmp_path):
     a, b = (latest_checkpoint(f"{s['run_dir']}/checkpoints")[1]["model"] for s in (full, resumed))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
     assert resumed["bytes_sent"] == full["bytes_sent"] > 0
+    from launch.metrics import read_metrics  # the round's figures, on every metrics line, resumed alike
+
+    lines = [[r for r in read_metrics(tmp_path / n) if "loss" in r] for n in ("full", "part")]
+    assert all(1 <= r["senders_per_position"] <= 2 and 0 < r["sent_share"] <= 1 for r in lines[0][1:])
+    assert [r["sent_share"] for r in lines[0]] == [r["sent_share"] for r in lines[1]]
 
 
 def test_simulator_equals_torchrun(tmp_path, capfd):
@@ -177,3 +197,38 @@ def test_alpha_left_empty_is_sparselocos_own_and_a_fine_decay_keeps_its_digits()
         schema_of(load_config(small, ["algo.name=diloco", "algo.outer_lr=0.7"])[0])
     assert make_codec(sparse_chain(0.02, 4096, 0.9999995, "2bit")).spec.ef_decay == 0.9999995
     assert sparse_chain(0.02, 4096, 0.95, "2bit") == "topk:chunk=4096,k=82,ef=0.95+2bit"
+
+
+@pytest.mark.parametrize("robust", [False, True])
+def test_the_mean_over_senders_divides_each_position_by_the_weight_of_its_senders(robust):
+    """Gathered (fixed ranks) and robust (peers): a position is the token-weighted mean of the workers whose top-k
+    holds it; one nobody sent stays zero; a worker of weight 0 is no sender."""
+    from dataclasses import replace
+
+    from diloco.compress import make_codec
+    from diloco.compress.collective import Senders, weighted_mean
+
+    n, weights = 96, [1.0, 3.0, 0.0]
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(w)) for w in range(3)]
+
+    def body(rank, transport):
+        if robust:
+            transport.caps = replace(transport.caps, fixed_ranks=False)
+        codec, senders = make_codec("topk:chunk=32,k=4+fp32"), Senders()
+        x = xs[rank].clone()
+        weighted_mean(transport, [x], weights[rank], codec, key="x", gather=True, senders=senders)
+        return x, senders.pairs, senders.per_position()
+
+    masks = []
+    for x in xs:
+        mask = torch.zeros(n, dtype=torch.bool)
+        for c in range(0, n, 32):
+            mask[c + x[c:c + 32].abs().topk(4).indices] = True
+        masks.append(mask)
+    num = sum(w * x * m for w, x, m in zip(weights, xs, masks))
+    den = sum(w * m.float() for w, m in zip(weights, masks))
+    want = torch.where(den > 0, num / den.clamp(min=1e-30), torch.zeros(n))
+    covered = int(((masks[0] | masks[1])).sum())
+    for got, pairs, per in run_workers(InProcessGroup(3), body):
+        assert torch.allclose(got, want, atol=1e-6), float((got - want).abs().max())
+        assert pairs == 2 * 12 and per == pytest.approx(24 / covered)

@@ -39,6 +39,11 @@ transport's capabilities and the codec:
   every member validates, clips and averages every member's payload
   (:mod:`diloco.compress.robust`), through the codec, or raw fp32 without one.
 
+The gathered and robust means can divide each position by the weight of the
+workers that sent it instead of the total (``senders``, a
+:class:`~diloco.compress.senders.Senders` that counts what they saw): the mean
+over senders of published SparseLoCo.
+
 Each message of the coded means is the weight (``<d``, 8 bytes) followed by the
 codec's self-describing payload (:mod:`diloco.compress.message`);
 :func:`exchange_sizes` gives their sizes without running an exchange.
@@ -46,6 +51,7 @@ codec's self-describing payload (:mod:`diloco.compress.message`);
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Generator, Hashable, Optional, Sequence
 
 import torch
@@ -56,6 +62,7 @@ from diloco.compress.codec import Codec, make_codec
 from diloco.compress.flat import Scratch, bucket_groups, buckets, end_to_end, scratch_for, unflatten_into
 from diloco.compress.message import check_weight, known_sizes, message_size, pack_weight, split_weight
 from diloco.compress.robust import robust_dense_mean_, robust_mean_
+from diloco.compress.senders import Senders, add_support_, divide_by_senders_, sent_values
 from diloco.compress.wire import CorruptPayload
 
 
@@ -81,7 +88,8 @@ def codec_for(transport: Transport, codec: Optional[Codec]) -> Optional[Codec]:
 
 # ---- the entry points -----------------------------------------------------------------------------
 def weighted_mean(transport: Transport, tensors: Sequence[torch.Tensor], weight: Optional[float] = None,
-                  codec: Optional[Codec] = None, key: Hashable = "", gather: bool = False) -> float:
+                  codec: Optional[Codec] = None, key: Hashable = "", gather: bool = False,
+                  senders: Optional[Senders] = None) -> float:
     """Weighted mean over the workers, in place: ``x <- sum_i w_i x_i / sum_i w_i`` (``weight`` None: every
     worker counts once); the aggregation is :func:`aggregation`'s.
 
@@ -89,9 +97,12 @@ def weighted_mean(transport: Transport, tensors: Sequence[torch.Tensor], weight:
     tensors travel through (None: exact fp32). ``key`` names this list of tensors for the codec's error feedback
     (use one key per list that is reduced repeatedly). With one worker the codec still runs, so compression acts
     alike at any scale. ``gather``: every worker decodes every worker's payload (exact, sparse on the wire)
-    instead of the reduce-scatter by shards.
+    instead of the reduce-scatter by shards. ``senders``: each position's mean is over the workers that sent it
+    (gathered and robust means only), and ``senders`` counts what they sent.
     """
     how = aggregation(transport.caps, codec, gather)
+    if senders is not None and how not in ("gathered", "robust"):
+        raise ValueError(f"a mean over senders needs a gathered or robust mean of coded payloads, not {how}")
     if how == "dense":
         return _dense_mean_(transport, tensors, weight)
     if weight is not None:
@@ -101,15 +112,16 @@ def weighted_mean(transport: Transport, tensors: Sequence[torch.Tensor], weight:
     if how == "robust":
         if codec is None:  # an exact mean, of members that validate each other: raw fp32
             return robust_dense_mean_(transport, tensors, weight)
-        return robust_mean_(transport, tensors, codec, weight, key)
-    return _coded_mean_(transport, tensors, codec, 1.0 if weight is None else float(weight), key,
-                        _gathered_mean_ if how == "gathered" else _sharded_mean_)
+        return robust_mean_(transport, tensors, codec, weight, key, senders)
+    mean_ = _sharded_mean_ if how == "sharded" else partial(_gathered_mean_, senders=senders)
+    return _coded_mean_(transport, tensors, codec, 1.0 if weight is None else float(weight), key, mean_)
 
 
 def weighted_mean_async(transport: Transport, tensors: Sequence[torch.Tensor], weight: Optional[float] = None,
-                        codec: Optional[Codec] = None, key: Hashable = "", gather: bool = False) -> Handle:
+                        codec: Optional[Codec] = None, key: Hashable = "", gather: bool = False,
+                        senders: Optional[Senders] = None) -> Handle:
     """Start :func:`weighted_mean`; the handle's ``wait()`` returns the total weight."""
-    return transport.start(lambda: weighted_mean(transport, tensors, weight, codec, key, gather))
+    return transport.start(lambda: weighted_mean(transport, tensors, weight, codec, key, gather, senders))
 
 
 def all_reduce_(transport: Transport, tensors: Sequence[torch.Tensor], op: str = "mean") -> None:
@@ -324,9 +336,10 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
 
 # ---- gathered: every worker's payload, decoded by every worker -------------------------------------
 def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float,
-                    key: Hashable) -> Generator[Handle, object, float]:
+                    key: Hashable, senders: Optional[Senders] = None) -> Generator[Handle, object, float]:
     """``flat`` becomes ``sum_i w_i decode(payload_i) / sum_i w_i``, summed in rank order on every worker (a
-    generator, as :func:`_sharded_mean_`)."""
+    generator, as :func:`_sharded_mean_`); with ``senders`` each position is divided by the weight of the workers
+    that sent it instead."""
     me = transport.rank
     prefix = pack_weight(weight)
     sizes = known_sizes(codec, [flat.numel()] * transport.world_size)
@@ -335,11 +348,19 @@ def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", we
     del mine
     received = _split_all((yield started), me, "payload")
     total = sum(wi for wi, _ in received)
-    if total > 0:
+    if total <= 0:
+        flat.zero_()
+    elif senders is None:
         for src, (wi, body) in enumerate(received):
             _decode_into(codec, body, flat, wi / total, src == 0, me, src, "payload")
     else:
-        flat.zero_()
+        counts = torch.zeros_like(flat)
+        for src, (wi, body) in enumerate(received):
+            _decode_into(codec, body, flat, wi, src == 0, me, src, "payload")
+            if wi > 0:
+                add_support_(codec, body, counts, wi)  # checked by the decode just before
+        pairs = sum(sent_values(codec, flat.numel()) for wi, _ in received if wi > 0)
+        divide_by_senders_(flat, counts, senders, pairs)
     return total
 
 # ---- sizes, without an exchange ------------------------------------------------------------------------
@@ -377,5 +398,5 @@ def exchange_sizes(numels: Sequence[int], world: int, codec: Optional[Codec] = N
     return out
 
 
-__all__ = ["aggregation", "all_reduce_", "all_reduce_async_", "codec_for", "exchange_sizes", "weighted_mean",
-           "weighted_mean_async"]
+__all__ = ["Senders", "aggregation", "all_reduce_", "all_reduce_async_", "codec_for", "exchange_sizes",
+           "weighted_mean", "weighted_mean_async"]

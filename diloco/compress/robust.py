@@ -23,6 +23,7 @@ from diloco.comm.base import Transport
 from diloco.compress.codec import Codec, make_codec
 from diloco.compress.flat import buckets, end_to_end, unflatten_into
 from diloco.compress.message import pack_weight, split_weight
+from diloco.compress.senders import Senders, add_support_, divide_by_senders_, sent_values
 from diloco.compress.shared import SharedResult
 from diloco.compress.wire import CorruptPayload
 
@@ -35,19 +36,24 @@ class RobustResult:
     rejected: dict = field(default_factory=dict)  # member -> why
     clipped: dict = field(default_factory=dict)  # member -> its norm over the bound
     weights_clipped: dict = field(default_factory=dict)  # member -> its announced weight over the bound
+    senders: Optional[Senders] = None  # a mean over senders: what it saw
 
 
 def robust_mean_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "Codec", weight: Optional[float],
-                 key: Hashable) -> float:
-    """The tensors (one dtype and device) become the robust mean through ``codec``; returns the total weight."""
+                 key: Hashable, senders: Optional[Senders] = None) -> float:
+    """The tensors (one dtype and device) become the robust mean through ``codec``; returns the total weight.
+    ``senders``: each position is averaged over the members that sent it, and ``senders`` counts them."""
     if len(buckets(tensors, 1 << 62)) > 1:
         raise ValueError("tensors of one compressed all-reduce must share dtype and device")
     # no copy where they lie end to end: read (encoded) before the result is written
     flat = end_to_end(tensors) if tensors[0].dtype == torch.float32 else None
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-    result = robust_mean(transport, flat, codec, weight, key)
+    result = robust_mean(transport, flat, codec, weight, key, over_senders=senders is not None)
     unflatten_into(list(tensors), result.mean.to(tensors[0].device))
+    if senders is not None and result.senders is not None:
+        senders.pairs += result.senders.pairs
+        senders.covered = senders.covered + result.senders.covered
     return result.total
 
 
@@ -61,7 +67,7 @@ def robust_dense_mean_(transport: Transport, tensors: Sequence[torch.Tensor], we
 
 
 def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float | None,
-                key: Hashable) -> RobustResult:
+                key: Hashable, over_senders: bool = False) -> RobustResult:
     """Exchange ``flat`` with every member and average what passes validation and the norm bound.
 
     ``weight`` None sends no weight (every member counts 1). ``flat`` (fp32) is the caller's to give: once
@@ -74,16 +80,18 @@ def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight
                                                            feedback=weight is None or weight > 0))
     names = transport.member_names()
     b = transport.bounds
-    shared_key = (codec.chain, flat.numel(), flat.device, weight is None, b.norm_clip, b.clip_action, b.weight_clip)
-    result, _ = _SHARED_ROBUST.once(transport, payloads, shared_key,
-                                    lambda shared: _mean(transport, flat, codec, weight, payloads, names, shared))
+    shared_key = (codec.chain, flat.numel(), flat.device, weight is None, b.norm_clip, b.clip_action, b.weight_clip,
+                  over_senders)
+    result, _ = _SHARED_ROBUST.once(transport, payloads, shared_key, lambda shared: _mean(
+        transport, flat, codec, weight, payloads, names, shared, over_senders))
     transport.record_contributions(result.accepted, result.rejected, result.clipped, result.weights_clipped)
     return result
 
 
 def _mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float | None, payloads: list,
-          names: list[str], shared: bool) -> RobustResult:
-    """The robust mean of ``payloads`` (sent by ``names``); ``shared``: other members read it too."""
+          names: list[str], shared: bool, over_senders: bool = False) -> RobustResult:
+    """The robust mean of ``payloads`` (sent by ``names``); ``shared``: other members read it too;
+    ``over_senders``: each position divided by the weight of the members that sent it (after the clipping)."""
     # the mean's own tensor is pass 1's buffer too: one vector for the whole mean; a member alone with this list
     # writes it over ``flat``, encoded already; a shared result gets a buffer of its own
     own = shared or flat.dtype != torch.float32 or not flat.is_contiguous()
@@ -139,9 +147,18 @@ def _mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: floa
                 result.weights_clipped[name] = w / bound
     result.total = sum(r[2] for r in rows)
     # pass 2: the weighted mean, accumulated in the canonical member order
-    if result.total > 0:
+    if result.total > 0 and not over_senders:
         for name, body, w, _ in rows:
             codec.decode_accumulate_(body, result.mean, w / result.total * scale.get(name, 1.0))
+    elif result.total > 0:
+        counts = torch.zeros_like(result.mean)
+        for name, body, w, _ in rows:
+            codec.decode_accumulate_(body, result.mean, w * scale.get(name, 1.0))
+            if w > 0:
+                add_support_(codec, body, counts, w)
+        result.senders = Senders()
+        divide_by_senders_(result.mean, counts, result.senders,
+                           sum(sent_values(codec, flat.numel()) for r in rows if r[2] > 0))
     result.accepted = {r[0]: r[2] for r in rows}
     return result
 
