@@ -112,9 +112,14 @@ def run_one(args, method: str, seed: int, data, step_time: float, out_dir: Path)
                                                                       f"run.dir={run_dir}"] + args.set + extra)
     start = time.perf_counter()
     summary = simulate_once(cfg, data)
+    records = read_metrics(run_dir)
     curve = [(r["tokens"], r.get("bytes_sent", 0), r.get("virtual_s", 0.0), r["val_loss"])
-             for r in read_metrics(run_dir) if r.get("val_loss") is not None]
+             for r in records if r.get("val_loss") is not None]
+    # an algorithm's own figures, from the last line that has them (SparseLoCo: senders per position, share sent)
+    figures = next(({k: r[k] for k in ("senders_per_position", "sent_share") if r.get(k) is not None}
+                    for r in reversed(records) if r.get("sent_share") is not None), {})
     return {"method": method, "seed": seed, "val_loss": summary["val_loss"], "val_bpb": summary.get("val_bpb"),
+            "figures": figures,
             "bytes": summary["bytes_sent"],
             "peak": summary.get("peak_bytes_per_exchange", 0), "virtual_s": summary.get("virtual_wall_s", 0.0),
             "curve": curve, "real_s": time.perf_counter() - start}
@@ -212,6 +217,16 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
         bpb = f"{statistics.median(bpbs):.4f}" if bpbs else "n/a"
         lines.append(f"| {m} | {med[m]:.4f} | {bpb} | {seeds} | {gap} | {human_bytes(b)} | {fewer} | {peak} | {wall:.1f} s | "
                      f"{to_ddp} |{to_ref} {real[m]:.1f} | {slower} |")
+    own = [m for m in methods if any(r.get("figures") for r in by[m])]
+    if own:
+        lines += ["", "SparseLoCo's figures at the end of the run (median over seeds): the mean number of workers that "
+                  "sent a position in the last round, and the share of positions whose mean moved at least once.", "",
+                  "| method | senders per sent position | positions moved so far |", "| --- | --- | --- |"]
+        for m in own:
+            per = [r["figures"]["senders_per_position"] for r in by[m] if "senders_per_position" in r["figures"]]
+            share = [r["figures"]["sent_share"] for r in by[m] if "sent_share" in r["figures"]]
+            lines.append(f"| {m} | {f'{statistics.median(per):.2f}' if per else 'n/a'} | "
+                         f"{f'{100 * statistics.median(share):.1f}%' if share else 'n/a'} |")
     return "\n".join(lines) + "\n"
 
 
