@@ -187,9 +187,16 @@ class Algorithm:
     swarm = False  # True: it runs over internet peers (loco join), whose rounds average whoever reaches them
     fragmented = False  # True: algo.fragments parts on staggered schedules, each applied algo.overlap_steps later
     token_weighted = False  # True: an exchange is the mean weighted by tokens trained; the total weight travels too
+    gather = False  # True: every worker decodes every worker's payload (exact mean, sparse on the wire)
     # the algo.* keys peers must hold alike to average together, besides algo.outer_lr (read by outer_lr_of): the
     # round's length and the outer step's settings, since every peer applies the outer step to one averaged update
     peer_settings: tuple[str, ...] = ("inner_steps", "outer_momentum", "nesterov")
+
+    @classmethod
+    def payload_chain(cls, algo: dict[str, Any]) -> Optional[str]:
+        """The codec chain of the payload it makes itself from its ``algo`` settings (any of them possibly
+        missing: the defaults); None where its exchanges go through ``compress.codec``."""
+        return None
 
     @classmethod
     def payload_label(cls, algo: dict[str, Any], codec: Optional[str]) -> list[str]:

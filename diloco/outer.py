@@ -46,7 +46,6 @@ class DiLoCo(Algorithm):
     name = "diloco"
     round_based = True
     replicated_state = False
-    gather = False  # True: every worker decodes every worker's payload (exact mean; SparseLoCo)
     senders: Optional[Senders] = None  # a mean over the workers that sent each position (SparseLoCo), counted here
     swarm = True
     token_weighted = True

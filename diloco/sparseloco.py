@@ -108,6 +108,11 @@ class SparseLoCo(DiLoCo):
                                                    "algo.chunk and algo.value_format); leave compress.codec at fp32")
 
     @classmethod
+    def payload_chain(cls, algo: dict[str, Any]) -> Optional[str]:
+        return sparse_chain(algo.get("topk_density", 0.02), algo.get("chunk", 4096), algo.get("ef_decay", 0.95),
+                            algo.get("value_format", "2bit"))
+
+    @classmethod
     def payload_label(cls, algo: dict[str, Any], codec: Optional[str]) -> list[str]:
         """Its own payload (``compress.codec`` stays fp32): the top-k density and the value format."""
         density, fmt = algo.get("topk_density"), algo.get("value_format")

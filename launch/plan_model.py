@@ -25,23 +25,33 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Setting:
-    algo: str  # algo.name: ddp | diloco | streaming; what it declares shapes its exchanges (see schedule)
+    algo: str  # algo.name: ddp | diloco | streaming | sparseloco; what it declares shapes its exchanges
     inner_steps: int = 1  # H (DDP: 1, a round is a step)
-    codec: str = "fp32"
+    codec: str = "fp32"  # compress.codec; for an algorithm that makes its own payload, its value format
     fragments: int = 1
     overlap: int = 0  # streaming's tau
+    density: Optional[float] = None  # algo.topk_density of an algorithm that makes its own top-k payload
 
     def label(self) -> str:
         algo = algorithm_class(self.algo)
         if not algo.round_based:
             return self.algo
         extra = f" P={self.fragments} tau={self.overlap}" if algo.fragmented else ""
-        return f"{self.algo} H={self.inner_steps}{extra}"
+        top = f" top {100 * self.density:.3g}%" if self.density is not None else ""
+        return f"{self.algo} H={self.inner_steps}{extra}{top}"
+
+    def chain(self) -> str:
+        """The codec chain its exchanges are priced with: its algorithm's own payload, else ``codec``."""
+        own = algorithm_class(self.algo).payload_chain(
+            {"topk_density": self.density, "value_format": self.codec} if self.density is not None else {})
+        return own or self.codec
 
     def overrides(self) -> list[str]:
         """The config keys that run this setting (``--set`` values)."""
         algo = algorithm_class(self.algo)
-        out = [f"algo.name={self.algo}", f"compress.codec={self.codec}"]
+        out = [f"algo.name={self.algo}"]
+        out += ([f"algo.topk_density={self.density}", f"algo.value_format={self.codec}"] if self.density is not None
+                else [f"compress.codec={self.codec}"])
         if algo.round_based:
             out.append(f"algo.inner_steps={self.inner_steps}")
         if algo.fragmented:
@@ -54,20 +64,22 @@ class Setting:
         algo = algorithm_class(self.algo)
         staggered = algo.fragmented
         return Schedule(self.inner_steps if algo.round_based else 1, self.fragments if staggered else 1,
-                        self.overlap if staggered else 0, algo.token_weighted)
+                        self.overlap if staggered else 0, algo.token_weighted, algo.gather)
 
 
 @dataclass(frozen=True)
 class Schedule:
     """When a setting's exchanges run: every ``period`` steps, the model in ``fragments`` parts sent at evenly
     staggered steps (part p at p x period / fragments), each waited for ``overlap`` steps after it is sent;
-    ``weighted``: an exchange carries its total weight beside the values. DDP exchanges every step
+    ``weighted``: an exchange carries its total weight beside the values; ``gathered``: every worker's payload
+    reaches every worker (SparseLoCo) instead of the reduce-scatter by shards. DDP exchanges every step
     (period 1), DiLoCo every H steps, Streaming DiLoCo its P fragments with tau steps of overlap."""
 
     period: int
     fragments: int
     overlap: int
     weighted: bool
+    gathered: bool = False
 
 
 @dataclass(frozen=True)

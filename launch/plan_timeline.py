@@ -28,12 +28,14 @@ class Exchange:
     bytes_sent: int
 
 
-def exchange(tensors: Sequence[int], codec_chain: str, world: int, net: NetworkModel, dense_total: bool) -> Exchange:
+def exchange(tensors: Sequence[int], codec_chain: str, world: int, net: NetworkModel, dense_total: bool,
+             gathered: bool = False) -> Exchange:
     """The exchange of fp32 tensors of ``tensors`` elements over ``world`` workers, with the messages the
     collective itself makes (:func:`diloco.compress.collective.exchange_sizes`).
 
     fp32: the exact ring all-reduce of each bucket (``dense_total``: DiLoCo adds its one-element weight);
-    another codec: per bucket, an all-to-all of the shards then an all-gather of their means.
+    another codec: per bucket, an all-to-all of the shards then an all-gather of their means; ``gathered``: per
+    bucket, an all-gather of every worker's payload.
 
     Buckets alike cost alike: each kind is priced once and counted, so a model of many equal tensors costs no
     more to plan than one of a few (the weight joins the last bucket only, which is priced on its own)."""
@@ -44,7 +46,7 @@ def exchange(tensors: Sequence[int], codec_chain: str, world: int, net: NetworkM
     total_s, sent = 0.0, 0
     for numels, count, weighted in [*((k, c, False) for k, c in kinds.items()),
                                     (tuple(tensors[i] for i in groups[-1]), 1, dense_total)]:
-        seconds, nbytes = _buckets(numels, codec_chain, world, net.bandwidth, net.latency, weighted)
+        seconds, nbytes = _buckets(numels, codec_chain, world, net.bandwidth, net.latency, weighted, gathered)
         total_s += count * seconds
         sent += count * nbytes
     return Exchange(total_s, sent)
@@ -52,16 +54,20 @@ def exchange(tensors: Sequence[int], codec_chain: str, world: int, net: NetworkM
 
 @lru_cache(maxsize=4096)
 def _buckets(numels: tuple[int, ...], codec_chain: str, world: int, bandwidth: Optional[float], latency: float,
-             weighted: bool) -> tuple[float, int]:
+             weighted: bool, gathered: bool = False) -> tuple[float, int]:
     """(seconds, bytes sent) of the exchange of one bucket's tensors (a weight may make it two buckets)."""
     net = NetworkModel(bandwidth, latency)
     codec = None if codec_chain == "fp32" else make_codec(codec_chain)
     seconds, sent = 0.0, 0
-    for msgs in exchange_sizes(list(numels), world, codec, weighted=weighted):
+    for msgs in exchange_sizes(list(numels), world, codec, weighted=weighted, gather=gathered):
         if codec is None:
             nbytes = msgs[0]
             seconds += net.all_reduce_s(nbytes, world)
             sent += 2 * (world - 1) * nbytes // world
+            continue
+        if gathered:  # every worker's whole payload to every other worker
+            seconds += net.all_gather_s((world - 1) * msgs[0], world)
+            sent += (world - 1) * msgs[0]
             continue
         total, sizes = sum(msgs), set(msgs)  # shards differ by an alignment at most: a few sizes, however many
         # all-to-all: worker r sends every shard but its own, receives W-1 copies of its own
@@ -109,7 +115,8 @@ def timeline(setting: Setting, model: Model, world: int, net: NetworkModel, step
     # H steps, waited for at once; DDP's H is 1)
     sched = setting.schedule()
     H, P, tau = sched.period, sched.fragments, sched.overlap
-    xs = [exchange(piece, setting.codec, world, net, dense_total=sched.weighted) for piece in model.fragment_pieces(P)]
+    xs = [exchange(piece, setting.chain(), world, net, dense_total=sched.weighted, gathered=sched.gathered)
+          for piece in model.fragment_pieces(P)]
     offsets = [p * H // P for p in range(P)]
     since = [0] * P
     pending: list[tuple[int, float]] = []  # (apply at step, end of the exchange)
@@ -164,8 +171,8 @@ def predict(setting: Setting, model: Model, world: int, net: NetworkModel, step_
 def exchange_bytes(setting: Setting, model: Model, world: int, net: NetworkModel) -> int:
     """Bytes one worker sends per round: every fragment once."""
     sched = setting.schedule()
-    return sum(exchange(piece, setting.codec, world, net, dense_total=sched.weighted).bytes_sent
-               for piece in model.fragment_pieces(sched.fragments))
+    return sum(exchange(piece, setting.chain(), world, net, dense_total=sched.weighted,
+                        gathered=sched.gathered).bytes_sent for piece in model.fragment_pieces(sched.fragments))
 
 
 def recommend(rows: Sequence[Row]) -> tuple[Optional[Row], Optional[Row]]:
