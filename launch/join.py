@@ -278,7 +278,7 @@ class Peer:
             line.update(self._resync(report))
         self.rounds.write(round=tr.algo.round, step=tr.step, members=line.pop("members", []),
                           weights=report.accepted if report is not None else {},
-                          fp_after=hashlib.sha256(self.fingerprint()).hexdigest()[:16], **line)
+                          fp_after=hashlib.sha256(self.fingerprint()).hexdigest()[:16], **tr.algo.figures(), **line)
         self.publish()
         elapsed = max(tr.clock.wall_s(), 1e-9)
         mine = (tr.step - tr.progress.followed) * tr.tokens_per_step  # what this peer trained

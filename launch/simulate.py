@@ -113,7 +113,8 @@ class Membership:
         for w in joining:
             g.admit(w, now, trainer.step)
         self.log.write(round=g.rounds[0], step=trainer.step, members=members, weights=weights,
-                       virtual_s=round(g.seconds(now), 4), left=sorted(g.left_now), joining=joining)
+                       virtual_s=round(g.seconds(now), 4), left=sorted(g.left_now), joining=joining,
+                       **trainer.algo.figures())
         g.left_now = []
         g.members_per_round.append(len(members))
 

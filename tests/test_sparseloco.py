@@ -232,3 +232,26 @@ def test_the_mean_over_senders_divides_each_position_by_the_weight_of_its_sender
     for got, pairs, per in run_workers(InProcessGroup(3), body):
         assert torch.allclose(got, want, atol=1e-6), float((got - want).abs().max())
         assert pairs == 2 * 12 and per == pytest.approx(24 / covered)
+
+
+def test_under_churn_the_robust_mean_over_senders_keeps_the_workers_on_one_model(tmp_path):
+    """The simulator under churn averages through the robust mean: the mean over senders there too, each round's
+    figures in rounds.jsonl, and the joiner ends on worker 0's model."""
+    import json
+
+    from launch.simulate import simulate_once
+
+    trace = tmp_path / "churn.csv"
+    trace.write_text("round,worker,event\n1,1,leave\n2,1,join\n")
+    cfg, _ = load_config([TINY], [*FAST, "run.batch_size=4", "run.eval_every=0", "run.checkpoint_every=0",
+                                  "sim.baseline=none", "sim.step_time=1", "run.max_steps=12", "sim.workers=3",
+                                  "algo.name=sparseloco", "algo.inner_steps=3", "algo.chunk=256",
+                                  f"sim.churn={trace}", f"run.dir={tmp_path / 'run'}"])
+    summary = simulate_once(cfg)
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()]
+    assert [len(r["members"]) for r in rounds] == [3, 2, 3, 3]  # worker 1 away for round 2
+    assert all(1 <= r["senders_per_position"] <= len(r["members"]) for r in rounds)
+    shares = [r["sent_share"] for r in rounds]
+    assert 0 < shares[0] and shares == sorted(shares)  # positions once moved stay counted
+    losses = {w["worker"]: w["val_loss"] for w in summary["workers"]}
+    assert losses[0] == losses[1]
