@@ -78,7 +78,8 @@ class SparseLoCo(DiLoCo):
         self.topk_density, self.chunk, self.ef_decay, self.value_format = topk_density, chunk, ef_decay, value_format
         self.aggregate = aggregate
         self.senders = Senders() if aggregate == "senders" else None
-        # per position of each piece: its mean has moved at least once (the same on every worker: it is the mean's)
+        # per position of each piece: its mean has moved at least once (the same on every worker: it is the mean's;
+        # a peer that joins a run in progress counts from its first round)
         self.moved = [torch.zeros(v.shape, dtype=torch.bool, device=v.device) for v in self.global_views]
 
     @staticmethod
@@ -144,7 +145,7 @@ class SparseLoCo(DiLoCo):
         super().apply_exchange(indices, deltas, total, mix_alpha)
 
     def figures(self) -> dict[str, Any]:
-        moved = sum(int(m.sum()) for m in self.moved)  # read at log steps only
+        moved = int(sum(m.sum() for m in self.moved))  # one read back, at log steps only
         out: dict[str, Any] = {"sent_share": moved / max(1, sum(m.numel() for m in self.moved))}
         if self.senders is not None:
             out["senders_per_position"] = self.senders.per_position()
