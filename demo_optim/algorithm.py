@@ -9,6 +9,8 @@ import torch
 from diloco.algorithm import Algorithm, ConfigConflict, register
 from diloco.comm.base import Transport
 from demo_optim.optimizer import DeMo
+from demo_optim.payload import Layout
+from diloco.compress.chunks import plan_for
 
 
 @register
@@ -41,6 +43,13 @@ class DeMoAlgorithm(Algorithm):
     def payload_label(cls, algo: dict[str, Any], codec: Optional[str]) -> list[str]:
         """Nothing: it sends its own DCT top-k payload, which its algo.compression_* settings shape."""
         return []
+
+    @classmethod
+    def step_payload_bytes(cls, shapes: list[tuple[int, ...]], algo: dict[str, Any]) -> Optional[int]:
+        """Its wire payload: every parameter's k coefficients per DCT block, their indices and the header."""
+        plans = [plan_for(shape, algo.get("compression_chunk", 64), algo.get("compression_topk", 32),
+                          algo.get("chunk_rule", "auto")) for shape in shapes]
+        return Layout(plans, bool(algo.get("sign_values", False)), None).wire_size()
 
     @classmethod
     def check_config(cls, cfg: Any, n_layers: int) -> None:

@@ -199,6 +199,12 @@ class Algorithm:
         return None
 
     @classmethod
+    def step_payload_bytes(cls, shapes: list[tuple[int, ...]], algo: dict[str, Any]) -> Optional[int]:
+        """The bytes of the payload it sends every step itself, for a model of these parameter shapes (DeMo);
+        None where its exchanges are weighted means of its tensors."""
+        return None
+
+    @classmethod
     def payload_label(cls, algo: dict[str, Any], codec: Optional[str]) -> list[str]:
         """What its exchanges send, for a run's label: the codec chain unless it is the exact fp32 (``algo``: the
         run's ``algo`` settings as its config.yaml holds them, any of them possibly missing)."""

@@ -42,6 +42,7 @@ STREAMING_CODECS = ("fp32", "int8", "fp4")
 OVERLAP = 5  # Streaming DiLoCo's tau (at most H - 1), with the published merge alpha (plan_model.MIX_ALPHA)
 SPARSELOCO_H = (15, 50, 100)
 SPARSELOCO_DENSITIES = (32 / 4096, 64 / 4096, 128 / 4096)  # the published k of 32, 64 and 128 per chunk of 4096
+DEMO_TOPK = (8, 32)  # DeMo's coefficients kept per 64 x 64 DCT block, every step
 
 
 def candidates(model: Model) -> list[Setting]:
@@ -50,6 +51,7 @@ def candidates(model: Model) -> list[Setting]:
     out += [Setting("streaming", h, c, p, min(OVERLAP, h - 1)) for h in STREAMING_H for p in FRAGMENTS
             if p <= model.n_layers and p in model.fragments for c in STREAMING_CODECS]
     out += [Setting("sparseloco", h, "2bit", density=d) for h in SPARSELOCO_H for d in SPARSELOCO_DENSITIES]
+    out += [Setting("demo", codec="dct", topk=k) for k in DEMO_TOPK]
     return out
 
 

@@ -31,27 +31,39 @@ class Setting:
     fragments: int = 1
     overlap: int = 0  # streaming's tau
     density: Optional[float] = None  # algo.topk_density of an algorithm that makes its own top-k payload
+    topk: Optional[int] = None  # algo.compression_topk of an algorithm that sends a payload of its own every step
+
+    def algo_settings(self) -> dict[str, Any]:
+        """The ``algo`` keys this setting fixes, as an algorithm's declarations read them."""
+        out: dict[str, Any] = {}
+        if self.density is not None:
+            out.update(topk_density=self.density, value_format=self.codec)
+        if self.topk is not None:
+            out.update(compression_topk=self.topk)
+        return out
+
+    def step_payload(self, model: "Model") -> Optional[int]:
+        """The bytes of the payload its algorithm sends every step itself (DeMo), for ``model``; else None."""
+        return algorithm_class(self.algo).step_payload_bytes(model.shapes, self.algo_settings())
 
     def label(self) -> str:
         algo = algorithm_class(self.algo)
         if not algo.round_based:
-            return self.algo
+            return self.algo + (f" k={self.topk}" if self.topk is not None else "")
         extra = f" P={self.fragments} tau={self.overlap}" if algo.fragmented else ""
         top = f" top {100 * self.density:.3g}%" if self.density is not None else ""
         return f"{self.algo} H={self.inner_steps}{extra}{top}"
 
     def chain(self) -> str:
         """The codec chain its exchanges are priced with: its algorithm's own payload, else ``codec``."""
-        own = algorithm_class(self.algo).payload_chain(
-            {"topk_density": self.density, "value_format": self.codec} if self.density is not None else {})
-        return own or self.codec
+        return algorithm_class(self.algo).payload_chain(self.algo_settings()) or self.codec
 
     def overrides(self) -> list[str]:
         """The config keys that run this setting (``--set`` values)."""
         algo = algorithm_class(self.algo)
         out = [f"algo.name={self.algo}"]
-        out += ([f"algo.topk_density={self.density}", f"algo.value_format={self.codec}"] if self.density is not None
-                else [f"compress.codec={self.codec}"])
+        own = self.algo_settings()
+        out += [f"algo.{k}={v}" for k, v in own.items()] if own else [f"compress.codec={self.codec}"]
         if algo.round_based:
             out.append(f"algo.inner_steps={self.inner_steps}")
         if algo.fragmented:
@@ -91,7 +103,9 @@ class Measured:
 # loco's own measurements (benchmarks/convergence.py): validation loss against DDP in the same table
 _CONV = "convergence_cpu.md"
 _CODECS = "codecs_convergence_cpu.md"
+_DEMO = "demo_cpu.md"
 SOURCES = {
+    _DEMO: "tiny, 4 workers, 300 steps, median of 3 seeds (DeMo with its own lr, warmup and decay)",
     _CONV: "tiny, 4 workers, 1,200 steps, 1 Gbit/s and 80 ms, median of 3 seeds (Streaming: tau=5, alpha=0.5)",
     _CODECS: "tiny, 4 workers, 600 steps, 1 Gbit/s and 80 ms, one seed (DiLoCo H=50 fp32 there: +21.1%)",
 }
@@ -103,6 +117,8 @@ MEASURED: dict[Setting, Measured] = {
     Setting("streaming", 50, "fp32", 4, 5): Measured(0.111, _CONV),
     Setting("diloco", 50, "int8"): Measured(0.215, _CODECS),
     Setting("diloco", 50, "fp4"): Measured(0.211, _CODECS),
+    Setting("demo", codec="dct", topk=32): Measured(0.044, _DEMO),
+    Setting("demo", codec="dct", topk=8): Measured(0.167, _DEMO),
 }
 
 
@@ -115,6 +131,7 @@ class Model:
     tensors: list[int]
     n_layers: int
     fragments: dict[int, list[list[int]]] = field(default_factory=dict)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)  # the tensors' shapes (a count's: typical ones)
 
     @property
     def params(self) -> int:
@@ -159,7 +176,7 @@ def resolve_model(spec: str, fragment_counts: Sequence[int] = FRAGMENTS) -> Mode
     tensors = [per] * (n // per) + ([n % per] if n % per else [])
     layers = max(1, min(64, round(math.log2(max(n, 2) / 1e6) * 3)))  # only bounds how many fragments make sense
     frags = {p: _split(n, p) for p in fragment_counts if p <= layers}
-    return Model(f"{count_label(n)} parameters", tensors, layers, frags)
+    return Model(f"{count_label(n)} parameters", tensors, layers, frags, [_typical_shape(t) for t in tensors])
 
 
 MAX_TENSORS = 4096  # a parameter count is cut in at most this many tensors, whatever its size
@@ -170,6 +187,11 @@ def _tensor_size(n: int) -> int:
     from 17B parameters on, a 4096th of the model (GPT-3's 175B has matrices of 600M): the plan's cost then
     stays that of at most :data:`MAX_TENSORS` tensors."""
     return max(1, min(n, 4 << 20), -(-n // MAX_TENSORS))
+
+
+def _typical_shape(n: int, width: int = 2048) -> tuple[int, ...]:
+    """A matrix ``width`` wide where ``n`` divides into its rows (a large model's matrices), else a vector."""
+    return (n // width, width) if n >= width and n % width == 0 else (n,)
 
 
 def _split(n: int, p: int) -> list[list[int]]:
@@ -188,7 +210,7 @@ def model_of(name: str, module: Any, n_layers: int, fragment_counts: Sequence[in
     params = [p for p in module.parameters() if p.requires_grad]
     frags = {p: [[_piece_numel(params, e) for e in frag] for frag in layer_fragments(module, p)]
              for p in fragment_counts}
-    return Model(name, [p.numel() for p in params], n_layers, frags)
+    return Model(name, [p.numel() for p in params], n_layers, frags, [tuple(p.shape) for p in params])
 
 
 def _piece_numel(params: list, entry: Any) -> int:

@@ -115,8 +115,7 @@ def timeline(setting: Setting, model: Model, world: int, net: NetworkModel, step
     # H steps, waited for at once; DDP's H is 1)
     sched = setting.schedule()
     H, P, tau = sched.period, sched.fragments, sched.overlap
-    xs = [exchange(piece, setting.chain(), world, net, dense_total=sched.weighted, gathered=sched.gathered)
-          for piece in model.fragment_pieces(P)]
+    xs = _exchanges(setting, model, world, net)
     offsets = [p * H // P for p in range(P)]
     since = [0] * P
     pending: list[tuple[int, float]] = []  # (apply at step, end of the exchange)
@@ -170,9 +169,19 @@ def predict(setting: Setting, model: Model, world: int, net: NetworkModel, step_
 
 def exchange_bytes(setting: Setting, model: Model, world: int, net: NetworkModel) -> int:
     """Bytes one worker sends per round: every fragment once."""
+    return sum(x.bytes_sent for x in _exchanges(setting, model, world, net))
+
+
+def _exchanges(setting: Setting, model: Model, world: int, net: NetworkModel) -> list[Exchange]:
+    """Each fragment's exchange: a weighted mean of its tensors, or the all-gather of a payload the algorithm
+    makes itself every step (DeMo: each worker's to every other)."""
+    own = setting.step_payload(model)
+    if own is not None:
+        return [Exchange(net.all_gather_s((world - 1) * own, world), (world - 1) * own) if world > 1
+                else Exchange(0.0, 0)]
     sched = setting.schedule()
-    return sum(exchange(piece, setting.chain(), world, net, dense_total=sched.weighted,
-                        gathered=sched.gathered).bytes_sent for piece in model.fragment_pieces(sched.fragments))
+    return [exchange(piece, setting.chain(), world, net, dense_total=sched.weighted, gathered=sched.gathered)
+            for piece in model.fragment_pieces(sched.fragments)]
 
 
 def recommend(rows: Sequence[Row]) -> tuple[Optional[Row], Optional[Row]]:

@@ -36,6 +36,7 @@ def _simulated(tmp_path, setting: Setting, workers: int, steps: int, bandwidth: 
     (Setting("diloco", 3, "int8"), 7),  # a partial last round is synced at the end
     (Setting("streaming", 4, "fp4", 2, 1), 8),  # exchanges hidden behind one step, and the end of training
     (Setting("sparseloco", 3, "2bit", density=0.02), 7),  # every worker's own payload to every other worker
+    (Setting("demo", codec="dct", topk=8), 3),  # its own payload, every step
 ])
 def test_predicted_bytes_and_time_are_the_simulators(tmp_path, setting, steps):
     workers, bw, lat, step = 3, 8e6 / 8, 0.05, 0.2  # 8 Mbit/s: the exchanges of tiny take a good part of a step
