@@ -10,7 +10,7 @@ from diloco.algorithm import Algorithm, ConfigConflict, register
 from diloco.comm.base import Transport
 from demo_optim.optimizer import DeMo
 from demo_optim.payload import Layout
-from diloco.compress.chunks import plan_for
+from diloco.compress import plan_for
 
 
 @register
