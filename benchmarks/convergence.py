@@ -43,6 +43,7 @@ METHODS = {
     "single": ["algo.name=ddp", "sim.workers=1"],
     "ddp": ["algo.name=ddp"],
     "diloco-h10": ["algo.name=diloco", "algo.inner_steps=10"],
+    "diloco-h15": ["algo.name=diloco", "algo.inner_steps=15"],
     "diloco-h50": ["algo.name=diloco", "algo.inner_steps=50"],
     "diloco-h100": ["algo.name=diloco", "algo.inner_steps=100"],
     "streaming-h50-p4": ["algo.name=streaming", "algo.inner_steps=50", "algo.fragments=4"],
@@ -63,13 +64,16 @@ METHODS = {
     **{f"sparseloco-h15-d{pct}": ["algo.name=sparseloco", "algo.inner_steps=15", f"algo.topk_density={k / 4096}",
                                   "algo.outer_lr=1", "algo.aggregate=senders"]
        for pct, k in (("0.78", 32), ("1.56", 64), ("3.1", 128))},
+    # the same at 1.56% with the mean over all workers: what the published mean over senders changes
+    "sparseloco-h15-d1.56-all": ["algo.name=sparseloco", "algo.inner_steps=15", "algo.topk_density=0.015625",
+                                 "algo.outer_lr=1", "algo.aggregate=all"],
     # DeMo (its lr is set by benchmarks/demo.py --demo-lr through --set-like overrides)
     "demo-k32": ["algo.name=demo", "algo.compression_topk=32"],
     "demo-k8": ["algo.name=demo", "algo.compression_topk=8"],
 }
 CODEC_METHODS = ("diloco-h50-int8", "diloco-h50-fp4", "diloco-h50-topk2", "sparseloco-h50-d1", "sparseloco-h50-d2",
                  "sparseloco-h50-d3", "sparseloco-h15-d0.78", "sparseloco-h15-d1.56", "sparseloco-h15-d3.1",
-                 "demo-k32", "demo-k8")
+                 "sparseloco-h15-d1.56-all", "diloco-h15", "demo-k32", "demo-k8")
 
 
 def measure_step_time(args, data) -> float:
