@@ -186,7 +186,8 @@ else
                  --repeats 3)
     # 6 convergence: 4 workers x 250 steps x 16 x 256 tokens, one seed, 10 evaluations of 16 batches; demo-k32
     #   on the same steps gives DeMo's wall-clock against DDP's (the report's "real / DDP's"; target 1.15x; its
-    #   lr is the run's, not tuned). GPU_SH_CONV_METHODS adds others (diloco-h50, single: about 25 s each).
+    #   lr is the run's, not tuned). GPU_SH_CONV_METHODS sets the list (ddp,demo-k32,diloco-h50,single brings
+    #   back the two others, about 25 s each).
     CONV_ARGS=(--model small --methods "${GPU_SH_CONV_METHODS:-ddp,demo-k32}" --seeds 0 --steps 250 --batch-size 16 --seq-len 256
                --evals 10 --eval-batches 16)
 fi
