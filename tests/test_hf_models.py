@@ -37,7 +37,9 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+# one model under torchrun: the wrapper and the exchange are the same for every transformers model (gpt2 trains in
+# the resume test below), and each torchrun costs two fresh processes
+@pytest.mark.parametrize("kind", ["llama"])
 def test_an_hf_config_model_trains_alike_simulated_and_under_torchrun(tmp_path, kind, capfd):
     config = _config(tmp_path, kind)
     args = ["--config", TINY, "--max-steps", "4", "--seed", "3", *COMMON, "--set", f"model.hf_config={config}",
