@@ -254,12 +254,12 @@ def main() -> None:
         f"({', '.join(f'{r:.3f}' for r in t['ratios'])}) |",
     ]
     if t["sim_peak"] is not None:
-        extra = (t["sim_peak"] - t["single_peak"]) / max(1, args.workers - 1)
+        extra, params = (t["sim_peak"] - t["single_peak"]) / max(1, args.workers - 1), model_params(args)
         lines += [f"| peak memory of the timed runs, simulated {args.workers} workers (max allocated, less what was "
                   f"allocated before) | {t['sim_peak'] / 2**20:.0f} MiB |",
                   f"| the same, one worker | {t['single_peak'] / 2**20:.0f} MiB |",
                   f"| memory per extra worker, from these two | {extra / 2**20:.0f} MiB = "
-                  f"{extra / model_params(args):.1f} bytes a parameter ({model_params(args) / 1e6:.2f}M) |"]
+                  f"{extra / params:.1f} bytes a parameter ({params / 1e6:.2f}M) |"]
     for n, peak in mem:
         lines.append(f"| peak memory, {n} worker(s) | {peak / 2**20:.0f} MiB |")
     if len(mem) > 1:

@@ -65,9 +65,9 @@ def _buckets(numels: tuple[int, ...], codec_chain: str, world: int, bandwidth: O
             seconds += net.all_reduce_s(nbytes, world)
             sent += 2 * (world - 1) * nbytes // world
             continue
-        if gathered:  # every worker's whole payload to every other worker
-            seconds += net.all_gather_s((world - 1) * msgs[0], world)
-            sent += (world - 1) * msgs[0]
+        if gathered:
+            s, b = _gather(net, msgs[0], world)
+            seconds, sent = seconds + s, sent + b
             continue
         total, sizes = sum(msgs), set(msgs)  # shards differ by an alignment at most: a few sizes, however many
         # all-to-all: worker r sends every shard but its own, receives W-1 copies of its own
@@ -76,6 +76,12 @@ def _buckets(numels: tuple[int, ...], codec_chain: str, world: int, bandwidth: O
         seconds += max(net.all_gather_s(total - m, world) for m in sizes)
         sent += (total - msgs[0]) + (world - 1) * msgs[0]  # worker 0, as its summary counts
     return seconds, sent
+
+
+def _gather(net: NetworkModel, payload: int, world: int) -> tuple[float, int]:
+    """(seconds, bytes sent) of an all-gather of one ``payload``-byte message per worker: each worker's to every
+    other (none with one worker)."""
+    return net.all_gather_s((world - 1) * payload, world), (world - 1) * payload
 
 
 # ---- virtual time, step by step as the simulator charges it -------------------------------------------------
@@ -177,8 +183,7 @@ def _exchanges(setting: Setting, model: Model, world: int, net: NetworkModel) ->
     makes itself every step (DeMo: each worker's to every other)."""
     own = setting.step_payload(model)
     if own is not None:
-        return [Exchange(net.all_gather_s((world - 1) * own, world), (world - 1) * own) if world > 1
-                else Exchange(0.0, 0)]
+        return [Exchange(*_gather(net, own, world))]
     sched = setting.schedule()
     return [exchange(piece, setting.chain(), world, net, dense_total=sched.weighted, gathered=sched.gathered)
             for piece in model.fragment_pieces(sched.fragments)]

@@ -16,7 +16,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-
 from launch.disk import write_file
 from launch.documents import Doc, HFOptions, doc_text, documents
 from launch.shards import MANIFEST, MANIFEST_FORMAT, TOKENIZER_FILE, shard_dtype

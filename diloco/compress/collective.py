@@ -62,7 +62,7 @@ from diloco.compress.codec import Codec, make_codec
 from diloco.compress.flat import Scratch, bucket_groups, buckets, end_to_end, scratch_for, unflatten_into
 from diloco.compress.message import check_weight, known_sizes, message_size, pack_weight, split_weight
 from diloco.compress.robust import robust_dense_mean_, robust_mean_
-from diloco.compress.senders import Senders, add_support_, divide_by_senders_, sent_values
+from diloco.compress.senders import Senders, add_support_, divide_by_senders_
 from diloco.compress.wire import CorruptPayload
 
 
@@ -359,8 +359,7 @@ def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", we
             _decode_into(codec, body, flat, wi, src == 0, me, src, "payload")
             if wi > 0:
                 add_support_(codec, body, counts, wi)  # checked by the decode just before
-        pairs = sum(sent_values(codec, flat.numel()) for wi, _ in received if wi > 0)
-        divide_by_senders_(flat, counts, senders, pairs)
+        divide_by_senders_(codec, flat, counts, senders, sum(wi > 0 for wi, _ in received))
     return total
 
 # ---- sizes, without an exchange ------------------------------------------------------------------------

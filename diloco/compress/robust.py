@@ -23,7 +23,7 @@ from diloco.comm.base import Transport
 from diloco.compress.codec import Codec, make_codec
 from diloco.compress.flat import buckets, end_to_end, unflatten_into
 from diloco.compress.message import pack_weight, split_weight
-from diloco.compress.senders import Senders, add_support_, divide_by_senders_, sent_values
+from diloco.compress.senders import Senders, add_support_, divide_by_senders_
 from diloco.compress.shared import SharedResult
 from diloco.compress.wire import CorruptPayload
 
@@ -157,8 +157,7 @@ def _mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: floa
             if w > 0:
                 add_support_(codec, body, counts, w)
         result.senders = Senders()
-        divide_by_senders_(result.mean, counts, result.senders,
-                           sum(sent_values(codec, flat.numel()) for r in rows if r[2] > 0))
+        divide_by_senders_(codec, result.mean, counts, result.senders, sum(r[2] > 0 for r in rows))
     result.accepted = {r[0]: r[2] for r in rows}
     return result
 

@@ -34,10 +34,11 @@ class Senders:
         return self.pairs / covered if covered else None
 
 
-def divide_by_senders_(mean: torch.Tensor, counts: torch.Tensor, senders: Senders, pairs: int) -> None:
-    """``mean`` (the weighted sum of every payload) divided, position by position, by ``counts`` (the weight of
-    its senders; consumed); a position nobody sent stays zero. ``pairs``: the values those payloads held."""
-    senders.pairs += pairs
+def divide_by_senders_(codec: "Codec", mean: torch.Tensor, counts: torch.Tensor, senders: Senders,
+                       payloads: int) -> None:
+    """``mean`` (the weighted sum of ``payloads`` payloads of positive weight) divided, position by position, by
+    ``counts`` (the weight of its senders; consumed); a position nobody sent stays zero."""
+    senders.pairs += payloads * _sent_values(codec, mean.numel())
     sent = counts > 0
     senders.covered = senders.covered + sent.sum()
     mean.div_(counts.masked_fill_(~sent, 1.0))
@@ -60,7 +61,7 @@ def add_support_(codec: "Codec", payload: bytes | bytearray | memoryview, counts
     counts[positions] += weight
 
 
-def sent_values(codec: "Codec", numel: int) -> int:
+def _sent_values(codec: "Codec", numel: int) -> int:
     """How many positions a payload of ``numel`` values holds (top-k: its k per chunk; dense: all)."""
     s = codec.spec
     return codec._layout(numel)[1] if s.topk_chunk and not s.dct_chunk else numel
