@@ -67,13 +67,22 @@ METHODS = {
     # the same at 1.56% with the mean over all workers: what the published mean over senders changes
     "sparseloco-h15-d1.56-all": ["algo.name=sparseloco", "algo.inner_steps=15", "algo.topk_density=0.015625",
                                  "algo.outer_lr=1", "algo.aggregate=all"],
+    # MuLoCo: Muon (optim.muon_lr) on the hidden matrices, AdamW (--lr) on the rest, as the inner optimizer of DDP
+    # and of DiLoCo H=50, in fp32 and with the two lossy codecs above
+    "ddp-muon": ["algo.name=ddp", "optim.name=muon"],
+    "muloco-h50": ["algo.name=diloco", "algo.inner_steps=50", "optim.name=muon"],
+    "muloco-h50-int8": ["algo.name=diloco", "algo.inner_steps=50", "optim.name=muon", "compress.codec=int8"],
+    "muloco-h50-topk2": ["algo.name=diloco", "algo.inner_steps=50", "optim.name=muon",
+                         "compress.codec=topk:0.02+2bit+zstd"],
     # DeMo (its lr is set by benchmarks/demo.py --demo-lr through --set-like overrides)
     "demo-k32": ["algo.name=demo", "algo.compression_topk=32"],
     "demo-k8": ["algo.name=demo", "algo.compression_topk=8"],
 }
-CODEC_METHODS = ("diloco-h50-int8", "diloco-h50-fp4", "diloco-h50-topk2", "sparseloco-h50-d1", "sparseloco-h50-d2",
-                 "sparseloco-h50-d3", "sparseloco-h15-d0.78", "sparseloco-h15-d1.56", "sparseloco-h15-d3.1",
-                 "sparseloco-h15-d1.56-all", "diloco-h15", "demo-k32", "demo-k8")
+# run only when named: the codec, SparseLoCo, DeMo and Muon studies each have their own results file
+NAMED_ONLY = ("diloco-h50-int8", "diloco-h50-fp4", "diloco-h50-topk2", "sparseloco-h50-d1", "sparseloco-h50-d2",
+              "sparseloco-h50-d3", "sparseloco-h15-d0.78", "sparseloco-h15-d1.56", "sparseloco-h15-d3.1",
+              "sparseloco-h15-d1.56-all", "diloco-h15", "demo-k32", "demo-k8", "ddp-muon", "muloco-h50",
+              "muloco-h50-int8", "muloco-h50-topk2")
 
 
 def measure_step_time(args, data) -> float:
@@ -275,8 +284,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--methods", default=",".join(m for m in METHODS if m not in CODEC_METHODS),
-                   help=f"comma-separated, from: {', '.join(METHODS)} (default: all but the codec runs)")
+    p.add_argument("--methods", default=",".join(m for m in METHODS if m not in NAMED_ONLY),
+                   help=f"comma-separated, from: {', '.join(METHODS)} (default: all but the studies run only when named)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)

@@ -54,6 +54,9 @@ class DeMoAlgorithm(Algorithm):
     @classmethod
     def check_config(cls, cfg: Any, n_layers: int) -> None:
         super().check_config(cfg, n_layers)
+        if cfg.optim.name == "muon":
+            raise ConfigConflict("optim.name", "DeMo is its own inner optimizer (signed steps on the exchanged DCT "
+                                               "components): muon cannot run under it; leave optim.name at adamw")
         if cfg.compress.codec != "fp32":
             raise ConfigConflict("compress.codec", "DeMo sends its own DCT top-k payload (tune algo.compression_topk "
                                                    "/ algo.sign_values); leave compress.codec at fp32")

@@ -336,8 +336,10 @@ class Algorithm:
         honours ``found_inf`` in its own way says so here (DeMo).
         """
         opt = self.optimizer
+        honours = isinstance(opt, (torch.optim.Adam, torch.optim.SGD)) and bool(opt.defaults.get("fused")) \
+            or bool(getattr(opt, "skips_found_inf", False))  # an optimizer that says so (MuonAdamW)
         return (type(self)._update is Algorithm._update and type(self)._skipped_update is Algorithm._skipped_update
-                and isinstance(opt, (torch.optim.Adam, torch.optim.SGD)) and bool(opt.defaults.get("fused")))
+                and honours)
 
     @staticmethod
     def _grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -75,10 +75,11 @@ def check_optimizer_state(opt: torch.optim.Optimizer, saved: Any, what: str = "o
     for g, mine in zip(groups, opt.param_groups):
         for i, p in zip(g["params"], mine["params"]):
             params[i] = p
-    needed = _moments(opt)
+    needed_by = {i: _moments(opt, mine) for g, mine in zip(groups, opt.param_groups) for i in g["params"]}
     for i, entry in saved["state"].items():
         if i not in params or not isinstance(entry, dict):
             raise ValueError(f"{what}: a state for parameter {i!r}, which no group lists")
+        needed = needed_by[i]
         missing = sorted(needed - set(entry))
         if missing:
             raise ValueError(f"{what}: parameter {i} has no {missing[0]!r}")
@@ -95,11 +96,14 @@ def check_optimizer_state(opt: torch.optim.Optimizer, saved: Any, what: str = "o
                                  f"{tuple(params[i].shape)}")
 
 
-def _moments(opt: torch.optim.Optimizer) -> set[str]:
-    """The per-parameter state an optimizer of this kind cannot step without (where it has stepped at all)."""
+def _moments(opt: torch.optim.Optimizer, group: dict[str, Any]) -> set[str]:
+    """The per-parameter state an optimizer of this kind cannot step ``group`` without (where it has stepped at
+    all)."""
+    if hasattr(opt, "moments"):  # an optimizer of several kinds of groups says which (MuonAdamW)
+        return opt.moments(group)
     if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
         return {"exp_avg", "exp_avg_sq"}
-    if isinstance(opt, torch.optim.SGD) and any(g.get("momentum", 0) for g in opt.param_groups):
+    if isinstance(opt, torch.optim.SGD) and group.get("momentum", 0):
         return {"momentum_buffer"}
     return set()
 

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from diloco import Algorithm
 from diloco.comm import Transport
+from diloco.muon import MuonAdamW
 from launch.algorithms import algorithm_class
 from launch.config import Config
 from launch.errors import RunError
@@ -61,14 +62,21 @@ def _loco_model(cfg: Config, args: Any, data: TokenData, device: torch.device) -
         return Transformer(args), args
 
 
+def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters Muon steps: every 2-D parameter outside the embeddings and the output head (a model names
+    its head by ``output_head()``; a tied head is the embedding)."""
+    outside = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    head = model.output_head() if hasattr(model, "output_head") else None
+    if head is not None:
+        outside |= {id(p) for p in head.parameters()}
+    return [p for p in model.parameters() if p.requires_grad and p.dim() == 2 and id(p) not in outside]
+
+
 def build_optimizer(model: nn.Module, ocfg, device: torch.device, transport: Optional[Transport] = None,
                     cfg: Optional[Config] = None) -> torch.optim.Optimizer:
-    """AdamW (or SGD) with weight decay on matrices only, unless the algorithm of ``cfg.algo.name`` brings its
-    own (DeMo)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": ocfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
+    """AdamW (or SGD) with weight decay on matrices only, or Muon on the hidden matrices and that AdamW on the
+    rest (``optim.name: muon``), unless the algorithm of ``cfg.algo.name`` brings its own (DeMo)."""
+    groups = _decay_groups(list(model.parameters()), ocfg)
     if cfg is not None:
         own = algorithm_class(cfg.algo.name).make_optimizer(cfg, groups, device, transport)
         if own is not None:
@@ -78,7 +86,22 @@ def build_optimizer(model: nn.Module, ocfg, device: torch.device, transport: Opt
     fused = device.type in FUSED_DEVICES
     if ocfg.name == "sgd":
         return torch.optim.SGD(groups, lr=ocfg.lr, momentum=ocfg.momentum, fused=fused)
-    return torch.optim.AdamW(groups, lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps, fused=fused)
+    adamw = dict(lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps, fused=fused)
+    if ocfg.name == "muon":
+        muon = hidden_matrices(model)
+        stepped = {id(p) for p in muon}
+        rest = _decay_groups([p for p in model.parameters() if id(p) not in stepped], ocfg)
+        return MuonAdamW(muon, rest, lr=ocfg.muon_lr, weight_decay=ocfg.muon_weight_decay,
+                         momentum=ocfg.muon_momentum, adjust_lr_fn=ocfg.muon_adjust_lr, adamw=adamw)
+    return torch.optim.AdamW(groups, **adamw)
+
+
+def _decay_groups(params: list[nn.Parameter], ocfg) -> list[dict[str, Any]]:
+    """Weight decay on matrices only: norms and biases get none."""
+    params = [p for p in params if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": ocfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def build_algorithm(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,

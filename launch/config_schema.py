@@ -77,12 +77,22 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "sgd"] = _f("adamw", "Inner optimizer.")
-    lr: float = _f(4e-4, "Peak learning rate of the inner optimizer.", gt=0)
+    name: Literal["adamw", "sgd", "muon"] = _f(
+        "adamw", "Inner optimizer. muon: Muon (torch.optim.Muon's update) on the hidden matrices, AdamW (lr, betas, "
+                 "eps, weight_decay) on the embeddings, the head, norms and vectors.")
+    lr: float = _f(4e-4, "Peak learning rate of the inner optimizer (with name: muon, of its AdamW part).", gt=0)
     betas: tuple[float, float] = _f((0.9, 0.95), "AdamW betas.")
     eps: float = _f(1e-8, "AdamW epsilon.", gt=0)
     weight_decay: float = _f(0.1, "Decoupled weight decay (matrices only; norms and biases get none).", ge=0)
     momentum: float = _f(0.0, "Momentum for name: sgd.", ge=0)
+    muon_lr: float = _f(0.02, "name: muon: peak learning rate of the hidden matrices (scaled by sqrt(max(1, rows / "
+                              "cols)), or see muon_adjust_lr).", gt=0)
+    muon_momentum: float = _f(0.95, "name: muon: Nesterov momentum of the hidden matrices.", ge=0, lt=1)
+    muon_weight_decay: float = _f(0.0, "name: muon: decoupled weight decay of the hidden matrices (each step "
+                                       "scales them by 1 - lr x this).", ge=0)
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = _f(
+        "original", "name: muon: how the lr scales with a matrix's shape: original (sqrt(max(1, rows / cols))) or "
+                    "match_rms_adamw (0.2 x sqrt(max(rows, cols)): updates of AdamW's size, for AdamW's lr).")
     warmup_steps: int = _f(100, "Linear warmup steps from 0 to lr.", ge=0)
     schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "Decay after warmup, over run.max_steps (or run.max_time).")
     min_lr_ratio: float = _f(0.1, "Final lr as a fraction of lr for cosine/linear.", ge=0, le=1)

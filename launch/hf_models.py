@@ -97,6 +97,10 @@ class HFCausalLM(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.hf(input_ids=idx, use_cache=False).logits
 
+    def output_head(self) -> Optional[nn.Module]:
+        """The layer that makes the logits (with tied weights, the embedding's)."""
+        return self.hf.get_output_embeddings()
+
     def config_dict(self) -> dict[str, Any]:
         return self.config.to_dict()
 

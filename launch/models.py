@@ -177,6 +177,10 @@ class Transformer(nn.Module):
         about a third more compute."""
         self.recompute = on
 
+    def output_head(self) -> Optional[nn.Module]:
+        """The layer that makes the logits, where it is not the embedding (tied)."""
+        return self.output
+
     def compile(self, *args, **kwargs) -> None:
         """``nn.Module.compile``, with the embedding lookup kept out of the graph (see ``_lookup``)."""
         global _lookup

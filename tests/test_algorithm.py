@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 
@@ -11,6 +12,7 @@ import torch
 from conftest import HostReads
 from diloco import DDP
 from diloco.comm import LocalTransport
+from diloco.muon import MuonAdamW
 
 
 def _setup(clip=0.0):
@@ -57,20 +59,26 @@ def test_state_dict_round_trip_and_name_check():
 
 
 def _optimizer_pair(clip: float, name: str = "adamw"):
-    """The same model and optimizer (AdamW, or SGD with momentum) twice: fused (checks on the device) and the
+    """The same model and optimizer (AdamW, SGD with momentum, or Muon with AdamW) twice: fused (checks on the device) and the
     plain loop (checks on the host)."""
     out = []
     for fused in (True, False):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
         kernel = dict(fused=fused, foreach=None if fused else False)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05, **kernel) if name == "adamw" else \
-            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, **kernel)
+        if name == "muon":  # the weights with Muon, the biases with AdamW
+            weights = [p for p in model.parameters() if p.dim() == 2]
+            opt = MuonAdamW(weights, [{"params": [p for p in model.parameters() if p.dim() == 1]}], lr=0.05,
+                            weight_decay=0.1, adamw=dict(lr=0.05, **kernel))
+        elif name == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=0.05, **kernel)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, **kernel)
         out.append((model, DDP(model, opt, LocalTransport(), grad_clip=clip)))
     return out
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", ["adamw", "sgd", "muon"])
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 def test_a_fused_step_reads_nothing_back_and_matches_the_host_checks(clip, name):
     (fast, fast_algo), (slow, slow_algo) = _optimizer_pair(clip, name)
@@ -93,8 +101,8 @@ def test_a_fused_step_reads_nothing_back_and_matches_the_host_checks(clip, name)
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert fast_algo.skipped_steps == slow_algo.skipped_steps == 1
     assert fast_algo.steps == slow_algo.steps == 4
-    if name == "adamw":  # AdamW's own step count skips the skipped step too (bias correction stays aligned)
-        assert float(fast_algo.optimizer.state[next(fast.parameters())]["step"]) == 3
+    if name != "sgd":  # AdamW's own step count skips the skipped step too (bias correction stays aligned)
+        assert float(fast_algo.optimizer.state[list(fast.parameters())[-1]]["step"]) == 3
     state = fast_algo.state_dict()
     assert state["skipped_steps"] == 1
 
@@ -197,3 +205,34 @@ def test_a_simulated_time_budgeted_round_is_not_stretched_by_a_moving_step_time(
     assert not policy.round_done(5, t.seconds_since)
     g.clock[0] = g.clock[0].plus(steps=5)
     assert policy.round_done(10, t.seconds_since)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_muon_with_adamw_steps_as_torchs_muon_and_adamw(device):
+    """MuonAdamW is torch.optim.Muon on the matrices and torch's AdamW on the rest: on a GPU to the bit (the same
+    bf16 Newton-Schulz iteration); on a CPU, which runs the iteration in fp32, within bf16's rounding of each
+    orthogonalized update (about 3% of its largest value), given the same gradients."""
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)).to(device)
+    ref = copy.deepcopy(ours)
+    split = lambda m: ([p for p in m.parameters() if p.dim() == 2], [p for p in m.parameters() if p.dim() == 1])
+    (mats, vecs), (ref_mats, ref_vecs) = split(ours), split(ref)
+    adamw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = MuonAdamW(mats, [{"params": vecs}], lr=0.02, weight_decay=0.1, adamw=adamw)
+    torch_muon = torch.optim.Muon(ref_mats, lr=0.02, weight_decay=0.1)
+    torch_adamw = torch.optim.AdamW(ref_vecs, **adamw)
+    start = [p.detach().clone() for p in ours.parameters()]
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            p.grad = torch.randn(p.shape, generator=g).to(device)
+            q.grad = p.grad.clone()
+        opt.step()
+        torch_muon.step()
+        torch_adamw.step()
+    for a, b, s in zip(ours.parameters(), ref.parameters(), start):
+        if device == "cuda":
+            assert torch.equal(a, b)
+        else:  # each of 3 steps moves a matrix by lr x sqrt(max(1, rows / cols)) x its update
+            torch.testing.assert_close(a, b, rtol=0, atol=3 * 0.02 * 2 ** 0.5 * 0.02)
+        assert not torch.equal(a, s)

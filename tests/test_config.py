@@ -127,7 +127,7 @@ def test_bad_value_from_set(override, key, allowed):
 
 def test_bad_value_message_includes_field_documentation():
     msg = error_of(overrides=["optim.lr=fast"])
-    assert "(Peak learning rate of the inner optimizer.)" in msg
+    assert "(Peak learning rate of the inner optimizer (with name: muon, of its AdamW part).)" in msg
 
 
 @pytest.mark.parametrize(
@@ -555,7 +555,7 @@ def test_every_field_has_documentation_and_is_described():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("doc"), f"{section}.{f.name} has no doc"
             assert f"  {f.name}: " in text
-    assert "lr: 0.0004" in text and "Peak learning rate of the inner optimizer." in text
+    assert "lr: 0.0004" in text and "Peak learning rate of the inner optimizer" in text
 
 
 def test_defaults_do_not_share_mutable_state():

@@ -629,11 +629,13 @@ def test_algo_demo_in_the_simulator(tmp_path):
     assert not torch.equal(d0, d1), "each worker keeps its own momentum"
 
 
-def test_demo_refuses_a_codec():
+def test_demo_refuses_a_codec_and_muon():
     from launch.config import ConfigError
 
     with pytest.raises(ConfigError, match="DeMo sends its own"):
         load_config([TINY], ["algo.name=demo", "compress.codec=int8"])
+    with pytest.raises(ConfigError, match="optim.name: DeMo is its own inner optimizer"):
+        load_config([TINY], ["algo.name=demo", "optim.name=muon"])
 
 
 # ---- the exchange's cost does not grow with the number of parameter tensors (issue 24) ---------------

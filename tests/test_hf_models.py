@@ -56,8 +56,10 @@ def test_an_hf_config_run_resumes_exactly_and_samples(tmp_path, tiny_cfg, capsys
     from launch.trainer import Hooks, train
 
     config = _config(tmp_path, kind)
+    # gpt2 with Muon on its hidden matrices (Conv1D weights), AdamW on the rest: its state resumes as AdamW's
     extra = ["data.seq_len=32", "run.batch_size=4", "run.max_steps=6", "run.eval_every=3", "log.every=1",
-             f"model.hf_config={config}", "run.checkpoint_every=0", "algo.name=diloco", "algo.inner_steps=2"]
+             f"model.hf_config={config}", "run.checkpoint_every=0", "algo.name=diloco", "algo.inner_steps=2",
+             f"optim.name={'muon' if kind == 'gpt2' else 'adamw'}"]
     whole = train(tiny_cfg(*extra, run_dir=tmp_path / "whole"))
 
     def interrupt(step, record):
@@ -70,9 +72,14 @@ def test_an_hf_config_run_resumes_exactly_and_samples(tmp_path, tiny_cfg, capsys
         train(tiny_cfg(*extra, recompute, run_dir=tmp_path / "broken"), hooks=Hooks(on_step=interrupt))
     resumed = train(tiny_cfg(*extra, recompute, "run.resume=true", run_dir=tmp_path / "broken"))
     assert resumed["val_loss"] == whole["val_loss"]
+    from launch.build import hidden_matrices
     from launch.hf_models import build_hf_model
 
     model = build_hf_model(str(config), 256, 32)
+    names = {id(p): n for n, p in model.named_parameters()}
+    hidden = sorted(names[id(p)] for p in hidden_matrices(model))
+    in_blocks = sorted(n for n, p in model.named_parameters() if p.dim() == 2 and (".h." in n or ".layers." in n))
+    assert hidden == in_blocks, hidden  # neither an embedding nor the head
     model.recompute_blocks(True)
     assert getattr(model.hf, "is_activation_checkpointing", None) or model.hf.is_gradient_checkpointing
     capsys.readouterr()

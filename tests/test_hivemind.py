@@ -569,8 +569,10 @@ def test_mend_puts_back_a_connected_peer_that_the_dht_dropped(swarm):
 
 
 def test_sparseloco_rounds_over_the_swarm_keep_peers_equal(swarm):
-    """SparseLoCo's sparse 2-bit payloads go through the peers' robust mean: every member ends on one model."""
+    """SparseLoCo's sparse 2-bit payloads go through the peers' robust mean: every member ends on one model. The
+    inner steps are Muon's on the weight and AdamW's on the bias (MuLoCo's inner optimizer)."""
     from diloco import SparseLoCo
+    from diloco.muon import MuonAdamW
 
     def step(i, t):
         model = torch.nn.Linear(64, 32)
@@ -578,8 +580,8 @@ def test_sparseloco_rounds_over_the_swarm_keep_peers_equal(swarm):
             g = torch.Generator().manual_seed(0)
             for p in model.parameters():
                 p.copy_(torch.randn(p.shape, generator=g))
-        algo = SparseLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), t, inner_steps=2, chunk=256,
-                          topk_density=0.05)
+        opt = MuonAdamW([model.weight], [{"params": [model.bias]}], lr=0.05, adamw=dict(lr=0.05, fused=True))
+        algo = SparseLoCo(model, opt, t, inner_steps=2, chunk=256, topk_density=0.05)
         for s in range(4):
             g = torch.Generator().manual_seed(100 * i + s)
             model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()

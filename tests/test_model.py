@@ -90,6 +90,13 @@ def test_tied_vs_untied_embeddings():
     h = torch.randn(1, 3, 32)
     assert torch.allclose(F.linear(h, tied.embed.weight), h @ tied.embed.weight.T, atol=1e-6)
     assert untied(torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 64)
+    # optim.name=muon steps the blocks' matrices, tied or not: never the embedding, the head or a norm
+    from launch.build import hidden_matrices
+
+    for model in (tied, untied):
+        names = {id(p): n for n, p in model.named_parameters()}
+        hidden = [names[id(p)] for p in hidden_matrices(model)]
+        assert len(hidden) == 7 * model.args.n_layers and all(n.startswith("layers.") for n in hidden), hidden
 
 
 def test_count_params_non_embedding():

@@ -33,8 +33,9 @@ def torchrun(*args: str) -> list[str]:
 
 
 @pytest.mark.parametrize("algo", [["algo.name=diloco", "algo.inner_steps=3"], ["algo.name=demo"],
-                                  ["algo.name=streaming", "algo.inner_steps=4", "algo.fragments=2", "algo.overlap_steps=1"]],
-                         ids=["diloco", "demo", "streaming-overlapped"])
+                                  ["algo.name=streaming", "algo.inner_steps=4", "algo.fragments=2", "algo.overlap_steps=1",
+                                   "optim.name=muon"]],
+                         ids=["diloco", "demo", "streaming-overlapped-muon"])
 def test_four_processes_equal_four_simulated_workers(tmp_path, algo, capfd):
     """``loco simulate --workers 4`` and ``torchrun --nproc-per-node 4 loco train`` end with the same model, every
     worker's own parameters equal too, and the same bytes sent."""
@@ -75,12 +76,12 @@ def test_two_nodes_of_two_processes_equal_two_workers_with_double_batch(tmp_path
 def test_a_node_of_two_processes_resumes_its_error_feedback_exactly(tmp_path):
     """On a node mesh each process encodes its own share of the buffer and keeps that share's error-feedback
     residual; a checkpoint holds every process's (not only the first's), so a run resumed mid-way ends as the
-    unbroken one, to the bit."""
+    unbroken one, to the bit. The inner optimizer is Muon (with AdamW), whose momenta resume as AdamW's do."""
     import shutil
 
     common = ["train", "--config", TINY, "--max-steps", "6", "--seed", "5",
               *sets("algo.name=diloco", "algo.inner_steps=3", "run.checkpoint_every=3", "run.batch_size=2",
-                    "compress.codec=topk:0.1+int8")]
+                    "compress.codec=topk:0.1+int8", "optim.name=muon")]
     for node in _nodes([[*common, "--run-dir", str(tmp_path / "full")]] * 2, per_node=2):
         assert node.returncode == 0, node.stderr[-3000:]
     broken = tmp_path / "broken"

@@ -134,7 +134,7 @@ def test_a_published_state_is_the_live_tensors_copied_to_host_once(tiny_cfg):
         trainer.transport.close()
 
 
-@pytest.mark.parametrize("algo", ["ddp", "diloco", "streaming", "sparseloco", "demo"])
+@pytest.mark.parametrize("algo", ["ddp", "ddp+muon", "diloco", "streaming", "sparseloco", "demo"])
 def test_a_broken_shared_state_is_refused_whole_and_this_one_stays_as_it_was(algo, tiny_cfg):
     """What a ``loco join`` peer (or a simulated worker coming back) takes from another is checked whole before
     any of it is taken: a state with a NaN, a tensor of another shape, a round that is not a number, an
@@ -149,9 +149,12 @@ def test_a_broken_shared_state_is_refused_whole_and_this_one_stays_as_it_was(alg
     from launch.errors import RunError
     from launch.trainer import Trainer
 
+    algo, _, optim = algo.partition("+")
     extra = ["algo.inner_steps=2"] if algo != "ddp" and algo != "demo" else []
     if algo == "streaming":
         extra.append("algo.fragments=2")
+    if optim:
+        extra.append(f"optim.name={optim}")
     cfg = tiny_cfg(f"algo.name={algo}", "run.max_steps=4", "run.eval_every=0", "run.checkpoint_every=0", *extra)
     mine, theirs = Trainer(cfg), Trainer(tiny_cfg(f"algo.name={algo}", "run.max_steps=4", "run.eval_every=0",
                                                   "run.checkpoint_every=0", "run.seed=7", *extra))
@@ -199,7 +202,21 @@ def test_a_broken_shared_state_is_refused_whole_and_this_one_stays_as_it_was(alg
         def sparse(s):
             s[key][0] = s[key][0].to_sparse()
         broken["is not a dense floating-point tensor"] = blob(sparse)
-        if algo == "ddp":
+        if optim == "muon":  # AdamW's parameters come first, then Muon's matrices, each with its momentum
+            last = len(good["optimizer"]["state"]) - 1
+
+            def no_momentum(s):
+                del s["optimizer"]["state"][last]["momentum_buffer"]
+            broken[f"parameter {last} has no 'momentum_buffer'"] = blob(no_momentum)
+
+            def muon_moment(s):
+                s["optimizer"]["state"][last - 1]["momentum_buffer"] = torch.zeros(2, 3)
+            broken[f"'momentum_buffer' of parameter {last - 1} is (2, 3)"] = blob(muon_moment)
+
+            def no_adam_moment(s):
+                del s["optimizer"]["state"][0]["exp_avg"]
+            broken["parameter 0 has no 'exp_avg'"] = blob(no_adam_moment)
+        elif algo == "ddp":
             def moment(s):
                 entry = s["optimizer"]["state"][len(s["params"]) - 1]
                 entry["exp_avg"] = entry["exp_avg"].reshape(-1)[:7].clone()
@@ -410,18 +427,20 @@ def test_a_trainer_process_reuses_freed_memory_instead_of_faulting_in_fresh_page
     assert faults["trainer"] < 200 and faults["plain"] > max(1000, 10 * faults["trainer"]), faults
 
 
-@pytest.mark.parametrize("algo", ["ddp", "diloco"])
+@pytest.mark.parametrize("algo", ["ddp", "diloco", "diloco+muon"])
 def test_a_step_reads_nothing_back_to_the_host_outside_log_steps_and_rounds(algo, tiny_cfg, tmp_path):
     """On a GPU a read-back stalls the queue of kernels; the loop makes none inside a step. With the fused AdamW
-    (the CPU's kernel as well as CUDA's) a plain step reads nothing back; a log step reads the loss, the norm
+    (the CPU's kernel as well as CUDA's), and with Muon beside it, a plain step reads nothing back; a log step reads the loss, the norm
     and the skipped count; a DiLoCo round a few numbers; neither grows with the model's parameter tensors."""
     from launch.trainer import Trainer
 
+    algo, _, optim = algo.partition("+")
     seen = {}
     for layers in (2, 4):
         cfg = tiny_cfg("run.max_steps=12", f"algo.name={algo}", "algo.inner_steps=4", "run.eval_every=0",
                        "run.checkpoint_every=0", "run.checkpoint_final=false", "log.every=6", "run.batch_size=2",
-                       "data.seq_len=32", f"model.n_layers={layers}", run_dir=tmp_path / f"run{layers}")
+                       "data.seq_len=32", f"model.n_layers={layers}", f"optim.name={optim or 'adamw'}",
+                       run_dir=tmp_path / f"run{layers}")
         trainer = Trainer(cfg)
         assert trainer.algo._checks_on_device()
         reads, per_step, last = HostReads(), [], [0]
@@ -440,7 +459,7 @@ def test_a_step_reads_nothing_back_to_the_host_outside_log_steps_and_rounds(algo
             assert count == 0, (step, count)  # a plain step
         else:
             assert 0 < count <= 6, (step, synced, count)  # a log step (3 reads), a round (3), or both
-    assert any(synced for _, synced, _ in seen[2]) == (algo == "diloco")
+    assert any(synced for _, synced, _ in seen[2]) == (algo != "ddp")
 
 
 def test_a_worker_that_takes_the_runs_step_counts_only_the_tokens_it_trained(tiny_cfg):
