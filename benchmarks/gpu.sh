@@ -20,8 +20,9 @@
 # Stages (each a script of benchmarks/ or pytest, each report stamped with the device name and the torch,
 # triton and CUDA versions right under its title):
 #   1 gpu-tests    pytest -m gpu: every check that needs CUDA                 -> gpu_tests_gpu.md
-#   2 throughput   train_throughput.py: small, 150m, and 150m with each block
-#                  recomputed (model.activation_checkpointing), 16 x 1024  -> train_throughput_gpu.md
+#   2 throughput   train_throughput.py: small, small with Muon (optim.name: muon), 150m, and 150m
+#                  with each block recomputed (model.activation_checkpointing),
+#                  16 x 1024                                               -> train_throughput_gpu.md
 #                  and a torch.profiler summary of each model's step       -> train_profile_gpu.md
 #   3 codecs       codecs.py on a 150m pseudo-gradient                        -> codecs_gpu.md
 #   4 simulator    simulator.py: small and 150m with 8 workers (and, when
@@ -162,7 +163,7 @@ if [ "$QUICK" = 1 ]; then
 else
     # 2 throughput: 3 warmup + 3 windows x 10 steps of 16 x 1024 tokens per model, each in its own process; 150m
     #   with +recompute gives activation checkpointing's cost (target at most 1.4x the plain step)
-    TP_ARGS=(--models small,150m,150m+recompute --batch-size 16 --seq-len 1024 --steps 10 --repeats 3 --warmup 3)
+    TP_ARGS=(--models small,small+muon,150m,150m+recompute --batch-size 16 --seq-len 1024 --steps 10 --repeats 3 --warmup 3)
     # 3 codecs: 4 AdamW steps of 150m (batch 4 x 128) make the pseudo-gradient once (cached); per chain and
     #   kernel one warm-up and the median of 2 (the chains' host copies of a 146M-value vector dominate)
     CODEC_ARGS=(--size 150m --inner-steps 4 --repeats 2 --cache "benchmarks/results/.cache/pseudo_grad_{size}_cuda.pt")

@@ -19,7 +19,10 @@ The caption says which; a CPU, or a device the table does not list, gets no MFU 
     python benchmarks/train_throughput.py --steps tiny=20,small=5 --batch-size 8 --seq-len 128
     python benchmarks/train_throughput.py --models 150m,150m+recompute   # activation checkpointing's cost
 
-A size with ``+recompute`` recomputes each block in the backward (``model.activation_checkpointing``).
+A size with ``+recompute`` recomputes each block in the backward (``model.activation_checkpointing``); one with
+``+muon`` steps with Muon on the hidden matrices and AdamW on the rest (``optim.name: muon``).
+
+    python benchmarks/train_throughput.py --models small,small+muon    # a Muon step against an AdamW step
 """
 
 from __future__ import annotations
@@ -118,8 +121,9 @@ def run_one(args: argparse.Namespace) -> dict:
     margs = replace(SIZES[size], vocab_size=256, max_seq_len=args.seq_len)
     with torch.device(device):  # initialised where it trains: no CPU initialisation and copy of a 1b model
         model = Transformer(margs)
-    model.recompute_blocks(option == "recompute")
-    opt = build_optimizer(model, OptimConfig(), device)
+    options = set(option.split("+")) - {""}
+    model.recompute_blocks("recompute" in options)
+    opt = build_optimizer(model, OptimConfig(name="muon" if "muon" in options else "adamw"), device)
     algo = DDP(model, opt, LocalTransport(), grad_clip=1.0)
     compiled = cuda if args.compile == "auto" else args.compile == "on"
     if compiled:
@@ -348,10 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     from launch.models import SIZES
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in models if m.partition("+")[0] not in SIZES or m.partition("+")[2] not in ("", "recompute")]
+    unknown = [m for m in models if m.partition("+")[0] not in SIZES
+               or not set(m.split("+")[1:]) <= {"recompute", "muon"}]
     if not models or unknown:
         p.error(f"--models: unknown {', '.join(unknown) or '(none given)'}; sizes: {', '.join(SIZES)}, each "
-                f"optionally with +recompute")
+                f"optionally with +recompute and/or +muon")
     steps = parse_steps(args.steps, models)
     if min(steps.values()) < 1:
         p.error("--steps must be >= 1")

@@ -42,7 +42,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 "momentum": momentum, "adjust_lr_fn": adjust_lr_fn}
         # AdamW's groups first: the first group's lr is the one a run logs (optim.lr)
         groups = (self._adamw.param_groups if self._adamw else []) + ([muon] if matrices else [])
-        super().__init__(groups, {"fused": bool(adamw.get("fused"))})
+        super().__init__(groups, {})  # every group carries its own settings
 
     @property
     def skips_found_inf(self) -> bool:
