@@ -16,10 +16,15 @@ Where it differs from torch's Muon, on purpose:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Optional
 
 import torch
 from torch.optim._muon import _adjust_lr
+
+# values of the matrices orthogonalized in one batch: its stacked copies (gradients, momenta, the update) are
+# transient memory, a few times this in fp32, however many layers a model has
+BATCH_NUMEL = 1 << 25
 
 MUON_DEFAULTS = {"momentum": 0.95, "nesterov": True, "ns_coefficients": (3.4445, -4.7750, 2.0315), "eps": 1e-7,
                  "ns_steps": 5, "adjust_lr_fn": None}
@@ -88,7 +93,9 @@ class MuonAdamW(torch.optim.Optimizer):
         for p in group["params"]:
             if p.grad is not None:
                 by_shape.setdefault(tuple(p.shape), []).append(p)
-        for shape, params in by_shape.items():
+        batches = [(shape, same[i:i + n]) for shape, same in by_shape.items()
+                   for n in [max(1, BATCH_NUMEL // math.prod(shape))] for i in range(0, len(same), n)]
+        for shape, params in batches:
             bufs = []
             for p in params:
                 state = self.state[p]

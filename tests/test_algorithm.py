@@ -207,11 +207,16 @@ def test_a_simulated_time_budgeted_round_is_not_stretched_by_a_moving_step_time(
     assert policy.round_done(10, t.seconds_since)
 
 
+@pytest.mark.parametrize("batch_numel", [None, 32 * 32])  # as it comes, or one 32 x 32 matrix per batch
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_muon_with_adamw_steps_as_torchs_muon_and_adamw(device):
+def test_muon_with_adamw_steps_as_torchs_muon_and_adamw(device, batch_numel, monkeypatch):
     """MuonAdamW is torch.optim.Muon on the matrices and torch's AdamW on the rest, given the same gradients:
     within bf16's rounding of each orthogonalized update (about 3% of its largest value), which torch's Muon
     computes in bf16 one matrix at a time and MuonAdamW in batches of one shape (in fp32 on a CPU)."""
+    from diloco import muon
+
+    if batch_numel:
+        monkeypatch.setattr(muon, "BATCH_NUMEL", batch_numel)
     torch.manual_seed(0)
     ours = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 32),
                                torch.nn.Linear(32, 8)).to(device)  # two matrices of one shape: one batch
