@@ -312,16 +312,22 @@ class Codec:
             raise CorruptPayload(f"decoded values overflow {header.dtype}")
         return result
 
-    def decode_accumulate_(self, payload: bytes | bytearray | memoryview, out: torch.Tensor, weight: float = 1.0) -> None:
-        """``out += weight * decode(payload)`` (``out``: fp32, flat, of the payload's size), fused where a kernel is."""
+    def decode_accumulate_(self, payload: bytes | bytearray | memoryview, out: torch.Tensor, weight: float = 1.0,
+                           support: Optional[torch.Tensor] = None, support_weight: float = 1.0) -> None:
+        """``out += weight * decode(payload)`` (``out``: fp32, flat, of the payload's size), fused where a kernel is;
+        ``support += support_weight`` where the payload holds a value (the mean over senders counts them): the sent
+        positions of a top-k chain, every position of a dense one (a DCT top-k sends coefficients: dense too)."""
         header = self.check(payload, out.numel())
-        self._accumulate(self._body(payload, header, vouched=True), header, out, weight)
+        flat = self._accumulate(self._body(payload, header, vouched=True), header, out, weight)
+        _add_support(support, support_weight, flat, self.spec.dct_chunk)
 
-    def decode_into_(self, payload: bytes | bytearray | memoryview, out: torch.Tensor, weight: float = 1.0) -> None:
-        """``out <- weight * decode(payload)`` (``out``: fp32, flat, of the payload's size), without a temporary:
-        what ``out.zero_()`` and ``decode_accumulate_`` would give, in one pass over ``out``."""
+    def decode_into_(self, payload: bytes | bytearray | memoryview, out: torch.Tensor, weight: float = 1.0,
+                     support: Optional[torch.Tensor] = None, support_weight: float = 1.0) -> None:
+        """``out <- weight * decode(payload)`` without a temporary: ``out.zero_()`` and ``decode_accumulate_`` in one
+        pass over ``out``."""
         header = self.check(payload, out.numel())
-        self._accumulate(self._body(payload, header, vouched=True), header, out, weight, fresh=True)
+        flat = self._accumulate(self._body(payload, header, vouched=True), header, out, weight, fresh=True)
+        _add_support(support, support_weight, flat, self.spec.dct_chunk)
 
     def check(self, payload: bytes | bytearray | memoryview, expect_numel: Optional[int] = None) -> wire.Header:
         header = wire.parse_header(payload, self.max_numel)
@@ -352,8 +358,9 @@ class Codec:
 
     @one_host_thread
     def _accumulate(self, body: bytes | memoryview, header: wire.Header, out: torch.Tensor, weight: float,
-                    fresh: bool = False) -> None:
+                    fresh: bool = False) -> Optional[torch.Tensor]:
         """``out += weight * values`` of ``body``; ``fresh``: ``out`` holds nothing yet, write the values into it.
+        Returns the flat positions of a top-k payload's values (None for a dense one).
 
         Sections are read through views of ``body``, moved to ``out``'s device when that is not the CPU.
         """
@@ -384,16 +391,16 @@ class Codec:
                 # fresh: |weight x code x scale| <= |weight| x 127 x 1e36, finite unless the weight is huge
                 if not cannot_overflow(weight, _CODE_MAX[s.value] * hi) and not finite(out):
                     raise CorruptPayload("decoded values overflow the accumulator")
-                return
+                return flat
             values = q.dequantize(packed, scales, count, s.block, s.value)
         else:
             values = section(0, value_bytes, _FLOAT_DTYPES[s.value])
             if direct and fresh:
                 copy_checked(values, out, weight)
-                return
+                return flat
             if direct:
                 add_checked(values, out, weight)
-                return
+                return flat
             hi = magnitude(values)
             if not math.isfinite(hi):
                 raise CorruptPayload("payload holds NaN or Inf values")
@@ -411,7 +418,7 @@ class Codec:
                 if not cannot_overflow(weight, top) and not finite(summed):
                     raise CorruptPayload("decoded values overflow the accumulator")
                 out.index_put_((flat,), summed)
-            return
+            return flat
         if flat is not None:
             coeffs = torch.zeros(dense, dtype=torch.float32, device=out.device)
             coeffs[flat] = values
@@ -431,6 +438,7 @@ class Codec:
             out.add_(x, alpha=weight)
             if not finite(out):  # two finite sums can overflow float32: the others' paths check as they add
                 raise CorruptPayload("decoded values overflow when added")
+        return flat
 
     def _indices(self, data: torch.Tensor, dense: int, count: int) -> torch.Tensor:
         """Flat positions of the sent values; each chunk's indices must be in range and strictly increasing."""
@@ -467,6 +475,16 @@ class Codec:
                 raise ValueError(f"codec state is for {saved!r}, this codec is {self.chain!r}: its error-feedback "
                                  f"residuals mean nothing here")
         self.residuals.load(residuals)
+
+
+def _add_support(support: Optional[torch.Tensor], weight: float, flat: Optional[torch.Tensor],
+                 dct: Optional[int]) -> None:
+    if support is None:
+        return
+    if flat is None or dct:
+        support.add_(weight)
+    else:  # distinct positions (checked): none is counted twice
+        support[flat] += weight
 
 
 def _flat_positions(idx: torch.Tensor, k: int, chunk: int) -> torch.Tensor:

@@ -62,7 +62,7 @@ from diloco.compress.codec import Codec, make_codec
 from diloco.compress.flat import Scratch, bucket_groups, buckets, end_to_end, scratch_for, unflatten_into
 from diloco.compress.message import check_weight, known_sizes, message_size, pack_weight, split_weight
 from diloco.compress.robust import robust_dense_mean_, robust_mean_
-from diloco.compress.senders import Senders, add_support_, divide_by_senders_
+from diloco.compress.senders import Senders, divide_by_senders_
 from diloco.compress.wire import CorruptPayload
 
 
@@ -283,14 +283,14 @@ def _split_all(received: Sequence[bytes], me: int, what: str) -> list[tuple[floa
 
 
 def _decode_into(codec: "Codec", body: memoryview, out: torch.Tensor, scale: float, fresh: bool, me: int, src: int,
-                 what: str) -> None:
-    """``out += scale * decode(body)`` (``fresh``: ``out <- scale * decode(body)``, in the same one pass); a bad
-    payload is a TransportError naming its sender."""
+                 what: str, support: Optional[torch.Tensor] = None) -> None:
+    """``out += scale * decode(body)`` (``fresh``: ``out <- scale * decode(body)``, in the same one pass), and
+    ``support += scale`` where the payload holds a value; a bad payload is a TransportError naming its sender."""
     try:
         if fresh:
-            codec.decode_into_(body, out, scale)
+            codec.decode_into_(body, out, scale, support, scale)
         else:
-            codec.decode_accumulate_(body, out, scale)
+            codec.decode_accumulate_(body, out, scale, support, scale)
     except CorruptPayload as e:
         raise TransportError(f"rank {me}: worker {src} sent a corrupt {what.format(src=src)}: {e}") from None
 
@@ -356,9 +356,7 @@ def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", we
     else:
         counts = torch.zeros_like(flat)
         for src, (wi, body) in enumerate(received):
-            _decode_into(codec, body, flat, wi, src == 0, me, src, "payload")
-            if wi > 0:
-                add_support_(codec, body, counts, wi)  # checked by the decode just before
+            _decode_into(codec, body, flat, wi, src == 0, me, src, "payload", counts if wi > 0 else None)
         divide_by_senders_(codec, flat, counts, senders, sum(wi > 0 for wi, _ in received))
     return total
 

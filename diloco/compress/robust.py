@@ -23,7 +23,7 @@ from diloco.comm.base import Transport
 from diloco.compress.codec import Codec, make_codec
 from diloco.compress.flat import buckets, end_to_end, unflatten_into
 from diloco.compress.message import pack_weight, split_weight
-from diloco.compress.senders import Senders, add_support_, divide_by_senders_
+from diloco.compress.senders import Senders, divide_by_senders_
 from diloco.compress.shared import SharedResult
 from diloco.compress.wire import CorruptPayload
 
@@ -153,9 +153,7 @@ def _mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: floa
     elif result.total > 0:
         counts = torch.zeros_like(result.mean)
         for name, body, w, _ in rows:
-            codec.decode_accumulate_(body, result.mean, w * scale.get(name, 1.0))
-            if w > 0:
-                add_support_(codec, body, counts, w)
+            codec.decode_accumulate_(body, result.mean, w * scale.get(name, 1.0), counts if w > 0 else None, w)
         result.senders = Senders()
         divide_by_senders_(codec, result.mean, counts, result.senders, sum(r[2] > 0 for r in rows))
     result.accepted = {r[0]: r[2] for r in rows}

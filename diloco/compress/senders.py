@@ -10,8 +10,6 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from diloco.compress import wire
-
 if TYPE_CHECKING:
     from diloco.compress.codec import Codec
 
@@ -42,23 +40,6 @@ def divide_by_senders_(codec: "Codec", mean: torch.Tensor, counts: torch.Tensor,
     sent = counts > 0
     senders.covered = senders.covered + sent.sum()
     mean.div_(counts.masked_fill_(~sent, 1.0))
-
-
-def add_support_(codec: "Codec", payload: bytes | bytearray | memoryview, counts: torch.Tensor,
-                 weight: float = 1.0) -> None:
-    """``counts += weight`` where ``payload`` holds a value (``counts``: fp32, flat, of the payload's size): the
-    sent positions of a top-k chain, every position of a dense one (a DCT top-k sends coefficients, not
-    positions: dense too). The payload's sizes and indices are checked as a decode checks them."""
-    header = codec.check(payload, counts.numel())
-    s = codec.spec
-    if not s.topk_chunk or s.dct_chunk:
-        counts.add_(weight)
-        return
-    body = codec._body(payload, header, vouched=True)
-    dense, count, index_bytes, value_bytes = codec._layout(header.numel)
-    data = wire.tensor_view(body, value_bytes, value_bytes + index_bytes, torch.uint8)
-    positions = codec._indices(data.to(counts.device), dense, count)  # distinct: none is counted twice
-    counts[positions] += weight
 
 
 def _sent_values(codec: "Codec", numel: int) -> int:
