@@ -88,12 +88,14 @@ def _gather(net: NetworkModel, payload: int, world: int) -> tuple[float, int]:
 @dataclass
 class Timeline:
     """A run of equal-speed workers on the virtual clock: ``wall_s`` when it ends, ``compute_s`` of it computing,
-    ``bytes_sent`` per worker, and the clock after each step (``clock_at``)."""
+    ``bytes_sent`` per worker, the clock after each step (``clock_at``), and the bytes one worker sends per round
+    (``round_bytes``: every fragment once)."""
 
     wall_s: float
     compute_s: float
     bytes_sent: int
     clock_at: list[float]
+    round_bytes: int
 
     @property
     def utilization(self) -> float:
@@ -142,7 +144,7 @@ def timeline(setting: Setting, model: Model, world: int, net: NetworkModel, step
     ends = [run(xs[p]) for p in range(P) if since[p] > 0]
     for end in ends:
         clock = max(clock, end)
-    return Timeline(clock, steps * step_time, sent, clock_at)
+    return Timeline(clock, steps * step_time, sent, clock_at, sum(x.bytes_sent for x in xs))
 
 
 @dataclass
@@ -169,13 +171,7 @@ def predict(setting: Setting, model: Model, world: int, net: NetworkModel, step_
     first, last = 4, 12
     t = timeline(setting, model, world, net, step_time, (last + 1) * H)
     round_s = (t.clock_at[last * H - 1] - t.clock_at[first * H - 1]) / (last - first)
-    per_round = exchange_bytes(setting, model, world, net)
-    return Row(setting, per_round, round_s, H * step_time, MEASURED.get(setting))
-
-
-def exchange_bytes(setting: Setting, model: Model, world: int, net: NetworkModel) -> int:
-    """Bytes one worker sends per round: every fragment once."""
-    return sum(x.bytes_sent for x in _exchanges(setting, model, world, net))
+    return Row(setting, t.round_bytes, round_s, H * step_time, MEASURED.get(setting))
 
 
 def _exchanges(setting: Setting, model: Model, world: int, net: NetworkModel) -> list[Exchange]:
