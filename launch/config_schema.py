@@ -128,8 +128,9 @@ class AlgoConfig:
     topk_density: float = _f(0.02, "SparseLoCo: fraction of each chunk sent per round (k = density x chunk).", gt=0, le=1)
     chunk: int = _f(4096, "SparseLoCo: values per top-k chunk of the flat pseudo-gradient (a power of two).", gt=1)
     ef_decay: float = _f(0.95, "SparseLoCo: error-feedback decay beta (e = beta * e + delta).", ge=0, le=1)
-    value_format: Literal["2bit", "int4", "fp4", "int8", "bf16", "fp16", "fp32"] = _f(
-        "2bit", "SparseLoCo: how each sent value is coded (2bit: four levels per block of 128).")
+    value_format: Literal["2bit", "stat2", "int4", "fp4", "int8", "bf16", "fp16", "fp32"] = _f(
+        "2bit", "SparseLoCo: how each sent value is coded (2bit: four absmax levels per block of 128; stat2: four "
+                "bins across 6 standard deviations per block of 1024, each decoded to its values' mean, as published).")
     aggregate: Literal["senders", "all"] = _f(
         "senders", "SparseLoCo: senders averages each position over the workers that sent it, weighted by their "
                    "tokens, as the published code does; all divides by every worker's weight.")

@@ -22,7 +22,8 @@ from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
 from diloco.compress.dct import dct_basis, dct_blocks, dct_chunks, idct_blocks, idct_chunks
 
 CHAINS = ["fp32", "fp32+zstd", "bf16", "fp16", "int8", "int4", "fp4", "2bit", "int8:block=64+zstd", "topk:0.1",
-          "topk:0.1+2bit+zstd", "topk:k=3,chunk=16,ef=0.5+fp4", "dct+topk:0.25+int8", "dct:chunk=16+fp16+zstd:1"]
+          "topk:0.1+2bit+zstd", "topk:k=3,chunk=16,ef=0.5+fp4", "dct+topk:0.25+int8", "dct:chunk=16+fp16+zstd:1",
+          "stat2", "topk:0.1+stat2:block=64+zstd"]
 NO_ZSTD = [c for c in CHAINS if "zstd" not in c]
 
 
@@ -75,6 +76,32 @@ def test_lossy_chains_round_trip_within_bound(chain):
     x[100:200] = 0.0
     err = (make_codec(chain).decode(make_codec(chain).encode(x)) - x).abs()
     assert bool((err <= BOUNDS[chain](x) * (1 + 1e-5) + 1e-30).all()), err.max()
+
+
+def test_stat2_decodes_each_value_to_its_bins_mean_and_errs_less_than_absmax_levels_on_a_top_k():
+    """stat2 (SparseLoCo's published values): four bins of 1.5 standard deviations around each block's mean,
+    each decoded to the mean of its values, so a block keeps its sum; on the heavy-tailed values a top-k
+    selects, its error is about half that of 2bit's absmax levels, which overshoot the many small ones. It
+    works at any magnitude, and refuses what is not finite."""
+    torch.manual_seed(0)
+    x = torch.distributions.StudentT(4.0).sample((32, 4096))
+    top = x.gather(1, x.abs().topk(64, dim=1).indices.sort(1).values).reshape(-1)  # 2,048 values
+    errors = {}
+    for chain in ("stat2", "2bit"):
+        codec = make_codec(chain)
+        for scale in (1e-30, 1.0, 1e30):
+            payload = codec.encode(top * scale)
+            y = codec.decode(payload) / scale
+            errors.setdefault(chain, float((y - top).norm() / top.norm()))
+        if chain == "stat2":
+            assert len(payload) - _header_size(codec, top) == 2 * 16 + 2048 // 4  # two tables, four codes a byte
+            blocks = y.view(2, 1024)
+            torch.testing.assert_close(blocks.double().sum(1), top.view(2, 1024).double().sum(1), rtol=1e-4, atol=0)
+            assert all(len(torch.unique(b)) <= 4 for b in blocks)
+    assert errors["stat2"] < 0.6 * errors["2bit"], errors
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            make_codec("topk:0.5+stat2").encode(torch.tensor([1.0, bad, 2.0, 3.0]))
 
 
 def test_topk_sends_exact_values_of_the_largest_entries():
@@ -391,7 +418,8 @@ def test_decode_accumulate_adds_weighted_decode(chain):
 # ---- hostile payloads -------------------------------------------------------------------------
 FUZZ_CHAINS = ["fp32", "bf16", "fp16+zstd", "int8:block=64", "int4:block=32", "fp4", "2bit:block=16+zstd",
                "topk:k=5,chunk=32", "topk:k=3,chunk=16+int4:block=16", "topk:k=4,chunk=64+fp4+zstd",
-               "dct:chunk=16+topk:0.25,chunk=32+int8:block=32", "dct:chunk=8+bf16"]
+               "dct:chunk=16+topk:0.25,chunk=32+int8:block=32", "dct:chunk=8+bf16", "stat2:block=16+zstd",
+               "topk:k=4,chunk=32+stat2:block=8"]
 
 
 def _decodes(codec, data: bytes) -> bool:

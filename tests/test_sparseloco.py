@@ -57,7 +57,20 @@ def _two_bit(e: torch.Tensor, sent: torch.Tensor, block: int = 128) -> torch.Ten
     return out
 
 
-def _reference(workers: int, aggregate: str) -> torch.Tensor:
+def _stat2(e: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+    """The published statistical 2 bits over the sent values (one block: fewer than 1,024): four bins of width
+    1.5 s from m - 3 s (the outer two open-ended), each value decoded to the mean of its bin's values."""
+    idx = sent.nonzero().flatten()
+    v = e[idx].double()
+    m, s = float(v.mean()), float(v.std(unbiased=False))
+    codes = [min(3, max(0, math.floor((float(x) - (m - 3 * s)) / (1.5 * s)))) for x in v]
+    means = {c: sum(float(x) for x, k in zip(v, codes) if k == c) / codes.count(c) for c in set(codes)}
+    out = torch.zeros_like(e)
+    out[idx] = torch.tensor([means[c] for c in codes], dtype=e.dtype)
+    return out
+
+
+def _reference(workers: int, aggregate: str, values: str = "2bit") -> torch.Tensor:
     theta = torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
     e = [torch.zeros_like(theta) for _ in range(workers)]
     for r in range(ROUNDS):
@@ -73,7 +86,7 @@ def _reference(workers: int, aggregate: str) -> torch.Tensor:
             delta = theta - torch.nn.utils.parameters_to_vector(local.parameters()).detach()
             e[w] = e[w] * BETA + delta
             mask = _topk_per_chunk(e[w])
-            s = _two_bit(e[w], mask)
+            s = _two_bit(e[w], mask) if values == "2bit" else _stat2(e[w], mask)
             e[w] = e[w] - s
             sent.append(s)
             where.append(mask)
@@ -86,12 +99,12 @@ def _reference(workers: int, aggregate: str) -> torch.Tensor:
     return theta
 
 
-def _loco(workers: int, aggregate: str = "senders") -> list[torch.Tensor]:
+def _loco(workers: int, aggregate: str = "senders", values: str = "2bit") -> list[torch.Tensor]:
     def body(rank, transport):
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         algo = SparseLoCo(model, opt, transport, inner_steps=H, topk_density=DENSITY, chunk=CHUNK, ef_decay=BETA,
-                          outer_lr=ALPHA, aggregate=aggregate)
+                          outer_lr=ALPHA, aggregate=aggregate, value_format=values)
         for step in range(ROUNDS * H):
             _loss(model, rank, step).backward()
             info = algo.step()
@@ -104,18 +117,21 @@ def _loco(workers: int, aggregate: str = "senders") -> list[torch.Tensor]:
     return run_workers(InProcessGroup(workers), body)
 
 
-@pytest.mark.parametrize("workers, aggregate", [(1, "senders"), (3, "senders"), (3, "all")])
-def test_sparseloco_equals_the_published_steps(workers, aggregate):
-    want = _reference(workers, aggregate)
-    for theta, local, _, figures in _loco(workers, aggregate):
+@pytest.mark.parametrize("workers, aggregate, values", [(1, "senders", "2bit"), (3, "senders", "2bit"),
+                                                      (3, "all", "2bit"), (3, "senders", "stat2")])
+def test_sparseloco_equals_the_published_steps(workers, aggregate, values):
+    want = _reference(workers, aggregate, values)
+    for theta, local, _, figures in _loco(workers, aggregate, values):
         assert torch.allclose(theta, want, atol=1e-6, rtol=1e-5), float((theta - want).abs().max())
         assert torch.equal(theta, local)  # every worker starts the next round from the global model
         assert 0 < figures["sent_share"] <= 1
         if aggregate == "senders":  # 1 <= senders of a sent position <= workers (one exactly: a lone worker)
             assert 1 <= figures["senders_per_position"] <= workers
             assert (figures["senders_per_position"] == 1) == (workers == 1)
-    if workers == 3:  # the two means differ where top-k sets do not overlap
+    if workers == 3 and values == "2bit":  # the two means differ where top-k sets do not overlap
         assert not torch.allclose(want, _reference(3, "all" if aggregate == "senders" else "senders"))
+    if values == "stat2":  # and the two value formats differ
+        assert not torch.allclose(want, _reference(3, aggregate))
 
 
 def test_the_exchange_stays_sparse_on_the_wire():

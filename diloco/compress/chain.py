@@ -11,6 +11,7 @@ stage       what it does                                options (``name:opt=valu
             feedback for what was not sent              decay; 0 turns it off)
 values      ``fp32`` ``bf16`` ``fp16``                  -
             ``int8`` ``int4`` ``fp4`` ``2bit``          ``block`` (int8 256, others 128)
+            ``stat2`` (2 bits, a table of bin means)    ``block`` (1024)
 ``zstd``    zstandard over the packed bytes             ``level`` (3)
 ==========  ==========================================  ==========================================
 
@@ -28,12 +29,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from diloco.compress import stat2
 from diloco.compress.kernels import quant as q
 from diloco.compress.kernels import topk as tk
 
-VALUE_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4", "fp4", "2bit")
+VALUE_FORMATS = ("fp32", "bf16", "fp16", "int8", "int4", "fp4", "2bit", "stat2")
 STAGE_ORDER = ("dct", "topk", "value", "zstd")
-DEFAULT_BLOCK = {"int8": 256, "int4": 128, "fp4": 128, "2bit": 128}
+DEFAULT_BLOCK = {"int8": 256, "int4": 128, "fp4": 128, "2bit": 128, "stat2": stat2.DEFAULT_BLOCK}
+BLOCK_FORMATS = (*q.FORMATS, "stat2")  # the value formats with a block option
 STAGE_NAMES = ("dct", "topk", *VALUE_FORMATS, "zstd")
 
 
@@ -58,7 +61,7 @@ class ChainSpec:
             parts.append(f"dct:chunk={self.dct_chunk}")
         if self.topk_chunk is not None:
             parts.append(f"topk:chunk={self.topk_chunk},k={self.topk_k},ef={exact_number(self.ef_decay)}")
-        parts.append(f"{self.value}:block={self.block}" if self.value in q.FORMATS else self.value)
+        parts.append(f"{self.value}:block={self.block}" if self.value in BLOCK_FORMATS else self.value)
         if self.zstd_level is not None:
             parts.append(f"zstd:level={self.zstd_level}")
         return "+".join(parts)
@@ -111,7 +114,7 @@ def parse_chain(text: str) -> ChainSpec:
                 raise CodecSpecError(f"codec stage {name!r}: option {key or 'positional'!r} given twice")
             opts[key.strip()] = value.strip()
         _apply_stage(spec, name, opts)
-    if spec.value in q.FORMATS and not spec.block:
+    if spec.value in BLOCK_FORMATS and not spec.block:
         spec.block = DEFAULT_BLOCK[spec.value]
     return spec
 
@@ -155,12 +158,12 @@ def _apply_stage(spec: ChainSpec, name: str, opts: dict[str, str]) -> None:
         if not 0.0 <= ef <= 1.0:
             raise CodecSpecError(f"codec stage 'topk': ef (error-feedback decay) must be in [0, 1], got {ef}")
         spec.topk_chunk, spec.topk_k, spec.ef_decay = chunk, k, ef
-    elif name in q.FORMATS:
+    elif name in BLOCK_FORMATS:
         o = take(("block",))
         spec.value = name
         spec.block = _number(name, "block", o.get("block", str(DEFAULT_BLOCK[name])), int)
         try:
-            q.check_block(spec.block, name)
+            q.check_block(spec.block, name) if name in q.FORMATS else stat2.check_block(spec.block)
         except ValueError as e:
             raise CodecSpecError(f"codec stage {name!r}: {e}") from None
     elif name in VALUE_FORMATS:

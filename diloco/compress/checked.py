@@ -1,12 +1,15 @@
 """Checked arithmetic on received values: what a payload adds to an accumulator must be finite, and must not
-overflow float32 on the way. Every check reads the extremes of a piece (one pass, no temporary of its size)."""
+overflow float32 on the way. Every check reads the extremes of a piece (one pass, no temporary of its size). And
+the one checked copy on the way out: values into a payload, each piece tested finite as it is copied."""
 
 from __future__ import annotations
 
 import math
+from typing import Any, Optional
 
 import torch
 
+from diloco.compress import wire
 from diloco.compress.wire import CorruptPayload
 
 PIECE = 1 << 17  # values per piece where a copy, its check and its checksum run piece by piece, in cache
@@ -66,3 +69,25 @@ def copy_checked(values: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -
 def chunk_indices_ok(rows: torch.Tensor, limit: int) -> bool:
     """Each row (one chunk's received indices) lies in ``[0, limit)`` and is strictly increasing."""
     return not rows.numel() or not (bool((rows >= limit).any()) or bool((rows[:, 1:] <= rows[:, :-1]).any()))
+
+
+def put_floats(x: torch.Tensor, mem: memoryview, base: int, dtype: torch.dtype, limit: Optional[float],
+               h: Any) -> None:
+    """``x`` cast to ``dtype`` at ``mem[base:]``, piece by piece: each piece checked finite (values beyond
+    ``limit`` clamped to it) and, with ``h``, hashed while it is in cache. A NaN or Inf raises ValueError."""
+    size = torch.empty((), dtype=dtype).element_size()
+    n = x.numel()
+    for a in range(0, n, PIECE):
+        b = min(a + PIECE, n)
+        src = x[a:b]
+        dst = wire.tensor_view(mem, base + size * a, base + size * b, dtype)
+        if limit is None:
+            dst.copy_(src)
+            ok = finite(dst)
+        else:
+            ok = finite(src)
+            dst.copy_(src.clamp(-limit, limit))
+        if not ok:
+            raise ValueError("cannot encode a tensor with NaN or Inf values")
+        if h is not None:
+            h.update(mem[base + size * a:base + size * b])

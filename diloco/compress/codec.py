@@ -29,16 +29,17 @@ from typing import Any, Hashable, Optional
 import torch
 
 from diloco.comm.pool import BufferPool
-from diloco.compress import wire
+from diloco.compress import stat2, wire
 from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
 from diloco.compress.chain import CodecSpecError, parse_chain
-from diloco.compress.checked import (PIECE, add_checked, cannot_overflow, chunk_indices_ok, copy_checked, finite,
-                                     magnitude)
+from diloco.compress.checked import (add_checked, cannot_overflow, chunk_indices_ok, copy_checked, finite,
+                                     magnitude, put_floats)
 from diloco.compress.dct import dct_chunks, idct_chunks, padded_length
 from diloco.compress.kernels import quant as q
 from diloco.compress.kernels import topk as tk
 from diloco.compress.kernels.backend import one_host_thread
 from diloco.compress.residuals import Residuals
+from diloco.compress.senders import add_support
 from diloco.compress.wire import CorruptPayload
 from diloco.compress.zstd import Zstd
 
@@ -120,9 +121,16 @@ class Codec:
             count, index_bytes = dense, 0
         if s.value in q.FORMATS:
             value_bytes = 4 * q.num_blocks(count, s.block) + q.packed_bytes(count, s.value)
+        elif s.value == "stat2":
+            value_bytes = sum(stat2.section_bytes(count, s.block))
         else:
             value_bytes = _FLOAT_BYTES[s.value] * count
         return dense, count, index_bytes, value_bytes
+
+    def values_held(self, numel: int) -> int:
+        """How many positions a payload of ``numel`` values holds: a top-k chain's k per chunk; else all."""
+        s = self.spec
+        return self._layout(numel)[1] if s.topk_chunk and not s.dct_chunk else numel
 
     def payload_bytes(self, numel: int) -> int:
         """Bytes of the payload before zstd (the exact wire size when the chain has no zstd stage)."""
@@ -179,7 +187,7 @@ class Codec:
         h = None
         if not s.dct_chunk and not s.topk_chunk and s.value in _FLOAT_DTYPES and direct:
             h = wire.begin_header(mem, pre, tensor.dtype, shape, self.chain, raw)  # the values hashed as copied
-            self._put_floats(x, mem, base, s.value, h)
+            put_floats(x, mem, base, _FLOAT_DTYPES[s.value], _FLOAT_MAX.get(s.value), h)
         else:
             self._sections(x, key, mem, base, feedback)
         if self.zstd is not None:  # compress the sections, then header + compressed bytes in the output
@@ -211,7 +219,7 @@ class Codec:
         dense, count, _, value_bytes = self._layout(x.numel())
         plain = not s.dct_chunk and not s.topk_chunk
         late: list[tuple[int, torch.Tensor]] = []  # (offset in the payload, a section made elsewhere)
-        if not (plain and (s.value in q.FORMATS or not x.is_cuda)) and not finite(x):
+        if not (plain and (s.value in q.FORMATS or s.value == "stat2" or not x.is_cuda)) and not finite(x):
             raise ValueError("cannot encode a tensor with NaN or Inf values")  # else: checked on the way
         if s.dct_chunk:
             x = dct_chunks(x, s.dct_chunk)
@@ -246,8 +254,15 @@ class Codec:
             if flat_idx is not None:  # what quantization lost also waits in the residual
                 sent = q.dequantize(packed, scales, count, s.block, s.value)
                 residual.index_add_(0, flat_idx, values - sent)
+        elif s.value == "stat2":
+            tables, codes, sent = stat2.encode(values, s.block)
+            if not finite(tables):
+                raise ValueError("cannot encode a tensor with NaN or Inf values")
+            late += [(0, tables), (stat2.section_bytes(count, s.block)[0], codes)]
+            if flat_idx is not None:
+                residual.index_add_(0, flat_idx, values - sent)
         elif plain and not x.is_cuda:
-            self._put_floats(values, mem, base, s.value, None)
+            put_floats(values, mem, base, _FLOAT_DTYPES[s.value], _FLOAT_MAX.get(s.value), None)
         else:
             if s.value in _FLOAT_MAX:
                 values = values.clamp(-_FLOAT_MAX[s.value], _FLOAT_MAX[s.value])
@@ -270,28 +285,6 @@ class Codec:
                 if t.numel():
                     dst = wire.tensor_view(mem, base + at, base + at + t.numel() * t.element_size())
                     dst.copy_(t.reshape(-1).view(torch.uint8))
-
-    def _put_floats(self, x: torch.Tensor, mem: memoryview, base: int, value: str, h: Any) -> None:
-        """``x`` cast to ``value`` at ``mem[base:]``, piece by piece: each piece checked finite and, with ``h``,
-        hashed while it is in cache. A NaN or Inf raises ValueError."""
-        dtype = _FLOAT_DTYPES[value]
-        size = _FLOAT_BYTES[value]
-        limit = _FLOAT_MAX.get(value)
-        n = x.numel()
-        for a in range(0, n, PIECE):
-            b = min(a + PIECE, n)
-            src = x[a:b]
-            dst = wire.tensor_view(mem, base + size * a, base + size * b, dtype)
-            if limit is None:
-                dst.copy_(src)
-                ok = finite(dst)
-            else:
-                ok = finite(src)
-                dst.copy_(src.clamp(-limit, limit))
-            if not ok:
-                raise ValueError("cannot encode a tensor with NaN or Inf values")
-            if h is not None:
-                h.update(mem[base + size * a:base + size * b])
 
     # ---- decode -----------------------------------------------------------------------------
     @one_host_thread
@@ -319,7 +312,7 @@ class Codec:
         positions of a top-k chain, every position of a dense one (a DCT top-k sends coefficients: dense too)."""
         header = self.check(payload, out.numel())
         flat = self._accumulate(self._body(payload, header, vouched=True), header, out, weight)
-        _add_support(support, support_weight, flat, self.spec.dct_chunk)
+        add_support(support, support_weight, flat, self.spec.dct_chunk)
 
     def decode_into_(self, payload: bytes | bytearray | memoryview, out: torch.Tensor, weight: float = 1.0,
                      support: Optional[torch.Tensor] = None, support_weight: float = 1.0) -> None:
@@ -327,7 +320,7 @@ class Codec:
         pass over ``out``."""
         header = self.check(payload, out.numel())
         flat = self._accumulate(self._body(payload, header, vouched=True), header, out, weight, fresh=True)
-        _add_support(support, support_weight, flat, self.spec.dct_chunk)
+        add_support(support, support_weight, flat, self.spec.dct_chunk)
 
     def check(self, payload: bytes | bytearray | memoryview, expect_numel: Optional[int] = None) -> wire.Header:
         header = wire.parse_header(payload, self.max_numel)
@@ -394,7 +387,14 @@ class Codec:
                 return flat
             values = q.dequantize(packed, scales, count, s.block, s.value)
         else:
-            values = section(0, value_bytes, _FLOAT_DTYPES[s.value])
+            if s.value == "stat2":
+                table_bytes = stat2.section_bytes(count, s.block)[0]
+                tables = section(0, table_bytes, torch.float32)
+                if tables.numel() and not magnitude(tables) <= MAX_SCALE:  # NaN fails too
+                    raise CorruptPayload("stat2 tables out of range (non-finite or above 1e36)")
+                values = stat2.decode(tables, section(table_bytes, value_bytes), count, s.block)
+            else:
+                values = section(0, value_bytes, _FLOAT_DTYPES[s.value])
             if direct and fresh:
                 copy_checked(values, out, weight)
                 return flat
@@ -475,16 +475,6 @@ class Codec:
                 raise ValueError(f"codec state is for {saved!r}, this codec is {self.chain!r}: its error-feedback "
                                  f"residuals mean nothing here")
         self.residuals.load(residuals)
-
-
-def _add_support(support: Optional[torch.Tensor], weight: float, flat: Optional[torch.Tensor],
-                 dct: Optional[int]) -> None:
-    if support is None:
-        return
-    if flat is None or dct:
-        support.add_(weight)
-    else:  # distinct positions (checked): none is counted twice
-        support[flat] += weight
 
 
 def _flat_positions(idx: torch.Tensor, k: int, chunk: int) -> torch.Tensor:

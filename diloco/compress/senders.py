@@ -6,12 +6,9 @@ positions barely overlap, this is 1.4 to 2.5 times the mean over all W workers."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
-
-if TYPE_CHECKING:
-    from diloco.compress.codec import Codec
 
 
 @dataclass
@@ -32,17 +29,24 @@ class Senders:
         return self.pairs / covered if covered else None
 
 
-def divide_by_senders_(codec: "Codec", mean: torch.Tensor, counts: torch.Tensor, senders: Senders,
+def divide_by_senders_(codec: Any, mean: torch.Tensor, counts: torch.Tensor, senders: Senders,
                        payloads: int) -> None:
-    """``mean`` (the weighted sum of ``payloads`` payloads of positive weight) divided, position by position, by
-    ``counts`` (the weight of its senders; consumed); a position nobody sent stays zero."""
-    senders.pairs += payloads * _sent_values(codec, mean.numel())
+    """``mean`` (the weighted sum of ``payloads`` payloads of positive weight, decoded by ``codec``) divided,
+    position by position, by ``counts`` (the weight of its senders; consumed); a position nobody sent stays
+    zero."""
+    senders.pairs += payloads * codec.values_held(mean.numel())
     sent = counts > 0
     senders.covered = senders.covered + sent.sum()
     mean.div_(counts.masked_fill_(~sent, 1.0))
 
 
-def _sent_values(codec: "Codec", numel: int) -> int:
-    """How many positions a payload of ``numel`` values holds (top-k: its k per chunk; dense: all)."""
-    s = codec.spec
-    return codec._layout(numel)[1] if s.topk_chunk and not s.dct_chunk else numel
+def add_support(support: Optional[torch.Tensor], weight: float, flat: Optional[torch.Tensor],
+                dct: Optional[int]) -> None:
+    """``support += weight`` where a payload holds a value: at ``flat``, the positions a top-k payload's decode
+    wrote (distinct, checked: none is counted twice); everywhere for a dense one or a DCT top-k's coefficients."""
+    if support is None:
+        return
+    if flat is None or dct:
+        support.add_(weight)
+    else:
+        support[flat] += weight
