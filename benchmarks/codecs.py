@@ -49,7 +49,9 @@ import torch  # noqa: E402
 from benchmarks.train_throughput import cpu_model  # noqa: E402
 
 CHAINS = ["fp32", "bf16", "fp16", "int8", "int8+zstd", "int4", "fp4", "fp4+zstd", "topk:0.03+int8",
-          "topk:0.03+2bit+zstd", "topk:0.02+2bit+zstd", "topk:0.01+2bit+zstd", "dct+topk:0.02+2bit+zstd"]
+          "topk:0.03+2bit+zstd", "topk:0.02+2bit+zstd", "topk:0.01+2bit+zstd", "dct+topk:0.02+2bit+zstd",
+          # SparseLoCo's payload (k = 64 of 4096) with loco's 2bit values and with the published stat2
+          "topk:0.015625+2bit", "topk:0.015625+stat2"]
 
 
 def pseudo_gradient(size: str, steps: int, device: torch.device, seed: int, cache: Path | None) -> torch.Tensor:
