@@ -79,16 +79,17 @@ def fmt_params(n: int) -> str:
 
 
 def parse_steps(text: str, models: list[str]) -> dict[str, int]:
-    """'20' -> 20 for every model; 'tiny=20,small=5' -> per model (others: 20)."""
+    """'20' -> 20 for every model; 'tiny=20,small=5' -> per model (others: 20); a size's count holds for its
+    options too (small=5: small+muon as well) unless they are named themselves."""
     if "=" not in text:
         return {m: int(text) for m in models}
-    out = {m: 20 for m in models}
+    given = {}
     for part in text.split(","):
-        name, value = part.split("=", 1)
-        if name.strip() not in models:
-            raise SystemExit(f"--steps: {name.strip()!r} is not one of --models {','.join(models)}")
-        out[name.strip()] = int(value)
-    return out
+        name, value = (x.strip() for x in part.split("=", 1))
+        if name not in models and name not in {m.partition("+")[0] for m in models}:
+            raise SystemExit(f"--steps: {name!r} is not one of --models {','.join(models)}")
+        given[name] = int(value)
+    return {m: given.get(m, given.get(m.partition("+")[0], 20)) for m in models}
 
 
 # ---- child: one model ---------------------------------------------------------------------------
