@@ -77,6 +77,9 @@ METHODS = {
     "muloco-h50-int8": ["algo.name=diloco", "algo.inner_steps=50", "optim.name=muon", "compress.codec=int8"],
     "muloco-h50-topk2": ["algo.name=diloco", "algo.inner_steps=50", "optim.name=muon",
                          "compress.codec=topk:0.02+2bit+zstd"],
+    # Muon inside SparseLoCo as published (H=15, 1.56%, mean over senders): 2-bit top-k with error feedback
+    "muloco-sparseloco-h15-d1.56": ["algo.name=sparseloco", "algo.inner_steps=15", "algo.topk_density=0.015625",
+                                    "algo.outer_lr=1", "algo.aggregate=senders", "optim.name=muon"],
     # DeMo (its lr is set by benchmarks/demo.py --demo-lr through --set-like overrides)
     "demo-k32": ["algo.name=demo", "algo.compression_topk=32"],
     "demo-k8": ["algo.name=demo", "algo.compression_topk=8"],
@@ -85,7 +88,7 @@ METHODS = {
 NAMED_ONLY = ("diloco-h50-int8", "diloco-h50-fp4", "diloco-h50-topk2", "sparseloco-h50-d1", "sparseloco-h50-d2",
               "sparseloco-h50-d3", "sparseloco-h15-d0.78", "sparseloco-h15-d1.56", "sparseloco-h15-d3.1",
               "sparseloco-h15-d1.56-all", "sparseloco-h15-d1.56-stat2", "diloco-h15", "demo-k32", "demo-k8",
-              "ddp-muon", "muloco-h50", "muloco-h50-int8", "muloco-h50-topk2")
+              "ddp-muon", "muloco-h50", "muloco-h50-int8", "muloco-h50-topk2", "muloco-sparseloco-h15-d1.56")
 
 
 def measure_step_time(args, data) -> float:
