@@ -130,7 +130,7 @@ def test_help_config_lists_keys(capsys):
     optim = out.split("optim:\n", 1)[1].split("\nalgo:", 1)[0]
     for key in ("lr", "betas", "eps", "weight_decay", "warmup_steps", "schedule", "grad_clip"):
         assert re.search(rf"^  {key}: ", optim, re.M), f"optim.{key} not listed"
-    assert "Peak learning rate of the inner optimizer." in optim
+    assert "Peak learning rate of the inner optimizer" in optim
     assert "  lr: 0.0004" in optim
     assert "  max_time: None" in out
 
