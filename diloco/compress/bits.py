@@ -27,6 +27,13 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
         return torch.zeros(packed_size(n, width), dtype=torch.uint8, device=v.device)
     if width == 8:
         return v.to(torch.uint8)
+    if width in (1, 2, 4):  # whole values in a byte: 8 / width of them, the first in the lowest bits
+        per = 8 // width
+        v = torch.nn.functional.pad(v.to(torch.uint8), (0, -n % per)).view(-1, per)
+        out = v[:, 0].clone()
+        for j in range(1, per):
+            out |= v[:, j] << (j * width)
+        return out
     v = v.to(torch.int32)
     if width == 16:
         return torch.stack([v & 0xFF, v >> 8], dim=1).to(torch.uint8).reshape(-1)
@@ -56,6 +63,9 @@ def unpack_bits(data: torch.Tensor, width: int, count: int) -> torch.Tensor:
         return torch.zeros(*lead, count, dtype=torch.int64, device=data.device)
     if width == 8:
         return data.to(torch.int64)
+    if width in (1, 2, 4):
+        shifts = torch.arange(0, 8, width, device=data.device, dtype=torch.uint8)
+        return ((data[..., None] >> shifts) & ((1 << width) - 1)).reshape(*lead, -1)[..., :count].to(torch.int64)
     d = data.to(torch.int64)
     if width == 16:
         d = d.view(*lead, -1, 2)

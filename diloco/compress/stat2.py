@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import torch
 
+from diloco.compress.bits import pack_bits, packed_size, unpack_bits
+from diloco.compress.kernels.quant import num_blocks
+
 TABLE = 4  # fp32 bin means per block
 DEFAULT_BLOCK = 1024
 WIDTH = 1.5  # a bin's width, in standard deviations
 
 
-def num_blocks(count: int, block: int) -> int:
-    return -(-count // block)
-
-
 def section_bytes(count: int, block: int) -> tuple[int, int]:
     """(table bytes, code bytes) of ``count`` values."""
-    return 4 * TABLE * num_blocks(count, block), (count + 3) // 4
+    return 4 * TABLE * num_blocks(count, block), packed_size(count, 2)
 
 
 def check_block(block: int) -> None:
@@ -57,21 +56,12 @@ def encode(values: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor
     middles = (low + (torch.arange(TABLE, device=v.device) + 0.5) * width).clamp(-1.0, 1.0)
     tables = torch.where(counts > 0, sums / counts.clamp_min(1), middles) * scale
     flat = codes.reshape(-1)[:count]
-    return tables, _pack(flat), tables.gather(1, codes).reshape(-1)[:count]
+    return tables, pack_bits(flat, 2), tables.gather(1, codes).reshape(-1)[:count]
 
 
 def decode(tables: torch.Tensor, packed: torch.Tensor, count: int, block: int) -> torch.Tensor:
     """The ``count`` values (fp32) of ``tables`` [blocks, 4] and ``packed`` codes."""
-    codes = _unpack(packed, count)
+    codes = unpack_bits(packed, 2, count)
     rows = torch.arange(count, device=packed.device) // block
     return tables.reshape(-1)[rows * TABLE + codes]
 
-
-def _pack(codes: torch.Tensor) -> torch.Tensor:
-    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, -codes.numel() % 4)).view(-1, 4)
-    return c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
-
-
-def _unpack(packed: torch.Tensor, count: int) -> torch.Tensor:
-    shifts = torch.tensor([0, 2, 4, 6], device=packed.device, dtype=torch.uint8)
-    return ((packed.view(-1, 1) >> shifts) & 3).reshape(-1)[:count].to(torch.int64)
