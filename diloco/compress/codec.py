@@ -387,10 +387,12 @@ class Codec:
                 return flat
             values = q.dequantize(packed, scales, count, s.block, s.value)
         else:
-            if s.value == "stat2":
+            hi = None
+            if s.value == "stat2":  # every value is one of its block's table: the tables bound them all
                 table_bytes = stat2.section_bytes(count, s.block)[0]
                 tables = section(0, table_bytes, torch.float32)
-                if tables.numel() and not magnitude(tables) <= MAX_SCALE:  # NaN fails too
+                hi = magnitude(tables)
+                if not hi <= MAX_SCALE:  # NaN fails too
                     raise CorruptPayload("stat2 tables out of range (non-finite or above 1e36)")
                 values = stat2.decode(tables, section(table_bytes, value_bytes), count, s.block)
             else:
@@ -401,9 +403,10 @@ class Codec:
             if direct:
                 add_checked(values, out, weight)
                 return flat
-            hi = magnitude(values)
-            if not math.isfinite(hi):
-                raise CorruptPayload("payload holds NaN or Inf values")
+            if hi is None:
+                hi = magnitude(values)
+                if not math.isfinite(hi):
+                    raise CorruptPayload("payload holds NaN or Inf values")
             values = values.float()
         if flat is not None and not s.dct_chunk:  # the sent values straight to their places: no dense temporary
             top = hi if s.value not in q.FORMATS else _CODE_MAX[s.value] * hi  # bounds |values|
