@@ -43,18 +43,21 @@ def run_together(transports, fn, timeout=120):
     return out
 
 
-def three_peers(run: str, key: bytes, exchange_timeout: float) -> list:
-    """Three peers in this process: the first starts the run, the other two join through it."""
-    peers = [HivemindTransport(run, run_key=key, matchmaking_time=3, exchange_timeout=exchange_timeout)]
+def three_peers(run: str, key: bytes, exchange_timeout: float, window: float = 3) -> list:
+    """Three peers in this process: the first starts the run, the other two join through it. ``window``: the
+    matchmaking window, which is also how long a peer waits at least for one still on its way to the round."""
+    peers = [HivemindTransport(run, run_key=key, matchmaking_time=window, exchange_timeout=exchange_timeout)]
     addrs = peers[0].visible_maddrs()
-    peers += [HivemindTransport(run, initial_peers=addrs, run_key=key, matchmaking_time=3,
+    peers += [HivemindTransport(run, initial_peers=addrs, run_key=key, matchmaking_time=window,
                                 exchange_timeout=exchange_timeout) for _ in range(2)]
     return peers
 
 
 @pytest.fixture(scope="module")
 def swarm():
-    peers = three_peers("unit", KEY, exchange_timeout=20)
+    # the tests read every round as all three peers': a wide window keeps a peer that the loaded machine
+    # delayed for a few seconds in its round (a round whose peers all came assembles at once, whatever the window)
+    peers = three_peers("unit", KEY, exchange_timeout=20, window=10)
     yield peers
     for p in peers:
         p.close()
