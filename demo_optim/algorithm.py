@@ -57,6 +57,9 @@ class DeMoAlgorithm(Algorithm):
         if cfg.optim.name == "muon":
             raise ConfigConflict("optim.name", "DeMo is its own inner optimizer (signed steps on the exchanged DCT "
                                                "components): muon cannot run under it; leave optim.name at adamw")
+        if cfg.run.shard != "none":
+            raise ConfigConflict("run.shard", "DeMo takes its DCT chunks of whole tensors, which run.shard=fsdp cuts "
+                                              "among the node's processes: DeMo runs unsharded (run.shard=none)")
         if cfg.compress.codec != "fp32":
             raise ConfigConflict("compress.codec", "DeMo sends its own DCT top-k payload (tune algo.compression_topk "
                                                    "/ algo.sign_values); leave compress.codec at fp32")

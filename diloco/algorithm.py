@@ -121,14 +121,15 @@ def flatten_parameters_(params: list[torch.Tensor]) -> bool:
     (:func:`diloco.compress.flat.end_to_end`) instead of concatenating each bucket and copying the result back.
 
     They move only where every one of them is fp32, contiguous, on one device and alone in its own storage (where one
-    is a view into a tensor it shares, it stays there, and so do the others: False)."""
+    is a view into a tensor it shares, it stays there, and so do the others: False), and is the model's own
+    parameter: a slice of a sharded one would leave the storage its DTensor and FSDP read."""
     if not params or (params[0].dtype == torch.float32 and end_to_end(params) is not None):
         return bool(params)
     device = params[0].device
     storages = set()
     for p in params:
         storage = p.untyped_storage()
-        if (p.dtype != torch.float32 or p.device != device or not p.is_contiguous() or p.storage_offset() != 0
+        if (not isinstance(p, torch.nn.Parameter) or p.dtype != torch.float32 or p.device != device or not p.is_contiguous() or p.storage_offset() != 0
                 or storage.nbytes() != p.numel() * p.element_size() or storage.data_ptr() in storages):
             return False
         storages.add(storage.data_ptr())
@@ -217,7 +218,16 @@ class Algorithm:
         self.optimizer = optimizer
         self.transport = transport or LocalTransport()
         self.grad_clip = grad_clip
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        # a model sharded among a node's processes (run.shard: fsdp) holds DTensors: the algorithm works on this
+        # process's slice of each (a plain tensor on the same storage), and the inner optimizer on the DTensors
+        self._sharded = [p for p in trainable if hasattr(p, "to_local")]
+        if self._sharded:
+            with torch.no_grad():
+                self.params = [p.to_local() if hasattr(p, "to_local") else p for p in trainable]
+            self._slice_of = list(zip(trainable, self.params))
+        else:
+            self.params = trainable
         self.steps = 0
         self.skips = SkipCount()  # steps skipped for non-finite gradients (see _checks_on_device)
         self.inner = inner  # the processes of one worker (a node), averaged every step
@@ -318,7 +328,12 @@ class Algorithm:
         self.round, self.global_tokens = counts_of(state)
 
     def _sync_inner(self) -> None:
-        """A worker made of several processes (a node of a torchrun mesh): average their gradients first."""
+        """A worker made of several processes (a node of a torchrun mesh): average their gradients first. Sharded
+        ones were reduce-scattered in the backward: each slice takes its part of its DTensor's gradient."""
+        if self._sharded:
+            for p, local in self._slice_of:
+                local.grad = None if p.grad is None or local is p else p.grad.to_local()
+            return
         if self.inner is not None and self.inner.world_size > 1:
             for p in self.params:
                 if p.grad is None:
@@ -341,13 +356,20 @@ class Algorithm:
         return (type(self)._update is Algorithm._update and type(self)._skipped_update is Algorithm._skipped_update
                 and honours)
 
-    @staticmethod
-    def _grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    def _grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The worker's gradient norm: over the slices of all the node's processes where they are sharded (so
+        every process clips by the same factor and skips the same steps)."""
         if not grads:
-            return torch.zeros(())
-        if all(g.dtype == torch.float32 for g in grads):
-            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            norm = torch.zeros((), device=self.params[0].device if self.params else None)
+        elif all(g.dtype == torch.float32 for g in grads):
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        if self._sharded and self.inner is not None and self.inner.world_size > 1:
+            squares = norm.square().reshape(1).to(torch.float32)
+            self.inner.all_reduce_sum_(squares)
+            norm = squares.sqrt()[0]
+        return norm
 
     def _step_on_device(self, grads: list[torch.Tensor]) -> dict[str, Any]:
         norm = self._grad_norm(grads)
@@ -401,6 +423,9 @@ class Algorithm:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._sharded:  # the slices' views of the spent gradients go too
+            for local in self.params:
+                local.grad = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "optimizer": self.optimizer.state_dict(),

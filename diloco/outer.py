@@ -69,6 +69,8 @@ class DiLoCo(Algorithm):
         self.flat_params = (self.codec is not None and self.params[0].device == self.outer_device
                             and flatten_parameters_(self.params)) if self.params else False
         whole = [list(range(len(self.params)))]
+        if fragments is not None and self._sharded:
+            fragments = _local_rows(fragments, self._slice_of)
         self.pieces, self.fragments = _pieces(fragments if fragments is not None else whole, self.params)
         # one view of the global copy per piece: what the outer optimizers step and the exchanges send
         self.global_views = [_rows_of(self.global_params[i], rows) for i, rows in self.pieces]
@@ -310,6 +312,41 @@ def _rows_of(t: torch.Tensor, rows: Optional[tuple[int, int]]) -> torch.Tensor:
 
 def _num_rows(t: torch.Tensor) -> int:
     return t.shape[0] if t.dim() > 0 else 1
+
+
+def _local_rows(fragments: Sequence[Sequence[Any]], slices: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                ) -> list[list[Any]]:
+    """Fragments given in rows of whole parameters (:func:`_pieces`), in rows of this process's slices: a model
+    sharded among a node's processes (DTensors cut along their first dimension as ``torch.chunk`` cuts them) holds
+    rows ``off:off+n`` of each parameter here. ``slices``: (parameter, this process's slice of it) pairs. A slice
+    with no rows here still belongs to a fragment: the first that holds rows of its parameter."""
+    spans: list[Optional[tuple[int, int]]] = []
+    for whole, local in slices:
+        if whole is local:
+            spans.append(None)
+            continue
+        rows, g, r = whole.shape[0], whole.device_mesh.size(), whole.device_mesh.get_local_rank()
+        off = min(r * -(-rows // g), rows)
+        if local.shape[0] != min(-(-rows // g), rows - off):
+            raise ValueError(f"a sharded parameter of {rows} rows holds {local.shape[0]} on process {r} of {g}: "
+                             f"not the rows torch.chunk gives it")
+        spans.append((off, local.shape[0]))
+    out: list[list[Any]] = []
+    placed: set[int] = set()
+    for frag in fragments:
+        mine: list[Any] = []
+        for item in frag:
+            i = item if isinstance(item, int) else item[0]
+            if isinstance(item, int) or spans[i] is None:
+                mine.append(item)
+                continue
+            off, n = spans[i]
+            lo, hi = max(item[1], off) - off, min(item[2], off + n) - off
+            if lo < hi or (n == 0 and i not in placed):
+                mine.append(i if (lo, hi) == (0, n) or n == 0 else (i, lo, hi))
+                placed.add(i)
+        out.append(mine)
+    return out
 
 
 def _pieces(fragments: Sequence[Sequence[Any]], params: Sequence[torch.Tensor]

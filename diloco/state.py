@@ -134,9 +134,51 @@ def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> N
         settings = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         saved = {**saved, "param_groups": [{**g, **s} for g, s in zip(theirs, settings)]}
     opt.load_state_dict(saved)  # torch refuses groups of other numbers or sizes
+    _resharded_moments(opt)
     for group in opt.param_groups:
         if group.get("fused"):
             for p in group["params"]:
                 step = opt.state.get(p, {}).get("step")
                 if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != torch.float32):
                     opt.state[p]["step"] = step.to(p.device, torch.float32)
+
+
+def local_tree(obj: Any) -> Any:
+    """``obj`` with every sharded tensor (a DTensor) in it replaced by this process's slice of it."""
+    if hasattr(obj, "to_local"):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: local_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(local_tree(v) for v in obj)
+    return obj
+
+
+def as_slice_of(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local``, this process's slice of the sharded ``param`` (a DTensor), as a DTensor of its layout again."""
+    return type(param).from_local(local.to(param.device), param.device_mesh, param.placements, shape=param.shape,
+                                  stride=param.stride(), run_check=False)
+
+
+def like_sharded(template: Any, saved: Any) -> Any:
+    """``saved`` (a state saved as slices) with each tensor that ``template`` holds as a DTensor made one again
+    (:func:`as_slice_of`): what a sharded model's ``load_state_dict`` takes."""
+    if hasattr(template, "to_local") and isinstance(saved, torch.Tensor):
+        return as_slice_of(template, saved)
+    if isinstance(template, dict) and isinstance(saved, dict):
+        return {k: like_sharded(template[k], v) if k in template else v for k, v in saved.items()}
+    return saved
+
+
+def _resharded_moments(opt: torch.optim.Optimizer) -> None:
+    """A sharded parameter's (a DTensor's) moments come from a checkpoint as this process's slices: each becomes a
+    DTensor of its parameter's layout again, as the optimizer made it (its step count stays a plain tensor)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if not hasattr(p, "to_local"):
+                continue
+            shape = p.to_local().shape
+            state = opt.state.get(p, {})
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and not hasattr(v, "to_local") and v.dim() and v.shape == shape:
+                    state[k] = as_slice_of(p, v)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -36,6 +37,18 @@ class CheckpointError(ValueError):
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}.pt"
+
+
+def slices_folder(path: Path) -> Path:
+    """Where a checkpoint of a sharded run (``run.shard: fsdp``) keeps every process's own state, beside its file:
+    the file (the whole model and the run's fields) is written last, so it stands for both."""
+    return path.with_name(path.name[:-len(".pt")] + ".slices")
+
+
+def remove_checkpoint(path: Path) -> None:
+    """A checkpoint file and its slices folder, if it has one."""
+    path.unlink(missing_ok=True)
+    shutil.rmtree(slices_folder(path), ignore_errors=True)
 
 
 def _payload_bytes(obj: Any) -> int:
@@ -68,9 +81,15 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
     """Write ``state`` as ``directory/step_XXXXXXXX.pt`` atomically, then prune to the newest ``keep`` valid ones."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    for stale in directory.glob(".step_*.tmp*"):  # left by a crash mid-write
-        stale.unlink(missing_ok=True)
     final = directory / checkpoint_name(step)
+    for stale in directory.glob(".step_*.tmp*"):  # left by a crash mid-write
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+    for orphan in directory.glob("step_*.slices"):  # a crash after a sharded run's slices, before their file
+        if orphan != slices_folder(final) and not orphan.with_name(orphan.name[:-len(".slices")] + ".pt").exists():
+            shutil.rmtree(orphan, ignore_errors=True)
     tmp = directory / f".{final.name}.tmp{os.getpid()}"
     payload = {"format": FORMAT, "version": VERSION, "step": step, **state, "complete": True}
     try:
@@ -135,7 +154,7 @@ def prune_checkpoints(directory: str | Path, keep: int, written: Optional[Path] 
             continue
         if not valid and kept < keep:
             continue  # newer than the keep-th valid one: a resume skips it; maybe a human looks at it
-        path.unlink(missing_ok=True)
+        remove_checkpoint(path)
         deleted.append(path)
     return deleted
 
@@ -161,6 +180,8 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
         raise CheckpointError(f"{path}: not a complete loco checkpoint")
     if state.get("version", 0) > VERSION:
         raise CheckpointError(f"{path}: written by a newer loco (format version {state['version']} > {VERSION})")
+    if "slices" in state and not (slices_folder(path) / ".metadata").is_file():
+        raise CheckpointError(f"{path}: its processes' slices ({slices_folder(path).name}) are missing or incomplete")
     return state
 
 

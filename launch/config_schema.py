@@ -213,6 +213,10 @@ class RunConfig:
                 "torchrun's processes on the node, at most OMP_NUM_THREADS, fewer where other work keeps cores "
                 "busy), and one for a model under 32,768 parameters; the start line says how many and why. A number "
                 "fixes it; empty: torch's default.", gt=0, auto=True)
+    shard: Literal["none", "fsdp"] = _f(
+        "none", "fsdp: under torchrun, the processes of a node shard the worker's model, gradients, optimizer and "
+                "algorithm state with FSDP2 (each block one unit), for models larger than one GPU; across nodes "
+                "each process exchanges its own shard. none: every process holds the whole model.")
     deterministic: bool = _f(False, "The same result bit for bit from run to run on a GPU (a resumed run and an "
                                     "unbroken one, torchrun and loco simulate): deterministic CUDA kernels and "
                                     "torch.compile without on-device autotuning, at some cost in speed. CPU runs "

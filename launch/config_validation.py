@@ -57,6 +57,13 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
                           f"writes one)")
     if d.streaming and d.source != "hf":
         fail("data.streaming", f"streams Hugging Face datasets (data.source: hf); data.source is {d.source!r}")
+    if cfg.run.shard == "fsdp":
+        if cfg.optim.name == "muon":
+            fail("optim.name", "muon orthogonalizes whole matrices, and run.shard=fsdp leaves each process a slice of "
+                               "them; use adamw (or run.shard=none)")
+        if cfg.transport.mesh == "flat":
+            fail("transport.mesh", "flat makes every process a worker of its own, with nothing to shard across; "
+                                   "run.shard=fsdp needs the node mesh (auto or nodes)")
     n_layers = _model_layers(cfg, fail, where)
     from diloco import ConfigConflict
     from launch.algorithms import algorithm_class

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from diloco.comm import Transport
-from launch.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from launch.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, slices_folder
 from launch.config import Config, dump_config
 from launch.errors import RunError
 from launch.disk import write_file
@@ -154,6 +154,7 @@ def discard_run(path: Path, why: str = "--restart") -> Optional[Path]:
     Nothing is deleted: the unreadable (or unwanted) files stay there for a look, and go with ``rm -r``.
     """
     movable = list_checkpoints(path / "checkpoints")
+    movable += [f for f in map(slices_folder, movable) if f.exists()]
     movable += [path / n for n in RUN_FILES if (path / n).exists()]
     if not movable:
         return None

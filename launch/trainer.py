@@ -24,6 +24,8 @@ Python API::
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import signal
 import sys
 from dataclasses import dataclass
@@ -34,11 +36,13 @@ import torch
 import torch.nn as nn
 
 from diloco.comm import Transport, make_transport
-from launch.build import build_algorithm, build_model, build_optimizer
-from launch.checkpoint import checkpoint_name, rng_state, set_rng_state
+from diloco.state import like_sharded, local_tree
+from launch.build import build_algorithm, build_model, build_optimizer, shard_worker
+from launch.checkpoint import checkpoint_name, rng_state, set_rng_state, slices_folder
 from launch.compute import StepCompute
 from launch.config import Config, changed_settings, shared_settings
 from launch.data import Batcher, load_data, make_batcher, val_bytes_per_token
+from launch.disk import fsync_dir
 from launch.errors import RunError
 from launch.hf_models import folder_sha256
 from launch.metrics import Metrics
@@ -83,7 +87,7 @@ class Trainer:
         self.device = start_process(run.threads, run.device, run.deterministic)
         self.transport = transport or make_transport(cfg.transport.backend, cfg.transport.dist_backend,
                                                      cfg.transport.timeout, self.device, cfg.transport.mesh,
-                                                     settings={**shared_settings(cfg), "--restart": restart})
+                                                     shard=cfg.run.shard, settings={**shared_settings(cfg), "--restart": restart})
         self.rank, self.world, self.leader = self.transport.rank, self.transport.world_size, self.transport.is_leader
         # a worker may be several processes (a node of a torchrun mesh): each takes its share of the worker's batch
         self.inner: Optional[Transport] = getattr(self.transport, "inner", None)
@@ -105,14 +109,17 @@ class Trainer:
         self.model = model.to(self.device)
         self.threads = settle_threads(run.threads, self.device, count_params(self.model))  # (count, why) or None
         self.bf16 = run.precision == "bf16" or (run.precision == "auto" and self.device.type == "cuda")
-        self.compute = StepCompute(self.model, self.device, self.bf16, run.compile,
-                                   say=lambda message: self.metrics.info(message, self.step))
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device, transport=self.transport, cfg=cfg)
-        self.tokens_per_step = run.batch_size * procs * cfg.data.seq_len  # per worker
         # every worker starts from rank 0's parameters (and DiLoCo's copy), which models built alike already are
         if not self.joining:
             with torch.no_grad():
                 self.transport.share_initial_([p.data for p in self.model.parameters()], seeded=built_here)
+        self.sharded = run.shard != "none"
+        if self.sharded:
+            self.model = shard_worker(self.transport, self.model, self.bf16)
+        self.compute = StepCompute(self.model, self.device, self.bf16, run.compile,
+                                   say=lambda message: self.metrics.info(message, self.step))
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device, transport=self.transport, cfg=cfg)
+        self.tokens_per_step = run.batch_size * procs * cfg.data.seq_len  # per worker
         self.algo = build_algorithm(cfg, self.model, self.optimizer, self.transport, self.tokens_per_step, self.inner)
         if self.hooks.on_built is not None:
             self.hooks.on_built(self)
@@ -153,6 +160,8 @@ class Trainer:
             return None
         path, state = found
         self.resume_changes = changed_settings(state.get("config"), self.cfg)
+        if "slices" in state or self.sharded:
+            state = {**state, "mine": self._my_slices(path, state)}
         try:
             self.load_state(state)
         except (ValueError, RuntimeError) as e:  # another algorithm, model shape or fragment layout
@@ -192,6 +201,11 @@ class Trainer:
         }
         if hasattr(self.batcher, "state_dict"):  # each worker's stream position, by worker (churn leaves gaps)
             shared["streams"] = self.transport.gather_object((self.rank, self.batcher.state_dict()))
+        if self.sharded:  # every process's own state goes into the slices folder (save); here the whole model
+            with self.algo.evaluation_weights():
+                whole = self.transport.whole_model_state(self.model)
+            layout = {"nodes": self.world, "per_node": self.inner.world_size}
+            return {**shared, "model": whole, "slices": layout, **self._clock_state()} if self.leader else {}
         if self.algo.replicated_state:
             mine = self.worker_state()
             return {**shared, **mine, **self._clock_state()}
@@ -231,9 +245,26 @@ class Trainer:
         if "clock" in state:
             self.transport.load_clock_state(state["clock"])
 
+    def _my_slices(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
+        """This process's own state in a sharded run's checkpoint (RunError where the run is not laid out as the one
+        that wrote it: the slices are cut for its processes)."""
+        layout = state.get("slices")
+        mine = {"nodes": self.world, "per_node": self.inner.world_size} if self.sharded else None
+        if layout != mine:
+            had = (f"run.shard=fsdp with {layout['nodes']} node(s) of {layout['per_node']} process(es)" if layout
+                   else "run.shard=none")
+            now = (f"run.shard=fsdp with {mine['nodes']} node(s) of {mine['per_node']} process(es)" if mine
+                   else "run.shard=none")
+            raise RunError(f"{path}: written with {had}, and this run has {now}; resume it laid out as it was written")
+        return self.transport.load_slices(slices_folder(path))
+
     def _my_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """This worker's part of a checkpoint. A worker a simulation with churn had away when it was written has
-        none: it comes back as a joining worker would, on worker 0's state (the run's model, at the run's step)."""
+        none: it comes back as a joining worker would, on worker 0's state (the run's model, at the run's step).
+        A sharded run's process takes its own state, its slices made its model's layout again."""
+        if "mine" in state:
+            mine = state["mine"]
+            return {**mine, "model": like_sharded(self.model.state_dict(), mine["model"])}
         if "workers" not in state:
             return state
         workers = {int(w["data"]["worker_index"]): w for w in state["workers"]}
@@ -268,7 +299,10 @@ class Trainer:
         self.progress.step = step
 
     def save(self) -> Optional[Path]:
-        """Rank 0 writes; algorithms whose workers differ first gather every worker's state (a collective)."""
+        """Rank 0 writes; algorithms whose workers differ first gather every worker's state (a collective). A
+        sharded worker's processes first write their own states together (:meth:`_save_slices`)."""
+        if self.sharded:
+            self._save_slices()
         state = self.state_dict()
         self.saved_step = self.step
         if not self.leader:
@@ -282,6 +316,23 @@ class Trainer:
             self.metrics.close()
             raise Interrupted(STOP.signum, path, clean=True)
         return path
+
+    def _save_slices(self) -> None:
+        """Every process's own state (its slices of the model, the optimizer's and the algorithm's state, its RNG)
+        into the checkpoint's slices folder, through a temporary folder the leader renames once all have written:
+        the checkpoint's file, written after, stands for both."""
+        final = slices_folder(self.folder.checkpoints / checkpoint_name(self.step))
+        tmp = final.with_name(f".{final.name}.tmp")
+        if self.leader:
+            self.folder.checkpoints.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.transport.barrier()
+        self.transport.save_slices(tmp, local_tree(self.worker_state()))
+        if self.leader:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            fsync_dir(final.parent)
+        self.transport.barrier()
 
     # ---- the loop ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -156,6 +156,26 @@ def kill_when(proc: subprocess.Popen, ready, timeout: float = 180, poll: float =
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def torchrun_nodes(args: list[list[str]], per_node: int | list[int] = 1,
+           timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """One torchrun per node on this machine (``--nnodes len(args)``), node i running ``launch.cli args[i]`` in
+    ``per_node`` processes (or ``per_node[i]``)."""
+    port = str(free_port())
+    counts = per_node if isinstance(per_node, list) else [per_node] * len(args)
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(args)), "--node-rank", str(node),
+         "--nproc-per-node", str(counts[node]), "--master-addr", "127.0.0.1", "--master-port", port, "-m", "launch.cli",
+         *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT,
+        start_new_session=True) for node, a in enumerate(args)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
 def simulate_and_torchrun(tmp_path: Path, args: list[str], workers: int, capture) -> tuple[dict, dict, dict, dict]:
     """``loco simulate --workers N`` (in this process; output through ``capture``, see :func:`loco`) and
     ``torchrun --nproc-per-node N loco train`` with the same arguments.

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import FAST, ROOT, TINY, child_env, free_port, loco, run_cli, simulate_and_torchrun
+from conftest import torchrun_nodes as _nodes
 from launch.checkpoint import latest_checkpoint, load_checkpoint
 
 SMALL = ["run.batch_size=2", "run.eval_every=0", "sim.baseline=none", "sim.step_time=0.01", "log.every=2"]
@@ -49,13 +50,10 @@ def test_four_processes_equal_four_simulated_workers(tmp_path, algo, capfd):
     assert sa["bytes_sent"] == sb["bytes_sent"] > 0
 
 
-@pytest.mark.parametrize("codec, tol", [("fp32", 1e-5), ("int8", 2e-3)])
-def test_two_nodes_of_two_processes_equal_two_workers_with_double_batch(tmp_path, codec, tol, capfd):
+def test_two_nodes_of_two_processes_equal_two_workers_with_double_batch(tmp_path, capfd, codec="fp32", tol=1e-5):
     """--nnodes 2 --nproc-per-node 2: each node is one DiLoCo worker (DDP inside) == 2 simulated workers x batch 4.
-
-    With int8 the mesh cuts the buffer into other shards (each local rank encodes its half), so the
-    quantization differs slightly from the simulator's; fp32 is exact.
-    """
+    (A codec on the mesh: the error-feedback resume below; with one, each local rank encodes its share of the
+    buffer, so the quantization differs slightly from the simulator's.)"""
     common = ["--config", TINY, "--max-steps", "6", "--seed", "11"]
     algo = ["algo.name=diloco", "algo.inner_steps=3", "run.checkpoint_every=6", f"compress.codec={codec}"]
     sim = loco(["simulate", *common, *sets(*algo, "run.batch_size=4"), "--workers", "2",
@@ -96,26 +94,6 @@ def test_a_node_of_two_processes_resumes_its_error_feedback_exactly(tmp_path):
     got = latest_checkpoint(broken / "checkpoints")[1]
     assert got["step"] == want["step"] == 6
     assert all(torch.equal(want["model"][k], got["model"][k]) for k in want["model"])
-
-
-def _nodes(args: list[list[str]], per_node: int | list[int] = 1,
-           timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """One torchrun per node on this machine (``--nnodes len(args)``), node i running ``launch.cli args[i]`` in
-    ``per_node`` processes (or ``per_node[i]``)."""
-    port = str(free_port())
-    counts = per_node if isinstance(per_node, list) else [per_node] * len(args)
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(args)), "--node-rank", str(node),
-         "--nproc-per-node", str(counts[node]), "--master-addr", "127.0.0.1", "--master-port", port, "-m", "launch.cli",
-         *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT,
-        start_new_session=True) for node, a in enumerate(args)]
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
 
 
 def test_nodes_started_with_different_settings_stop_at_once_naming_them(tmp_path):

@@ -13,11 +13,13 @@ __all__ = ["Capabilities", "CommStats", "Handle", "LocalTransport", "RobustBound
 
 
 def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: float = 300.0, device=None,
-                   mesh: str = "auto", **options: Any) -> Transport:
+                   mesh: str = "auto", shard: str = "none", **options: Any) -> Transport:
     """``auto`` picks torch_dist under torchrun (WORLD_SIZE > 1) and local otherwise.
 
     ``mesh``: ``flat`` makes every process a worker; ``nodes`` makes every node one worker (its processes
     average gradients every step); ``auto`` is ``nodes`` when torchrun runs several nodes of several processes.
+    ``shard``: ``fsdp`` makes every node one worker whose processes shard its model (:mod:`diloco.comm.fsdp`),
+    on one node too; it needs torchrun.
     ``settings=`` (torch_dist): what every process must agree on, compared before anything else runs.
     ``hivemind``: a swarm peer, ``HivemindTransport(**options)`` (``run=``, ``initial_peers=``, ...).
     ``sim``: worker ``rank`` of an in-process group, ``make_transport("sim", group=group, rank=r)``.
@@ -26,6 +28,10 @@ def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: f
 
     if backend == "auto":
         backend = "torch_dist" if launched_by_torchrun() else "local"
+    if shard == "fsdp" and not (backend == "torch_dist" and launched_by_torchrun()):
+        raise TransportError("run.shard=fsdp shards a worker among the processes of a node started by torchrun "
+                             "(torchrun --nproc-per-node G ... loco train); this run is one process: leave "
+                             "run.shard at none")
     if backend == "local":
         return LocalTransport()
     if backend == "torch_dist":
@@ -34,10 +40,14 @@ def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: f
 
         nodes, per_node = torchrun_layout()
         settings = options.get("settings")  # compared across the processes (TorchDistTransport)
-        meshed = mesh == "nodes" or (mesh == "auto" and nodes > 1 and per_node > 1)
+        meshed = mesh == "nodes" or (mesh == "auto" and nodes > 1 and per_node > 1) or shard == "fsdp"
         if settings is not None:  # nodes that cut the processes otherwise would part ways making the mesh's groups
             settings = {**settings, "torchrun layout": (f"{nodes} node(s) x {per_node} process(es), one worker per "
                                                         "node" if meshed else "one worker per process")}
+        if shard == "fsdp":
+            from diloco.comm.fsdp import ShardedNodeTransport
+
+            return ShardedNodeTransport(dist_backend, timeout, device, per_node, settings=settings)
         if meshed:
             return NodeMeshTransport(dist_backend, timeout, device, per_node, settings=settings)
         return TorchDistTransport(dist_backend, timeout, device, settings=settings)

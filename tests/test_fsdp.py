@@ -1,0 +1,105 @@
+"""``run.shard: fsdp``: a node's processes shard its worker with FSDP2 (gloo processes on loopback)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from conftest import FAST, TINY, loco
+from conftest import torchrun_nodes as nodes
+from launch.checkpoint import latest_checkpoint, load_checkpoint, slices_folder
+
+RUN = ["run.batch_size=2", "run.eval_every=0", "sim.baseline=none", "log.every=2", "run.checkpoint_every=3",
+       "algo.name=streaming", "algo.inner_steps=4", "algo.fragments=2", "algo.overlap_steps=1"]
+
+
+def sets(*overrides: str) -> list[str]:
+    return [a for s in [*FAST, *overrides] for a in ("--set", s)]
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_path, capfd):
+    """Two nodes of two processes, each node one Streaming DiLoCo worker sharded with FSDP2, end within 1e-5 of
+    ``loco simulate --workers 2`` with each worker's batch; each process holds half of a worker's state; and a run
+    resumed from its middle checkpoint ends where the unbroken one did, to the bit."""
+    from diloco.comm.fsdp import read_slices
+
+    common = ["--config", TINY, "--max-steps", "6", "--seed", "11"]
+    sim = loco(["simulate", *common, *sets(*RUN, "run.batch_size=4"), "--workers", "2",
+                "--run-dir", str(tmp_path / "sim")], capfd)
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    train = ["train", *common, *sets(*RUN, "run.shard=fsdp")]
+    for node in nodes([[*train, "--run-dir", str(tmp_path / "fsdp")]] * 2, per_node=2):
+        assert node.returncode == 0, node.stderr[-3000:]
+    a = latest_checkpoint(tmp_path / "sim" / "checkpoints")[1]
+    path, b = latest_checkpoint(tmp_path / "fsdp" / "checkpoints")
+    assert b["slices"] == {"nodes": 2, "per_node": 2} and "workers" not in b
+    assert max_diff(a["model"], b["model"]) < 1e-5
+
+    # each process's own state (its slices of the model, of AdamW's moments and of the global copy and outer
+    # momentum) is half of what a whole worker holds, plus 5%
+    whole = tensor_bytes({k: a["workers"][0][k] for k in ("model", "algo")})
+    for process in range(4):
+        mine = read_slices(slices_folder(path), process)
+        assert tensor_bytes({k: mine[k] for k in ("model", "algo")}) <= whole / 2 * 1.05
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "fsdp", broken)
+    (broken / "checkpoints" / "step_00000006.pt").unlink()
+    assert load_checkpoint(broken / "checkpoints" / "step_00000003.pt")["step"] == 3
+    for node in nodes([[*train, "--run-dir", str(broken), "--resume"]] * 2, per_node=2):
+        assert node.returncode == 0, node.stderr[-3000:]
+    c = latest_checkpoint(broken / "checkpoints")[1]
+    assert c["step"] == 6 and max_diff(b["model"], c["model"]) == 0.0
+    for process in range(4):
+        x = read_slices(slices_folder(path), process)
+        y = read_slices(slices_folder(broken / "checkpoints" / "step_00000006.pt"), process)
+        assert max_diff(dict(enumerate(x["algo"]["global_params"])), dict(enumerate(y["algo"]["global_params"]))) == 0
+
+    # another layout cannot take these slices (not yet: resharding is not done): one line, naming both
+    again = loco(["train", *common, *sets(*RUN), "--run-dir", str(broken), "--resume"], capfd)
+    assert again.returncode != 0 and "Traceback" not in again.stderr
+    assert "written with run.shard=fsdp with 2 node(s) of 2 process(es), and this run has run.shard=none; resume " \
+           "it laid out as it was written" in again.stderr, again.stderr[-3000:]
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["optim.name=muon"], "optim.name", "muon orthogonalizes whole matrices"),
+    (["algo.name=demo"], "run.shard", "DeMo takes its DCT chunks of whole tensors"),
+    (["transport.mesh=flat"], "transport.mesh", "needs the node mesh"),
+])
+def test_settings_sharding_cannot_run_with_are_named(overrides, key, words):
+    from launch.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=f"{key}: .*{words}"):
+        load_config([TINY], ["run.shard=fsdp", *overrides])
+
+
+def test_sharding_outside_torchrun_or_over_too_few_units_says_why(capfd):
+    from diloco.comm import TransportError
+    from diloco.comm.fsdp import shard_model, shard_units
+    from launch.models import ModelArgs, Transformer
+
+    res = loco(["train", "--config", TINY, "--max-steps", "1", *sets("run.shard=fsdp")], capfd)
+    assert res.returncode != 0 and "run.shard=fsdp shards a worker among the processes of a node started by " \
+                                    "torchrun" in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
+    shape = dict(dim=16, n_layers=2, n_heads=2, vocab_size=32, max_seq_len=8)
+    untied = Transformer(ModelArgs(**shape, tie_embeddings=False))
+    assert shard_units(untied) == [*untied.layers, untied.output]  # the blocks and the head; the embedding: the root
+    with pytest.raises(TransportError, match="the model has 2 unit"):  # a head tied to the embedding stays there
+        shard_model(Transformer(ModelArgs(**shape, tie_embeddings=True)), None, 4, False)
