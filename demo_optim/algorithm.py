@@ -45,6 +45,15 @@ class DeMoAlgorithm(Algorithm):
         return []
 
     @classmethod
+    def optimizer_copies(cls, cfg: Any) -> Optional[float]:
+        """Its momentum (kept in the parameters' shape or as DCT coefficients: about as many values)."""
+        return 1.0
+
+    @classmethod
+    def state_copies(cls, cfg: Any) -> float:
+        return 0.0
+
+    @classmethod
     def step_payload_bytes(cls, shapes: list[tuple[int, ...]], algo: dict[str, Any]) -> Optional[int]:
         """Its wire payload: every parameter's k coefficients per DCT block, their indices and the header."""
         plans = [plan_for(shape, algo.get("compression_chunk", 64), algo.get("compression_topk", 32),

@@ -40,6 +40,7 @@ import torch
 from diloco.comm.base import Transport
 from diloco.comm.local import LocalTransport
 from diloco.compress import collective, end_to_end, make_codec
+from diloco.compress.chain import parse_chain
 from diloco.state import check_finite, check_fits, copy_into, counts_of, list_at, load_optimizer_state
 
 if TYPE_CHECKING:
@@ -250,6 +251,19 @@ class Algorithm:
         """Inner steps between two of this algorithm's exchanges (rounds) under ``cfg`` with rounds of fixed
         steps: 1 where it exchanges every step (what a churn trace keyed by rounds counts)."""
         return 1.0
+
+    @classmethod
+    def state_copies(cls, cfg: Any) -> float:
+        """fp32 copies of the parameters it keeps besides the model and the inner optimizer's state (what a process
+        holds, ``launch.memory``): a lossy codec's error-feedback residual."""
+        spec = parse_chain(cfg.compress.codec)
+        return 1.0 if spec.topk_chunk is not None and spec.ef_decay > 0 else 0.0
+
+    @classmethod
+    def optimizer_copies(cls, cfg: Any) -> Optional[float]:
+        """fp32 copies of the parameters its own inner optimizer keeps (:meth:`make_optimizer`); None for the
+        configured one's."""
+        return None
 
     @classmethod
     def outer_lr_of(cls, cfg: Any) -> float:

@@ -93,6 +93,11 @@ class DiLoCo(Algorithm):
                    codec=cls._codec(cfg), inner=inner, **cls._settings(cfg))
 
     @classmethod
+    def state_copies(cls, cfg: Any) -> float:
+        """The global copy and the outer momentum, besides a codec's residual."""
+        return super().state_copies(cfg) + 1.0 + (1.0 if cfg.algo.outer_momentum > 0 else 0.0)
+
+    @classmethod
     def steps_per_round(cls, cfg: Any) -> float:
         return float(cfg.algo.inner_steps)
 

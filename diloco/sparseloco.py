@@ -121,6 +121,11 @@ class SparseLoCo(DiLoCo):
         return parts + ([str(fmt)] if fmt else [])
 
     @classmethod
+    def state_copies(cls, cfg: Any) -> float:
+        """The global copy and the error feedback (its codec's residual); no outer momentum."""
+        return 2.0
+
+    @classmethod
     def from_config(cls, cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,
                     *, tokens_per_step: int = 1, inner: Optional[Transport] = None) -> "SparseLoCo":
         a = cfg.algo

@@ -166,6 +166,12 @@ class StreamingDiLoCo(DiLoCo):
                    mix_alpha=a.mix_alpha, overlap_merge=a.overlap_merge, **cls._settings(cfg))
 
     @classmethod
+    def state_copies(cls, cfg: Any) -> float:
+        """DiLoCo's, and a fragment's deltas waiting tau steps to be applied (about one fragment at a time)."""
+        a = cfg.algo
+        return super().state_copies(cfg) + (1.0 / max(1, a.fragments) if a.overlap_steps > 0 else 0.0)
+
+    @classmethod
     def steps_per_round(cls, cfg: Any) -> float:
         """A round is one fragment's exchange: P of them every H steps, evenly staggered."""
         return cfg.algo.inner_steps / max(1, cfg.algo.fragments)

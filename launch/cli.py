@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a link trace (CSV or YAML: time, worker, bandwidth, latency); the plan uses the link "
                         "the simulator times (the slowest member's at each moment, averaged over the run), "
                         "e.g. --links configs/links-home-uplink.csv")
+    p.add_argument("--shard", type=int, metavar="G",
+                   help="also print what one process holds (parameters, gradients, optimizer and algorithm state) "
+                        "when G processes shard each worker (run.shard: fsdp), e.g. --shard 8")
     p.add_argument("--check", action="store_true",
                    help="also simulate the recommendation on the tiny model and print predicted and simulated "
                         "utilization side by side")
@@ -351,6 +354,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _one_link(args)
     plan = make_plan(args.model, args.workers, args.bandwidth, args.latency, args.step_time, args.links)
     print(format_plan(plan), flush=True)
+    if args.shard:
+        from launch.memory import format_memory
+
+        print(format_memory(plan.model.params, args.shard))
     if args.check:
         print(format_check(check(plan)))
     return 0

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from diloco.comm import Transport
-from launch.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, slices_folder
+from launch.checkpoint import checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint, slices_folder
 from launch.config import Config, dump_config
 from launch.errors import RunError
-from launch.disk import write_file
+from launch.disk import fsync_dir, write_file
 from launch.metrics import read_metrics, truncate_metrics
 
 # what --restart (or a new run over one that left no checkpoint) moves aside
@@ -46,6 +46,35 @@ class RunDir:
         self.leader = transport.is_leader
         self.path = Path(joined) if joined is not None else self._agree()
         self.checkpoints = self.path / "checkpoints"
+
+    # ---- a sharded run's checkpoints: every process's own state beside the file ----------------------
+    def save_slices(self, step: int, state: dict[str, Any]) -> None:
+        """Every process's own ``state`` (its slices: its share of the model, the optimizer's and the algorithm's
+        state, its RNG) into the slices folder of step ``step``'s checkpoint (a collective of every process),
+        through a temporary folder the leader renames once all have written: the checkpoint's file, written after,
+        stands for both."""
+        final = slices_folder(self.checkpoints / checkpoint_name(step))
+        tmp = final.with_name(f".{final.name}.tmp")
+        if self.leader:
+            self.checkpoints.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.transport.barrier()
+        self.transport.save_slices(tmp, state)
+        if self.leader:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            fsync_dir(final.parent)
+        self.transport.barrier()
+
+    def load_slices(self, path: Path, written: Optional[dict], layout: Optional[dict]) -> dict[str, Any]:
+        """This process's own state in the checkpoint ``path`` of a sharded run; RunError where this run is laid out
+        otherwise than the one that wrote it (``written``, ``layout``: nodes and processes a node, None unsharded),
+        since the slices are cut for its processes."""
+        if written != layout:
+            had, now = (f"run.shard=fsdp with {x['nodes']} node(s) of {x['per_node']} process(es)" if x else
+                        "run.shard=none" for x in (written, layout))
+            raise RunError(f"{path}: written with {had}, and this run has {now}; resume it laid out as it was written")
+        return self.transport.load_slices(slices_folder(path))
 
     def _agree(self) -> Path:
         run = self.cfg.run

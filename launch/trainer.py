@@ -24,8 +24,6 @@ Python API::
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import signal
 import sys
 from dataclasses import dataclass
@@ -37,14 +35,14 @@ import torch.nn as nn
 
 from diloco.comm import Transport, make_transport
 from diloco.state import like_sharded, local_tree
-from launch.build import build_algorithm, build_model, build_optimizer, shard_worker
-from launch.checkpoint import checkpoint_name, rng_state, set_rng_state, slices_folder
+from launch.build import build_algorithm, build_model, build_optimizer, hidden_matrices, shard_worker
+from launch.checkpoint import checkpoint_name, rng_state, set_rng_state
 from launch.compute import StepCompute
 from launch.config import Config, changed_settings, shared_settings
 from launch.data import Batcher, load_data, make_batcher, val_bytes_per_token
-from launch.disk import fsync_dir
 from launch.errors import RunError
 from launch.hf_models import folder_sha256
+from launch.memory import ProcessBytes, process_bytes
 from launch.metrics import Metrics
 from launch.mfu import matmul_precision, mfu_basis
 from launch.models import count_params
@@ -161,7 +159,8 @@ class Trainer:
         path, state = found
         self.resume_changes = changed_settings(state.get("config"), self.cfg)
         if "slices" in state or self.sharded:
-            state = {**state, "mine": self._my_slices(path, state)}
+            layout = {"nodes": self.world, "per_node": self.inner.world_size} if self.sharded else None
+            state = {**state, "mine": self.folder.load_slices(path, state.get("slices"), layout)}
         try:
             self.load_state(state)
         except (ValueError, RuntimeError) as e:  # another algorithm, model shape or fragment layout
@@ -245,19 +244,6 @@ class Trainer:
         if "clock" in state:
             self.transport.load_clock_state(state["clock"])
 
-    def _my_slices(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
-        """This process's own state in a sharded run's checkpoint (RunError where the run is not laid out as the one
-        that wrote it: the slices are cut for its processes)."""
-        layout = state.get("slices")
-        mine = {"nodes": self.world, "per_node": self.inner.world_size} if self.sharded else None
-        if layout != mine:
-            had = (f"run.shard=fsdp with {layout['nodes']} node(s) of {layout['per_node']} process(es)" if layout
-                   else "run.shard=none")
-            now = (f"run.shard=fsdp with {mine['nodes']} node(s) of {mine['per_node']} process(es)" if mine
-                   else "run.shard=none")
-            raise RunError(f"{path}: written with {had}, and this run has {now}; resume it laid out as it was written")
-        return self.transport.load_slices(slices_folder(path))
-
     def _my_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """This worker's part of a checkpoint. A worker a simulation with churn had away when it was written has
         none: it comes back as a joining worker would, on worker 0's state (the run's model, at the run's step).
@@ -302,7 +288,7 @@ class Trainer:
         """Rank 0 writes; algorithms whose workers differ first gather every worker's state (a collective). A
         sharded worker's processes first write their own states together (:meth:`_save_slices`)."""
         if self.sharded:
-            self._save_slices()
+            self.folder.save_slices(self.step, local_tree(self.worker_state()))
         state = self.state_dict()
         self.saved_step = self.step
         if not self.leader:
@@ -316,23 +302,6 @@ class Trainer:
             self.metrics.close()
             raise Interrupted(STOP.signum, path, clean=True)
         return path
-
-    def _save_slices(self) -> None:
-        """Every process's own state (its slices of the model, the optimizer's and the algorithm's state, its RNG)
-        into the checkpoint's slices folder, through a temporary folder the leader renames once all have written:
-        the checkpoint's file, written after, stands for both."""
-        final = slices_folder(self.folder.checkpoints / checkpoint_name(self.step))
-        tmp = final.with_name(f".{final.name}.tmp")
-        if self.leader:
-            self.folder.checkpoints.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        self.transport.barrier()
-        self.transport.save_slices(tmp, local_tree(self.worker_state()))
-        if self.leader:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            fsync_dir(final.parent)
-        self.transport.barrier()
 
     # ---- the loop ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -422,9 +391,18 @@ class Trainer:
                f"x {self.world} worker(s); run folder {self.run_dir}")
         if self.device.type != "cpu":  # a CPU has no datasheet peak: no MFU, and no line about it
             m.info(self.mfu.describe())
+        if self.sharded:
+            m.info(f"each of a worker's {self.inner.world_size} processes holds its slices (run.shard: fsdp): "
+                   f"{self.memory().describe()}")
         if self.resumed_from:
             changes = f"; settings changed since it was saved: {self.resume_changes}" if self.resume_changes else ""
             m.info(f"resumed from {self.resumed_from}{changes}", self.step)
+
+    def memory(self) -> ProcessBytes:
+        """What this process holds for the worker's training state (:mod:`launch.memory`)."""
+        params = count_params(self.model)
+        share = sum(p.numel() for p in hidden_matrices(self.model)) / params if self.cfg.optim.name == "muon" else 0.0
+        return process_bytes(self.cfg, params, self.inner.world_size if self.sharded else 1, share)
 
     def _sources(self) -> dict[str, Any]:
         """What the run started from, for summary.json: its tokenizer, and the weights of ``model.init_from``."""

@@ -35,17 +35,22 @@ def tensor_bytes(obj) -> int:
 
 def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_path, capfd):
     """Two nodes of two processes, each node one Streaming DiLoCo worker sharded with FSDP2, end within 1e-5 of
-    ``loco simulate --workers 2`` with each worker's batch; each process holds half of a worker's state; and a run
-    resumed from its middle checkpoint ends where the unbroken one did, to the bit."""
+    ``loco simulate --workers 2`` with each worker's batch; each process holds half of a worker's state; the
+    checkpoint exports as any other; and a run resumed from its middle checkpoint ends where the unbroken one did,
+    to the bit."""
     from diloco.comm.fsdp import read_slices
 
     common = ["--config", TINY, "--max-steps", "6", "--seed", "11"]
     sim = loco(["simulate", *common, *sets(*RUN, "run.batch_size=4"), "--workers", "2",
                 "--run-dir", str(tmp_path / "sim")], capfd)
     assert sim.returncode == 0, sim.stderr[-3000:]
-    train = ["train", *common, *sets(*RUN, "run.shard=fsdp")]
-    for node in nodes([[*train, "--run-dir", str(tmp_path / "fsdp")]] * 2, per_node=2):
+    # the blocks recomputed in the backward too: the same gradients, each block gathered a third time
+    train = ["train", *common, *sets(*RUN, "run.shard=fsdp", "model.activation_checkpointing=true")]
+    ran = nodes([[*train, "--run-dir", str(tmp_path / "fsdp")]] * 2, per_node=2)
+    for node in ran:
         assert node.returncode == 0, node.stderr[-3000:]
+    assert "each of a worker's 2 processes holds its slices (run.shard: fsdp): parameters 1.8 MB, gradients 1.8 MB, " \
+           "optimizer 3.5 MB, algorithm 4.4 MB: 11.5 MB" in ran[0].stderr, ran[0].stderr[-3000:]
     a = latest_checkpoint(tmp_path / "sim" / "checkpoints")[1]
     path, b = latest_checkpoint(tmp_path / "fsdp" / "checkpoints")
     assert b["slices"] == {"nodes": 2, "per_node": 2} and "workers" not in b
@@ -57,6 +62,10 @@ def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_pa
     for process in range(4):
         mine = read_slices(slices_folder(path), process)
         assert tensor_bytes({k: mine[k] for k in ("model", "algo")}) <= whole / 2 * 1.05
+
+    # the checkpoint's file holds the whole model: loco export reads it as any other
+    exported = loco(["export", "--run-dir", str(tmp_path / "fsdp"), "--out", str(tmp_path / "hf")], capfd)
+    assert exported.returncode == 0 and (tmp_path / "hf" / "model.safetensors").is_file(), exported.stderr[-3000:]
 
     broken = tmp_path / "broken"
     shutil.copytree(tmp_path / "fsdp", broken)
@@ -88,6 +97,17 @@ def test_settings_sharding_cannot_run_with_are_named(overrides, key, words):
 
     with pytest.raises(ConfigError, match=f"{key}: .*{words}"):
         load_config([TINY], ["run.shard=fsdp", *overrides])
+
+
+def test_plan_prints_what_a_sharded_process_holds(capfd):
+    """``loco plan --shard G``: each algorithm's bytes a process, from the parameter count alone (a 7B model over
+    8 processes: 3.5 GB of fp32 parameters each)."""
+    res = loco(["plan", "--model", "7e9", "--workers", "2", "--bandwidth", "1Gbit", "--latency", "20ms",
+                "--shard", "8"], capfd)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "sharded over 8 processes (run.shard: fsdp)" in res.stdout
+    assert "diloco      parameters 3.5 GB, gradients 3.5 GB, optimizer 7.0 GB, algorithm 7.0 GB: 21.0 GB" in res.stdout
+    assert "ddp         parameters 3.5 GB, gradients 3.5 GB, optimizer 7.0 GB, algorithm 0 B: 14.0 GB" in res.stdout
 
 
 def test_sharding_outside_torchrun_or_over_too_few_units_says_why(capfd):

@@ -96,8 +96,10 @@ def shard_model(model: nn.Module, mesh: Any, processes: int, bf16: bool) -> nn.M
                              f"head) and the node {processes} processes; run fewer processes per node, or "
                              f"run.shard=none")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-    for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    for k, unit in enumerate(units):
+        # the last unit of the forward is the first of the backward: freeing its weights between the two would only
+        # gather them again at once
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=k < len(units) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 

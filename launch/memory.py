@@ -1,0 +1,77 @@
+"""The bytes one process holds for its worker's training state: parameters, gradients, the inner optimizer's state
+and the algorithm's. Read from the parameter count and the settings, the way ``loco plan`` reads a model it never
+builds; under ``run.shard: fsdp`` each part is 1/G of the worker's (G processes a node). Activations and the
+exchange's buffers are not counted: they depend on the batch and the bucket size, not on the model alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from launch.algorithms import algorithm_class
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ProcessBytes:
+    params: float
+    grads: float
+    optimizer: float
+    algorithm: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.algorithm
+
+    def describe(self) -> str:
+        return (f"parameters {human(self.params)}, gradients {human(self.grads)}, optimizer {human(self.optimizer)}, "
+                f"algorithm {human(self.algorithm)}: {human(self.total)}")
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def optimizer_copies(cfg: Any, matrix_share: float) -> float:
+    """fp32 copies of the parameters the inner optimizer keeps: AdamW's two moments, SGD's momentum, Muon's momentum
+    on the hidden matrices (``matrix_share`` of the parameters) and AdamW's moments on the rest; or what the
+    algorithm's own optimizer keeps."""
+    own = algorithm_class(cfg.algo.name).optimizer_copies(cfg)
+    if own is not None:
+        return own
+    o = cfg.optim
+    if o.name == "sgd":
+        return 1.0 if o.momentum > 0 else 0.0
+    if o.name == "muon":
+        return matrix_share + 2 * (1 - matrix_share)
+    return 2.0
+
+
+def process_bytes(cfg: Any, params: int, processes: int = 1, matrix_share: float = 0.9) -> ProcessBytes:
+    """What one of ``processes`` sharding a worker of ``params`` parameters holds (``processes=1``: unsharded)."""
+    share = params * FP32 / processes
+    return ProcessBytes(share, share, share * optimizer_copies(cfg, matrix_share),
+                        share * algorithm_class(cfg.algo.name).state_copies(cfg))
+
+
+def format_memory(params: int, processes: int, algorithms: tuple[str, ...] = ("ddp", "diloco", "streaming",
+                                                                              "sparseloco")) -> str:
+    """``loco plan --shard G``: what one process holds under each algorithm with its default settings and AdamW."""
+    from launch.config import Config
+
+    lines = [f"memory a process holds for a worker of {params / 1e6:,.0f}M parameters, "
+             + (f"sharded over {processes} processes (run.shard: fsdp)" if processes > 1 else "unsharded")
+             + " (activations and exchange buffers not counted):"]
+    for name in algorithms:
+        cfg = Config()
+        cfg.algo.name = name
+        if name == "streaming":
+            cfg.algo.fragments, cfg.algo.overlap_steps = 4, 5
+        lines.append(f"  {name:<11} {process_bytes(cfg, params, processes).describe()}")
+    return "\n".join(lines)
