@@ -2,7 +2,7 @@
 # Every GPU check and result of loco on one GPU (an H100 or H200), in two calls of under 8 minutes each.
 #
 #   bash benchmarks/gpu.sh --only gpu-tests,throughput,codecs,simulator   # call 1: about 400 s on an H200
-#   bash benchmarks/gpu.sh --only demo,convergence,suite                  # call 2: about 320 s
+#   bash benchmarks/gpu.sh --only demo,convergence,fsdp,suite             # call 2: about 320 s before fsdp
 #   bash benchmarks/gpu.sh                      # everything in one go (cuda; writes benchmarks/results/*_gpu.md)
 #   GPU_SH_QUICK=1 bash benchmarks/gpu.sh       # every stage shrunk to a smoke test (also: --quick)
 #   bash benchmarks/gpu.sh --quick --device cpu # smoke run without a GPU (also: LOCO_BENCH_DEVICE=cpu)
@@ -32,7 +32,9 @@
 #                  (asked for: DeMo's quality against DDP at 2,000 steps   -> demo_quality_gpu.md)
 #   6 convergence  convergence.py: ddp and demo-k32 on small (DeMo's step
 #                  against DDP's)                                          -> convergence_gpu.{md,json,png}
-#   7 suite        the whole test suite (pytest -m "not gpu"), over the cores
+#   7 fsdp         fsdp_step.py: 150m, one process, 16 x 1024: the plain step, run.shard: fsdp, and fsdp
+#                  with each block recomputed                               -> fsdp_gpu.md
+#   8 suite        the whole test suite (pytest -m "not gpu"), over the cores
 #                  with pytest-xdist where it is importable, within GPU_SH_SUITE_LIMIT -> suite_gpu.md
 # and a record of the commands and the stage times                           -> gpu_sh_gpu.md
 # The test stages go on to the next stage when tests fail; the script then ends with exit 1.
@@ -84,7 +86,7 @@ case "$QUICK" in 0|"") QUICK=0 ;; *) QUICK=1 ;; esac
 case "$WITH_1B" in 0|"") WITH_1B=0 ;; *) WITH_1B=1 ;; esac
 case "$WITH_DEMO_Q" in 0|"") WITH_DEMO_Q=0 ;; *) WITH_DEMO_Q=1 ;; esac
 
-STAGES="gpu-tests throughput codecs simulator demo convergence suite"
+STAGES="gpu-tests throughput codecs simulator demo convergence fsdp suite"
 for s in ${ONLY//,/ } ${SKIP//,/ }; do
     case " $STAGES " in *" $s "*) ;; *) echo "[gpu.sh] --only/--skip: unknown stage '$s' (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -132,7 +134,7 @@ begin() {
     STAGE="$1"
     T_STAGE=$(now)
     echo ""
-    echo "[gpu.sh] ===== stage $2/7: $1 (at $(secs "$T_START" "$T_STAGE") s) ====="
+    echo "[gpu.sh] ===== stage $2/8: $1 (at $(secs "$T_START" "$T_STAGE") s) ====="
 }
 end() {
     local s
@@ -160,6 +162,7 @@ if [ "$QUICK" = 1 ]; then
     DEMO_Q_ARGS=(--model tiny --steps 20 --seeds 0 --batch-size 2 --seq-len 32 --methods ddp,demo-k32 --repeats 1)
     CONV_ARGS=(--model tiny --methods ddp,diloco-h50,single,demo-k32 --seeds 0 --steps 100 --batch-size 2 --seq-len 32
                --warmup 5 --evals 4 --eval-batches 2)
+    FSDP_ARGS=(--sizes tiny --steps tiny=6 --procs 1 --batch-size 2 --seq-len 64 --repeats 1 --layouts mesh,fsdp,fsdp+recompute)
 else
     # 2 throughput: 3 warmup + 3 windows x 10 steps of 16 x 1024 tokens per model, each in its own process; 150m
     #   with +recompute gives activation checkpointing's cost (target at most 1.4x the plain step)
@@ -191,6 +194,10 @@ else
     #   back the two others, about 25 s each).
     CONV_ARGS=(--model small --methods "${GPU_SH_CONV_METHODS:-ddp,demo-k32}" --seeds 0 --steps 250 --batch-size 16 --seq-len 256
                --evals 10 --eval-batches 16)
+    # 7 fsdp: one process (torchrun), 150m, 16 x 1024, 40 steps a run, the three layouts alternating twice:
+    #   targets fsdp at most 1.05x the plain step, fsdp with each block recomputed at most 1.4x (not yet timed)
+    FSDP_ARGS=(--sizes 150m --steps 150m=40 --procs 1 --batch-size 16 --seq-len 1024 --repeats 2
+               --layouts mesh,fsdp,fsdp+recompute)
 fi
 
 # pytest_stage STAGE NUMBER REPORT TITLE PYTEST_ARGS...: pytest into a JUnit file, then its report; a failing
@@ -284,7 +291,8 @@ if wanted convergence; then
 fi
 
 # the limit stops pytest as Ctrl-C would, so its result file still holds what ran
-STAGE_LIMIT="${GPU_SH_SUITE_LIMIT:-240}" pytest_stage suite 7 suite "The whole test suite on this machine" "${SUITE_ARGS[@]}"
+one_report fsdp 7 fsdp fsdp_step.py "${FSDP_ARGS[@]}"
+STAGE_LIMIT="${GPU_SH_SUITE_LIMIT:-240}" pytest_stage suite 8 suite "The whole test suite on this machine" "${SUITE_ARGS[@]}"
 
 STAGE="summary"
 TOTAL=$(secs "$T_START" "$(now)")

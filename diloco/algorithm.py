@@ -130,7 +130,8 @@ def flatten_parameters_(params: list[torch.Tensor]) -> bool:
     storages = set()
     for p in params:
         storage = p.untyped_storage()
-        if (not isinstance(p, torch.nn.Parameter) or p.dtype != torch.float32 or p.device != device or not p.is_contiguous() or p.storage_offset() != 0
+        if (not isinstance(p, torch.nn.Parameter) or p.dtype != torch.float32 or p.device != device
+                or not p.is_contiguous() or p.storage_offset() != 0
                 or storage.nbytes() != p.numel() * p.element_size() or storage.data_ptr() in storages):
             return False
         storages.add(storage.data_ptr())

@@ -134,7 +134,7 @@ def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> N
         settings = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         saved = {**saved, "param_groups": [{**g, **s} for g, s in zip(theirs, settings)]}
     opt.load_state_dict(saved)  # torch refuses groups of other numbers or sizes
-    _resharded_moments(opt)
+    _moments_as_slices(opt)
     for group in opt.param_groups:
         if group.get("fused"):
             for p in group["params"]:
@@ -170,7 +170,7 @@ def like_sharded(template: Any, saved: Any) -> Any:
     return saved
 
 
-def _resharded_moments(opt: torch.optim.Optimizer) -> None:
+def _moments_as_slices(opt: torch.optim.Optimizer) -> None:
     """A sharded parameter's (a DTensor's) moments come from a checkpoint as this process's slices: each becomes a
     DTensor of its parameter's layout again, as the optimizer made it (its step count stays a plain tensor)."""
     for group in opt.param_groups:

@@ -71,7 +71,7 @@ def format_memory(params: int, processes: int, algorithms: tuple[str, ...] = ("d
     for name in algorithms:
         cfg = Config()
         cfg.algo.name = name
-        if name == "streaming":
+        if algorithm_class(name).fragmented:  # fragments in flight, as loco plan's streaming rows run them
             cfg.algo.fragments, cfg.algo.overlap_steps = 4, 5
         lines.append(f"  {name:<11} {process_bytes(cfg, params, processes).describe()}")
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """Transports: local (one worker), torch_dist (torchrun, flat or one worker per node), hivemind (internet peers)
 and sim (the simulator's in-process workers); :func:`make_transport` builds any of them."""
 
+import os
 from typing import Any
 
 from diloco.comm.agreement import schema_differs
@@ -26,9 +27,9 @@ def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: f
     """
     from diloco.comm.torch_dist import launched_by_torchrun, torchrun_layout
 
-    if backend == "auto":
-        backend = "torch_dist" if launched_by_torchrun() else "local"
-    if shard == "fsdp" and not (backend == "torch_dist" and launched_by_torchrun()):
+    if backend == "auto":  # one process started by torchrun shards over itself alone under fsdp (FSDP2's own cost)
+        backend = "torch_dist" if launched_by_torchrun() or shard == "fsdp" and "RANK" in os.environ else "local"
+    if shard == "fsdp" and not (backend == "torch_dist" and "RANK" in os.environ):
         raise TransportError("run.shard=fsdp shards a worker among the processes of a node started by torchrun "
                              "(torchrun --nproc-per-node G ... loco train); this run is one process: leave "
                              "run.shard at none")

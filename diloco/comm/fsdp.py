@@ -42,8 +42,8 @@ class ShardedNodeTransport(NodeMeshTransport):
 
     # ---- checkpoints: every process's own slices, written together --------------------------------
     def save_slices(self, folder: Path, state: dict[str, Any]) -> None:
-        """Every process's ``state`` (its slices: :func:`diloco.state.local_tree`) into ``folder`` with torch's distributed
-        checkpoint, each process writing its own file at once (a collective of every process)."""
+        """Every process's ``state`` (its slices: :func:`diloco.state.local_tree`) into ``folder`` with torch's
+        distributed checkpoint, each process writing its own file at once (a collective of every process)."""
         import torch.distributed.checkpoint as dcp
 
         writer = dcp.FileSystemWriter(folder, sync_files=True)
