@@ -51,14 +51,14 @@ def remove_checkpoint(path: Path) -> None:
     shutil.rmtree(slices_folder(path), ignore_errors=True)
 
 
-def _payload_bytes(obj: Any) -> int:
+def payload_bytes(obj: Any) -> int:
     """Bytes of the tensors in ``obj``: about what its checkpoint file takes."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
-        return sum(_payload_bytes(v) for v in obj.values())
+        return sum(payload_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(_payload_bytes(v) for v in obj)
+        return sum(payload_bytes(v) for v in obj)
     return 0
 
 
@@ -69,7 +69,7 @@ def write_file(path: str | Path, payload: dict[str, Any], final: Optional[Path] 
     final = final or path
     advice = ("the older checkpoints are intact; free some space (or lower run.keep_checkpoints, or choose "
               "another --run-dir) and resume")
-    with space_for(final, _payload_bytes(payload), advice, CheckpointError,
+    with space_for(final, payload_bytes(payload), advice, CheckpointError,
                    partial=path if path.is_file() or not path.exists() else None):
         with open(path, "wb") as fh:
             torch.save(payload, fh)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 
 from conftest import FAST, TINY, loco
 from conftest import torchrun_nodes as nodes
-from launch.checkpoint import latest_checkpoint, load_checkpoint, slices_folder
+from launch.checkpoint import latest_checkpoint, load_checkpoint, payload_bytes, slices_folder
 
 RUN = ["run.batch_size=2", "run.eval_every=0", "sim.baseline=none", "log.every=2", "run.checkpoint_every=3",
        "algo.name=streaming", "algo.inner_steps=4", "algo.fragments=2", "algo.overlap_steps=1"]
@@ -21,16 +20,6 @@ def sets(*overrides: str) -> list[str]:
 
 def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-
-def tensor_bytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
 
 
 def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_path, capfd):
@@ -58,10 +47,10 @@ def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_pa
 
     # each process's own state (its slices of the model, of AdamW's moments and of the global copy and outer
     # momentum) is half of what a whole worker holds, plus 5%
-    whole = tensor_bytes({k: a["workers"][0][k] for k in ("model", "algo")})
+    whole = payload_bytes({k: a["workers"][0][k] for k in ("model", "algo")})
     for process in range(4):
         mine = read_slices(slices_folder(path), process)
-        assert tensor_bytes({k: mine[k] for k in ("model", "algo")}) <= whole / 2 * 1.05
+        assert payload_bytes({k: mine[k] for k in ("model", "algo")}) <= whole / 2 * 1.05
 
     # the checkpoint's file holds the whole model: loco export reads it as any other
     exported = loco(["export", "--run-dir", str(tmp_path / "fsdp"), "--out", str(tmp_path / "hf")], capfd)
