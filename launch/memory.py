@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launch.algorithms import algorithm_class
+from launch.disk import human_bytes
 
 FP32 = 4
 
@@ -26,16 +27,8 @@ class ProcessBytes:
         return self.params + self.grads + self.optimizer + self.algorithm
 
     def describe(self) -> str:
-        return (f"parameters {human(self.params)}, gradients {human(self.grads)}, optimizer {human(self.optimizer)}, "
-                f"algorithm {human(self.algorithm)}: {human(self.total)}")
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
+        return (f"parameters {human_bytes(self.params)}, gradients {human_bytes(self.grads)}, optimizer {human_bytes(self.optimizer)}, "
+                f"algorithm {human_bytes(self.algorithm)}: {human_bytes(self.total)}")
 
 
 def optimizer_copies(cfg: Any, matrix_share: float) -> float:

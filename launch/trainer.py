@@ -85,7 +85,8 @@ class Trainer:
         self.device = start_process(run.threads, run.device, run.deterministic)
         self.transport = transport or make_transport(cfg.transport.backend, cfg.transport.dist_backend,
                                                      cfg.transport.timeout, self.device, cfg.transport.mesh,
-                                                     shard=cfg.run.shard, settings={**shared_settings(cfg), "--restart": restart})
+                                                     shard=cfg.run.shard,
+                                                     settings={**shared_settings(cfg), "--restart": restart})
         self.rank, self.world, self.leader = self.transport.rank, self.transport.world_size, self.transport.is_leader
         # a worker may be several processes (a node of a torchrun mesh): each takes its share of the worker's batch
         self.inner: Optional[Transport] = getattr(self.transport, "inner", None)
@@ -151,6 +152,11 @@ class Trainer:
     def step(self) -> int:
         return self.progress.step
 
+    @property
+    def slice_layout(self) -> Optional[dict[str, int]]:
+        """How a sharded run's processes are laid out (its slices are cut for them); None unsharded."""
+        return {"nodes": self.world, "per_node": self.inner.world_size} if self.sharded else None
+
     # ---- state ------------------------------------------------------------------------------
     def _resume(self) -> Optional[Path]:
         found = self.folder.resume_state(self.rank)
@@ -159,8 +165,7 @@ class Trainer:
         path, state = found
         self.resume_changes = changed_settings(state.get("config"), self.cfg)
         if "slices" in state or self.sharded:
-            layout = {"nodes": self.world, "per_node": self.inner.world_size} if self.sharded else None
-            state = {**state, "mine": self.folder.load_slices(path, state.get("slices"), layout)}
+            state = {**state, "mine": self.folder.load_slices(path, state.get("slices"), self.slice_layout)}
         try:
             self.load_state(state)
         except (ValueError, RuntimeError) as e:  # another algorithm, model shape or fragment layout
@@ -203,8 +208,7 @@ class Trainer:
         if self.sharded:  # every process's own state goes into the slices folder (save); here the whole model
             with self.algo.evaluation_weights():
                 whole = self.transport.whole_model_state(self.model)
-            layout = {"nodes": self.world, "per_node": self.inner.world_size}
-            return {**shared, "model": whole, "slices": layout, **self._clock_state()} if self.leader else {}
+            return {**shared, "model": whole, "slices": self.slice_layout, **self._clock_state()} if self.leader else {}
         if self.algo.replicated_state:
             mine = self.worker_state()
             return {**shared, **mine, **self._clock_state()}

@@ -38,8 +38,8 @@ def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_pa
     ran = nodes([[*train, "--run-dir", str(tmp_path / "fsdp")]] * 2, per_node=2)
     for node in ran:
         assert node.returncode == 0, node.stderr[-3000:]
-    assert "each of a worker's 2 processes holds its slices (run.shard: fsdp): parameters 1.8 MB, gradients 1.8 MB, " \
-           "optimizer 3.5 MB, algorithm 4.4 MB: 11.5 MB" in ran[0].stderr, ran[0].stderr[-3000:]
+    assert "each of a worker's 2 processes holds its slices (run.shard: fsdp): parameters 1.7 MiB, gradients 1.7 MiB, " \
+           "optimizer 3.4 MiB, algorithm 4.2 MiB: 11.0 MiB" in ran[0].stderr, ran[0].stderr[-3000:]
     a = latest_checkpoint(tmp_path / "sim" / "checkpoints")[1]
     path, b = latest_checkpoint(tmp_path / "fsdp" / "checkpoints")
     assert b["slices"] == {"nodes": 2, "per_node": 2} and "workers" not in b
@@ -90,13 +90,13 @@ def test_settings_sharding_cannot_run_with_are_named(overrides, key, words):
 
 def test_plan_prints_what_a_sharded_process_holds(capfd):
     """``loco plan --shard G``: each algorithm's bytes a process, from the parameter count alone (a 7B model over
-    8 processes: 3.5 GB of fp32 parameters each)."""
+    8 processes: 3.3 GiB of fp32 parameters each)."""
     res = loco(["plan", "--model", "7e9", "--workers", "2", "--bandwidth", "1Gbit", "--latency", "20ms",
                 "--shard", "8"], capfd)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "sharded over 8 processes (run.shard: fsdp)" in res.stdout
-    assert "diloco      parameters 3.5 GB, gradients 3.5 GB, optimizer 7.0 GB, algorithm 7.0 GB: 21.0 GB" in res.stdout
-    assert "ddp         parameters 3.5 GB, gradients 3.5 GB, optimizer 7.0 GB, algorithm 0 B: 14.0 GB" in res.stdout
+    assert "diloco      parameters 3.3 GiB, gradients 3.3 GiB, optimizer 6.5 GiB, algorithm 6.5 GiB: 19.6 GiB" in res.stdout
+    assert "ddp         parameters 3.3 GiB, gradients 3.3 GiB, optimizer 6.5 GiB, algorithm 0 B: 13.0 GiB" in res.stdout
 
 
 def test_sharding_outside_torchrun_or_over_too_few_units_says_why(capfd):
