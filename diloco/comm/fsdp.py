@@ -104,7 +104,6 @@ def shard_model(model: nn.Module, mesh: Any, processes: int, bf16: bool) -> nn.M
     return model
 
 
-
 def read_slices(folder: Path, process: int) -> dict[str, Any]:
     """Process ``process``'s part of a folder :meth:`ShardedNodeTransport.save_slices` wrote; KeyError where it
     holds none."""
