@@ -33,7 +33,7 @@ def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_pa
     sim = loco(["simulate", *common, *sets(*RUN, "run.batch_size=4"), "--workers", "2",
                 "--run-dir", str(tmp_path / "sim")], capfd)
     assert sim.returncode == 0, sim.stderr[-3000:]
-    # the blocks recomputed in the backward too: the same gradients, each block gathered a third time
+    # the blocks recomputed in the backward too (model.activation_checkpointing): the same gradients
     train = ["train", *common, *sets(*RUN, "run.shard=fsdp", "model.activation_checkpointing=true")]
     ran = nodes([[*train, "--run-dir", str(tmp_path / "fsdp")]] * 2, per_node=2)
     for node in ran:
