@@ -27,6 +27,7 @@ import torch
 
 from diloco.algorithm import ConfigConflict, register
 from diloco.comm.base import Handle, Transport
+from diloco.layers import layer_stack
 from diloco.outer import DiLoCo
 
 
@@ -73,10 +74,7 @@ def layer_fragments(model: torch.nn.Module, num_fragments: int) -> list[list[Any
     """
     params = [p for p in model.parameters() if p.requires_grad]
     index = {id(p): i for i, p in enumerate(params)}
-    # the layers: the children of the list of modules that holds the most parameters (loco's model.layers, a
-    # transformers model's model.layers or transformer.h, wherever it is nested)
-    lists = [m for m in model.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))]
-    stack = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+    stack = layer_stack(model)  # its children are the layers
     layers: list[list[int]] = []
     if stack is not None:
         layers.extend([index[id(p)] for p in layer.parameters() if id(p) in index] for layer in stack)

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from diloco.comm.base import Transport, TransportError
 from diloco.comm.node_mesh import NodeMeshTransport
+from diloco.layers import layer_stack
 
 
 class ShardedNodeTransport(NodeMeshTransport):
@@ -70,14 +71,12 @@ class ShardedNodeTransport(NodeMeshTransport):
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The modules that become FSDP units: every block (the children of the list of modules holding the most
-    parameters: loco's ``layers``, a ``transformers`` model's ``layers`` or ``h``) and the output head unless it is
-    tied to the embedding. The embeddings stay with the root, which gathers its own parameters first in every
+    """The modules that become FSDP units: every block (the children of :func:`diloco.layers.layer_stack`, the
+    layers Streaming DiLoCo's fragments are cut by) and the output head unless it is tied to the embedding. The embeddings stay with the root, which gathers its own parameters first in every
     forward: loco's model reads the embedding's weight itself instead of calling its module, which a unit of its
     own would leave sharded there."""
-    lists = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
-    size = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    units = list(max(lists, key=size)) if lists else []
+    stack = layer_stack(model)
+    units = list(stack) if stack is not None else []
     head = model.output_head() if hasattr(model, "output_head") else None
     embedded = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     if head is not None and not {id(p) for p in head.parameters()} & embedded:

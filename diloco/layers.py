@@ -1,0 +1,15 @@
+"""The model's stack of layers, as loco reads it for any model: what Streaming DiLoCo cuts its fragments by and
+what ``run.shard: fsdp`` makes its units of, so that a fragment is made of whole units."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn as nn
+
+
+def layer_stack(model: nn.Module) -> Optional[nn.Module]:
+    """The list of modules (``ModuleList`` or ``Sequential``) holding the most parameters: loco's ``layers``, a
+    ``transformers`` model's ``layers`` or ``h``, wherever it is nested; None where the model has none."""
+    lists = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
