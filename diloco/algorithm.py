@@ -223,7 +223,7 @@ class Algorithm:
         trainable = [p for p in model.parameters() if p.requires_grad]
         # a model sharded among a node's processes (run.shard: fsdp) holds DTensors: the algorithm works on this
         # process's slice of each (a plain tensor on the same storage), and the inner optimizer on the DTensors
-        self._sharded = [p for p in trainable if hasattr(p, "to_local")]
+        self._sharded = any(hasattr(p, "to_local") for p in trainable)
         if self._sharded:
             with torch.no_grad():
                 self.params = [p.to_local() if hasattr(p, "to_local") else p for p in trainable]

@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from diloco.comm import Transport, make_transport
 from diloco.state import like_sharded, local_tree
-from launch.build import build_algorithm, build_model, build_optimizer, hidden_matrices, shard_worker
+from launch.build import build_algorithm, build_model, build_optimizer, shard_worker
 from launch.checkpoint import checkpoint_name, rng_state, set_rng_state
 from launch.compute import StepCompute
 from launch.config import Config, changed_settings, shared_settings
@@ -404,9 +404,7 @@ class Trainer:
 
     def memory(self) -> ProcessBytes:
         """What this process holds for the worker's training state (:mod:`launch.memory`)."""
-        params = count_params(self.model)
-        share = sum(p.numel() for p in hidden_matrices(self.model)) / params if self.cfg.optim.name == "muon" else 0.0
-        return process_bytes(self.cfg, params, self.inner.world_size if self.sharded else 1, share)
+        return process_bytes(self.cfg, count_params(self.model), self.inner.world_size if self.sharded else 1)
 
     def _sources(self) -> dict[str, Any]:
         """What the run started from, for summary.json: its tokenizer, and the weights of ``model.init_from``."""
