@@ -156,6 +156,12 @@ def kill_when(proc: subprocess.Popen, ready, timeout: float = 180, poll: float =
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def max_diff(a: dict, b: dict) -> float:
+    """The largest difference between two state dicts of the same keys."""
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
 def torchrun_nodes(args: list[list[str]], per_node: int | list[int] = 1,
            timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """One torchrun per node on this machine (``--nnodes len(args)``), node i running ``launch.cli args[i]`` in

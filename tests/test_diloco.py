@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAST, TINY
+from conftest import FAST, TINY, max_diff
 from diloco.outer import DiLoCo
 from diloco.streaming import StreamingDiLoCo, layer_fragments
 from launch.checkpoint import latest_checkpoint
@@ -26,11 +26,6 @@ def cfg_of(tmp_path, name, *overrides):
 def final_model(summary) -> dict[str, torch.Tensor]:
     _, state = latest_checkpoint(f"{summary['run_dir']}/checkpoints")
     return state["model"]
-
-
-def max_diff(a, b) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
 def test_identity_h1_plain_outer_sgd_equals_ddp(tmp_path):

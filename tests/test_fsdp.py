@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import FAST, TINY, loco
+from conftest import FAST, TINY, loco, max_diff
 from conftest import torchrun_nodes as nodes
 from launch.checkpoint import latest_checkpoint, load_checkpoint, payload_bytes, slices_folder
 
@@ -16,10 +16,6 @@ RUN = ["run.batch_size=2", "run.eval_every=0", "sim.baseline=none", "log.every=2
 
 def sets(*overrides: str) -> list[str]:
     return [a for s in [*FAST, *overrides] for a in ("--set", s)]
-
-
-def max_diff(a: dict, b: dict) -> float:
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
 def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_path, capfd):

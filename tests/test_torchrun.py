@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, ROOT, TINY, child_env, free_port, loco, run_cli, simulate_and_torchrun
+from conftest import FAST, ROOT, TINY, child_env, free_port, loco, max_diff, run_cli, simulate_and_torchrun
 from conftest import torchrun_nodes as _nodes
 from launch.checkpoint import latest_checkpoint, load_checkpoint
 
@@ -23,10 +23,6 @@ SMALL = ["run.batch_size=2", "run.eval_every=0", "sim.baseline=none", "sim.step_
 
 def sets(*overrides: str) -> list[str]:
     return [a for s in [*FAST, *SMALL, *overrides] for a in ("--set", s)]
-
-
-def max_diff(a: dict, b: dict) -> float:
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
 def torchrun(*args: str) -> list[str]:
