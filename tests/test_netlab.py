@@ -67,13 +67,13 @@ def test_peers_behind_two_nats_train_with_a_public_peer_in_every_round(tmp_path)
         for name in "ab":
             procs[name] = start(lab, tmp_path, name, name, "--peers", addr, "--client-mode", *int8)
         trio = lambda name: sum(len(r["members"]) == 3 for r in rounds(tmp_path, name))  # noqa: E731
-        wait_for(lambda: trio("a") >= 4 and trio("b") >= 4, "four rounds of all three peers", procs, timeout=180)
+        wait_for(lambda: trio("a") >= 3 and trio("b") >= 3, "three rounds of all three peers", procs, timeout=180)
         stop(procs, tmp_path)
     p, a, b = (by_epoch(tmp_path, n) for n in "pab")
     both = sorted(set(a) & set(b))
     trio = [e for e in both if len(a[e]["members"]) == len(b[e]["members"]) == 3]
     sizes = {e: (len(a[e]["members"]), len(b[e]["members"])) for e in both}
-    assert len(trio) >= 4, sizes
+    assert len(trio) >= 3, sizes
     # once they have met, all three meet in at least half the rounds a and b share, the last among them (a peer the
     # loaded machine kept past a round's deadline joins a later one: a CI run once ended on shared rounds 17, 19
     # and 20, all three in 17 and 20 only); without --client-mode they never met at all
