@@ -41,6 +41,7 @@ from diloco.comm.base import Transport
 from diloco.comm.local import LocalTransport
 from diloco.compress import collective, end_to_end, make_codec
 from diloco.compress.chain import parse_chain
+from diloco.reshard import cut_optimizer, join_optimizer
 from diloco.state import check_finite, check_fits, copy_into, counts_of, list_at, load_optimizer_state
 
 if TYPE_CHECKING:
@@ -452,6 +453,16 @@ class Algorithm:
         load_optimizer_state(self.optimizer, state["optimizer"])
         self.steps = state["steps"]
         self.skipped_steps = state["skipped_steps"]
+
+    @classmethod
+    def whole_state(cls, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """The :meth:`state_dict` a worker held whole would keep, from the parts its processes kept when they
+        sharded it (``run.shard: fsdp``), in process order: ValueError where it cannot be (:mod:`diloco.reshard`)."""
+        return {**parts[0], "optimizer": join_optimizer([p["optimizer"] for p in parts])}
+
+    def cut_state(self, whole: dict[str, Any]) -> dict[str, Any]:
+        """This process's part of ``whole`` (a :meth:`whole_state`): itself where the model is not sharded."""
+        return {**whole, "optimizer": cut_optimizer(self.optimizer, whole["optimizer"])} if self._sharded else whole
 
     def _codec_state(self) -> dict[str, Any]:
         """The codec's state for a checkpoint. Where a worker is several processes (a node of a torchrun mesh) and

@@ -36,6 +36,7 @@ from diloco.comm.base import Handle, Transport
 from diloco.compress import collective
 from diloco.compress.codec import Codec
 from diloco.compress.senders import Senders
+from diloco.reshard import Span, cut_pieces, cut_rows, join_pieces, momenta, span_of, with_momenta
 from diloco.state import (check_finite, check_fits, check_optimizer_state, copy_into, counts_of, list_at,
                            load_optimizer_state)
 from diloco.sync import SyncPolicy
@@ -68,10 +69,19 @@ class DiLoCo(Algorithm):
         # end in one buffer, they are encoded and decoded where they lie, with no bucket copied in and out
         self.flat_params = (self.codec is not None and self.params[0].device == self.outer_device
                             and flatten_parameters_(self.params)) if self.params else False
-        whole = [list(range(len(self.params)))]
-        if fragments is not None and self._sharded:
-            fragments = _local_rows(fragments, self._slice_of)
-        self.pieces, self.fragments = _pieces(fragments if fragments is not None else whole, self.params)
+        fragments = [list(range(len(self.params)))] if fragments is None else fragments
+        # sharded: the whole worker's fragments, and where each piece here comes from in them (diloco.reshard)
+        self.whole_layout: Optional[list[list[list[int]]]] = None
+        self.whole_pieces: list[tuple[int, int, int]] = []
+        if self._sharded:
+            self.whole_layout = _layout_of(*_pieces(fragments, [p for p, _ in self._slice_of]))
+            self.param_spans = [span_of(p) for p, _ in self._slice_of]
+            fragments, origins = _local_rows(fragments, self._slice_of)
+        self.pieces, self.fragments = _pieces(fragments, self.params)
+        if self.whole_layout is not None:
+            firsts = _firsts(self.whole_layout)
+            self.whole_pieces = [(firsts[f] + j, start, _num_rows(self._local(k)))
+                                 for f, frag in enumerate(self.fragments) for k, (j, start) in zip(frag, origins[f])]
         # one view of the global copy per piece: what the outer optimizers step and the exchanges send
         self.global_views = [_rows_of(self.global_params[i], rows) for i, rows in self.pieces]
         nesterov = nesterov and outer_momentum > 0
@@ -283,12 +293,58 @@ class DiLoCo(Algorithm):
         state.update(fragments=self._layout(), round_steps=self.round_steps, **self.shared_state())
         if self.codec is not None:
             state["codec"] = self._codec_state()
+        if self.whole_layout is not None:
+            state.update(whole_layout=self.whole_layout, whole_pieces=self.whole_pieces, param_spans=self.param_spans)
         return state
 
     def _layout(self) -> list[list[list[int]]]:
-        """Each fragment's pieces as [parameter, start, stop] (start = stop = -1: the whole parameter)."""
-        return [[[i, *(rows if rows is not None else (-1, -1))] for i, rows in (self.pieces[k] for k in frag)]
-                for frag in self.fragments]
+        return _layout_of(self.pieces, self.fragments)
+
+    # ---- the state of a sharded worker in another layout (diloco.reshard) ----------------------------
+    @classmethod
+    def whole_state(cls, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        state = super().whole_state(parts)
+        first = parts[0]
+        if "whole_layout" not in first:
+            return state
+        if any((p.get("codec") or {}).get("residuals") for p in parts):
+            raise ValueError(_KEPT_BY_SLICES)
+        state["global_params"] = [torch.cat(ts) if span is not None else ts[0]
+                                  for ts, span in zip(zip(*(p["global_params"] for p in parts)), first["param_spans"])]
+        state["outer_optimizers"] = [with_momenta(o, cls._joined(parts, f, [momenta([p["outer_optimizers"][f]])
+                                                                            for p in parts]))
+                                     for f, o in enumerate(first["outer_optimizers"])]
+        state["fragments"] = first["whole_layout"]
+        for key in ("whole_layout", "whole_pieces", "param_spans"):
+            del state[key]
+        return state
+
+    def cut_state(self, whole: dict[str, Any]) -> dict[str, Any]:
+        state = super().cut_state(whole)
+        if self.whole_layout is None:
+            return state
+        if whole.get("fragments") != self.whole_layout:
+            raise ValueError(f"its outer state is cut into {len(whole.get('fragments') or [])} fragment(s), this "
+                             f"run's into {len(self.whole_layout)}: resume with the same algo.fragments and model")
+        codec = whole.get("codec") or {}
+        if codec.get("residuals") or codec.get("residuals_by_process"):
+            raise ValueError(_KEPT_BY_SLICES)
+        state["global_params"] = [cut_rows(g, span) for g, span in zip(whole["global_params"], self.param_spans)]
+        state["outer_optimizers"] = [with_momenta(o, self._cut(f, momenta([o])))
+                                     for f, o in enumerate(whole["outer_optimizers"])]
+        state["fragments"] = self._layout()
+        return state
+
+    @staticmethod
+    def _joined(parts: list[dict[str, Any]], f: int, lists: list[list[Any]]) -> list[Any]:
+        """Fragment ``f``'s whole pieces from ``lists``, each part's tensors for its pieces of ``f``."""
+        layout = parts[0]["whole_layout"]
+        origins = [_origins_in(p["fragments"], p["whole_pieces"], layout, f) for p in parts]
+        return join_pieces(lists, origins, len(layout[f]))
+
+    def _cut(self, f: int, whole: list[Any]) -> list[Any]:
+        """This process's pieces of fragment ``f`` from the fragment's ``whole`` pieces."""
+        return cut_pieces(whole, _origins_in(self._layout(), self.whole_pieces, self.whole_layout, f))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)  # checks the algorithm's name first
@@ -310,6 +366,30 @@ class DiLoCo(Algorithm):
         self.policy.start_round(self.transport.mark)
 
 
+_KEPT_BY_SLICES = ("its codec's error-feedback residuals are kept for the slices of the processes that wrote it, "
+                   "a layout of their own: resume laid out as it was written (run.shard, processes a node)")
+
+
+def _layout_of(pieces: Sequence[tuple[int, Optional[tuple[int, int]]]], fragments: Sequence[Sequence[int]]
+               ) -> list[list[list[int]]]:
+    """Each fragment's pieces as [parameter, start, stop] (start = stop = -1: the whole parameter)."""
+    return [[[i, *(rows if rows is not None else (-1, -1))] for i, rows in (pieces[k] for k in frag)]
+            for frag in fragments]
+
+
+def _firsts(layout: Sequence[Sequence[Any]]) -> list[int]:
+    """The index of each fragment's first piece."""
+    return [sum(len(f) for f in layout[:k]) for k in range(len(layout))]
+
+
+def _origins_in(layout: Sequence[Sequence[Any]], whole_pieces: Sequence[Sequence[int]],
+                whole_layout: Sequence[Sequence[Any]], f: int) -> list[tuple[int, int, int]]:
+    """Where each piece of fragment ``f`` of a process laid out as ``layout`` comes from: (its whole piece's
+    position in the whole fragment, its first row there, its rows)."""
+    first, whole_first = _firsts(layout)[f], _firsts(whole_layout)[f]
+    return [(w - whole_first, start, rows) for w, start, rows in whole_pieces[first:first + len(layout[f])]]
+
+
 def _rows_of(t: torch.Tensor, rows: Optional[tuple[int, int]]) -> torch.Tensor:
     """A view of rows ``start:stop`` of ``t`` (all of it for None)."""
     return t if rows is None else t[rows[0]:rows[1]]
@@ -320,38 +400,43 @@ def _num_rows(t: torch.Tensor) -> int:
 
 
 def _local_rows(fragments: Sequence[Sequence[Any]], slices: Sequence[tuple[torch.Tensor, torch.Tensor]]
-                ) -> list[list[Any]]:
+                ) -> tuple[list[list[Any]], list[list[tuple[int, int]]]]:
     """Fragments given in rows of whole parameters (:func:`_pieces`), in rows of this process's slices: a model
     sharded among a node's processes (DTensors cut along their first dimension as ``torch.chunk`` cuts them) holds
     rows ``off:off+n`` of each parameter here. ``slices``: (parameter, this process's slice of it) pairs. A slice
-    with no rows here still belongs to a fragment: the first that holds rows of its parameter."""
-    spans: list[Optional[tuple[int, int]]] = []
+    with no rows here still belongs to a fragment: the first that holds rows of its parameter. Also, for each item
+    of each fragment here, where it comes from: its position in the whole fragment, and the row of that whole item
+    where its rows start."""
+    spans: list[Span] = []
     for whole, local in slices:
-        if whole is local:
-            spans.append(None)
-            continue
-        rows, g, r = whole.shape[0], whole.device_mesh.size(), whole.device_mesh.get_local_rank()
-        off = min(r * -(-rows // g), rows)
-        if local.shape[0] != min(-(-rows // g), rows - off):
-            raise ValueError(f"a sharded parameter of {rows} rows holds {local.shape[0]} on process {r} of {g}: "
-                             f"not the rows torch.chunk gives it")
-        spans.append((off, local.shape[0]))
+        span = None if whole is local else span_of(whole)
+        if span is not None and local.shape[0] != span[1]:
+            raise ValueError(f"a sharded parameter of {whole.shape[0]} rows holds {local.shape[0]} here, not the "
+                             f"{span[1]} rows torch.chunk gives it")
+        spans.append(span)
     out: list[list[Any]] = []
+    origins: list[list[tuple[int, int]]] = []
     placed: set[int] = set()
     for frag in fragments:
         mine: list[Any] = []
-        for item in frag:
+        whence: list[tuple[int, int]] = []
+        for j, item in enumerate(frag):
             i = item if isinstance(item, int) else item[0]
-            if isinstance(item, int) or spans[i] is None:
+            if spans[i] is None:
                 mine.append(item)
+                whence.append((j, 0))
                 continue
             off, n = spans[i]
-            lo, hi = max(item[1], off) - off, min(item[2], off + n) - off
+            start = 0 if isinstance(item, int) else item[1]
+            stop = _num_rows(slices[i][0]) if isinstance(item, int) else item[2]
+            lo, hi = max(start, off) - off, min(stop, off + n) - off
             if lo < hi or (n == 0 and i not in placed):
                 mine.append(i if (lo, hi) == (0, n) or n == 0 else (i, lo, hi))
+                whence.append((j, max(off + lo - start, 0)))
                 placed.add(i)
         out.append(mine)
-    return out
+        origins.append(whence)
+    return out, origins
 
 
 def _pieces(fragments: Sequence[Sequence[Any]], params: Sequence[torch.Tensor]

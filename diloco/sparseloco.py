@@ -163,6 +163,19 @@ class SparseLoCo(DiLoCo):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "moved": [m.detach().cpu() for m in self.moved]}
 
+    @classmethod
+    def whole_state(cls, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        state = super().whole_state(parts)
+        if "whole_layout" in parts[0] and "moved" in parts[0]:  # one fragment: its pieces are every piece
+            state["moved"] = cls._joined(parts, 0, [p["moved"] for p in parts])
+        return state
+
+    def cut_state(self, whole: dict[str, Any]) -> dict[str, Any]:
+        state = super().cut_state(whole)
+        if self.whole_layout is not None and "moved" in whole:
+            state["moved"] = self._cut(0, whole["moved"])
+        return state
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         saved = state.get("moved")  # a checkpoint from before the figure starts it over

@@ -262,6 +262,27 @@ class StreamingDiLoCo(DiLoCo):
         self.finalized_at = state.get("finalized_at")
         self.pending = [Pending.from_state(x) for x in state["pending"]]
 
+    @classmethod
+    def whole_state(cls, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        state = super().whole_state(parts)
+        if "whole_layout" in parts[0]:  # the exchanges in flight are the same on every process: joined one by one
+            state["pending"] = [cls._joined_pending(parts, e) for e in range(len(parts[0]["pending"]))]
+        return state
+
+    @classmethod
+    def _joined_pending(cls, parts: list[dict[str, Any]], e: int) -> dict[str, Any]:
+        x = parts[0]["pending"][e]
+        joined = {k: cls._joined(parts, x["fragment"], [p["pending"][e][k] for p in parts]) if x[k] is not None
+                  else None for k in ("deltas", "sent")}
+        return {**x, **joined}
+
+    def cut_state(self, whole: dict[str, Any]) -> dict[str, Any]:
+        state = super().cut_state(whole)
+        if self.whole_layout is not None:
+            state["pending"] = [{**x, **{k: self._cut(x["fragment"], x[k]) if x[k] is not None else None
+                                         for k in ("deltas", "sent")}} for x in whole["pending"]]
+        return state
+
     def _place(self, x: Pending, indices: list[int]) -> None:
         """An exchange that ended, beside what it is applied to: its averaged deltas on the global copy's device
         (they become its gradients), what was sent on the local parameters' (the steps since are local - sent).

@@ -15,7 +15,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
-from diloco.comm import Transport
+from diloco.comm import Transport, read_slices
+from diloco.reshard import join_model
 from launch.checkpoint import checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint, slices_folder
 from launch.config import Config, dump_config
 from launch.errors import RunError
@@ -66,15 +67,18 @@ class RunDir:
             fsync_dir(final.parent)
         self.transport.barrier()
 
-    def load_slices(self, path: Path, written: Optional[dict], layout: Optional[dict]) -> dict[str, Any]:
-        """This process's own state in the checkpoint ``path`` of a sharded run; RunError where this run is laid out
-        otherwise than the one that wrote it (``written``, ``layout``: nodes and processes a node, None unsharded),
-        since the slices are cut for its processes."""
-        if written != layout:
-            had, now = (f"run.shard=fsdp with {x['nodes']} node(s) of {x['per_node']} process(es)" if x else
-                        "run.shard=none" for x in (written, layout))
-            raise RunError(f"{path}: written with {had}, and this run has {now}; resume it laid out as it was written")
+    def load_slices(self, path: Path) -> dict[str, Any]:
+        """This process's own state in the checkpoint ``path`` of a sharded run laid out as this one."""
         return self.transport.load_slices(slices_folder(path))
+
+    @staticmethod
+    def whole_worker(path: Path, written: dict[str, int], worker: int, algorithm: type) -> dict[str, Any]:
+        """Worker ``worker``'s state held whole, from the checkpoint ``path`` of a sharded run laid out as
+        ``written`` (nodes, processes a node): the parts its processes kept, joined (:mod:`diloco.reshard`);
+        ValueError where they cannot be."""
+        parts = [read_slices(slices_folder(path), worker * written["per_node"] + q) for q in range(written["per_node"])]
+        return {**parts[0], "model": join_model([p["model"] for p in parts], parts[0].get("cut_keys", [])),
+                "algo": algorithm.whole_state([p["algo"] for p in parts])}
 
     def _agree(self) -> Path:
         run = self.cfg.run

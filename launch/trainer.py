@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from diloco.comm import Transport, make_transport
+from diloco.reshard import cut_model, sharded_keys
 from diloco.state import like_sharded, local_tree
 from launch.build import build_algorithm, build_model, build_optimizer, shard_worker
 from launch.checkpoint import checkpoint_name, rng_state, set_rng_state
@@ -164,9 +165,9 @@ class Trainer:
             return None
         path, state = found
         self.resume_changes = changed_settings(state.get("config"), self.cfg)
-        if "slices" in state or self.sharded:
-            state = {**state, "mine": self.folder.load_slices(path, state.get("slices"), self.slice_layout)}
         try:
+            if "slices" in state or self.sharded:
+                state = {**state, "mine": self._process_state(path, state)}
             self.load_state(state)
         except (ValueError, RuntimeError) as e:  # another algorithm, model shape or fragment layout
             text = str(e).strip()
@@ -228,9 +229,7 @@ class Trainer:
         return {} if clock is None else {"clock": clock}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        if state.get("num_workers", 1) != self.world:
-            raise RunError(f"the checkpoint was written by {state.get('num_workers', 1)} workers and this run has "
-                           f"{self.world}; resume with the same number of workers")
+        self._same_workers(state)
         mine = self._my_state(state)
         self.model.load_state_dict(mine["model"])
         self.algo.load_state_dict(mine["algo"])
@@ -247,6 +246,25 @@ class Trainer:
         self.transport.stats.peak_bytes = int(comm.get("peak_bytes", 0))
         if "clock" in state:
             self.transport.load_clock_state(state["clock"])
+
+    def _same_workers(self, state: dict[str, Any]) -> None:
+        if state.get("num_workers", 1) != self.world:
+            raise RunError(f"the checkpoint was written by {state.get('num_workers', 1)} workers and this run has "
+                           f"{self.world}; resume with the same number of workers")
+
+    def _process_state(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
+        """This process's state where the checkpoint or this run is sharded: its own slices where both are laid
+        out alike; else its worker's state held whole (joined from the slices of the processes that wrote it, or
+        as an unsharded run wrote it), cut for this process where this run is sharded (:mod:`diloco.reshard`)."""
+        written = state.get("slices")
+        if written == self.slice_layout:
+            return self.folder.load_slices(path)
+        self._same_workers(state)
+        whole = self.folder.whole_worker(path, written, self.rank, type(self.algo)) if written else self._my_state(state)
+        if not self.sharded:
+            return whole
+        return {**whole, "model": cut_model(self.model.state_dict(), whole["model"]),
+                "algo": self.algo.cut_state(whole["algo"])}
 
     def _my_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """This worker's part of a checkpoint. A worker a simulation with churn had away when it was written has
@@ -290,9 +308,10 @@ class Trainer:
 
     def save(self) -> Optional[Path]:
         """Rank 0 writes; algorithms whose workers differ first gather every worker's state (a collective). A
-        sharded worker's processes first write their own states together (:meth:`_save_slices`)."""
+        sharded worker's processes first write their own states together (:meth:`RunDir.save_slices`)."""
         if self.sharded:
-            self.folder.save_slices(self.step, local_tree(self.worker_state()))
+            mine = self.worker_state()
+            self.folder.save_slices(self.step, {**local_tree(mine), "cut_keys": sharded_keys(mine["model"])})
         state = self.state_dict()
         self.saved_step = self.step
         if not self.leader:

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import shutil
+from typing import Any
 
 import pytest
+import torch
 
 from conftest import FAST, TINY, loco, max_diff
 from conftest import torchrun_nodes as nodes
+from diloco.algorithm import algorithm_class
 from launch.checkpoint import latest_checkpoint, load_checkpoint, payload_bytes, slices_folder
+from launch.rundir import RunDir
 
 RUN = ["run.batch_size=2", "run.eval_every=0", "sim.baseline=none", "log.every=2", "run.checkpoint_every=3",
-       "algo.name=streaming", "algo.inner_steps=4", "algo.fragments=2", "algo.overlap_steps=1"]
+       "algo.name=streaming", "algo.inner_steps=4", "algo.fragments=2", "algo.overlap_steps=2"]
 
 
 def sets(*overrides: str) -> list[str]:
@@ -23,7 +27,7 @@ def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_pa
     ``loco simulate --workers 2`` with each worker's batch; each process holds half of a worker's state; the
     checkpoint exports as any other; and a run resumed from its middle checkpoint ends where the unbroken one did,
     to the bit."""
-    from diloco.comm.fsdp import read_slices
+    from diloco.comm.slices import read_slices
 
     common = ["--config", TINY, "--max-steps", "6", "--seed", "11"]
     sim = loco(["simulate", *common, *sets(*RUN, "run.batch_size=4"), "--workers", "2",
@@ -55,6 +59,8 @@ def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_pa
     broken = tmp_path / "broken"
     shutil.copytree(tmp_path / "fsdp", broken)
     (broken / "checkpoints" / "step_00000006.pt").unlink()
+    to_sim = tmp_path / "to-sim"
+    shutil.copytree(broken, to_sim)
     assert load_checkpoint(broken / "checkpoints" / "step_00000003.pt")["step"] == 3
     for node in nodes([[*train, "--run-dir", str(broken), "--resume"]] * 2, per_node=2):
         assert node.returncode == 0, node.stderr[-3000:]
@@ -65,11 +71,46 @@ def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_pa
         y = read_slices(slices_folder(broken / "checkpoints" / "step_00000006.pt"), process)
         assert max_diff(dict(enumerate(x["algo"]["global_params"])), dict(enumerate(y["algo"]["global_params"]))) == 0
 
-    # another layout cannot take these slices (not yet: resharding is not done): one line, naming both
-    again = loco(["train", *common, *sets(*RUN), "--run-dir", str(broken), "--resume"], capfd)
-    assert again.returncode != 0 and "Traceback" not in again.stderr
-    assert "written with run.shard=fsdp with 2 node(s) of 2 process(es), and this run has run.shard=none; resume " \
-           "it laid out as it was written" in again.stderr, again.stderr[-3000:]
+    # another layout takes them too. A worker's processes' slices, joined, are the state the simulated worker held
+    # at that step: its model, AdamW's moments, the global copy, the outer momenta and the exchange in flight
+    sim_at_3 = load_checkpoint(tmp_path / "sim" / "checkpoints" / "step_00000003.pt")
+    for w in sim_at_3["workers"]:
+        joined = RunDir.whole_worker(to_sim / "checkpoints" / "step_00000003.pt", b["slices"],
+                                        w["data"]["worker_index"], algorithm_class("streaming"))
+        assert joined["algo"]["pending"], "no exchange was in flight at the checkpoint"
+        assert same_state(joined["algo"], w["algo"]) < 1e-5
+        assert max_diff(joined["model"], w["model"]) < 1e-5
+    # so the simulator resumes a sharded run, and a sharded run resumes the simulator's (each worker's state cut
+    # into its processes' slices), each ending where the unbroken runs did
+    resumed = loco(["simulate", "--run-dir", str(to_sim), "--resume", "--workers", "2",
+                    *sets(*RUN, "run.batch_size=4", "run.shard=none")], capfd)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert max_diff(a["model"], latest_checkpoint(to_sim / "checkpoints")[1]["model"]) < 1e-5
+    from_sim = tmp_path / "from-sim"
+    shutil.copytree(tmp_path / "sim", from_sim)
+    (from_sim / "checkpoints" / "step_00000006.pt").unlink()
+    for node in nodes([[*train, "--run-dir", str(from_sim), "--resume"]] * 2, per_node=2):
+        assert node.returncode == 0, node.stderr[-3000:]
+    assert max_diff(a["model"], latest_checkpoint(from_sim / "checkpoints")[1]["model"]) < 1e-5
+
+
+def leaves(tree: Any, at: str = "") -> dict[str, Any]:
+    """Every value of a nested state (dicts, lists) by its path."""
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in leaves(sub, f"{at}/{key}").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, sub in enumerate(tree) for k, v in leaves(sub, f"{at}/{i}").items()}
+    return {at: tree}
+
+
+def same_state(a: Any, b: Any) -> float:
+    """The largest difference between the tensors of two nested states of the same paths; every other value
+    equal."""
+    x, y = leaves(a), leaves(b)
+    assert x.keys() == y.keys(), sorted(x.keys() ^ y.keys())
+    tensors = {k for k, v in x.items() if isinstance(v, torch.Tensor)}
+    assert {k: v for k, v in x.items() if k not in tensors} == {k: v for k, v in y.items() if k not in tensors}
+    return max_diff({k: x[k] for k in tensors}, {k: y[k] for k in tensors})
 
 
 @pytest.mark.parametrize("overrides, key, words", [
@@ -108,3 +149,15 @@ def test_sharding_outside_torchrun_or_over_too_few_units_says_why(capfd):
     assert shard_units(untied) == [*untied.layers, untied.output]  # the blocks and the head; the embedding: the root
     with pytest.raises(TransportError, match="the model has 2 unit"):  # a head tied to the embedding stays there
         shard_model(Transformer(ModelArgs(**shape, tie_embeddings=True)), None, 4, False)
+
+
+def test_residuals_kept_by_slices_are_refused_in_another_layout():
+    """A codec's error-feedback residuals are cut by the buffers of the processes that kept them, not by rows:
+    resuming them in another layout is refused (the trainer names the checkpoint before this line)."""
+    from diloco.outer import DiLoCo
+
+    part = {"name": "diloco", "optimizer": {"state": {}, "param_groups": []}, "whole_layout": [[[0, -1, -1]]],
+            "codec": {"chain": "topk:0.1+2bit", "residuals": {"all": torch.zeros(3)}}}
+    with pytest.raises(ValueError, match="error-feedback residuals are kept for the slices of the processes that "
+                                         "wrote it, a layout of their own: resume laid out as it was written"):
+        DiLoCo.whole_state([part, part])

@@ -10,7 +10,8 @@ from diloco.comm.caps import Capabilities, RobustBounds
 from diloco.comm.local import LocalTransport
 
 __all__ = ["Capabilities", "CommStats", "Handle", "LocalTransport", "RobustBounds", "Transport", "TransportError",
-           "check_run_name", "fingerprint", "make_transport", "merge_ledgers", "read_swarm", "schema_differs"]
+           "check_run_name", "fingerprint", "make_transport", "merge_ledgers", "read_slices", "read_swarm",
+           "schema_differs"]
 
 
 def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: float = 300.0, device=None,
@@ -74,6 +75,10 @@ def __getattr__(name: str) -> Any:
 
     They live in :mod:`diloco.comm.hivemind`; importing that module does not import the hivemind library.
     """
+    if name == "read_slices":  # a sharded run's checkpoint slices, read without a process group
+        from diloco.comm.slices import read_slices
+
+        return read_slices
     if name in _SWARM_HELPERS:
         from diloco.comm import hivemind
 

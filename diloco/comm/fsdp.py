@@ -11,7 +11,6 @@ node mesh does with its 1/G share of a replicated buffer, without the gather ins
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,6 +19,7 @@ import torch.nn as nn
 
 from diloco.comm.base import Transport, TransportError
 from diloco.comm.node_mesh import NodeMeshTransport
+from diloco.comm.slices import packed, read_slices
 from diloco.layers import layer_stack
 
 
@@ -48,7 +48,7 @@ class ShardedNodeTransport(NodeMeshTransport):
         import torch.distributed.checkpoint as dcp
 
         writer = dcp.FileSystemWriter(folder, sync_files=True)
-        self._run("distributed checkpoint save", dcp.save, {f"p{self.global_rank}": _packed(state)},
+        self._run("distributed checkpoint save", dcp.save, {f"p{self.global_rank}": packed(state)},
                   storage_writer=writer, process_group=self._g("world"))
 
     def load_slices(self, folder: Path) -> dict[str, Any]:
@@ -101,61 +101,3 @@ def shard_model(model: nn.Module, mesh: Any, processes: int, bf16: bool) -> nn.M
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=k < len(units) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
-
-
-def read_slices(folder: Path, process: int) -> dict[str, Any]:
-    """Process ``process``'s part of a folder :meth:`ShardedNodeTransport.save_slices` wrote; KeyError where it
-    holds none."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    # what torch's _load_state_dict_from_keys does, without its collectives where a process group is up: the state
-    # is built from the folder's metadata, and each process reads its own part alone
-    key = f"p{process}"
-    out: dict[str, Any] = {}
-    _load_state_dict(out, storage_reader=dcp.FileSystemReader(folder), planner=_EmptyStateDictLoadPlanner(keys={key}),
-                     no_dist=True)
-    return _unpacked(out[key])
-
-
-_SLOT = "__tensor__"  # a dict holding only this key stands for the tensor of that number
-
-
-def _packed(state: Any) -> dict[str, Any]:
-    """``state`` as the distributed checkpoint keeps it whole: its tensors by number, and the rest of it (dicts,
-    lists, numbers, strings, with each tensor's number in its place) as one serialized tree. The checkpoint
-    flattens nested containers into keys, which would lose an empty one (an optimizer's empty ``state``)."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def strip(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            tensors[f"t{len(tensors)}"] = obj
-            return {_SLOT: len(tensors) - 1}
-        if isinstance(obj, dict):
-            return {k: strip(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(strip(v) for v in obj)
-        return obj
-
-    tree = strip(state)
-    buffer = io.BytesIO()
-    torch.save(tree, buffer)
-    return {"tree": buffer.getvalue(), "tensors": tensors}
-
-
-def _unpacked(packed: dict[str, Any]) -> Any:
-    tensors = packed.get("tensors", {})
-    tree = torch.load(io.BytesIO(packed["tree"]), weights_only=True)
-
-    def fill(obj: Any) -> Any:
-        if isinstance(obj, dict):
-            if set(obj) == {_SLOT}:
-                return tensors[f"t{obj[_SLOT]}"]
-            return {k: fill(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(fill(v) for v in obj)
-        return obj
-
-    return fill(tree)
-
