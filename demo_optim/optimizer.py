@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from diloco.algorithm import SkipCount, all_finite
+from diloco.algorithm import SkipCount
+from diloco.tensors import all_finite
 from diloco.comm.base import Transport
 from diloco.comm.local import LocalTransport
 from diloco.compress import RULES, ChunkPlan, SharedResult, end_to_end, from_chunks, plan_for, to_chunks

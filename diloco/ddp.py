@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from diloco.algorithm import Algorithm, all_finite, register
+from diloco.algorithm import Algorithm, register
+from diloco.tensors import all_finite
 from diloco.comm.base import Transport
 from diloco.compress import collective
 from diloco.state import check_optimizer_state, load_optimizer_state

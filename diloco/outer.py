@@ -31,7 +31,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from diloco.algorithm import Algorithm, _move_optimizer_state, all_finite, flatten_parameters_, move_tensor, register
+from diloco.algorithm import Algorithm, _move_optimizer_state, move_tensor, register
 from diloco.comm.base import Handle, Transport
 from diloco.compress import collective
 from diloco.compress.codec import Codec
@@ -40,6 +40,7 @@ from diloco.reshard import Span, cut_pieces, cut_rows, join_pieces, momenta, spa
 from diloco.state import (check_finite, check_fits, check_optimizer_state, copy_into, counts_of, list_at,
                            load_optimizer_state)
 from diloco.sync import SyncPolicy
+from diloco.tensors import all_finite, flatten_parameters_
 
 
 @register
