@@ -30,14 +30,15 @@ def flatten_parameters_(params: list[torch.Tensor]) -> bool:
 
     They move only where every one of them is fp32, contiguous, on one device and alone in its own storage (where one
     is a view into a tensor it shares, it stays there, and so do the others: False), and is the model's own
-    parameter: a slice of a sharded one would leave the storage its DTensor and FSDP read."""
+    parameter (its type, not ``isinstance``: a sharded parameter's local slice passes that test, and moving it
+    would leave the storage its DTensor and FSDP read)."""
     if not params or (params[0].dtype == torch.float32 and end_to_end(params) is not None):
         return bool(params)
     device = params[0].device
     storages = set()
     for p in params:
         storage = p.untyped_storage()
-        if (not isinstance(p, torch.nn.Parameter) or p.dtype != torch.float32 or p.device != device
+        if (not issubclass(type(p), torch.nn.Parameter) or p.dtype != torch.float32 or p.device != device
                 or not p.is_contiguous() or p.storage_offset() != 0
                 or storage.nbytes() != p.numel() * p.element_size() or storage.data_ptr() in storages):
             return False
