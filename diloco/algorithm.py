@@ -41,7 +41,7 @@ from diloco.comm.base import Transport
 from diloco.comm.local import LocalTransport
 from diloco.compress import collective, make_codec
 from diloco.compress.chain import parse_chain
-from diloco.reshard import cut_optimizer, join_optimizer
+from diloco.reshard import KEPT_BY_SHARES, cut_optimizer, join_optimizer
 from diloco.state import check_finite, check_fits, copy_into, counts_of, list_at, load_optimizer_state
 
 if TYPE_CHECKING:
@@ -416,8 +416,13 @@ class Algorithm:
         return {**parts[0], "optimizer": join_optimizer([p["optimizer"] for p in parts])}
 
     def cut_state(self, whole: dict[str, Any]) -> dict[str, Any]:
-        """This process's part of ``whole`` (a :meth:`whole_state`): itself where the model is not sharded."""
-        return {**whole, "optimizer": cut_optimizer(self.optimizer, whole["optimizer"])} if self._sharded else whole
+        """This process's part of ``whole`` (a :meth:`whole_state`): itself where the model is not sharded, but
+        a node mesh's processes keep a codec's residuals by shares of their buffers, not whole."""
+        if self._sharded:
+            return {**whole, "optimizer": cut_optimizer(self.optimizer, whole["optimizer"])}
+        if self.inner is not None and self.inner.world_size > 1 and (whole.get("codec") or {}).get("residuals"):
+            raise ValueError(KEPT_BY_SHARES)
+        return whole
 
     def _codec_state(self) -> dict[str, Any]:
         """The codec's state for a checkpoint. Where a worker is several processes (a node of a torchrun mesh) and
@@ -425,7 +430,7 @@ class Algorithm:
         the worker's first process as ``residuals_by_process`` (a collective every process of the worker takes
         part in)."""
         state = self.codec.state_dict()
-        if not self.replicated_state:
+        if not self.replicated_state and not self._sharded:  # a sharded process saves its own state
             parts = self.transport.gather_in_worker(state["residuals"])
             if parts is not None and len(parts) > 1:
                 state["residuals_by_process"] = parts

@@ -36,7 +36,8 @@ from diloco.comm.base import Handle, Transport
 from diloco.compress import collective
 from diloco.compress.codec import Codec
 from diloco.compress.senders import Senders
-from diloco.reshard import Span, cut_pieces, cut_rows, join_pieces, momenta, span_of, with_momenta
+from diloco.reshard import (KEPT_BY_SHARES, Span, bucketed, cut_pieces, cut_rows, exchanges, firsts, join_pieces,
+                            momenta, origins_in, piece_shapes, span_of, unbucketed, with_momenta)
 from diloco.state import (check_finite, check_fits, check_optimizer_state, copy_into, counts_of, list_at,
                            load_optimizer_state)
 from diloco.sync import SyncPolicy
@@ -80,8 +81,8 @@ class DiLoCo(Algorithm):
             fragments, origins = _local_rows(fragments, self._slice_of)
         self.pieces, self.fragments = _pieces(fragments, self.params)
         if self.whole_layout is not None:
-            firsts = _firsts(self.whole_layout)
-            self.whole_pieces = [(firsts[f] + j, start, _num_rows(self._local(k)))
+            first = firsts(self.whole_layout)
+            self.whole_pieces = [(first[f] + j, start, _num_rows(self._local(k)))
                                  for f, frag in enumerate(self.fragments) for k, (j, start) in zip(frag, origins[f])]
         # one view of the global copy per piece: what the outer optimizers step and the exchanges send
         self.global_views = [_rows_of(self.global_params[i], rows) for i, rows in self.pieces]
@@ -308,17 +309,30 @@ class DiLoCo(Algorithm):
         first = parts[0]
         if "whole_layout" not in first:
             return state
-        if any((p.get("codec") or {}).get("residuals") for p in parts):
-            raise ValueError(_KEPT_BY_SLICES)
         state["global_params"] = [torch.cat(ts) if span is not None else ts[0]
                                   for ts, span in zip(zip(*(p["global_params"] for p in parts)), first["param_spans"])]
         state["outer_optimizers"] = [with_momenta(o, cls._joined(parts, f, [momenta([p["outer_optimizers"][f]])
                                                                             for p in parts]))
                                      for f, o in enumerate(first["outer_optimizers"])]
         state["fragments"] = first["whole_layout"]
+        if any((p.get("codec") or {}).get("residuals") for p in parts):
+            state["codec"] = {"chain": first["codec"]["chain"], "residuals": cls._joined_residuals(parts, state)}
         for key in ("whole_layout", "whole_pieces", "param_spans"):
             del state[key]
         return state
+
+    @classmethod
+    def _joined_residuals(cls, parts: list[dict[str, Any]], whole: dict[str, Any]) -> dict[Any, torch.Tensor]:
+        """The codec's error-feedback residuals of the whole worker: each part's, piece by piece, joined and laid
+        into the whole worker's buckets."""
+        layout, size = whole["fragments"], Transport.bucket_bytes
+        pieces = [unbucketed(p["codec"]["residuals"], exchanges(piece_shapes(p["fragments"], p["global_params"])), size)
+                  for p in parts]
+        shapes = exchanges(piece_shapes(layout, whole["global_params"]))
+        joined = {name: join_pieces([x[name] for x in pieces],
+                                    [origins_in(p["fragments"], p["whole_pieces"], layout, _fragment_of(name))
+                                     for p in parts], len(shapes[name])) for name in shapes}
+        return bucketed(joined, shapes, size)
 
     def cut_state(self, whole: dict[str, Any]) -> dict[str, Any]:
         state = super().cut_state(whole)
@@ -327,25 +341,33 @@ class DiLoCo(Algorithm):
         if whole.get("fragments") != self.whole_layout:
             raise ValueError(f"its outer state is cut into {len(whole.get('fragments') or [])} fragment(s), this "
                              f"run's into {len(self.whole_layout)}: resume with the same algo.fragments and model")
-        codec = whole.get("codec") or {}
-        if codec.get("residuals") or codec.get("residuals_by_process"):
-            raise ValueError(_KEPT_BY_SLICES)
         state["global_params"] = [cut_rows(g, span) for g, span in zip(whole["global_params"], self.param_spans)]
         state["outer_optimizers"] = [with_momenta(o, self._cut(f, momenta([o])))
                                      for f, o in enumerate(whole["outer_optimizers"])]
         state["fragments"] = self._layout()
+        codec = whole.get("codec") or {}
+        if codec.get("residuals_by_process"):
+            raise ValueError(KEPT_BY_SHARES)
+        if codec.get("residuals"):
+            size, layout = self.transport.bucket_bytes, self._layout()
+            pieces = unbucketed(codec["residuals"], exchanges(piece_shapes(self.whole_layout, whole["global_params"])),
+                                size)
+            mine = {name: cut_pieces(tensors, origins_in(layout, self.whole_pieces, self.whole_layout,
+                                                         _fragment_of(name))) for name, tensors in pieces.items()}
+            state["codec"] = {"chain": codec["chain"], "residuals": bucketed(
+                mine, exchanges(piece_shapes(layout, self.global_params)), size, self.transport.local_rank)}
         return state
 
     @staticmethod
     def _joined(parts: list[dict[str, Any]], f: int, lists: list[list[Any]]) -> list[Any]:
         """Fragment ``f``'s whole pieces from ``lists``, each part's tensors for its pieces of ``f``."""
         layout = parts[0]["whole_layout"]
-        origins = [_origins_in(p["fragments"], p["whole_pieces"], layout, f) for p in parts]
+        origins = [origins_in(p["fragments"], p["whole_pieces"], layout, f) for p in parts]
         return join_pieces(lists, origins, len(layout[f]))
 
     def _cut(self, f: int, whole: list[Any]) -> list[Any]:
         """This process's pieces of fragment ``f`` from the fragment's ``whole`` pieces."""
-        return cut_pieces(whole, _origins_in(self._layout(), self.whole_pieces, self.whole_layout, f))
+        return cut_pieces(whole, origins_in(self._layout(), self.whole_pieces, self.whole_layout, f))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)  # checks the algorithm's name first
@@ -367,8 +389,9 @@ class DiLoCo(Algorithm):
         self.policy.start_round(self.transport.mark)
 
 
-_KEPT_BY_SLICES = ("its codec's error-feedback residuals are kept for the slices of the processes that wrote it, "
-                   "a layout of their own: resume laid out as it was written (run.shard, processes a node)")
+def _fragment_of(exchange: str) -> Optional[int]:
+    """The fragment an exchange's residuals are named after (:func:`diloco.reshard.exchanges`); None: all."""
+    return None if exchange == "all" else int(exchange[len("fragment"):])
 
 
 def _layout_of(pieces: Sequence[tuple[int, Optional[tuple[int, int]]]], fragments: Sequence[Sequence[int]]
@@ -376,19 +399,6 @@ def _layout_of(pieces: Sequence[tuple[int, Optional[tuple[int, int]]]], fragment
     """Each fragment's pieces as [parameter, start, stop] (start = stop = -1: the whole parameter)."""
     return [[[i, *(rows if rows is not None else (-1, -1))] for i, rows in (pieces[k] for k in frag)]
             for frag in fragments]
-
-
-def _firsts(layout: Sequence[Sequence[Any]]) -> list[int]:
-    """The index of each fragment's first piece."""
-    return [sum(len(f) for f in layout[:k]) for k in range(len(layout))]
-
-
-def _origins_in(layout: Sequence[Sequence[Any]], whole_pieces: Sequence[Sequence[int]],
-                whole_layout: Sequence[Sequence[Any]], f: int) -> list[tuple[int, int, int]]:
-    """Where each piece of fragment ``f`` of a process laid out as ``layout`` comes from: (its whole piece's
-    position in the whole fragment, its first row there, its rows)."""
-    first, whole_first = _firsts(layout)[f], _firsts(whole_layout)[f]
-    return [(w - whole_first, start, rows) for w, start, rows in whole_pieces[first:first + len(layout[f])]]
 
 
 def _rows_of(t: torch.Tensor, rows: Optional[tuple[int, int]]) -> torch.Tensor:

@@ -11,9 +11,12 @@ each of its pieces, the whole piece it comes from and where in it its rows start
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import math
+from typing import Any, Hashable, Optional, Sequence
 
 import torch
+
+from diloco.compress.flat import bucket_groups
 
 Span = Optional[tuple[int, int]]  # (first row, rows) of a parameter that this process holds; None: all of it
 
@@ -117,5 +120,86 @@ def with_momenta(saved: dict[str, Any], pieces: Sequence[Optional[torch.Tensor]]
     return {"state": {q: {"momentum_buffer": t} for q, t in enumerate(pieces) if t is not None}, "param_groups": [group]}
 
 
-__all__ = ["by_fragment", "cut_model", "cut_optimizer", "cut_pieces", "cut_rows", "join_model", "join_optimizer",
+def firsts(layout: Sequence[Sequence[Any]]) -> list[int]:
+    """The index of each fragment's first piece."""
+    return [sum(len(f) for f in layout[:k]) for k in range(len(layout))]
+
+
+def origins_in(layout: Sequence[Sequence[Any]], whole_pieces: Sequence[Sequence[int]],
+               whole_layout: Sequence[Sequence[Any]], f: Optional[int]) -> list[tuple[int, int, int]]:
+    """Where each piece of fragment ``f`` (None: of every fragment) of a process laid out as ``layout`` comes
+    from: (its whole piece's position in the whole fragment, or among all pieces; its first row there; its rows)."""
+    if f is None:
+        return [tuple(w) for w in whole_pieces]  # type: ignore[misc]
+    first, whole_first = firsts(layout)[f], firsts(whole_layout)[f]
+    return [(w - whole_first, start, rows) for w, start, rows in whole_pieces[first:first + len(layout[f])]]
+
+
+def piece_shapes(layout: Sequence[Sequence[Sequence[int]]], params: Sequence[torch.Tensor]) -> list[list[torch.Size]]:
+    """Each fragment's pieces' shapes, for a layout of [parameter, start, stop] pieces over ``params``."""
+    return [[params[i].shape if start < 0 else params[i][start:stop].shape for i, start, stop in frag] for frag in layout]
+
+
+KEPT_BY_SHARES = ("a codec's error-feedback residuals kept by shares of the exchanged buffers (the node mesh's "
+                  "processes, a sharded mean's workers) cannot be carried to another layout: resume laid out as it "
+                  "was written (run.shard, processes a node)")
+
+
+def exchanges(shapes: Sequence[Sequence[torch.Size]]) -> dict[str, list[torch.Size]]:
+    """The exchanges a run of pieces of these ``shapes`` (by fragment) names its residuals after, and their
+    pieces' shapes: one per fragment, and one of every piece (a sync of all fragments at once)."""
+    out = {f"fragment{f}": list(frag) for f, frag in enumerate(shapes)}
+    out["all"] = [s for frag in shapes for s in frag]
+    return out
+
+
+def _bucket_of(key: Hashable) -> Optional[tuple[str, int]]:
+    """The (exchange, bucket) a residual's key names where it holds one whole bucket of a gathered exchange:
+    ``(name, b)`` from a worker of one process, ``((name, b), local rank)`` from a sharded process; None for
+    anything else (a share of a node mesh's bucket, a shard of a sharded mean)."""
+    if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], tuple) and isinstance(key[1], int):
+        key = key[0]
+    if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and isinstance(key[1], int):
+        return key[0], key[1]
+    return None
+
+
+def unbucketed(residuals: dict[Hashable, torch.Tensor], shapes: dict[str, list[torch.Size]], bucket_bytes: int
+               ) -> dict[str, list[Optional[torch.Tensor]]]:
+    """A codec's residuals as one tensor per piece of each exchange (None: nothing kept): each residual is one
+    bucket of an exchange's pieces, laid end to end (:func:`diloco.compress.flat.bucket_groups`); ValueError
+    where one is not."""
+    out: dict[str, list[Optional[torch.Tensor]]] = {name: [None] * len(s) for name, s in shapes.items()}
+    for key, residual in residuals.items():
+        found = _bucket_of(key)
+        if found is None or found[0] not in shapes:
+            raise ValueError(KEPT_BY_SHARES)
+        name, b = found
+        sizes = [math.prod(s) for s in shapes[name]]
+        groups = bucket_groups([4 * n for n in sizes], bucket_bytes)
+        if b >= len(groups) or residual.numel() != sum(sizes[i] for i in groups[b]):
+            raise ValueError(KEPT_BY_SHARES)
+        flat, first = residual.reshape(-1), 0
+        for i in groups[b]:
+            out[name][i] = flat[first:first + sizes[i]].reshape(shapes[name][i])
+            first += sizes[i]
+    return out
+
+
+def bucketed(pieces: dict[str, list[Optional[torch.Tensor]]], shapes: dict[str, list[torch.Size]], bucket_bytes: int,
+             process: Optional[int] = None) -> dict[Hashable, torch.Tensor]:
+    """:func:`unbucketed`'s inverse: each bucket that holds a residual of any of its pieces (zeros for the others),
+    keyed as a worker of one process keys it, or as sharded process ``process`` does."""
+    out: dict[Hashable, torch.Tensor] = {}
+    for name, tensors in pieces.items():
+        sizes = [math.prod(s) for s in shapes[name]]
+        for b, group in enumerate(bucket_groups([4 * n for n in sizes], bucket_bytes)):
+            held = [tensors[i] for i in group if tensors[i] is not None]
+            if held:
+                out[(name, b) if process is None else ((name, b), process)] = torch.cat(
+                    [tensors[i].reshape(-1) if tensors[i] is not None else held[0].new_zeros(sizes[i]) for i in group])
+    return out
+
+
+__all__ = ["KEPT_BY_SHARES", "bucketed", "exchanges", "firsts", "origins_in", "piece_shapes", "unbucketed", "by_fragment", "cut_model", "cut_optimizer", "cut_pieces", "cut_rows", "join_model", "join_optimizer",
            "join_pieces", "momenta", "sharded_keys", "span_of", "with_momenta"]

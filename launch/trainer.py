@@ -255,14 +255,12 @@ class Trainer:
     def _process_state(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
         """This process's state where the checkpoint or this run is sharded: its own slices where both are laid
         out alike; else its worker's state held whole (joined from the slices of the processes that wrote it, or
-        as an unsharded run wrote it), cut for this process where this run is sharded (:mod:`diloco.reshard`)."""
+        as an unsharded run wrote it), cut for this process (:mod:`diloco.reshard`)."""
         written = state.get("slices")
         if written == self.slice_layout:
             return self.folder.load_slices(path)
         self._same_workers(state)
         whole = self.folder.whole_worker(path, written, self.rank, type(self.algo)) if written else self._my_state(state)
-        if not self.sharded:
-            return whole
         return {**whole, "model": cut_model(self.model.state_dict(), whole["model"]),
                 "algo": self.algo.cut_state(whole["algo"])}
 

@@ -151,13 +151,47 @@ def test_sharding_outside_torchrun_or_over_too_few_units_says_why(capfd):
         shard_model(Transformer(ModelArgs(**shape, tie_embeddings=True)), None, 4, False)
 
 
-def test_residuals_kept_by_slices_are_refused_in_another_layout():
-    """A codec's error-feedback residuals are cut by the buffers of the processes that kept them, not by rows:
-    resuming them in another layout is refused (the trainer names the checkpoint before this line)."""
-    from diloco.outer import DiLoCo
+def test_sparseloco_error_feedback_moves_between_layouts(tmp_path, capfd):
+    """SparseLoCo's error feedback (its codec's residuals, one per bucket of a process's slices) joins and cuts with
+    the rest: from a checkpoint of two nodes of two sharded processes, two nodes of one sharded process each and
+    ``loco simulate`` go on alike (both take their top-k chunks over whole parameters), within 1e-5."""
+    common = ["--config", TINY, "--max-steps", "2", "--seed", "5"]
+    run = sets("run.batch_size=2", "run.eval_every=0", "sim.baseline=none", "run.checkpoint_every=1",
+               "algo.name=sparseloco", "algo.inner_steps=1", "run.shard=fsdp")
+    first = tmp_path / "2x2"
+    for node in nodes([["train", *common, *run, "--run-dir", str(first)]] * 2, per_node=2):
+        assert node.returncode == 0, node.stderr[-3000:]
+    (first / "checkpoints" / "step_00000002.pt").unlink()
+    at_1 = RunDir.whole_worker(first / "checkpoints" / "step_00000001.pt", {"nodes": 2, "per_node": 2}, 0,
+                               algorithm_class("sparseloco"))
+    (residual,) = at_1["algo"]["codec"]["residuals"].values()  # tiny's pieces make one bucket
+    assert residual.numel() == sum(g.numel() for g in at_1["algo"]["global_params"]) and residual.abs().max() > 0
+    shutil.copytree(first, tmp_path / "sim")
+    for node in nodes([["train", *common, *run, *sets("run.batch_size=4"), "--run-dir", str(first), "--resume"]] * 2,
+                      per_node=1):
+        assert node.returncode == 0, node.stderr[-3000:]
+    sim = loco(["simulate", *common, *run, *sets("run.shard=none", "run.batch_size=4"), "--workers", "2",
+                "--run-dir", str(tmp_path / "sim"), "--resume"], capfd)
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    a, b = (latest_checkpoint(d / "checkpoints")[1] for d in (first, tmp_path / "sim"))
+    assert a["step"] == b["step"] == 2 and max_diff(a["model"], b["model"]) < 1e-5
 
-    part = {"name": "diloco", "optimizer": {"state": {}, "param_groups": []}, "whole_layout": [[[0, -1, -1]]],
-            "codec": {"chain": "topk:0.1+2bit", "residuals": {"all": torch.zeros(3)}}}
-    with pytest.raises(ValueError, match="error-feedback residuals are kept for the slices of the processes that "
-                                         "wrote it, a layout of their own: resume laid out as it was written"):
-        DiLoCo.whole_state([part, part])
+
+def test_residuals_lie_in_buckets_of_their_pieces():
+    """A codec's residuals, one per bucket of an exchange's pieces laid end to end, as one tensor per piece and
+    back; a residual kept by shares of a bucket (the node mesh) is refused in one line."""
+    from diloco.reshard import KEPT_BY_SHARES, bucketed, exchanges, unbucketed
+
+    shapes = exchanges([[torch.Size([3, 4]), torch.Size([5])], [torch.Size([2, 2])]])
+    # at most 12 values a bucket: [3, 4] alone, then [5] and [2, 2] together where they follow each other
+    kept = {("fragment0", 0): torch.arange(12.0), ("fragment0", 1): torch.arange(5.0), ("all", 1): torch.ones(9)}
+    pieces = unbucketed(kept, shapes, bucket_bytes=48)
+    assert pieces["fragment0"][0].shape == (3, 4) and pieces["fragment1"] == [None]
+    assert pieces["all"][0] is None and torch.equal(pieces["all"][2], torch.ones(2, 2))
+    again = bucketed(pieces, shapes, bucket_bytes=48, process=1)
+    assert again.keys() == {(k, 1) for k in kept} and all(torch.equal(again[(k, 1)], v) for k, v in kept.items())
+    joined = bucketed(pieces, shapes, bucket_bytes=1 << 20)  # one bucket an exchange: the others' pieces are zeros
+    assert torch.equal(joined[("all", 0)], torch.cat([torch.zeros(12), torch.ones(9)]))
+    with pytest.raises(ValueError, match="cannot be carried to another layout"):
+        unbucketed({(("fragment0", 0), 1): torch.zeros(6)}, shapes, bucket_bytes=48)
+    assert "resume laid out as it was written" in KEPT_BY_SHARES

@@ -245,7 +245,7 @@ def test_simulator_ctrl_c_saves_every_worker_and_resumes_exactly(tmp_path, capfd
 # the demo's comparison (DiLoCo against the DDP baseline) on a fixed step time: only the virtual clock differs if a
 # resume loses it
 COMPARE = ["simulate", "--config", TINY, *[a for s in FAST + SHORT for a in ("--set", s)], "--workers", "2",
-           "--max-steps", "30", "--step-time", "0.1", "--set", "algo.name=diloco", "--set", "algo.inner_steps=5",
+           "--max-steps", "20", "--step-time", "0.1", "--set", "algo.name=diloco", "--set", "algo.inner_steps=5",
            "--set", "log.every=5", "--set", "run.eval_every=10", "--set", "run.checkpoint_every=100"]
 VIRTUAL = ("virtual_wall_s", "compute_utilization", "tokens_per_virtual_s", "virtual_compute_s_per_worker",
            "virtual_wait_s_per_worker", "virtual_send_s_per_worker", "bytes_sent_per_worker", "tokens", "val_loss",
@@ -274,7 +274,7 @@ def test_a_resumed_simulation_keeps_its_virtual_clock(tmp_path, capfd):
         watch = run_dir if where == "run" else run_dir / "baseline-ddp"
         rc, err = _stop_with(signal.SIGTERM, COMPARE, run_dir, after_step=10, watch=watch)
         assert rc == 128 + signal.SIGTERM, err[-3000:]
-        assert load_checkpoint_step(watch) < 30, "the signal came too late to test a resume"
+        assert load_checkpoint_step(watch) < 20, "the signal came too late to test a resume"
         res = loco(["simulate", "--run-dir", str(run_dir), "--resume"], capfd)
         assert res.returncode == 0, res.stderr[-3000:]
         got = _compared(run_dir, res.stdout)
