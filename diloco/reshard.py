@@ -6,7 +6,9 @@ worker keeps, and a whole worker's state cut into one process's part.
 (the weights, the inner optimizer's moments, DiLoCo's global copy), and joining is concatenating the parts in
 process order. A *piece* (:mod:`diloco.outer`: a parameter, or rows of one, that one fragment's outer optimizer
 steps) holds the rows of its whole piece that fall in the process's slice; each process's state records, for
-each of its pieces, the whole piece it comes from and where in it its rows start (``whole_pieces``).
+each of its pieces, the whole piece it comes from and where in it its rows start (``whole_pieces``). A gathered
+codec's error-feedback residuals (one per bucket of an exchange's pieces laid end to end) go through the
+bucketing rule into pieces (:func:`unbucketed`) and back into the other layout's buckets (:func:`bucketed`).
 """
 
 from __future__ import annotations
