@@ -25,8 +25,8 @@ def sets(*overrides: str) -> list[str]:
 def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_path, capfd):
     """Two nodes of two processes, each node one Streaming DiLoCo worker sharded with FSDP2, end within 1e-5 of
     ``loco simulate --workers 2`` with each worker's batch; each process holds half of a worker's state; the
-    checkpoint exports as any other; and a run resumed from its middle checkpoint ends where the unbroken one did,
-    to the bit."""
+    checkpoint exports as any other; a run resumed from its middle checkpoint ends where the unbroken one did, to
+    the bit; and another layout resumes it too (the simulator), as a sharded run resumes the simulator's."""
     from diloco.comm.slices import read_slices
 
     common = ["--config", TINY, "--max-steps", "6", "--seed", "11"]
