@@ -72,9 +72,9 @@ class ShardedNodeTransport(NodeMeshTransport):
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules that become FSDP units: every block (the children of :func:`diloco.layers.layer_stack`, the
-    layers Streaming DiLoCo's fragments are cut by) and the output head unless it is tied to the embedding. The embeddings stay with the root, which gathers its own parameters first in every
-    forward: loco's model reads the embedding's weight itself instead of calling its module, which a unit of its
-    own would leave sharded there."""
+    layers Streaming DiLoCo's fragments are cut by) and the output head unless it is tied to the embedding. The
+    embeddings stay with the root, which gathers its own parameters first in every forward: loco's model reads the
+    embedding's weight itself instead of calling its module, which a unit of its own would leave sharded there."""
     stack = layer_stack(model)
     units = list(stack) if stack is not None else []
     head = model.output_head() if hasattr(model, "output_head") else None
