@@ -36,8 +36,8 @@ from diloco.comm.base import Handle, Transport
 from diloco.compress import collective
 from diloco.compress.codec import Codec
 from diloco.compress.senders import Senders
-from diloco.reshard import (KEPT_BY_SHARES, Span, bucketed, cut_pieces, cut_rows, exchanges, firsts, join_pieces,
-                            momenta, origins_in, piece_shapes, span_of, unbucketed, with_momenta)
+from diloco.reshard import (KEPT_BY_SHARES, Span, bucketed, cut_pieces, cut_rows, exchange_name, exchanges, firsts,
+                            join_pieces, momenta, origins_in, piece_shapes, span_of, unbucketed, with_momenta)
 from diloco.state import (check_finite, check_fits, check_optimizer_state, copy_into, counts_of, list_at,
                            load_optimizer_state)
 from diloco.sync import SyncPolicy
@@ -184,7 +184,7 @@ class DiLoCo(Algorithm):
                     d.zero_()
         total = torch.zeros(1, dtype=torch.float32)
         return deltas, total, _Filled(collective.weighted_mean_async(
-            self.transport, deltas, weight, self.codec, key=f"fragment{key}" if key is not None else "all",
+            self.transport, deltas, weight, self.codec, key=exchange_name(key),
             gather=self.gather, senders=self.senders), total)
 
     @staticmethod
@@ -329,9 +329,8 @@ class DiLoCo(Algorithm):
         pieces = [unbucketed(p["codec"]["residuals"], exchanges(piece_shapes(p["fragments"], p["global_params"])), size)
                   for p in parts]
         shapes = exchanges(piece_shapes(layout, whole["global_params"]))
-        joined = {name: join_pieces([x[name] for x in pieces],
-                                    [origins_in(p["fragments"], p["whole_pieces"], layout, _fragment_of(name))
-                                     for p in parts], len(shapes[name])) for name in shapes}
+        joined = {f: join_pieces([x[f] for x in pieces], [origins_in(p["fragments"], p["whole_pieces"], layout, f)
+                                                          for p in parts], len(shapes[f])) for f in shapes}
         return bucketed(joined, shapes, size)
 
     def cut_state(self, whole: dict[str, Any]) -> dict[str, Any]:
@@ -352,8 +351,8 @@ class DiLoCo(Algorithm):
             size, layout = self.transport.bucket_bytes, self._layout()
             pieces = unbucketed(codec["residuals"], exchanges(piece_shapes(self.whole_layout, whole["global_params"])),
                                 size)
-            mine = {name: cut_pieces(tensors, origins_in(layout, self.whole_pieces, self.whole_layout,
-                                                         _fragment_of(name))) for name, tensors in pieces.items()}
+            mine = {f: cut_pieces(tensors, origins_in(layout, self.whole_pieces, self.whole_layout, f))
+                    for f, tensors in pieces.items()}
             state["codec"] = {"chain": codec["chain"], "residuals": bucketed(
                 mine, exchanges(piece_shapes(layout, self.global_params)), size, self.transport.local_rank)}
         return state
@@ -387,11 +386,6 @@ class DiLoCo(Algorithm):
         if self.codec is not None and "codec" in state:
             self._load_codec_state(state["codec"])
         self.policy.start_round(self.transport.mark)
-
-
-def _fragment_of(exchange: str) -> Optional[int]:
-    """The fragment an exchange's residuals are named after (:func:`diloco.reshard.exchanges`); None: all."""
-    return None if exchange == "all" else int(exchange[len("fragment"):])
 
 
 def _layout_of(pieces: Sequence[tuple[int, Optional[tuple[int, int]]]], fragments: Sequence[Sequence[int]]

@@ -91,19 +91,11 @@ def join_pieces(parts: Sequence[Sequence[Optional[torch.Tensor]]], origins: Sequ
     return [torch.cat(r) if r else None for r in rows]
 
 
-def cut_pieces(whole: Sequence[Optional[torch.Tensor]], origins: Sequence[Sequence[int]]) -> list[Optional[torch.Tensor]]:
+def cut_pieces(whole: Sequence[Optional[torch.Tensor]], origins: Sequence[Sequence[int]]
+               ) -> list[Optional[torch.Tensor]]:
     """This process's pieces from the ``whole`` pieces: piece k is rows ``start : start + rows`` of whole piece
     ``w``, for ``origins[k] = (w, start, rows)``."""
     return [None if whole[w] is None else whole[w][start:start + rows].clone() for w, start, rows in origins]
-
-
-def by_fragment(pieces: Sequence[Any], sizes: Sequence[int]) -> list[list[Any]]:
-    """``pieces`` in fragment order, cut into fragments of ``sizes`` pieces."""
-    out, first = [], 0
-    for n in sizes:
-        out.append(list(pieces[first:first + n]))
-        first += n
-    return out
 
 
 def momenta(outer_optimizers: Sequence[dict[str, Any]]) -> list[Optional[torch.Tensor]]:
@@ -119,7 +111,8 @@ def momenta(outer_optimizers: Sequence[dict[str, Any]]) -> list[Optional[torch.T
 def with_momenta(saved: dict[str, Any], pieces: Sequence[Optional[torch.Tensor]]) -> dict[str, Any]:
     """An outer optimizer's ``state_dict()`` like ``saved`` (its settings) over ``pieces``' momenta."""
     group = {**saved["param_groups"][0], "params": list(range(len(pieces)))}
-    return {"state": {q: {"momentum_buffer": t} for q, t in enumerate(pieces) if t is not None}, "param_groups": [group]}
+    state = {q: {"momentum_buffer": t} for q, t in enumerate(pieces) if t is not None}
+    return {"state": state, "param_groups": [group]}
 
 
 def firsts(layout: Sequence[Sequence[Any]]) -> list[int]:
@@ -139,7 +132,8 @@ def origins_in(layout: Sequence[Sequence[Any]], whole_pieces: Sequence[Sequence[
 
 def piece_shapes(layout: Sequence[Sequence[Sequence[int]]], params: Sequence[torch.Tensor]) -> list[list[torch.Size]]:
     """Each fragment's pieces' shapes, for a layout of [parameter, start, stop] pieces over ``params``."""
-    return [[params[i].shape if start < 0 else params[i][start:stop].shape for i, start, stop in frag] for frag in layout]
+    return [[params[i].shape if start < 0 else params[i][start:stop].shape for i, start, stop in frag]
+            for frag in layout]
 
 
 KEPT_BY_SHARES = ("a codec's error-feedback residuals kept by shares of the exchanged buffers (the node mesh's "
@@ -147,11 +141,16 @@ KEPT_BY_SHARES = ("a codec's error-feedback residuals kept by shares of the exch
                   "was written (run.shard, processes a node)")
 
 
-def exchanges(shapes: Sequence[Sequence[torch.Size]]) -> dict[str, list[torch.Size]]:
-    """The exchanges a run of pieces of these ``shapes`` (by fragment) names its residuals after, and their
-    pieces' shapes: one per fragment, and one of every piece (a sync of all fragments at once)."""
-    out = {f"fragment{f}": list(frag) for f, frag in enumerate(shapes)}
-    out["all"] = [s for frag in shapes for s in frag]
+def exchange_name(fragment: Optional[int]) -> str:
+    """The name DiLoCo's exchange of ``fragment`` (None: of every fragment at once) gives its codec's residuals."""
+    return "all" if fragment is None else f"fragment{fragment}"
+
+
+def exchanges(shapes: Sequence[Sequence[torch.Size]]) -> dict[Optional[int], list[torch.Size]]:
+    """The exchanges a run of pieces of these ``shapes`` (by fragment) keeps residuals for, by fragment, and their
+    pieces' shapes: one per fragment, and one of every piece (None: a sync of all fragments at once)."""
+    out: dict[Optional[int], list[torch.Size]] = {f: list(frag) for f, frag in enumerate(shapes)}
+    out[None] = [s for frag in shapes for s in frag]
     return out
 
 
@@ -166,42 +165,45 @@ def _bucket_of(key: Hashable) -> Optional[tuple[str, int]]:
     return None
 
 
-def unbucketed(residuals: dict[Hashable, torch.Tensor], shapes: dict[str, list[torch.Size]], bucket_bytes: int
-               ) -> dict[str, list[Optional[torch.Tensor]]]:
-    """A codec's residuals as one tensor per piece of each exchange (None: nothing kept): each residual is one
-    bucket of an exchange's pieces, laid end to end (:func:`diloco.compress.flat.bucket_groups`); ValueError
-    where one is not."""
-    out: dict[str, list[Optional[torch.Tensor]]] = {name: [None] * len(s) for name, s in shapes.items()}
+def unbucketed(residuals: dict[Hashable, torch.Tensor], shapes: dict[Optional[int], list[torch.Size]],
+               bucket_bytes: int) -> dict[Optional[int], list[Optional[torch.Tensor]]]:
+    """A codec's residuals as one tensor per piece of each exchange (:func:`exchanges`; None: nothing kept): each
+    residual is one bucket of an exchange's pieces, laid end to end (:func:`diloco.compress.flat.bucket_groups`);
+    ValueError where one is not."""
+    by_name = {exchange_name(f): f for f in shapes}
+    out: dict[Optional[int], list[Optional[torch.Tensor]]] = {f: [None] * len(s) for f, s in shapes.items()}
     for key, residual in residuals.items():
         found = _bucket_of(key)
-        if found is None or found[0] not in shapes:
+        if found is None or found[0] not in by_name:
             raise ValueError(KEPT_BY_SHARES)
-        name, b = found
-        sizes = [math.prod(s) for s in shapes[name]]
+        f, b = by_name[found[0]], found[1]
+        sizes = [math.prod(s) for s in shapes[f]]
         groups = bucket_groups([4 * n for n in sizes], bucket_bytes)
         if b >= len(groups) or residual.numel() != sum(sizes[i] for i in groups[b]):
             raise ValueError(KEPT_BY_SHARES)
         flat, first = residual.reshape(-1), 0
         for i in groups[b]:
-            out[name][i] = flat[first:first + sizes[i]].reshape(shapes[name][i])
+            out[f][i] = flat[first:first + sizes[i]].reshape(shapes[f][i])
             first += sizes[i]
     return out
 
 
-def bucketed(pieces: dict[str, list[Optional[torch.Tensor]]], shapes: dict[str, list[torch.Size]], bucket_bytes: int,
-             process: Optional[int] = None) -> dict[Hashable, torch.Tensor]:
+def bucketed(pieces: dict[Optional[int], list[Optional[torch.Tensor]]], shapes: dict[Optional[int], list[torch.Size]],
+             bucket_bytes: int, process: Optional[int] = None) -> dict[Hashable, torch.Tensor]:
     """:func:`unbucketed`'s inverse: each bucket that holds a residual of any of its pieces (zeros for the others),
     keyed as a worker of one process keys it, or as sharded process ``process`` does."""
     out: dict[Hashable, torch.Tensor] = {}
-    for name, tensors in pieces.items():
-        sizes = [math.prod(s) for s in shapes[name]]
+    for f, tensors in pieces.items():
+        sizes = [math.prod(s) for s in shapes[f]]
         for b, group in enumerate(bucket_groups([4 * n for n in sizes], bucket_bytes)):
             held = [tensors[i] for i in group if tensors[i] is not None]
             if held:
-                out[(name, b) if process is None else ((name, b), process)] = torch.cat(
+                key = (exchange_name(f), b)
+                out[key if process is None else (key, process)] = torch.cat(
                     [tensors[i].reshape(-1) if tensors[i] is not None else held[0].new_zeros(sizes[i]) for i in group])
     return out
 
 
-__all__ = ["KEPT_BY_SHARES", "bucketed", "exchanges", "firsts", "origins_in", "piece_shapes", "unbucketed", "by_fragment", "cut_model", "cut_optimizer", "cut_pieces", "cut_rows", "join_model", "join_optimizer",
-           "join_pieces", "momenta", "sharded_keys", "span_of", "with_momenta"]
+__all__ = ["KEPT_BY_SHARES", "bucketed", "cut_model", "cut_optimizer", "cut_pieces", "cut_rows",
+           "exchange_name", "exchanges", "firsts", "join_model", "join_optimizer", "join_pieces", "momenta",
+           "origins_in", "piece_shapes", "sharded_keys", "span_of", "unbucketed", "with_momenta"]

@@ -190,9 +190,9 @@ def test_residuals_lie_in_buckets_of_their_pieces():
     shapes = exchanges([[torch.Size([3, 4]), torch.Size([5])], [torch.Size([2, 2])]])
     # at most 12 values a bucket: [3, 4] alone, then [5] and [2, 2] together where they follow each other
     kept = {("fragment0", 0): torch.arange(12.0), ("fragment0", 1): torch.arange(5.0), ("all", 1): torch.ones(9)}
-    pieces = unbucketed(kept, shapes, bucket_bytes=48)
-    assert pieces["fragment0"][0].shape == (3, 4) and pieces["fragment1"] == [None]
-    assert pieces["all"][0] is None and torch.equal(pieces["all"][2], torch.ones(2, 2))
+    pieces = unbucketed(kept, shapes, bucket_bytes=48)  # by fragment; None: the exchange of all at once
+    assert pieces[0][0].shape == (3, 4) and pieces[1] == [None]
+    assert pieces[None][0] is None and torch.equal(pieces[None][2], torch.ones(2, 2))
     again = bucketed(pieces, shapes, bucket_bytes=48, process=1)
     assert again.keys() == {(k, 1) for k in kept} and all(torch.equal(again[(k, 1)], v) for k, v in kept.items())
     joined = bucketed(pieces, shapes, bucket_bytes=1 << 20)  # one bucket an exchange: the others' pieces are zeros
