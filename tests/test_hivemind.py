@@ -770,11 +770,10 @@ def test_peers_train_together_survive_a_crash_and_a_late_joiner_starts_from_the_
         time.sleep(1.0)
         assert group_alive(procs["c"].pid) == [], "the killed peer left processes behind"
 
-        # a late joiner downloads the run's state and joins at the current round; its step budget counts the
-        # run's steps (10 per round), so it trains up to 8 rounds from here (fewer when its start is slow: a and
-        # b go on meanwhile). loco status reads the swarm meanwhile.
-        budget = (max(r["epoch"] for r in rounds(tmp_path, "a")) + 8) * 10
-        procs["d"] = start_peer(tmp_path, "d", *join, "--max-steps", str(budget))
+        # a late joiner downloads the run's state and joins at the current round. Its end is not a step budget: a
+        # budget counts the run's steps, and a and b go on while it starts, so a slow start can spend all of it
+        # before d's first round. loco status reads the swarm meanwhile.
+        procs["d"] = start_peer(tmp_path, "d", *join, "--max-steps", "100000")
         status = subprocess.Popen([sys.executable, "-m", "launch.cli", "status", "--peers", addrs[0], "--run-key",
                                    KEY.decode(), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env=child_env(HIVEMIND_LOGLEVEL="WARNING"), cwd=ROOT)
@@ -785,15 +784,13 @@ def test_peers_train_together_survive_a_crash_and_a_late_joiner_starts_from_the_
         assert set(ids.values()) <= set(info["peers"])
         assert all(info["ledger"][pid]["tokens"] > 0 for pid in ids.values())
 
-        assert procs["d"].wait(180) == 0, (tmp_path / "d.log").read_text()[-3000:]
-        d_log = (tmp_path / "d.log").read_text()
-        assert "downloaded the run's state" in d_log
-        d_rounds = rounds(tmp_path, "d")
-        assert d_rounds[0]["epoch"] > killed_at
-        assert any(len(r["members"]) >= 2 for r in d_rounds)
+        d_met = lambda: sum(len(r["members"]) >= 2 for r in rounds(tmp_path, "d")) >= 2  # noqa: E731
+        wait_for(d_met, "two rounds of the late joiner with the others", procs, timeout=180)
+        assert "downloaded the run's state" in (tmp_path / "d.log").read_text()
+        assert rounds(tmp_path, "d")[0]["epoch"] > killed_at
 
         # Ctrl-C and SIGTERM: a checkpoint, then the swarm is left cleanly (exit 130 and 143, as for loco train)
-        for name, sig in (("b", signal.SIGINT), ("a", signal.SIGTERM)):
+        for name, sig in (("d", signal.SIGTERM), ("b", signal.SIGINT), ("a", signal.SIGTERM)):
             os.kill(procs[name].pid, sig)
             t0 = time.time()
             assert procs[name].wait(30) == 128 + sig, (tmp_path / f"{name}.log").read_text()[-3000:]
