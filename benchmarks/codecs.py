@@ -50,8 +50,21 @@ from benchmarks.train_throughput import cpu_model  # noqa: E402
 
 CHAINS = ["fp32", "bf16", "fp16", "int8", "int8+zstd", "int4", "fp4", "fp4+zstd", "topk:0.03+int8",
           "topk:0.03+2bit+zstd", "topk:0.02+2bit+zstd", "topk:0.01+2bit+zstd", "dct+topk:0.02+2bit+zstd",
-          # SparseLoCo's payload (k = 64 of 4096) with loco's 2bit values and with the published stat2
-          "topk:0.015625+2bit", "topk:0.015625+stat2"]
+          # SparseLoCo's payload (k = 64 of 4096) with loco's 2bit values and with the published stat2, in chunks of
+          # the flat vector and in the published 64 x 64 tiles of each tensor (its default)
+          "topk:0.015625+2bit", "topk:0.015625+stat2", "topk:k=64,tile=64+2bit", "topk:k=64,tile=64+stat2"]
+
+
+def _model(size: str, seq: int, device: torch.device | str) -> torch.nn.Module:
+    from launch.models import SIZES, Transformer
+
+    return Transformer(replace(SIZES[size], vocab_size=32768 if size == "150m" else 256, max_seq_len=seq)).to(device)
+
+
+def param_shapes(size: str) -> list[tuple[int, ...]]:
+    """The shapes of the tensors the pseudo-gradient is, end to end (a chain with tiles cuts each on its own)."""
+    with torch.device("meta"):
+        return [tuple(p.shape) for p in _model(size, 128, "meta").parameters()]
 
 
 def pseudo_gradient(size: str, steps: int, device: torch.device, seed: int, cache: Path | None) -> torch.Tensor:
@@ -61,11 +74,10 @@ def pseudo_gradient(size: str, steps: int, device: torch.device, seed: int, cach
 
     from launch.config_schema import DataConfig
     from launch.data import Batcher, load_data
-    from launch.models import SIZES, Transformer
 
     torch.manual_seed(seed)
     seq = 128
-    model = Transformer(replace(SIZES[size], vocab_size=32768 if size == "150m" else 256, max_seq_len=seq)).to(device)
+    model = _model(size, seq, device)
     start = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=4e-4, betas=(0.9, 0.95), weight_decay=0.1)
     batcher = Batcher(load_data(DataConfig(source="stdlib", max_docs=400, seq_len=seq)), seq, 4, seed=seed)
@@ -120,7 +132,9 @@ def copy_bandwidth(x: torch.Tensor, repeats: int) -> float:
     return best
 
 
-def chain_rows(x: torch.Tensor, chains: list[str], repeats: int) -> list[dict]:
+def chain_rows(x: torch.Tensor, chains: list[str], repeats: int,
+               shapes: list[tuple[int, ...]] | None = None) -> list[dict]:
+    """``shapes``: the tensors ``x`` is (the payload of a chain with tiles follows them)."""
     from diloco.compress import make_codec
 
     rows = []
@@ -128,14 +142,15 @@ def chain_rows(x: torch.Tensor, chains: list[str], repeats: int) -> list[dict]:
     acc = torch.zeros_like(x)
     for chain in chains:
         codec = make_codec(chain)
-        payload = codec.encode(x)
-        y = codec.decode(payload, expect_numel=x.numel(), device=x.device)
+        payload = codec.encode(x, shapes=shapes)
+        y = codec.decode(payload, expect_numel=x.numel(), device=x.device, shapes=shapes)
         err = float((y - x).norm() / x.norm())
         del y
         fresh = make_codec(chain)  # encode timing without error feedback state
-        enc = timed(lambda: fresh.encode(x), repeats, x.device)
-        dec = timed(lambda: codec.decode(payload, expect_numel=x.numel(), device=x.device), repeats, x.device)
-        acc_s = timed(lambda: codec.decode_accumulate_(payload, acc, 0.5), repeats, x.device)
+        enc = timed(lambda: fresh.encode(x, shapes=shapes), repeats, x.device)
+        dec = timed(lambda: codec.decode(payload, expect_numel=x.numel(), device=x.device, shapes=shapes), repeats,
+                    x.device)
+        acc_s = timed(lambda: codec.decode_accumulate_(payload, acc, 0.5, shapes=shapes), repeats, x.device)
         rows.append({"chain": chain, "bytes_per_param": len(payload) / n, "ratio": 4 * n / len(payload), "rel_err": err,
                      "encode_gbs": 4 * n / enc / 1e9, "decode_gbs": 4 * n / dec / 1e9,
                      "accumulate_gbs": 4 * n / acc_s / 1e9})
@@ -285,7 +300,7 @@ def main() -> None:
     names = [c.replace(";", ",") for c in args.chains.split(",")]
     copy = copy_bandwidth(x, args.repeats)
     print(f"device copy bandwidth {copy:.2f} GB/s", flush=True)
-    chains = chain_rows(x, names, args.repeats)
+    chains = chain_rows(x, names, args.repeats, param_shapes(args.size))
     copy = max(copy, copy_bandwidth(x, args.repeats))  # before and after the chains: the better (on shared cores)
     zstd = zstd_rows(x, names, args.repeats) if x.device.type == "cpu" else zstd_rows(x.cpu(), names, args.repeats)
     kernels = [] if args.no_kernels else kernel_rows(x, args.repeats)

@@ -67,6 +67,9 @@ METHODS = {
     # the same at 1.56% with the mean over all workers: what the published mean over senders changes
     "sparseloco-h15-d1.56-all": ["algo.name=sparseloco", "algo.inner_steps=15", "algo.topk_density=0.015625",
                                  "algo.outer_lr=1", "algo.aggregate=all"],
+    # the same in chunks of 4096 consecutive values of the flat pseudo-gradient instead of 64 x 64 tiles
+    "sparseloco-h15-d1.56-flat": ["algo.name=sparseloco", "algo.inner_steps=15", "algo.topk_density=0.015625",
+                                  "algo.outer_lr=1", "algo.aggregate=senders", "algo.chunking=flat"],
     # and with the published values (stat2: four bins of 1.5 standard deviations, each its values' mean)
     "sparseloco-h15-d1.56-stat2": ["algo.name=sparseloco", "algo.inner_steps=15", "algo.topk_density=0.015625",
                                    "algo.outer_lr=1", "algo.aggregate=senders", "algo.value_format=stat2"],
@@ -87,7 +90,8 @@ METHODS = {
 # run only when named: the codec, SparseLoCo, DeMo and Muon studies each have their own results file
 NAMED_ONLY = ("diloco-h50-int8", "diloco-h50-fp4", "diloco-h50-topk2", "sparseloco-h50-d1", "sparseloco-h50-d2",
               "sparseloco-h50-d3", "sparseloco-h15-d0.78", "sparseloco-h15-d1.56", "sparseloco-h15-d3.1",
-              "sparseloco-h15-d1.56-all", "sparseloco-h15-d1.56-stat2", "diloco-h15", "demo-k32", "demo-k8",
+              "sparseloco-h15-d1.56-all", "sparseloco-h15-d1.56-stat2", "sparseloco-h15-d1.56-flat", "diloco-h15",
+              "demo-k32", "demo-k8",
               "ddp-muon", "muloco-h50", "muloco-h50-int8", "muloco-h50-topk2", "muloco-sparseloco-h15-d1.56")
 
 

@@ -4,8 +4,9 @@ Every round, after H inner steps on local data, worker r::
 
     delta_r = theta_global - theta_local_r                  fp32
     e_r     = beta * e_r + delta_r                           its error-feedback buffer (algo.ef_decay)
-    s_r     = Q(TopK_chunk(e_r))                             the k largest |e| of each chunk of algo.chunk
-                                                             values, quantized (algo.value_format, 2bit)
+    s_r     = Q(TopK_chunk(e_r))                             the k largest |e| of each chunk (a 64 x 64 tile of
+                                                             a matrix: algo.chunk = 4096), quantized
+                                                             (algo.value_format, 2bit)
     e_r     = e_r - s_r                                      what was not sent (or lost to Q) waits
     theta_global <- theta_global - alpha * mean(s)           algo.outer_lr; no other momentum state
     theta_local_r <- theta_global
@@ -29,9 +30,16 @@ Two figures follow each round into the metrics lines: ``senders_per_position``
 (the mean number of senders of a position that was sent) and ``sent_share``
 (the share of positions whose mean has moved at least once so far).
 
-The chunks are ``algo.chunk`` consecutive values of the flat pseudo-gradient
-(parameters in model order); the published code cuts matrices into 2-D blocks
-of the same size. Over hivemind peers the same payloads go through the robust
+The chunks are the published ones (``algo.chunking: tensor``, the chain's
+``tile`` option, :mod:`diloco.compress.tiles`): each parameter is cut on its
+own into tiles of at most sqrt(``algo.chunk``) a side (64 x 64, chunks of 64
+for a vector), and a tile keeps k scaled to its length. ``algo.chunking:
+flat`` cuts the flat pseudo-gradient (parameters in model order) into
+``algo.chunk`` consecutive values instead. Under ``run.shard: fsdp`` a
+process's tiles are cut in its own rows of each parameter, the same tiles
+where its rows start at a multiple of the tile; on a node mesh each process's
+share of a bucket is one vector (chunks of sqrt(``algo.chunk``) values).
+Over hivemind peers the same payloads go through the robust
 mean (validation and norm clipping); a worker with a non-finite pseudo-gradient
 sends weight 0 and takes the new global model; over hivemind each payload is clipped
 before the mean over senders.
@@ -39,6 +47,7 @@ before the mean over senders.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 import torch
@@ -51,12 +60,14 @@ from diloco.compress.senders import Senders
 from diloco.outer import DiLoCo
 
 AGGREGATES = ("senders", "all")
+CHUNKINGS = ("tensor", "flat")
 
 
-def sparse_chain(density: float, chunk: int, ef_decay: float, value_format: str) -> str:
+def sparse_chain(density: float, chunk: int, ef_decay: float, value_format: str, chunking: str = "tensor") -> str:
     """The codec chain of one SparseLoCo payload."""
     k = max(1, round(density * chunk))
-    return f"topk:chunk={chunk},k={k},ef={exact_number(ef_decay)}+{value_format}"
+    tile = f",tile={math.isqrt(chunk)}" if chunking == "tensor" else ""
+    return f"topk:chunk={chunk},k={k},ef={exact_number(ef_decay)}{tile}+{value_format}"
 
 
 @register
@@ -65,27 +76,30 @@ class SparseLoCo(DiLoCo):
     gather = True
     default_outer_lr = 1.0  # alpha, as published (not DiLoCo's 0.7)
     # no outer momentum to agree on: the error feedback is the momentum; the top-k payload's settings instead
-    peer_settings = ("inner_steps", "topk_density", "chunk", "ef_decay", "value_format", "aggregate")
+    peer_settings = ("inner_steps", "topk_density", "chunk", "ef_decay", "value_format", "aggregate", "chunking")
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, transport: Optional[Transport] = None,
                  grad_clip: float = 0.0, *, topk_density: float = 0.02, chunk: int = 4096, ef_decay: float = 0.95,
                  outer_lr: float = 1.0, value_format: str = "2bit", aggregate: str = "senders",
-                 **kwargs: Any) -> None:
-        codec = self.check(topk_density, chunk, ef_decay, value_format, aggregate)
+                 chunking: str = "tensor", **kwargs: Any) -> None:
+        codec = self.check(topk_density, chunk, ef_decay, value_format, aggregate, chunking)
         kwargs.pop("codec", None)
         kwargs.update(outer_momentum=0.0, nesterov=False)  # e_r is the momentum: theta -= alpha * mean
         super().__init__(model, optimizer, transport, grad_clip, outer_lr=outer_lr, codec=codec, **kwargs)
         self.topk_density, self.chunk, self.ef_decay, self.value_format = topk_density, chunk, ef_decay, value_format
-        self.aggregate = aggregate
+        self.aggregate, self.chunking = aggregate, chunking
         self.senders = Senders() if aggregate == "senders" else None
         # per position of each piece: its mean has moved at least once (the same on every worker: it is the mean's;
         # a peer that joins a run in progress counts from its first round)
         self.moved = [torch.zeros(v.shape, dtype=torch.bool, device=v.device) for v in self.global_views]
 
     @staticmethod
-    def check(topk_density: float, chunk: int, ef_decay: float, value_format: str, aggregate: str = "senders") -> Codec:
+    def check(topk_density: float, chunk: int, ef_decay: float, value_format: str, aggregate: str = "senders",
+              chunking: str = "tensor") -> Codec:
         """SparseLoCo's constraints, stated once (the config check and the constructor both run it); returns
         the codec of these settings."""
+        if chunking not in CHUNKINGS:
+            raise ConfigConflict("algo.chunking", f"must be one of {', '.join(CHUNKINGS)}, got {chunking!r}")
         if aggregate not in AGGREGATES:
             raise ConfigConflict("algo.aggregate", f"must be one of {', '.join(AGGREGATES)}, got {aggregate!r}")
         if not 0.0 < topk_density <= 1.0:
@@ -95,15 +109,22 @@ class SparseLoCo(DiLoCo):
         if not 0.0 <= ef_decay <= 1.0:
             raise ConfigConflict("algo.ef_decay", f"must be in [0, 1], got {ef_decay}")
         try:
-            return make_codec(sparse_chain(topk_density, chunk, ef_decay, value_format))
+            codec = make_codec(sparse_chain(topk_density, chunk, ef_decay, value_format, "flat"))
         except CodecSpecError as e:
             raise ConfigConflict("algo.chunk", str(e).replace("codec stage 'topk': ", "")) from None
+        if chunking == "flat":
+            return codec
+        if math.isqrt(chunk) ** 2 != chunk:
+            raise ConfigConflict("algo.chunk", f"the chunks of algo.chunking: tensor are square tiles, so algo.chunk "
+                                               f"must be a square (4096 = 64 x 64), got {chunk}; or set "
+                                               f"algo.chunking: flat")
+        return make_codec(sparse_chain(topk_density, chunk, ef_decay, value_format, chunking))
 
     @classmethod
     def check_config(cls, cfg: Any, n_layers: int) -> None:
         super().check_config(cfg, n_layers)
         a = cfg.algo
-        cls.check(a.topk_density, a.chunk, a.ef_decay, a.value_format, a.aggregate)
+        cls.check(a.topk_density, a.chunk, a.ef_decay, a.value_format, a.aggregate, a.chunking)
         if cfg.compress.codec != "fp32":
             raise ConfigConflict("compress.codec", "SparseLoCo sends its own top-k payload (tune algo.topk_density, "
                                                    "algo.chunk and algo.value_format); leave compress.codec at fp32")
@@ -111,7 +132,7 @@ class SparseLoCo(DiLoCo):
     @classmethod
     def payload_chain(cls, algo: dict[str, Any]) -> Optional[str]:
         return sparse_chain(algo.get("topk_density", 0.02), algo.get("chunk", 4096), algo.get("ef_decay", 0.95),
-                            algo.get("value_format", "2bit"))
+                            algo.get("value_format", "2bit"), algo.get("chunking", "tensor"))
 
     @classmethod
     def payload_label(cls, algo: dict[str, Any], codec: Optional[str]) -> list[str]:
@@ -134,7 +155,7 @@ class SparseLoCo(DiLoCo):
         settings.pop("nesterov")
         return cls(model, optimizer, transport, cfg.optim.grad_clip, tokens_per_step=tokens_per_step, inner=inner,
                    topk_density=a.topk_density, chunk=a.chunk, ef_decay=a.ef_decay, value_format=a.value_format,
-                   aggregate=a.aggregate, **settings)
+                   aggregate=a.aggregate, chunking=a.chunking, **settings)
 
     # ---- the round's figures ------------------------------------------------------------------
     def sync(self) -> dict[str, Any]:

@@ -126,7 +126,12 @@ class AlgoConfig:
     sign_values: bool = _f(False, "DeMo: send 1 bit (the sign) per kept coefficient instead of fp32.")
     nonfinite: Literal["skip", "raise"] = _f("skip", "DeMo: on non-finite gradients sit the step out (skip) or stop (raise).")
     topk_density: float = _f(0.02, "SparseLoCo: fraction of each chunk sent per round (k = density x chunk).", gt=0, le=1)
-    chunk: int = _f(4096, "SparseLoCo: values per top-k chunk of the flat pseudo-gradient (a power of two).", gt=1)
+    chunk: int = _f(4096, "SparseLoCo: values per top-k chunk (a power of two; with chunking tensor a square: "
+                          "4096 is 64 x 64 tiles).", gt=1)
+    chunking: Literal["tensor", "flat"] = _f(
+        "tensor", "SparseLoCo: tensor cuts each parameter on its own into square tiles of algo.chunk values (chunks "
+                  "of sqrt(chunk) for a vector), each keeping k scaled to its length, as published; flat cuts the "
+                  "flat pseudo-gradient into chunks of algo.chunk consecutive values.")
     ef_decay: float = _f(0.95, "SparseLoCo: error-feedback decay beta (e = beta * e + delta).", ge=0, le=1)
     value_format: Literal["2bit", "stat2", "int4", "fp4", "int8", "bf16", "fp16", "fp32"] = _f(
         "2bit", "SparseLoCo: how each sent value is coded (2bit: four absmax levels per block of 128; stat2: four "

@@ -3,6 +3,8 @@ simulator charges them (:mod:`diloco.sim.group`), for equal-speed workers."""
 
 from __future__ import annotations
 
+import math
+
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,37 +31,40 @@ class Exchange:
 
 
 def exchange(tensors: Sequence[int], codec_chain: str, world: int, net: NetworkModel, dense_total: bool,
-             gathered: bool = False) -> Exchange:
+             gathered: bool = False, shapes: Optional[Sequence[tuple[int, ...]]] = None) -> Exchange:
     """The exchange of fp32 tensors of ``tensors`` elements over ``world`` workers, with the messages the
     collective itself makes (:func:`diloco.compress.collective.exchange_sizes`).
 
     fp32: the exact ring all-reduce of each bucket (``dense_total``: DiLoCo adds its one-element weight);
     another codec: per bucket, an all-to-all of the shards then an all-gather of their means; ``gathered``: per
-    bucket, an all-gather of every worker's payload.
+    bucket, an all-gather of every worker's payload. ``shapes``: the tensors' shapes (a chain with tiles cuts
+    each on its own); else each is one vector.
 
     Buckets alike cost alike: each kind is priced once and counted, so a model of many equal tensors costs no
     more to plan than one of a few (the weight joins the last bucket only, which is priced on its own)."""
     if world <= 1 or not tensors:
         return Exchange(0.0, 0)
+    units = [tuple(s) for s in shapes] if shapes is not None else [(n,) for n in tensors]
     groups = bucket_groups([4 * n for n in tensors], Transport.bucket_bytes)
-    kinds = Counter(tuple(tensors[i] for i in g) for g in groups[:-1])
+    kinds = Counter(tuple(units[i] for i in g) for g in groups[:-1])
     total_s, sent = 0.0, 0
-    for numels, count, weighted in [*((k, c, False) for k, c in kinds.items()),
-                                    (tuple(tensors[i] for i in groups[-1]), 1, dense_total)]:
-        seconds, nbytes = _buckets(numels, codec_chain, world, net.bandwidth, net.latency, weighted, gathered)
+    for kind, count, weighted in [*((k, c, False) for k, c in kinds.items()),
+                                  (tuple(units[i] for i in groups[-1]), 1, dense_total)]:
+        seconds, nbytes = _buckets(kind, codec_chain, world, net.bandwidth, net.latency, weighted, gathered)
         total_s += count * seconds
         sent += count * nbytes
     return Exchange(total_s, sent)
 
 
 @lru_cache(maxsize=4096)
-def _buckets(numels: tuple[int, ...], codec_chain: str, world: int, bandwidth: Optional[float], latency: float,
-             weighted: bool, gathered: bool = False) -> tuple[float, int]:
+def _buckets(shapes: tuple[tuple[int, ...], ...], codec_chain: str, world: int, bandwidth: Optional[float],
+             latency: float, weighted: bool, gathered: bool = False) -> tuple[float, int]:
     """(seconds, bytes sent) of the exchange of one bucket's tensors (a weight may make it two buckets)."""
     net = NetworkModel(bandwidth, latency)
     codec = None if codec_chain == "fp32" else make_codec(codec_chain)
     seconds, sent = 0.0, 0
-    for msgs in exchange_sizes(list(numels), world, codec, weighted=weighted, gather=gathered):
+    numels = [math.prod(s) for s in shapes]
+    for msgs in exchange_sizes(numels, world, codec, weighted=weighted, gather=gathered, shapes=shapes):
         if codec is None:
             nbytes = msgs[0]
             seconds += net.all_reduce_s(nbytes, world)
@@ -181,8 +186,9 @@ def _exchanges(setting: Setting, model: Model, world: int, net: NetworkModel) ->
     if own is not None:
         return [Exchange(*_gather(net, own, world))]
     sched = setting.schedule()
-    return [exchange(piece, setting.chain(), world, net, dense_total=sched.weighted, gathered=sched.gathered)
-            for piece in model.fragment_pieces(sched.fragments)]
+    shapes = model.shapes if sched.fragments == 1 and len(model.shapes) == len(model.tensors) else None
+    return [exchange(piece, setting.chain(), world, net, dense_total=sched.weighted, gathered=sched.gathered,
+                     shapes=shapes) for piece in model.fragment_pieces(sched.fragments)]
 
 
 def recommend(rows: Sequence[Row]) -> tuple[Optional[Row], Optional[Row]]:

@@ -23,7 +23,7 @@ from diloco.compress.dct import dct_basis, dct_blocks, dct_chunks, idct_blocks, 
 
 CHAINS = ["fp32", "fp32+zstd", "bf16", "fp16", "int8", "int4", "fp4", "2bit", "int8:block=64+zstd", "topk:0.1",
           "topk:0.1+2bit+zstd", "topk:k=3,chunk=16,ef=0.5+fp4", "dct+topk:0.25+int8", "dct:chunk=16+fp16+zstd:1",
-          "stat2", "topk:0.1+stat2:block=64+zstd"]
+          "stat2", "topk:0.1+stat2:block=64+zstd", "topk:k=3,tile=4,ef=0.9+2bit"]
 NO_ZSTD = [c for c in CHAINS if "zstd" not in c]
 
 
@@ -338,6 +338,8 @@ def test_residual_survives_state_dict():
     ("int8:block=100", "block size must be a power of two"),
     ("zstd:99", "level must be in [-7, 22]"),
     ("dct:chunk=0", "chunk must be in [1, 4096]"),
+    ("topk:tile=8,chunk=32", "tiles of 8 x 8 need chunk=64"),
+    ("dct+topk:tile=8", "give one of them"),
 ])
 def test_bad_chains_name_the_problem(chain, message):
     with pytest.raises(CodecSpecError, match=re.escape(message)):
@@ -350,6 +352,7 @@ def test_bad_chains_name_the_problem(chain, message):
     ("topk:41", "topk:chunk=4096,k=41,ef=1+fp32"),
     ("topk:1.0", "topk:chunk=4096,k=4096,ef=1+fp32"),
     ("int8:block=128", "int8:block=128"),
+    ("topk:tile=64,k=64,ef=0.95", "topk:chunk=4096,k=64,ef=0.95,tile=64+fp32"),
     ("int8:64", "int8:block=64"),
     ("int4", "int4:block=128"),
     ("zstd:9", "fp32+zstd:level=9"),
@@ -419,7 +422,7 @@ def test_decode_accumulate_adds_weighted_decode(chain):
 FUZZ_CHAINS = ["fp32", "bf16", "fp16+zstd", "int8:block=64", "int4:block=32", "fp4", "2bit:block=16+zstd",
                "topk:k=5,chunk=32", "topk:k=3,chunk=16+int4:block=16", "topk:k=4,chunk=64+fp4+zstd",
                "dct:chunk=16+topk:0.25,chunk=32+int8:block=32", "dct:chunk=8+bf16", "stat2:block=16+zstd",
-               "topk:k=4,chunk=32+stat2:block=8"]
+               "topk:k=4,chunk=32+stat2:block=8", "topk:k=4,tile=8+int4:block=16"]
 
 
 def _decodes(codec, data: bytes) -> bool:
@@ -607,6 +610,37 @@ def test_topk_index_validation(chain, numel, indices, ok):
     k, chunk = codec.spec.topk_k, codec.spec.topk_chunk
     flat = torch.tensor(indices) + torch.arange(len(indices)) // k * chunk
     assert torch.equal(codec.decode(data), torch.zeros(numel).index_put_((flat,), values))
+
+
+def test_tiles_keep_the_largest_of_each_tile_and_refuse_indices_outside_it():
+    """Tensors of (6, 8), (6,) and (5,): tiles of 3 x 4 (k = 4 x 12 / 16 = 3), chunks of 3 and 1 (one kept each);
+    the values go class by class (tiles of one length and k), tile by tile, indices row-major inside a tile."""
+    codec = make_codec("topk:k=4,tile=4+fp32")
+    shapes = [(6, 8), (6,), (5,)]
+    x = torch.randn(59, generator=torch.Generator().manual_seed(3))
+    got = codec.decode(codec.encode(x, shapes=shapes), shapes=shapes)
+    m, want = x[:48].view(6, 8), torch.zeros(59)
+    for r0 in (0, 3):
+        for c0 in (0, 4):
+            tile = m[r0:r0 + 3, c0:c0 + 4]
+            for i in tile.reshape(-1).abs().topk(3).indices.tolist():
+                want[(r0 + i // 4) * 8 + c0 + i % 4] = tile.reshape(-1)[i]
+    for a, length in [(48, 3), (51, 3), *((54 + j, 1) for j in range(5))]:
+        i = int(x[a:a + length].abs().argmax())
+        want[a + i] = x[a + i]
+    assert torch.equal(got, want)
+    t = codec.tiling(shapes, 59)
+    assert t.count == 4 * 3 + 2 + 5 and t.index_bits == 4
+    # one tile's index at 12 (a tile holds 12 values), then a repeated index: refused before anything is written
+    good = [0, 1, 2] * 4 + [0, 1] + [0] * 5
+    for bad in ([12, 1, 2] + good[3:], [0, 0, 2] + good[3:], good[:12] + [3, 0] + good[14:]):
+        data = wire.pack(torch.ones(19).numpy().tobytes() + pack_bits(torch.tensor(bad), 4).numpy().tobytes(),
+                         torch.float32, (59,), codec.chain)
+        with pytest.raises(CorruptPayload, match="indices"):
+            codec.decode(data, shapes=shapes)
+    # shapes the payload was not made for: refused by its size
+    with pytest.raises(CorruptPayload):
+        codec.decode(codec.encode(x, shapes=shapes))
 
 
 def test_topk_payload_with_nan_values_is_rejected():

@@ -912,10 +912,11 @@ def test_payload_sizes_follow_from_the_model_and_codec():
     from diloco.compress.codec import make_codec
 
     x = torch.randn(5000, generator=torch.Generator().manual_seed(0))
-    for chain in ("fp32", "int8", "topk:0.05+2bit"):
+    for chain in ("fp32", "int8", "topk:0.05+2bit", "topk:k=205,tile=64+2bit"):
         codec = make_codec(chain)
         for prefix in (b"", struct.pack("<d", 2.0)):
-            p = codec.encode(x, key="a", prefix=prefix)
+            # tiles: the size follows the tensors' shapes, which the members share and the header does not carry
+            p = codec.encode(x, key="a", prefix=prefix, shapes=[(50, 64), (1800,)])
             assert payload_sizes(p, 1 << 30) == (len(p), len(p), True), chain
     zc = make_codec("fp32+zstd")
     least, most, exact = payload_sizes(zc.encode(torch.zeros(5000)), 1 << 30)

@@ -50,7 +50,7 @@ def test_from_config_builds_each_algorithm_with_its_settings(name):
     assert type(algo) is ALGORITHMS[name] and algo.name == name
     assert algo.round == 0 and algo.tokens_agreed == 0.0
     if name == "sparseloco":
-        assert algo.gather and algo.codec.chain.startswith("topk:chunk=4096,k=82,ef=0.95+2bit")
+        assert algo.gather and algo.codec.chain.startswith("topk:chunk=4096,k=82,ef=0.95,tile=64+2bit")
         assert algo.outer_optimizers[0].param_groups[0]["momentum"] == 0
     if name in ("diloco", "streaming", "sparseloco"):
         assert algo.policy.inner_steps == 7 and algo.outer_optimizers[0].param_groups[0]["lr"] == 0.3

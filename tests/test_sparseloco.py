@@ -12,18 +12,20 @@ from diloco import SparseLoCo
 from diloco.sim import InProcessGroup, run_workers
 from launch.config import ConfigError, load_config
 
-H, ROUNDS, CHUNK, DENSITY, BETA, ALPHA, LR = 3, 4, 32, 0.1, 0.9, 0.8, 0.1
-K = round(DENSITY * CHUNK)
+H, ROUNDS, CHUNK, DENSITY, BETA, ALPHA, LR = 3, 4, 16, 0.25, 0.9, 0.8, 0.1
+K, SIDE = round(DENSITY * CHUNK), 4  # tiles of 4 x 4
 
 
 def _model() -> torch.nn.Module:
+    """Sides that are multiples of the tile (8 x 16), and others (6, 5: tiles of 3 and 1)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))  # 163 values
+    return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6), torch.nn.Tanh(),
+                               torch.nn.Linear(6, 5))  # 225 values
 
 
 def _batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * worker + step)
-    return torch.randn(6, 16, generator=g), torch.randn(6, 3, generator=g)
+    return torch.randn(6, 16, generator=g), torch.randn(6, 5, generator=g)
 
 
 def _loss(model, worker, step):
@@ -32,21 +34,46 @@ def _loss(model, worker, step):
 
 
 # ---- the published algorithm, written out independently ----------------------------------------
-def _topk_per_chunk(e: torch.Tensor) -> torch.Tensor:
-    """The positions of the K largest |e| of each chunk of CHUNK values (a shorter last chunk keeps min(K, its
-    length)), as a mask."""
-    sent = torch.zeros(e.numel(), dtype=torch.bool)
-    for start in range(0, e.numel(), CHUNK):
-        piece = e[start:start + CHUNK]
-        order = sorted(range(piece.numel()), key=lambda i: (-abs(float(piece[i])), i))[:min(K, piece.numel())]
-        for i in order:
-            sent[start + i] = True
+def _chunks(chunking: str) -> list[list[int]]:
+    """Each chunk's flat positions, in the order chunks are sent and, inside one, in index order. ``tensor``: each
+    parameter (rows x cols) in tiles whose sides are the largest divisors of its sides up to SIDE, tiles in
+    row-major order and each read row by row, sent class by class (the parameters whose tiles have the same
+    length and k, in order); ``flat``: CHUNK consecutive values of the flat vector."""
+    shapes = [tuple(p.shape) for p in _model().parameters()]
+    total = sum(math.prod(s) for s in shapes)
+    if chunking == "flat":
+        return [list(range(a, min(a + CHUNK, total))) for a in range(0, total, CHUNK)]
+    classes, offset = {}, 0  # (tile length, kept): its tiles; classes in the order of their first tensor
+    for shape in shapes:
+        rows, cols = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0])
+        s1, s2 = (max(d for d in range(1, SIDE + 1) if n % d == 0) for n in (rows, cols))
+        tiles = classes.setdefault((s1 * s2, _kept(s1 * s2)), [])
+        for r0 in range(0, rows, s1):
+            for c0 in range(0, cols, s2):
+                tiles.append([offset + r * cols + c for r in range(r0, r0 + s1) for c in range(c0, c0 + s2)])
+        offset += rows * cols
+    return [tile for tiles in classes.values() for tile in tiles]
+
+
+def _kept(length: int) -> int:
+    """A tile of ``length`` values keeps K length / CHUNK of them, rounded half up, at least one."""
+    return max(1, math.floor(K * length / CHUNK + 0.5))
+
+
+def _topk_per_chunk(e: torch.Tensor, chunking: str) -> list[int]:
+    """The positions of the largest |e| of each chunk (a tile keeps :func:`_kept` of them; a flat chunk K, a
+    shorter last one min(K, its length)), in the order they are sent."""
+    sent = []
+    for chunk in _chunks(chunking):
+        keep = min(K, len(chunk)) if chunking == "flat" else _kept(len(chunk))
+        best = sorted(range(len(chunk)), key=lambda i: (-abs(float(e[chunk[i]])), i))[:keep]
+        sent += [chunk[i] for i in sorted(best)]
     return sent
 
 
-def _two_bit(e: torch.Tensor, sent: torch.Tensor, block: int = 128) -> torch.Tensor:
+def _two_bit(e: torch.Tensor, sent: list[int], block: int = 128) -> torch.Tensor:
     """Four levels (q - 1.5) * s per block of the sent values, s = absmax / 1.5, q = clamp(floor(v / s) + 2, 0, 3)."""
-    idx = sent.nonzero().flatten()  # ascending positions: the order values are sent in
+    idx = torch.tensor(sent)  # the order values are sent in
     values = e[idx]
     out = torch.zeros_like(e)
     for b in range(0, values.numel(), block):
@@ -57,10 +84,10 @@ def _two_bit(e: torch.Tensor, sent: torch.Tensor, block: int = 128) -> torch.Ten
     return out
 
 
-def _stat2(e: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+def _stat2(e: torch.Tensor, sent: list[int]) -> torch.Tensor:
     """The published statistical 2 bits over the sent values (one block: fewer than 1,024): four bins of width
     1.5 s from m - 3 s (the outer two open-ended), each value decoded to the mean of its bin's values."""
-    idx = sent.nonzero().flatten()
+    idx = torch.tensor(sent)
     v = e[idx].double()
     m, s = float(v.mean()), float(v.std(unbiased=False))
     codes = [min(3, max(0, math.floor((float(x) - (m - 3 * s)) / (1.5 * s)))) for x in v]
@@ -70,7 +97,7 @@ def _stat2(e: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _reference(workers: int, aggregate: str, values: str = "2bit") -> torch.Tensor:
+def _reference(workers: int, aggregate: str, values: str = "2bit", chunking: str = "tensor") -> torch.Tensor:
     theta = torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
     e = [torch.zeros_like(theta) for _ in range(workers)]
     for r in range(ROUNDS):
@@ -85,8 +112,10 @@ def _reference(workers: int, aggregate: str, values: str = "2bit") -> torch.Tens
                 opt.zero_grad()
             delta = theta - torch.nn.utils.parameters_to_vector(local.parameters()).detach()
             e[w] = e[w] * BETA + delta
-            mask = _topk_per_chunk(e[w])
-            s = _two_bit(e[w], mask) if values == "2bit" else _stat2(e[w], mask)
+            sent_at = _topk_per_chunk(e[w], chunking)
+            mask = torch.zeros(e[w].numel(), dtype=torch.bool)
+            mask[sent_at] = True
+            s = _two_bit(e[w], sent_at) if values == "2bit" else _stat2(e[w], sent_at)
             e[w] = e[w] - s
             sent.append(s)
             where.append(mask)
@@ -99,12 +128,12 @@ def _reference(workers: int, aggregate: str, values: str = "2bit") -> torch.Tens
     return theta
 
 
-def _loco(workers: int, aggregate: str = "senders", values: str = "2bit") -> list[torch.Tensor]:
+def _loco(workers: int, aggregate: str = "senders", values: str = "2bit", chunking: str = "tensor") -> list[torch.Tensor]:
     def body(rank, transport):
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         algo = SparseLoCo(model, opt, transport, inner_steps=H, topk_density=DENSITY, chunk=CHUNK, ef_decay=BETA,
-                          outer_lr=ALPHA, aggregate=aggregate, value_format=values)
+                          outer_lr=ALPHA, aggregate=aggregate, value_format=values, chunking=chunking)
         for step in range(ROUNDS * H):
             _loss(model, rank, step).backward()
             info = algo.step()
@@ -117,11 +146,12 @@ def _loco(workers: int, aggregate: str = "senders", values: str = "2bit") -> lis
     return run_workers(InProcessGroup(workers), body)
 
 
-@pytest.mark.parametrize("workers, aggregate, values", [(1, "senders", "2bit"), (3, "senders", "2bit"),
-                                                      (3, "all", "2bit"), (3, "senders", "stat2")])
-def test_sparseloco_equals_the_published_steps(workers, aggregate, values):
-    want = _reference(workers, aggregate, values)
-    for theta, local, _, figures in _loco(workers, aggregate, values):
+@pytest.mark.parametrize("workers, aggregate, values, chunking", [
+    (1, "senders", "2bit", "tensor"), (3, "senders", "2bit", "tensor"), (3, "all", "2bit", "tensor"),
+    (3, "senders", "stat2", "tensor"), (3, "senders", "2bit", "flat")])
+def test_sparseloco_equals_the_published_steps(workers, aggregate, values, chunking):
+    want = _reference(workers, aggregate, values, chunking)
+    for theta, local, _, figures in _loco(workers, aggregate, values, chunking):
         assert torch.allclose(theta, want, atol=1e-6, rtol=1e-5), float((theta - want).abs().max())
         assert torch.equal(theta, local)  # every worker starts the next round from the global model
         assert 0 < figures["sent_share"] <= 1
@@ -132,15 +162,18 @@ def test_sparseloco_equals_the_published_steps(workers, aggregate, values):
         assert not torch.allclose(want, _reference(3, "all" if aggregate == "senders" else "senders"))
     if values == "stat2":  # and the two value formats differ
         assert not torch.allclose(want, _reference(3, aggregate))
+    if chunking == "flat":  # and the two chunkings
+        assert not torch.allclose(want, _reference(3, aggregate))
 
 
 def test_the_exchange_stays_sparse_on_the_wire():
     """Each worker sends its own sparse payload to the others, never a densified sum."""
     _, _, sent, _ = _loco(3)[0]
-    values = math.ceil(163 / CHUNK) * K  # 5 full or partial chunks of K values
-    payload_bound = 8 + 200 + math.ceil(values * 5 / 8) + 4 + math.ceil(values * 2 / 8)  # weight, header, 5-bit indices, a scale, 2-bit codes
+    values = len(_topk_per_chunk(torch.ones(225), "tensor"))  # K L / CHUNK of each tile of L values
+    assert values == 8 * 4 + 2 + 4 * 3 + 2 + 10 + 5
+    payload_bound = 8 + 200 + math.ceil(values * 4 / 8) + 4 + math.ceil(values * 2 / 8)  # weight, header, 4-bit indices, a scale, 2-bit codes
     assert 0 < sent <= ROUNDS * 2 * payload_bound  # to 2 other workers per round
-    assert sent < ROUNDS * 2 * 163 * 4 / 4  # far below a quarter of the dense fp32 bytes
+    assert sent < ROUNDS * 2 * 225 * 4 / 4  # far below a quarter of the dense fp32 bytes
 
 
 def test_settings_are_checked_where_the_user_sets_them():
@@ -212,7 +245,8 @@ def test_alpha_left_empty_is_sparselocos_own_and_a_fine_decay_keeps_its_digits()
     assert schema_of(load_config(small, ["algo.name=diloco"])[0]) == \
         schema_of(load_config(small, ["algo.name=diloco", "algo.outer_lr=0.7"])[0])
     assert make_codec(sparse_chain(0.02, 4096, 0.9999995, "2bit")).spec.ef_decay == 0.9999995
-    assert sparse_chain(0.02, 4096, 0.95, "2bit") == "topk:chunk=4096,k=82,ef=0.95+2bit"
+    assert sparse_chain(0.02, 4096, 0.95, "2bit") == "topk:chunk=4096,k=82,ef=0.95,tile=64+2bit"
+    assert sparse_chain(0.02, 4096, 0.95, "2bit", "flat") == "topk:chunk=4096,k=82,ef=0.95+2bit"
 
 
 @pytest.mark.parametrize("robust", [False, True])

@@ -8,7 +8,9 @@ stage       what it does                                options (``name:opt=valu
 ``dct``     orthonormal DCT-II per chunk (1-D)          ``chunk`` (64)
 ``topk``    per chunk keep the k largest |values|,      ``density`` (0.02) or ``k``, ``chunk`` (4096,
             indices in ceil(log2 chunk) bits, error     a power of two), ``ef`` (1.0: error-feedback
-            feedback for what was not sent              decay; 0 turns it off)
+            feedback for what was not sent              decay; 0 turns it off), ``tile`` (none: chunks
+                                                        of the flat vector; S: S x S tiles of each
+                                                        tensor, chunk = S x S, :mod:`.tiles`)
 values      ``fp32`` ``bf16`` ``fp16``                  -
             ``int8`` ``int4`` ``fp4`` ``2bit``          ``block`` (int8 256, others 128)
             ``stat2`` (2 bits, a table of bin means)    ``block`` (1024)
@@ -49,6 +51,7 @@ class ChainSpec:
     dct_chunk: Optional[int] = None
     topk_chunk: Optional[int] = None
     topk_k: int = 0
+    topk_tile: Optional[int] = None
     ef_decay: float = 1.0
     value: str = "fp32"
     block: int = 0
@@ -60,7 +63,8 @@ class ChainSpec:
         if self.dct_chunk is not None:
             parts.append(f"dct:chunk={self.dct_chunk}")
         if self.topk_chunk is not None:
-            parts.append(f"topk:chunk={self.topk_chunk},k={self.topk_k},ef={exact_number(self.ef_decay)}")
+            tile = f",tile={self.topk_tile}" if self.topk_tile else ""
+            parts.append(f"topk:chunk={self.topk_chunk},k={self.topk_k},ef={exact_number(self.ef_decay)}{tile}")
         parts.append(f"{self.value}:block={self.block}" if self.value in BLOCK_FORMATS else self.value)
         if self.zstd_level is not None:
             parts.append(f"zstd:level={self.zstd_level}")
@@ -116,6 +120,9 @@ def parse_chain(text: str) -> ChainSpec:
         _apply_stage(spec, name, opts)
     if spec.value in BLOCK_FORMATS and not spec.block:
         spec.block = DEFAULT_BLOCK[spec.value]
+    if spec.dct_chunk is not None and spec.topk_tile:
+        raise CodecSpecError("codec stage 'topk': tile= cuts tensors into tiles, the dct stage works on the flat "
+                             "vector: give one of them")
     return spec
 
 
@@ -138,9 +145,13 @@ def _apply_stage(spec: ChainSpec, name: str, opts: dict[str, str]) -> None:
         if not 1 <= spec.dct_chunk <= 4096:
             raise CodecSpecError(f"codec stage 'dct': chunk must be in [1, 4096], got {spec.dct_chunk}")
     elif name == "topk":
-        o = take(("density", "k", "chunk", "ef"))
-        chunk = _number(name, "chunk", o.get("chunk", "4096"), int)
+        o = take(("density", "k", "chunk", "ef", "tile"))
+        tile = _number(name, "tile", o["tile"], int) if "tile" in o else None
+        chunk = _number(name, "chunk", o.get("chunk", str(tile * tile if tile else 4096)), int)
         _check_topk(chunk)
+        if tile is not None and (tile < 1 or tile * tile != chunk):
+            raise CodecSpecError(f"codec stage 'topk': tiles of {tile} x {tile} need chunk={tile * tile}, got "
+                                 f"chunk={chunk} (a tile's k is k per chunk scaled to its length)")
         if "density" in o and "k" in o:
             raise CodecSpecError("codec stage 'topk': give density or k, not both")
         if "density" in o:
@@ -157,7 +168,7 @@ def _apply_stage(spec: ChainSpec, name: str, opts: dict[str, str]) -> None:
         ef = _number(name, "ef", o.get("ef", "1"), float)
         if not 0.0 <= ef <= 1.0:
             raise CodecSpecError(f"codec stage 'topk': ef (error-feedback decay) must be in [0, 1], got {ef}")
-        spec.topk_chunk, spec.topk_k, spec.ef_decay = chunk, k, ef
+        spec.topk_chunk, spec.topk_k, spec.ef_decay, spec.topk_tile = chunk, k, ef, tile
     elif name in BLOCK_FORMATS:
         o = take(("block",))
         spec.value = name

@@ -24,27 +24,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Hashable, Optional
+from typing import Any, Hashable, Optional, Sequence
 
 import torch
 
 from diloco.comm.pool import BufferPool
 from diloco.compress import stat2, wire
-from diloco.compress.bits import bits_for, pack_bits, packed_size, unpack_bits
+from diloco.compress.bits import bits_for, pack_bits, unpack_bits
 from diloco.compress.chain import CodecSpecError, parse_chain
 from diloco.compress.checked import (add_checked, cannot_overflow, chunk_indices_ok, copy_checked, finite,
                                      magnitude, put_floats)
-from diloco.compress.dct import dct_chunks, idct_chunks, padded_length
+from diloco.compress.dct import dct_chunks, idct_chunks
 from diloco.compress.kernels import quant as q
 from diloco.compress.kernels import topk as tk
 from diloco.compress.kernels.backend import one_host_thread
 from diloco.compress.residuals import Residuals
 from diloco.compress.senders import add_support
+from diloco.compress.layout import ChainLayout
+from diloco.compress.tiles import Tiling
 from diloco.compress.wire import CorruptPayload
 from diloco.compress.zstd import Zstd
 
 MAX_SCALE = 1e36  # a received scale above this could overflow once multiplied and summed
-_FLOAT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FLOAT_MAX = {"fp16": 65504.0, "bf16": float(torch.finfo(torch.bfloat16).max)}
 _CODE_MAX = {"int8": 128.0, "int4": 8.0, "fp4": 1.0, "2bit": 1.5}  # the largest |value| of a code, in scales
@@ -86,12 +87,11 @@ class CodecStats:
         return self.raw_bytes / self.wire_bytes if self.wire_bytes else float("nan")
 
 
-class Codec:
+class Codec(ChainLayout):
     """One worker's codec: a parsed chain plus its error-feedback residuals (state)."""
 
     def __init__(self, chain: str = "fp32", max_numel: int = 1 << 31) -> None:
-        self.spec = parse_chain(chain)
-        self.chain = self.spec.canonical()
+        super().__init__(chain)
         self.max_numel = max_numel
         self.residuals = Residuals()
         self.stats = CodecStats()
@@ -105,49 +105,15 @@ class Codec:
         self.align = align  # shard boundaries at multiples of this keep chunks and blocks whole
         self.zstd = Zstd(s.zstd_level) if s.zstd_level is not None else None
         self._buffers = _Buffers()
+        self._tiled: dict[Hashable, Tiling] = {}  # the keys whose residuals wait in these tiles' order
 
     def __repr__(self) -> str:
         return f"Codec({self.chain!r})"
 
-    # ---- sizes ------------------------------------------------------------------------------
-    def _layout(self, numel: int) -> tuple[int, int, int, int]:
-        """(dense length, values sent, index bytes, value bytes) for a tensor of ``numel`` elements."""
-        s = self.spec
-        dense = padded_length(numel, s.dct_chunk) if s.dct_chunk else numel
-        if s.topk_chunk:
-            count = tk.selected_count(dense, s.topk_chunk, s.topk_k)
-            index_bytes = packed_size(count, bits_for(s.topk_chunk))
-        else:
-            count, index_bytes = dense, 0
-        if s.value in q.FORMATS:
-            value_bytes = 4 * q.num_blocks(count, s.block) + q.packed_bytes(count, s.value)
-        elif s.value == "stat2":
-            value_bytes = sum(stat2.section_bytes(count, s.block))
-        else:
-            value_bytes = _FLOAT_BYTES[s.value] * count
-        return dense, count, index_bytes, value_bytes
-
-    def values_held(self, numel: int) -> int:
-        """How many positions a payload of ``numel`` values holds: a top-k chain's k per chunk; else all."""
-        s = self.spec
-        return self._layout(numel)[1] if s.topk_chunk and not s.dct_chunk else numel
-
-    def payload_bytes(self, numel: int) -> int:
-        """Bytes of the payload before zstd (the exact wire size when the chain has no zstd stage)."""
-        _, _, ib, vb = self._layout(numel)
-        return ib + vb
-
-    def wire_size(self, numel: int, ndim: int = 1) -> Optional[int]:
-        """The exact length of :meth:`encode` (without a prefix) of a tensor of ``numel`` elements in ``ndim``
-        dimensions, where it does not depend on the values: every chain without zstd. None with zstd."""
-        if self.zstd is not None:
-            return None
-        return wire.header_size(ndim, self.chain) + self.payload_bytes(numel)
-
     # ---- encode -----------------------------------------------------------------------------
     @one_host_thread
     def encode(self, tensor: torch.Tensor, key: Hashable = None, *, prefix: bytes = b"",
-               feedback: bool = True) -> bytearray | memoryview:
+               feedback: bool = True, shapes: Optional[Sequence[Sequence[int]]] = None) -> bytearray | memoryview:
         """The wire bytes of ``tensor`` (header + payload), written once into one buffer of exactly their size.
 
         ``feedback=False``: the error feedback of ``key`` is neither added nor changed (a payload sent with
@@ -156,7 +122,9 @@ class Codec:
         Returns a ``bytearray``; for a CUDA tensor a ``memoryview`` of pinned host memory, filled by one
         asynchronous device-to-host copy per section and a single synchronize. ``prefix``: bytes the caller
         wants in front of the payload in the same buffer (a message header), so that sending both copies
-        nothing; the codec's payload then starts at ``len(prefix)``.
+        nothing; the codec's payload then starts at ``len(prefix)``. ``shapes``: for a chain with tiles, the
+        tensors ``tensor`` is, end to end (by default it is one tensor of its own shape); a decode must be given
+        the same.
         """
         if tensor.dtype not in wire.DTYPE_CODES:
             raise ValueError(f"cannot encode a tensor of dtype {tensor.dtype}")
@@ -167,8 +135,9 @@ class Codec:
             x = x.float()
         s = self.spec
         numel = x.numel()
-        _, _, index_bytes, value_bytes = self._layout(numel)
         shape = tuple(tensor.shape)
+        tiling = self._tiles(numel, (shape,) if shapes is None else shapes)
+        _, _, index_bytes, value_bytes = self._layout(numel, tiling)
         wire.check_encodable(tensor.dtype, shape, self.chain)
         head = wire.header_size(len(shape), self.chain)
         pre = len(prefix)
@@ -189,7 +158,7 @@ class Codec:
             h = wire.begin_header(mem, pre, tensor.dtype, shape, self.chain, raw)  # the values hashed as copied
             put_floats(x, mem, base, _FLOAT_DTYPES[s.value], _FLOAT_MAX.get(s.value), h)
         else:
-            self._sections(x, key, mem, base, feedback)
+            self._sections(x, key, mem, base, feedback, tiling)
         if self.zstd is not None:  # compress the sections, then header + compressed bytes in the output
             comp = self.zstd.compress(mem[:raw])
             del mem, buf  # a pooled scratch buffer is free again
@@ -209,14 +178,15 @@ class Codec:
         self.stats.wire_bytes += len(mem) - pre
         return mem if isinstance(buf, torch.Tensor) else buf
 
-    def _sections(self, x: torch.Tensor, key: Hashable, mem: memoryview, base: int, feedback: bool = True) -> None:
+    def _sections(self, x: torch.Tensor, key: Hashable, mem: memoryview, base: int, feedback: bool = True,
+                  tiling: Optional[Tiling] = None) -> None:
         """Write the payload's sections (scales, values, packed indices) of ``x`` (fp32, flat) at ``mem[base:]``.
 
         On the CPU the quantizer and the float copy write straight into ``mem``; on CUDA the sections are made
         on the device and copied to ``mem`` (pinned) asynchronously, with one synchronize at the end.
         """
         s = self.spec
-        dense, count, _, value_bytes = self._layout(x.numel())
+        dense, count, _, value_bytes = self._layout(x.numel(), tiling)
         plain = not s.dct_chunk and not s.topk_chunk
         late: list[tuple[int, torch.Tensor]] = []  # (offset in the payload, a section made elsewhere)
         if not (plain and (s.value in q.FORMATS or s.value == "stat2" or not x.is_cuda)) and not finite(x):
@@ -230,10 +200,18 @@ class Codec:
         if s.topk_chunk:
             if self.error_feedback and feedback:
                 residual, parked = self.residuals.take(key, dense, x.device)
-            idx, values = tk.topk_chunks(x, s.topk_chunk, s.topk_k, residual, s.ef_decay)
-            late.append((value_bytes, pack_bits(idx, bits_for(s.topk_chunk))))
-            if residual is not None:
-                flat_idx = _flat_positions(idx.long(), s.topk_k, s.topk_chunk)
+            if tiling is None:
+                idx, values = tk.topk_chunks(x, s.topk_chunk, s.topk_k, residual, s.ef_decay)
+                late.append((value_bytes, pack_bits(idx, bits_for(s.topk_chunk))))
+                if residual is not None:
+                    flat_idx = _flat_positions(idx.long(), s.topk_k, s.topk_chunk)
+            else:
+                if residual is not None:
+                    residual = self._in_tiles(key, residual, tiling)
+                idx, values = tiling.topk(x, residual, s.ef_decay)
+                late.append((value_bytes, pack_bits(idx, tiling.index_bits)))
+                if residual is not None:
+                    flat_idx = tiling.permuted_positions(idx)
         else:
             values = x
         if s.value in q.FORMATS:
@@ -289,7 +267,7 @@ class Codec:
     # ---- decode -----------------------------------------------------------------------------
     @one_host_thread
     def decode(self, payload: bytes | bytearray | memoryview, *, expect_numel: Optional[int] = None,
-               device: torch.device | str = "cpu") -> torch.Tensor:
+               device: torch.device | str = "cpu", shapes: Optional[Sequence[Sequence[int]]] = None) -> torch.Tensor:
         """The tensor (its shape and dtype from the header); raises CorruptPayload for any bad input.
 
         ``expect_numel``: the number of values the caller expects; anything else is refused. Without it a zstd
@@ -297,29 +275,35 @@ class Codec:
         that compresses better than that (all zeros, say) decodes only with ``expect_numel``.
         """
         header = self.check(payload, expect_numel)
-        body = self._body(payload, header, vouched=expect_numel is not None)  # sizes checked before allocating
+        tiling = self._header_tiles(header, shapes)
+        body = self._body(payload, header, vouched=expect_numel is not None, tiling=tiling)  # sizes checked first
         out = torch.empty(header.numel, dtype=torch.float32, device=device)
-        self._accumulate(body, header, out, 1.0, fresh=True)
+        self._accumulate(body, header, out, 1.0, fresh=True, tiling=tiling)
         result = out.view(header.shape).to(header.dtype)
         if header.dtype != torch.float32 and not finite(result):
             raise CorruptPayload(f"decoded values overflow {header.dtype}")
         return result
 
     def decode_accumulate_(self, payload: bytes | bytearray | memoryview, out: torch.Tensor, weight: float = 1.0,
-                           support: Optional[torch.Tensor] = None, support_weight: float = 1.0) -> None:
+                           support: Optional[torch.Tensor] = None, support_weight: float = 1.0,
+                           shapes: Optional[Sequence[Sequence[int]]] = None) -> None:
         """``out += weight * decode(payload)`` (``out``: fp32, flat, of the payload's size), fused where a kernel is;
         ``support += support_weight`` where the payload holds a value (the mean over senders counts them): the sent
         positions of a top-k chain, every position of a dense one (a DCT top-k sends coefficients: dense too)."""
         header = self.check(payload, out.numel())
-        flat = self._accumulate(self._body(payload, header, vouched=True), header, out, weight)
+        tiling = self._header_tiles(header, shapes)
+        flat = self._accumulate(self._body(payload, header, True, tiling), header, out, weight, tiling=tiling)
         add_support(support, support_weight, flat, self.spec.dct_chunk)
 
     def decode_into_(self, payload: bytes | bytearray | memoryview, out: torch.Tensor, weight: float = 1.0,
-                     support: Optional[torch.Tensor] = None, support_weight: float = 1.0) -> None:
+                     support: Optional[torch.Tensor] = None, support_weight: float = 1.0,
+                     shapes: Optional[Sequence[Sequence[int]]] = None) -> None:
         """``out <- weight * decode(payload)`` without a temporary: ``out.zero_()`` and ``decode_accumulate_`` in one
         pass over ``out``."""
         header = self.check(payload, out.numel())
-        flat = self._accumulate(self._body(payload, header, vouched=True), header, out, weight, fresh=True)
+        tiling = self._header_tiles(header, shapes)
+        flat = self._accumulate(self._body(payload, header, True, tiling), header, out, weight, fresh=True,
+                                tiling=tiling)
         add_support(support, support_weight, flat, self.spec.dct_chunk)
 
     def check(self, payload: bytes | bytearray | memoryview, expect_numel: Optional[int] = None) -> wire.Header:
@@ -333,13 +317,13 @@ class Codec:
         return header
 
     def _body(self, payload: bytes | bytearray | memoryview, header: wire.Header,
-              vouched: bool) -> bytes | memoryview:
+              vouched: bool, tiling: Optional[Tiling] = None) -> bytes | memoryview:
         """The payload after the header (decompressed), of exactly the size the chain needs for its shape.
 
         ``vouched``: the caller fixed the number of values; otherwise a zstd body must be within the bomb bound.
         A view of ``payload`` without zstd (nothing is copied).
         """
-        _, _, index_bytes, value_bytes = self._layout(header.numel)
+        _, _, index_bytes, value_bytes = self._layout(header.numel, tiling)
         body = memoryview(payload).cast("B")[header.offset:]
         expected = index_bytes + value_bytes
         if self.zstd is not None:
@@ -351,7 +335,7 @@ class Codec:
 
     @one_host_thread
     def _accumulate(self, body: bytes | memoryview, header: wire.Header, out: torch.Tensor, weight: float,
-                    fresh: bool = False) -> Optional[torch.Tensor]:
+                    fresh: bool = False, tiling: Optional[Tiling] = None) -> Optional[torch.Tensor]:
         """``out += weight * values`` of ``body``; ``fresh``: ``out`` holds nothing yet, write the values into it.
         Returns the flat positions of a top-k payload's values (None for a dense one).
 
@@ -359,7 +343,7 @@ class Codec:
         """
         s = self.spec
         numel = header.numel
-        dense, count, index_bytes, value_bytes = self._layout(numel)
+        dense, count, index_bytes, value_bytes = self._layout(numel, tiling)
 
         staged = _staged(body, out.device) if out.device.type != "cpu" else None
 
@@ -368,7 +352,7 @@ class Codec:
 
         flat = None
         if s.topk_chunk:
-            flat = self._indices(section(value_bytes, value_bytes + index_bytes), dense, count)
+            flat = self._indices(section(value_bytes, value_bytes + index_bytes), dense, count, tiling)
         direct = flat is None and not s.dct_chunk
         if s.value in q.FORMATS:
             nb = q.num_blocks(count, s.block)
@@ -443,9 +427,14 @@ class Codec:
                 raise CorruptPayload("decoded values overflow when added")
         return flat
 
-    def _indices(self, data: torch.Tensor, dense: int, count: int) -> torch.Tensor:
+    def _indices(self, data: torch.Tensor, dense: int, count: int, tiling: Optional[Tiling] = None) -> torch.Tensor:
         """Flat positions of the sent values; each chunk's indices must be in range and strictly increasing."""
         s = self.spec
+        if tiling is not None:
+            idx = unpack_bits(data, tiling.index_bits, count)
+            if tiling.bad(idx):
+                raise CorruptPayload("top-k indices out of range or not strictly increasing within a tile")
+            return tiling.positions(idx)
         chunk, k = s.topk_chunk, s.topk_k
         idx = unpack_bits(data, bits_for(chunk), count)
         full, last = divmod(dense, chunk)
@@ -458,9 +447,24 @@ class Codec:
         return _flat_positions(idx, k, chunk)
 
     # ---- state ------------------------------------------------------------------------------
+    def _in_tiles(self, key: Hashable, residual: torch.Tensor, tiling: Tiling) -> torch.Tensor:
+        """``residual`` (of ``key``, as taken) in the order of ``tiling``, in place: a residual waits in the order
+        of the tiles it was last encoded in, so that an encode neither permutes it nor copies it back."""
+        held = self._tiled.get(key)
+        if held is not tiling:
+            if held is None or held.numel == residual.numel():  # else it was started afresh, of the new length
+                flat = residual if held is None else held.unpermuted(residual)
+                residual.copy_(tiling.permuted(flat))
+            self._tiled[key] = tiling
+        return residual
+
     def state_dict(self) -> dict[str, Any]:
-        """The chain and the live residuals (:meth:`Residuals.state`)."""
-        return {"chain": self.chain, "residuals": self.residuals.state()}
+        """The chain and the live residuals (:meth:`Residuals.state`), each in its vector's own order."""
+        residuals = self.residuals.state()
+        for key, tiling in self._tiled.items():
+            if key in residuals and residuals[key].numel() == tiling.numel:
+                residuals[key] = tiling.unpermuted(residuals[key])
+        return {"chain": self.chain, "residuals": residuals}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take the residuals of a state saved by this chain, or by another whose residuals mean the same here:
@@ -478,6 +482,7 @@ class Codec:
                 raise ValueError(f"codec state is for {saved!r}, this codec is {self.chain!r}: its error-feedback "
                                  f"residuals mean nothing here")
         self.residuals.load(residuals)
+        self._tiled.clear()  # loaded in their own order
 
 
 def _flat_positions(idx: torch.Tensor, k: int, chunk: int) -> torch.Tensor:

@@ -189,8 +189,10 @@ def _coded_mean_(transport: Transport, tensors: Sequence[torch.Tensor], codec: C
         scratch = None  # one buffer for every bucket that is concatenated (its pages faulted in once)
         for b, bucket in enumerate(groups):
             flat, scratch = _flat_of(pool, bucket, alone[b], scratch, largest)
-            totals.append(transport.on_my_share(
-                flat, codec.align, (key, b), lambda share, k: _complete(mean_(transport, share, codec, weight, k))))
+            # a chain with tiles cuts the bucket's tensors; a share of the bucket (a node's process) is one vector
+            shapes = [t.shape for t in bucket]
+            totals.append(transport.on_my_share(flat, codec.align, (key, b), lambda share, k: _complete(mean_(
+                transport, share, codec, weight, k, shapes=shapes if share.numel() == flat.numel() else None))))
             if not alone[b]:
                 unflatten_into(bucket, flat)
         pool.give(scratch)
@@ -244,7 +246,7 @@ def _pipelined(transport: Transport, pool: Scratch, groups: list[list[torch.Tens
             flat, kept = _flat_of(pool, groups[b], alone[b], scratch.get(slot), largest, slot or "concat")
             if slot is not None:
                 scratch[slot] = kept
-            steps = mean_(transport, flat, codec, weight, (key, b))
+            steps = mean_(transport, flat, codec, weight, (key, b), shapes=[t.shape for t in groups[b]])
             active.append([steps, next(steps), b, flat, slot])
             b += 1
         done = {id(item) for item in reversed(older) if resume(item)}
@@ -283,22 +285,23 @@ def _split_all(received: Sequence[bytes], me: int, what: str) -> list[tuple[floa
 
 
 def _decode_into(codec: "Codec", body: memoryview, out: torch.Tensor, scale: float, fresh: bool, me: int, src: int,
-                 what: str, support: Optional[torch.Tensor] = None) -> None:
+                 what: str, support: Optional[torch.Tensor] = None, shapes: Optional[Sequence[torch.Size]] = None) -> None:
     """``out += scale * decode(body)`` (``fresh``: ``out <- scale * decode(body)``, in the same one pass), and
     ``support += scale`` where the payload holds a value; a bad payload is a TransportError naming its sender."""
     try:
         if fresh:
-            codec.decode_into_(body, out, scale, support, scale)
+            codec.decode_into_(body, out, scale, support, scale, shapes)
         else:
-            codec.decode_accumulate_(body, out, scale, support, scale)
+            codec.decode_accumulate_(body, out, scale, support, scale, shapes)
     except CorruptPayload as e:
         raise TransportError(f"rank {me}: worker {src} sent a corrupt {what.format(src=src)}: {e}") from None
 
 
 # ---- sharded: reduce-scatter by shards ------------------------------------------------------------
 def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float,
-                   key: Hashable) -> Generator[Handle, object, float]:
+                   key: Hashable, shapes: Optional[Sequence[torch.Size]] = None) -> Generator[Handle, object, float]:
     """``flat`` (this worker's, fp32) becomes the weighted mean over the workers; returns the total weight.
+    Its shards cut tensors: each is encoded as one vector (``shapes`` is not used).
 
     A generator: it yields the handle of each collective it starts and is resumed with that collective's result
     (:func:`_complete` runs it through)."""
@@ -336,14 +339,15 @@ def _sharded_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", wei
 
 # ---- gathered: every worker's payload, decoded by every worker -------------------------------------
 def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float,
-                    key: Hashable, senders: Optional[Senders] = None) -> Generator[Handle, object, float]:
+                    key: Hashable, senders: Optional[Senders] = None,
+                    shapes: Optional[Sequence[torch.Size]] = None) -> Generator[Handle, object, float]:
     """``flat`` becomes ``sum_i w_i decode(payload_i) / sum_i w_i``, summed in rank order on every worker (a
     generator, as :func:`_sharded_mean_`); with ``senders`` each position is divided by the weight of the workers
-    that sent it instead."""
+    that sent it instead. ``shapes``: the tensors ``flat`` is (a chain with tiles cuts each on its own)."""
     me = transport.rank
     prefix = pack_weight(weight)
-    sizes = known_sizes(codec, [flat.numel()] * transport.world_size)
-    mine = codec.encode(flat, key=key, prefix=prefix, feedback=weight > 0)
+    sizes = known_sizes(codec, [flat.numel()] * transport.world_size, shapes)
+    mine = codec.encode(flat, key=key, prefix=prefix, feedback=weight > 0, shapes=shapes)
     started = transport.all_gather_bytes_start(mine, sizes)
     del mine
     received = _split_all((yield started), me, "payload")
@@ -352,17 +356,18 @@ def _gathered_mean_(transport: Transport, flat: torch.Tensor, codec: "Codec", we
         flat.zero_()
     elif senders is None:
         for src, (wi, body) in enumerate(received):
-            _decode_into(codec, body, flat, wi / total, src == 0, me, src, "payload")
+            _decode_into(codec, body, flat, wi / total, src == 0, me, src, "payload", shapes=shapes)
     else:
         counts = torch.zeros_like(flat)
         for src, (wi, body) in enumerate(received):
-            _decode_into(codec, body, flat, wi, src == 0, me, src, "payload", counts if wi > 0 else None)
-        divide_by_senders_(codec, flat, counts, senders, sum(wi > 0 for wi, _ in received))
+            _decode_into(codec, body, flat, wi, src == 0, me, src, "payload", counts if wi > 0 else None, shapes)
+        divide_by_senders_(codec, flat, counts, senders, sum(wi > 0 for wi, _ in received), shapes)
     return total
 
 # ---- sizes, without an exchange ------------------------------------------------------------------------
 def exchange_sizes(numels: Sequence[int], world: int, codec: Optional[Codec] = None, *, weighted: bool = True,
-                   gather: bool = False, bucket_bytes: int = Transport.bucket_bytes) -> list[list[int]]:
+                   gather: bool = False, bucket_bytes: int = Transport.bucket_bytes,
+                   shapes: Optional[Sequence[Sequence[int]]] = None) -> list[list[int]]:
     """The messages of one :func:`weighted_mean` of fp32 tensors of ``numels`` values over ``world`` workers with
     fixed ranks, bucket by bucket, as the exchange makes them:
 
@@ -370,7 +375,8 @@ def exchange_sizes(numels: Sequence[int], world: int, codec: Optional[Codec] = N
       on the wire each way; ``weighted``: the one-element total weight joins the last bucket;
     * sharded: per bucket, the message of each shard j: worker j receives every worker's copy of it in the
       all-to-all, and every worker receives the mean of shard j, of the same size, in the all-gather;
-    * gathered (``gather``): per bucket, every worker's message of the whole bucket.
+    * gathered (``gather``): per bucket, every worker's message of the whole bucket (of tensors of ``shapes``,
+      for a chain with tiles).
 
     With a zstd stage the sizes are those before zstd (:func:`~diloco.compress.message.message_size`).
     """
@@ -389,7 +395,7 @@ def exchange_sizes(numels: Sequence[int], world: int, codec: Optional[Codec] = N
         if how == "dense":
             out.append([4 * n])
         elif how == "gathered":
-            out.append([size_of(n)] * world)
+            out.append([message_size(codec, n, None if shapes is None else [shapes[i] for i in group])] * world)
         else:
             out.append([size_of(b - a) for a, b in shard_bounds(n, world, codec.align)])
     return out

@@ -38,15 +38,17 @@ def split_weight(msg: bytes | memoryview) -> tuple[float, memoryview]:
     return w, memoryview(msg)[WEIGHT.size:]
 
 
-def message_size(codec: "Codec", numel: int) -> int:
-    """Bytes of the message of a 1-D piece of ``numel`` values: the weight, the wire header and the payload (with
-    a zstd stage: the payload before zstd, which the values then shrink)."""
-    return WEIGHT.size + wire.header_size(1, codec.chain) + codec.payload_bytes(numel)
+def message_size(codec: "Codec", numel: int, shapes: Optional[Sequence[Sequence[int]]] = None) -> int:
+    """Bytes of the message of a 1-D piece of ``numel`` values (tensors of ``shapes`` end to end, for a chain
+    with tiles): the weight, the wire header and the payload (with a zstd stage: the payload before zstd, which
+    the values then shrink)."""
+    return WEIGHT.size + wire.header_size(1, codec.chain) + codec.payload_bytes(numel, shapes)
 
 
-def known_sizes(codec: "Codec", numels: Sequence[int]) -> Optional[list[int]]:
+def known_sizes(codec: "Codec", numels: Sequence[int],
+                shapes: Optional[Sequence[Sequence[int]]] = None) -> Optional[list[int]]:
     """The message lengths of 1-D pieces of ``numels`` values, where the codec's sizes do not depend on the values
     (no zstd): every worker then knows what it will receive, and the transport needs no size exchange."""
     if codec.wire_size(1) is None:
         return None
-    return [message_size(codec, n) for n in numels]
+    return [message_size(codec, n, shapes) for n in numels]

@@ -49,7 +49,8 @@ def robust_mean_(transport: Transport, tensors: Sequence[torch.Tensor], codec: "
     flat = end_to_end(tensors) if tensors[0].dtype == torch.float32 else None
     if flat is None:
         flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-    result = robust_mean(transport, flat, codec, weight, key, over_senders=senders is not None)
+    result = robust_mean(transport, flat, codec, weight, key, over_senders=senders is not None,
+                         shapes=[t.shape for t in tensors])
     unflatten_into(list(tensors), result.mean.to(tensors[0].device))
     if senders is not None and result.senders is not None:
         senders.pairs += result.senders.pairs
@@ -67,29 +68,31 @@ def robust_dense_mean_(transport: Transport, tensors: Sequence[torch.Tensor], we
 
 
 def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float | None,
-                key: Hashable, over_senders: bool = False) -> RobustResult:
+                key: Hashable, over_senders: bool = False, shapes: Optional[Sequence[torch.Size]] = None) -> RobustResult:
     """Exchange ``flat`` with every member and average what passes validation and the norm bound.
 
     ``weight`` None sends no weight (every member counts 1). ``flat`` (fp32) is the caller's to give: once
-    encoded it may become the mean's buffer. Members that received the very same payload list share one result
+    encoded it may become the mean's buffer; ``shapes``: the tensors it is (a chain with tiles cuts each). Members that received the very same payload list share one result
     (:class:`~diloco.compress.shared.SharedResult`): it is read only.
     """
     with transport.exchange_scope():
         prefix = b"" if weight is None else pack_weight(weight)
-        payloads = transport.all_gather_bytes(codec.encode(flat, key=key, prefix=prefix,
+        payloads = transport.all_gather_bytes(codec.encode(flat, key=key, prefix=prefix, shapes=shapes,
                                                            feedback=weight is None or weight > 0))
     names = transport.member_names()
     b = transport.bounds
+    tiles = codec.tiling(shapes, flat.numel()) if shapes is not None else None
     shared_key = (codec.chain, flat.numel(), flat.device, weight is None, b.norm_clip, b.clip_action, b.weight_clip,
-                  over_senders)
+                  over_senders, None if tiles is None else tiles.shapes)
     result, _ = _SHARED_ROBUST.once(transport, payloads, shared_key, lambda shared: _mean(
-        transport, flat, codec, weight, payloads, names, shared, over_senders))
+        transport, flat, codec, weight, payloads, names, shared, over_senders, shapes))
     transport.record_contributions(result.accepted, result.rejected, result.clipped, result.weights_clipped)
     return result
 
 
 def _mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float | None, payloads: list,
-          names: list[str], shared: bool, over_senders: bool = False) -> RobustResult:
+          names: list[str], shared: bool, over_senders: bool = False,
+          shapes: Optional[Sequence[torch.Size]] = None) -> RobustResult:
     """The robust mean of ``payloads`` (sent by ``names``); ``shared``: other members read it too;
     ``over_senders``: each position divided by the weight of the members that sent it (after the clipping)."""
     # the mean's own tensor is pass 1's buffer too: one vector for the whole mean; a member alone with this list
@@ -103,7 +106,7 @@ def _mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: floa
     for name, msg in zip(names, payloads):
         try:
             w, body = split_weight(msg) if weight is not None else (1.0, memoryview(msg))
-            codec.decode_into_(body, x)
+            codec.decode_into_(body, x, shapes=shapes)
             # in float64, whose sum of float32 squares cannot overflow (in float32 a norm near 1.8e19 is finite or
             # not by the order of the reduction, so members on other hardware could accept other payloads), and
             # rounded to 9 digits, so the clip decisions below come out alike on every member
@@ -149,13 +152,14 @@ def _mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: floa
     # pass 2: the weighted mean, accumulated in the canonical member order
     if result.total > 0 and not over_senders:
         for name, body, w, _ in rows:
-            codec.decode_accumulate_(body, result.mean, w / result.total * scale.get(name, 1.0))
+            codec.decode_accumulate_(body, result.mean, w / result.total * scale.get(name, 1.0), shapes=shapes)
     elif result.total > 0:
         counts = torch.zeros_like(result.mean)
         for name, body, w, _ in rows:
-            codec.decode_accumulate_(body, result.mean, w * scale.get(name, 1.0), counts if w > 0 else None, w)
+            codec.decode_accumulate_(body, result.mean, w * scale.get(name, 1.0), counts if w > 0 else None, w,
+                                     shapes)
         result.senders = Senders()
-        divide_by_senders_(codec, result.mean, counts, result.senders, sum(r[2] > 0 for r in rows))
+        divide_by_senders_(codec, result.mean, counts, result.senders, sum(r[2] > 0 for r in rows), shapes)
     result.accepted = {r[0]: r[2] for r in rows}
     return result
 

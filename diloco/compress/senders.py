@@ -30,11 +30,11 @@ class Senders:
 
 
 def divide_by_senders_(codec: Any, mean: torch.Tensor, counts: torch.Tensor, senders: Senders,
-                       payloads: int) -> None:
-    """``mean`` (the weighted sum of ``payloads`` payloads of positive weight, decoded by ``codec``) divided,
-    position by position, by ``counts`` (the weight of its senders; consumed); a position nobody sent stays
-    zero."""
-    senders.pairs += payloads * codec.values_held(mean.numel())
+                       payloads: int, shapes: Any = None) -> None:
+    """``mean`` (the weighted sum of ``payloads`` payloads of positive weight, decoded by ``codec``; tensors of
+    ``shapes`` end to end) divided, position by position, by ``counts`` (the weight of its senders; consumed); a
+    position nobody sent stays zero."""
+    senders.pairs += payloads * codec.values_held(mean.numel(), shapes)
     sent = counts > 0
     senders.covered = senders.covered + sent.sum()
     mean.div_(counts.masked_fill_(~sent, 1.0))

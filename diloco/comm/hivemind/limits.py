@@ -49,6 +49,10 @@ def payload_sizes(payload, largest: int) -> tuple[int, int, bool]:
             if header.numel > 0:
                 return head, len(view), False
             break
+        if codec.spec.topk_tile:  # its sizes follow the tensors' shapes, which every member shares: as this one's
+            if codec.spec.zstd_level is None:
+                return len(view), len(view), True
+            return head, head + zstd_bound(8 * header.numel), False  # 8 bytes a value bound any chain's sections
         raw = codec.payload_bytes(header.numel)
         if codec.spec.zstd_level is None:
             return head + raw, head + raw, True
