@@ -226,3 +226,23 @@ def test_codecs_on_cuda_decode_all_of_a_payload_larger_than_a_piece_as_the_cpu_d
         with pytest.raises(CorruptPayload, match="NaN or Inf"):
             codec.decode_accumulate_(bad, acc, 0.5)
         assert torch.equal(acc, before)
+
+
+@pytest.mark.gpu
+def test_tiles_on_cuda_send_the_cpus_bytes_and_keep_its_residuals():
+    """SparseLoCo's tiles on a GPU: the Triton top-k on power-of-two tiles, the reference on the others (50 x 64,
+    1-wide), the residual kept in tile order; two rounds of error feedback give the CPU's bytes and state."""
+    from diloco.compress import make_codec
+
+    shapes = [(192, 320), (320,), (100, 64), (37,)]
+    n = sum(math.prod(s) for s in shapes)
+    cpu, gpu = (make_codec("topk:k=64,tile=64,ef=0.95+2bit") for _ in range(2))
+    for r in range(2):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(r))
+        payload = bytes(cpu.encode(x, key="b", shapes=shapes))
+        assert bytes(gpu.encode(x.cuda(), key="b", shapes=shapes)) == payload
+    assert torch.equal(gpu.state_dict()["residuals"]["b"].cpu(), cpu.state_dict()["residuals"]["b"])
+    acc, ref = torch.ones(n, device="cuda"), torch.ones(n)
+    gpu.decode_accumulate_(payload, acc, 0.5, shapes=shapes)
+    cpu.decode_accumulate_(payload, ref, 0.5, shapes=shapes)
+    assert torch.equal(acc.cpu(), ref)

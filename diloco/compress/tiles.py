@@ -156,9 +156,9 @@ class Tiling:
                 tiles = torch.arange((rows // s1) * (cols // s2))
                 at = offset + tiles // (cols // s2) * s1 * cols + tiles % (cols // s2) * s2
                 origin.append(at.repeat_interleave(seg.k))
-                width.append(torch.full((tiles.numel() * seg.k,), s2))
-                row.append(torch.full((tiles.numel() * seg.k,), cols))
-                limit.append(torch.full((tiles.numel() * seg.k,), seg.length))
+                width.append(torch.full((tiles.numel() * seg.k,), s2, dtype=torch.int32))
+                row.append(torch.full((tiles.numel() * seg.k,), cols, dtype=torch.int32))
+                limit.append(torch.full((tiles.numel() * seg.k,), seg.length, dtype=torch.int32))
                 first.append(torch.arange(tiles.numel() * seg.k) % seg.k == 0)
                 base.append((start + tiles * seg.length).repeat_interleave(seg.k))
             empty = torch.zeros(0, dtype=torch.int64)
@@ -177,7 +177,7 @@ class Tiling:
         """The vector positions (int64) of the kept values whose indices, relative to their tile, are ``idx``."""
         origin, width, row, *_ = self._tables_on(idx.device)
         idx = idx.long()
-        return origin + torch.div(idx, width, rounding_mode="floor") * row + idx % width
+        return origin + torch.div(idx, width, rounding_mode="floor") * row.long() + idx % width
 
     def permuted_positions(self, idx: torch.Tensor) -> torch.Tensor:
         """The same kept values' positions in the tiles' order (int64)."""
