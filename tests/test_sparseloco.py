@@ -128,7 +128,8 @@ def _reference(workers: int, aggregate: str, values: str = "2bit", chunking: str
     return theta
 
 
-def _loco(workers: int, aggregate: str = "senders", values: str = "2bit", chunking: str = "tensor") -> list[torch.Tensor]:
+def _loco(workers: int, aggregate: str = "senders", values: str = "2bit",
+          chunking: str = "tensor") -> list[torch.Tensor]:
     def body(rank, transport):
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=LR)

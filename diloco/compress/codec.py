@@ -38,9 +38,9 @@ from diloco.compress.dct import dct_chunks, idct_chunks
 from diloco.compress.kernels import quant as q
 from diloco.compress.kernels import topk as tk
 from diloco.compress.kernels.backend import one_host_thread
+from diloco.compress.layout import ChainLayout
 from diloco.compress.residuals import Residuals
 from diloco.compress.senders import add_support
-from diloco.compress.layout import ChainLayout
 from diloco.compress.tiles import Tiling
 from diloco.compress.wire import CorruptPayload
 from diloco.compress.zstd import Zstd

@@ -285,7 +285,8 @@ def _split_all(received: Sequence[bytes], me: int, what: str) -> list[tuple[floa
 
 
 def _decode_into(codec: "Codec", body: memoryview, out: torch.Tensor, scale: float, fresh: bool, me: int, src: int,
-                 what: str, support: Optional[torch.Tensor] = None, shapes: Optional[Sequence[torch.Size]] = None) -> None:
+                 what: str, support: Optional[torch.Tensor] = None,
+                 shapes: Optional[Sequence[torch.Size]] = None) -> None:
     """``out += scale * decode(body)`` (``fresh``: ``out <- scale * decode(body)``, in the same one pass), and
     ``support += scale`` where the payload holds a value; a bad payload is a TransportError naming its sender."""
     try:

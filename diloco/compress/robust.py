@@ -68,12 +68,14 @@ def robust_dense_mean_(transport: Transport, tensors: Sequence[torch.Tensor], we
 
 
 def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight: float | None,
-                key: Hashable, over_senders: bool = False, shapes: Optional[Sequence[torch.Size]] = None) -> RobustResult:
+                key: Hashable, over_senders: bool = False,
+                shapes: Optional[Sequence[torch.Size]] = None) -> RobustResult:
     """Exchange ``flat`` with every member and average what passes validation and the norm bound.
 
     ``weight`` None sends no weight (every member counts 1). ``flat`` (fp32) is the caller's to give: once
-    encoded it may become the mean's buffer; ``shapes``: the tensors it is (a chain with tiles cuts each). Members that received the very same payload list share one result
-    (:class:`~diloco.compress.shared.SharedResult`): it is read only.
+    encoded it may become the mean's buffer; ``shapes``: the tensors it is (a chain with tiles cuts each). Members
+    that received the very same payload list share one result (:class:`~diloco.compress.shared.SharedResult`): it
+    is read only.
     """
     with transport.exchange_scope():
         prefix = b"" if weight is None else pack_weight(weight)

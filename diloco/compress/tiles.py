@@ -88,7 +88,8 @@ class Tiling:
                 start += rows * cols
         self.count = sum(s.count for s in self.segments)
         # nothing moves where every tensor's tiles are whole rows read in order and the classes keep model order
-        self.in_order = all(offset == start and (s1 == 1 or s2 == cols) for offset, start, _, cols, s1, s2 in self._cuts)
+        self.in_order = all(offset == start and (s1 == 1 or s2 == cols)
+                            for offset, start, _, cols, s1, s2 in self._cuts)
         self.index_bits = bits_for(max((s.length for s in self.segments), default=1))
         self._tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
