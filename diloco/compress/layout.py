@@ -83,7 +83,8 @@ class ChainLayout:
 
     def wire_size(self, numel: int, ndim: int = 1, shapes: Optional[Sequence[Sequence[int]]] = None) -> Optional[int]:
         """The exact length of :meth:`encode` (without a prefix) of a tensor of ``numel`` elements in ``ndim``
-        dimensions, where it does not depend on the values: every chain without zstd. None with zstd."""
+        dimensions (for a chain with tiles: tensors of ``shapes``, by default one vector), where it does not depend
+        on the values: every chain without zstd. None with zstd."""
         if self.spec.zstd_level is not None:
             return None
         return wire.header_size(ndim, self.chain) + self.payload_bytes(numel, shapes)
