@@ -180,6 +180,9 @@ def test_the_exchange_stays_sparse_on_the_wire():
 def test_settings_are_checked_where_the_user_sets_them():
     with pytest.raises(ConfigError, match="algo.chunk: chunk must be a power of two"):
         load_config([TINY], [*FAST, "algo.name=sparseloco", "algo.chunk=1000"])
+    with pytest.raises(ConfigError, match="algo.chunk: the chunks of algo.chunking: tensor are square tiles"):
+        load_config([TINY], [*FAST, "algo.name=sparseloco", "algo.chunk=2048"])
+    assert load_config([TINY], [*FAST, "algo.name=sparseloco", "algo.chunk=2048", "algo.chunking=flat"])
     with pytest.raises(ConfigError, match="compress.codec: SparseLoCo sends its own top-k payload"):
         load_config([TINY], [*FAST, "algo.name=sparseloco", "compress.codec=int8"])
     with pytest.raises(ConfigError, match="algo.topk_density"):
