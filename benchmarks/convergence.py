@@ -39,11 +39,17 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+DILOCO_GRID = (("0.5", "0.9"), ("0.7", "0.9"), ("1.0", "0.9"), ("0.5", "0.5"), ("0.7", "0.5"))
 METHODS = {
     "single": ["algo.name=ddp", "sim.workers=1"],
     "ddp": ["algo.name=ddp"],
     "diloco-h10": ["algo.name=diloco", "algo.inner_steps=10"],
     "diloco-h15": ["algo.name=diloco", "algo.inner_steps=15"],
+    # the DiLoCo side of SparseLoCo's published comparison: outer lr 0.5, 0.7 or 1.0 with Nesterov momentum 0.9
+    # or 0.5; its sixth point, lr 1.0 with momentum 0.5, is diloco-h15 at the defaults of --outer-lr and
+    # --outer-momentum
+    **{f"diloco-h15-lr{lr}-m{m}": ["algo.name=diloco", "algo.inner_steps=15", f"algo.outer_lr={lr}",
+                                   f"algo.outer_momentum={m}", "algo.nesterov=true"] for lr, m in DILOCO_GRID},
     "diloco-h50": ["algo.name=diloco", "algo.inner_steps=50"],
     "diloco-h100": ["algo.name=diloco", "algo.inner_steps=100"],
     "streaming-h50-p4": ["algo.name=streaming", "algo.inner_steps=50", "algo.fragments=4"],
@@ -91,6 +97,7 @@ METHODS = {
 NAMED_ONLY = ("diloco-h50-int8", "diloco-h50-fp4", "diloco-h50-topk2", "sparseloco-h50-d1", "sparseloco-h50-d2",
               "sparseloco-h50-d3", "sparseloco-h15-d0.78", "sparseloco-h15-d1.56", "sparseloco-h15-d3.1",
               "sparseloco-h15-d1.56-all", "sparseloco-h15-d1.56-stat2", "sparseloco-h15-d1.56-flat", "diloco-h15",
+              *(f"diloco-h15-lr{lr}-m{m}" for lr, m in DILOCO_GRID),
               "demo-k32", "demo-k8",
               "ddp-muon", "muloco-h50", "muloco-h50-int8", "muloco-h50-topk2", "muloco-sparseloco-h15-d1.56")
 
