@@ -644,6 +644,28 @@ def test_tiles_keep_the_largest_of_each_tile_and_refuse_indices_outside_it():
         codec.decode(codec.encode(x, shapes=shapes))
 
 
+@pytest.mark.parametrize("shapes", [[(8, 16), (16,), (2, 4, 8)], [(6, 9), (10,)]])
+def test_tiles_decode_each_tiles_largest_in_place(shapes):
+    """Tile widths all powers of two (a shift finds a value's row in its tile) or not (a division does): each
+    tile of the decoded vector holds that tile's largest values where they were, and nothing else."""
+    from diloco.compress.tiles import kept, tile_of
+
+    codec = make_codec("topk:k=6,tile=4+fp32")
+    n = sum(math.prod(s) for s in shapes)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    got = codec.decode(codec.encode(x, shapes=shapes), shapes=shapes)
+    assert codec.tiling(shapes, n).pow2_widths == (shapes[0] == (8, 16))
+    at = 0
+    for shape in shapes:
+        size = math.prod(shape)
+        rows, cols, s1, s2 = tile_of(shape, 4)
+        xt, gt = (v[at:at + size].view(rows // s1, s1, cols // s2, s2).permute(0, 2, 1, 3).reshape(-1, s1 * s2)
+                  for v in (x, got))
+        keep = torch.zeros_like(xt, dtype=torch.bool).scatter_(1, xt.abs().topk(kept(6, s1 * s2, 16)).indices, True)
+        assert torch.equal(gt, torch.where(keep, xt, 0.0)), shape
+        at += size
+
+
 def test_topk_payload_with_nan_values_is_rejected():
     codec = make_codec("topk:k=4,chunk=16")
     values = torch.tensor([1.0, float("nan"), 2.0, 3.0])

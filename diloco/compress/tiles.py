@@ -91,6 +91,7 @@ class Tiling:
         self.in_order = all(offset == start and (s1 == 1 or s2 == cols)
                             for offset, start, _, cols, s1, s2 in self._cuts)
         self.index_bits = bits_for(max((s.length for s in self.segments), default=1))
+        self.pow2_widths = all(not s2 & (s2 - 1) for *_, s2 in self._cuts)  # a shift, not a division, finds a row
         self._tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     def _moves(self, flat: torch.Tensor, permuted: torch.Tensor):
@@ -147,38 +148,42 @@ class Tiling:
         return idx, values
 
     def _tables_on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """Per kept value: the position of its tile's first value, its tile's width and its tensor's row length;
-        the length of its tile, whether it is the first of its tile, and where its tile starts in the tiles'
-        order."""
+        """Per kept value: the position of its tile's first value in the vector, how much farther apart its tile's
+        rows lie there than in the tile (``cols - s2``), the tile's width (its log2 where every width is a power
+        of two, so that a shift finds the row), and where its tile starts in the tiles' order."""
         if device not in self._tables:
-            origin, width, row, limit, first, base = [], [], [], [], [], []
+            origin, gap, width, base = [], [], [], []
             for offset, start, rows, cols, s1, s2 in self._cuts:
                 seg = next(s for s in self.segments if s.start <= start < s.end)
                 tiles = torch.arange((rows // s1) * (cols // s2))
                 at = offset + tiles // (cols // s2) * s1 * cols + tiles % (cols // s2) * s2
+                n = tiles.numel() * seg.k
                 origin.append(at.repeat_interleave(seg.k))
-                width.append(torch.full((tiles.numel() * seg.k,), s2, dtype=torch.int32))
-                row.append(torch.full((tiles.numel() * seg.k,), cols, dtype=torch.int32))
-                limit.append(torch.full((tiles.numel() * seg.k,), seg.length, dtype=torch.int32))
-                first.append(torch.arange(tiles.numel() * seg.k) % seg.k == 0)
+                gap.append(torch.full((n,), cols - s2, dtype=torch.int64))
+                width.append(torch.full((n,), s2.bit_length() - 1 if self.pow2_widths else s2, dtype=torch.int64))
                 base.append((start + tiles * seg.length).repeat_interleave(seg.k))
             empty = torch.zeros(0, dtype=torch.int64)
             self._tables[device] = tuple(torch.cat(t).to(device) if t else empty.to(device)
-                                         for t in (origin, width, row, limit, first, base))
+                                         for t in (origin, gap, width, base))
         return self._tables[device]
 
     def bad(self, idx: torch.Tensor) -> bool:
         """Whether received indices ``idx`` (relative to their tiles) leave a tile or fail to increase inside it
-        (one host sync)."""
-        *_, limit, first, _ = self._tables_on(idx.device)
-        idx = idx.long()
-        return bool(((idx >= limit).any() | ((idx[1:] <= idx[:-1]) & ~first[1:]).any()).item())
+        (one host sync). A segment's indices are a matrix of a row per tile."""
+        flags, at = [], 0
+        for seg in self.segments:
+            rows = idx[at:at + seg.count].view(seg.chunks, seg.k)
+            at += seg.count
+            flags += [(rows >= seg.length).any(), (rows[:, 1:] <= rows[:, :-1]).any()]
+        return bool(torch.stack(flags).any().item()) if flags else False
 
     def positions(self, idx: torch.Tensor) -> torch.Tensor:
-        """The vector positions (int64) of the kept values whose indices, relative to their tile, are ``idx``."""
-        origin, width, row, *_ = self._tables_on(idx.device)
+        """The vector positions (int64) of the kept values whose indices, relative to their tile, are ``idx``:
+        a value in row ``i`` of its tile lies ``i x (cols - s2)`` past where the tile's own order would put it."""
+        origin, gap, width, _ = self._tables_on(idx.device)
         idx = idx.long()
-        return origin + torch.div(idx, width, rounding_mode="floor") * row.long() + idx % width
+        row = idx >> width if self.pow2_widths else torch.div(idx, width, rounding_mode="floor")
+        return origin + idx + row * gap
 
     def permuted_positions(self, idx: torch.Tensor) -> torch.Tensor:
         """The same kept values' positions in the tiles' order (int64)."""
