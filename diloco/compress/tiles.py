@@ -181,10 +181,9 @@ class Tiling:
         """The vector positions (int64) of the kept values whose indices, relative to their tile, are ``idx``:
         a value in row ``i`` of its tile lies ``i x (cols - s2)`` past where the tile's own order would put it."""
         origin, gap, width, _ = self._tables_on(idx.device)
-        idx = idx.long()
-        row = idx >> width if self.pow2_widths else torch.div(idx, width, rounding_mode="floor")
-        return origin + idx + row * gap
+        row = idx >> width if self.pow2_widths else torch.div(idx, width, rounding_mode="floor")  # int64
+        return row.mul_(gap).add_(idx).add_(origin)  # in place: each fresh tensor of this size costs page faults
 
     def permuted_positions(self, idx: torch.Tensor) -> torch.Tensor:
         """The same kept values' positions in the tiles' order (int64)."""
-        return self._tables_on(idx.device)[-1] + idx.long()
+        return self._tables_on(idx.device)[-1] + idx  # int64, whatever the indices' integer type
