@@ -23,7 +23,7 @@ Two tables:
   reference against the Triton kernel (CUDA only), beside the device's measured copy
   bandwidth (``dst.copy_(src)`` of the same fp32 vector; bytes read / seconds).
 
-Medians over ``--repeats`` runs. Versions, hardware and arguments go above the tables.
+Medians over ``--repeats`` runs, the chains taking turns in each. Versions, hardware and arguments go above the tables.
 
     python benchmarks/codecs.py                               # 150m pseudo-gradient, auto device
     python benchmarks/codecs.py --size tiny --repeats 3       # quick look
@@ -134,29 +134,45 @@ def copy_bandwidth(x: torch.Tensor, repeats: int) -> float:
 
 def chain_rows(x: torch.Tensor, chains: list[str], repeats: int,
                shapes: list[tuple[int, ...]] | None = None) -> list[dict]:
-    """``shapes``: the tensors ``x`` is (the payload of a chain with tiles follows them)."""
+    """``shapes``: the tensors ``x`` is (the payload of a chain with tiles follows them). The chains take turns,
+    repeat after repeat: a drift of the machine's speed (other work, clocks) falls on all of them alike, so the
+    ratios between rows hold even where the absolute figures move."""
     from diloco.compress import make_codec
 
-    rows = []
     n = x.numel()
     acc = torch.zeros_like(x)
-    for chain in chains:
+
+    def operations(chain: str) -> tuple[bytes, float, dict]:
         codec = make_codec(chain)
         payload = codec.encode(x, shapes=shapes)
-        y = codec.decode(payload, expect_numel=x.numel(), device=x.device, shapes=shapes)
+        y = codec.decode(payload, expect_numel=n, device=x.device, shapes=shapes)
         err = float((y - x).norm() / x.norm())
-        del y
         fresh = make_codec(chain)  # encode timing without error feedback state
-        enc = timed(lambda: fresh.encode(x, shapes=shapes), repeats, x.device)
-        dec = timed(lambda: codec.decode(payload, expect_numel=x.numel(), device=x.device, shapes=shapes), repeats,
-                    x.device)
-        acc_s = timed(lambda: codec.decode_accumulate_(payload, acc, 0.5, shapes=shapes), repeats, x.device)
+        ops = {"encode": lambda: fresh.encode(x, shapes=shapes),
+               "decode": lambda: codec.decode(payload, expect_numel=n, device=x.device, shapes=shapes),
+               "accumulate": lambda: codec.decode_accumulate_(payload, acc, 0.5, shapes=shapes)}
+        for fn in ops.values():  # warm-up
+            fn()
+        return payload, err, ops
+
+    made = {chain: operations(chain) for chain in chains}
+    times: dict[tuple[str, str], list[float]] = {}
+    for _ in range(repeats):
+        for chain, (_, _, ops) in made.items():
+            for op, fn in ops.items():
+                sync(x.device)
+                t = time.perf_counter()
+                fn()
+                sync(x.device)
+                times.setdefault((chain, op), []).append(time.perf_counter() - t)
+    rows = []
+    for chain, (payload, err, ops) in made.items():
+        gbs = {op: 4 * n / statistics.median(times[chain, op]) / 1e9 for op in ops}
         rows.append({"chain": chain, "bytes_per_param": len(payload) / n, "ratio": 4 * n / len(payload), "rel_err": err,
-                     "encode_gbs": 4 * n / enc / 1e9, "decode_gbs": 4 * n / dec / 1e9,
-                     "accumulate_gbs": 4 * n / acc_s / 1e9})
+                     "encode_gbs": gbs["encode"], "decode_gbs": gbs["decode"], "accumulate_gbs": gbs["accumulate"]})
         print(f"  {chain:28s} {len(payload) / n:7.4f} B/param  x{4 * n / len(payload):7.1f}  err {err:.4f}  "
-              f"enc {4 * n / enc / 1e9:6.2f} GB/s  dec {4 * n / dec / 1e9:6.2f} GB/s  "
-              f"dec+acc {4 * n / acc_s / 1e9:6.2f} GB/s", flush=True)
+              f"enc {gbs['encode']:6.2f} GB/s  dec {gbs['decode']:6.2f} GB/s  dec+acc {gbs['accumulate']:6.2f} GB/s",
+              flush=True)
     return rows
 
 
