@@ -867,9 +867,9 @@ def summary(tmp: Path, name: str) -> dict:
 
 def test_peers_at_different_speeds_and_start_times_meet_every_round_and_end_on_one_model(tmp_path):
     """a runs on; b joins rounds later at a's speed, c with it at a third of the speed (3x the micro-batches per
-    step). Each peer that joins meets the others within its first two rounds, every later round has all three
-    (but for one round at most, which names whom it missed), and b and c stop at the run's step budget on one
-    model: the state a holds after that epoch too."""
+    step). Each peer that joins meets the others in its first round or at most two rounds later, every later round
+    has all three (but for one round at most, which names whom it missed), and b and c stop at the run's step
+    budget on one model: the state a holds after that epoch too."""
     procs: dict[str, subprocess.Popen] = {}
     try:
         procs["a"] = start_peer(tmp_path, "a", "--address-file", str(tmp_path / "a.addr"), "--max-steps", "100000")
