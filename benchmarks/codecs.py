@@ -103,17 +103,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def once(fn, device: torch.device) -> float:
+    """Seconds of one ``fn()``, the device's queued work included."""
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t
+
+
 def timed(fn, repeats: int, device: torch.device) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs (after one warm-up)."""
     fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(once(fn, device) for _ in range(repeats))
 
 
 def copy_bandwidth(x: torch.Tensor, repeats: int) -> float:
@@ -160,11 +162,7 @@ def chain_rows(x: torch.Tensor, chains: list[str], repeats: int,
     for _ in range(repeats):
         for chain, (_, _, ops) in made.items():
             for op, fn in ops.items():
-                sync(x.device)
-                t = time.perf_counter()
-                fn()
-                sync(x.device)
-                times.setdefault((chain, op), []).append(time.perf_counter() - t)
+                times.setdefault((chain, op), []).append(once(fn, x.device))
     rows = []
     for chain, (payload, err, ops) in made.items():
         gbs = {op: 4 * n / statistics.median(times[chain, op]) / 1e9 for op in ops}

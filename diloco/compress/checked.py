@@ -66,9 +66,15 @@ def copy_checked(values: torch.Tensor, out: torch.Tensor, weight: float = 1.0) -
             raise CorruptPayload("payload holds NaN or Inf values")
 
 
+def chunk_indices_bad(rows: torch.Tensor, limit: int) -> torch.Tensor:
+    """Whether a row (one chunk's received indices) leaves ``[0, limit)`` or fails to increase strictly: a 0-d
+    bool tensor, so that callers checking several groups of chunks sync with the host once."""
+    return (rows >= limit).any() | (rows[:, 1:] <= rows[:, :-1]).any()
+
+
 def chunk_indices_ok(rows: torch.Tensor, limit: int) -> bool:
     """Each row (one chunk's received indices) lies in ``[0, limit)`` and is strictly increasing."""
-    return not rows.numel() or not (bool((rows >= limit).any()) or bool((rows[:, 1:] <= rows[:, :-1]).any()))
+    return not rows.numel() or not bool(chunk_indices_bad(rows, limit))
 
 
 def put_floats(x: torch.Tensor, mem: memoryview, base: int, dtype: torch.dtype, limit: Optional[float],

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from diloco.compress.bits import bits_for
+from diloco.compress.checked import chunk_indices_bad
 from diloco.compress.chunks import largest_divisor_at_most
 from diloco.compress.kernels import topk as tk
 
@@ -174,7 +175,7 @@ class Tiling:
         for seg in self.segments:
             rows = idx[at:at + seg.count].view(seg.chunks, seg.k)
             at += seg.count
-            flags += [(rows >= seg.length).any(), (rows[:, 1:] <= rows[:, :-1]).any()]
+            flags.append(chunk_indices_bad(rows, seg.length))
         return bool(torch.stack(flags).any().item()) if flags else False
 
     def positions(self, idx: torch.Tensor) -> torch.Tensor:
