@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog="loco", formatter_class=fmt,
-        description="Low-communication training of language models: DDP, DiLoCo, Streaming DiLoCo, SparseLoCo and DeMo "
-                    "over torchrun, internet peers, or N workers simulated on one device.",
+        description="Low-communication training of language models: DDP, DiLoCo, Streaming DiLoCo, SparseLoCo and "
+                    "DeMo over torchrun, internet peers, or N workers simulated on one device.",
         epilog="quick start:\n  loco train --config configs/tiny.yaml    # a tiny model on the Python standard library\n"
                "  loco <command> --help                     # flags of one command, with examples")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -189,10 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="predict bytes, time and utilization per setting; recommend one",
                        formatter_class=fmt,
                        description="Predict, for DDP, DiLoCo and Streaming DiLoCo at several H, codecs and fragment "
-                                   "counts, SparseLoCo at several H and densities, and DeMo at several k, the bytes per round, the time per round and the compute utilization on "
-                                   "the given link (as the simulator counts them), with the loss penalty loco "
-                                   "measured; recommend the setting that sends the fewest bytes at >= 95% "
-                                   "utilization.",
+                                   "counts, SparseLoCo at several H and densities, and DeMo at several k, the bytes "
+                                   "per round, the time per round and the compute utilization on the given link (as "
+                                   "the simulator counts them), with the loss penalty loco measured; recommend the "
+                                   "setting that sends the fewest bytes at >= 95% utilization.",
                        epilog=EXAMPLES["plan"])
     p.add_argument("--model", required=True, metavar="SIZE",
                    help="a named size (tiny, small, 150m, 1b) or a parameter count, e.g. --model 150m or 1.1e9")
