@@ -56,7 +56,7 @@ CHAINS = ["fp32", "bf16", "fp16", "int8", "int8+zstd", "int4", "fp4", "fp4+zstd"
 
 
 def _model(size: str, seq: int, device: torch.device | str) -> torch.nn.Module:
-    from launch.models import SIZES, Transformer
+    from launch.models.transformer import SIZES, Transformer
 
     return Transformer(replace(SIZES[size], vocab_size=32768 if size == "150m" else 256, max_seq_len=seq)).to(device)
 
@@ -72,8 +72,8 @@ def pseudo_gradient(size: str, steps: int, device: torch.device, seed: int, cach
         return torch.load(cache, weights_only=True).to(device)
     import torch.nn.functional as F
 
-    from launch.config_schema import DataConfig
-    from launch.data import Batcher, load_data
+    from launch.config.schema import DataConfig
+    from launch.data.batches import Batcher, load_data
 
     torch.manual_seed(seed)
     seq = 128
@@ -293,7 +293,7 @@ def report(args, device: torch.device, n: int, chains: list[dict], copy: float, 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size", default="150m", help="model size of the pseudo-gradient (launch.models.SIZES)")
+    p.add_argument("--size", default="150m", help="model size of the pseudo-gradient (launch.models.transformer.SIZES)")
     p.add_argument("--inner-steps", type=int, default=4)
     p.add_argument("--device", default="auto")
     p.add_argument("--repeats", type=int, default=3)
@@ -304,7 +304,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write the markdown report here")
     p.add_argument("--no-kernels", action="store_true", help="skip the kernel table (chains and zstd only)")
     args = p.parse_args()
-    from launch.runtime import resolve_device
+    from launch.loop.runtime import resolve_device
 
     device = resolve_device(args.device)
     cache = Path(args.cache.format(size=args.size)) if args.cache else None

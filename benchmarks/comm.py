@@ -72,7 +72,7 @@ SIZED = " (sizes exchanged)"  # --exchange-sizes: the row of a fixed-size chain 
 def model_150m():
     import torch
 
-    from launch.models import SIZES, Transformer
+    from launch.models.transformer import SIZES, Transformer
 
     with torch.device("meta"):
         return Transformer(replace(SIZES["150m"], vocab_size=32768, max_seq_len=128))

@@ -105,7 +105,7 @@ NAMED_ONLY = ("diloco-h50-int8", "diloco-h50-fp4", "diloco-h50-topk2", "sparselo
 def measure_step_time(args, data) -> float:
     """Median seconds of one training step of one worker on this device."""
     from launch.config import load_config
-    from launch.trainer import Trainer
+    from launch.loop.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg, _ = load_config([], _base(args, 0) + list(args.set) + ["run.max_steps=25", "run.eval_every=0",
@@ -133,8 +133,8 @@ def _base(args, seed: int) -> list[str]:
 
 def run_one(args, method: str, seed: int, data, step_time: float, out_dir: Path) -> dict[str, Any]:
     from launch.config import load_config
-    from launch.metrics import read_metrics
-    from launch.simulate import simulate_once
+    from launch.metrics.log import read_metrics
+    from launch.simulate.runner import simulate_once
 
     run_dir = out_dir / f"{method}-seed{seed}"
     extra = list(getattr(args, "method_set", {}).get(method, []))
@@ -195,7 +195,7 @@ def median_time_to(rs: list[dict], target: Optional[float], fn) -> str:
 
 
 def report(args, results: list[dict], step_time: float, device: str) -> str:
-    from launch.metrics import human_bytes
+    from launch.metrics.log import human_bytes
 
     methods = [m for m in args.methods if any(r["method"] == m for r in results)]
     by = {m: [r for r in results if r["method"] == m] for m in methods}
@@ -267,7 +267,7 @@ def plot(results: list[dict], methods: list[str], out: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    from launch.metrics import human_bytes
+    from launch.metrics.log import human_bytes
 
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for m in methods:
@@ -333,7 +333,7 @@ def main() -> None:
         raise SystemExit(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
 
     from launch.config import load_config
-    from launch.data import load_data
+    from launch.data.batches import load_data
     from benchmarks.simulator import device_name
 
     device = device_name(args.device or "auto")

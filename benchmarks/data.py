@@ -46,8 +46,8 @@ def rss_mb() -> float:
 
 
 def tokenizer_file(args, work: Path) -> str:
-    from launch.documents import doc_text, documents
-    from launch.tokenizer import train_bpe
+    from launch.data.documents import doc_text, documents
+    from launch.data.tokenizer import train_bpe
 
     if args.tokenizer:
         return args.tokenizer
@@ -60,8 +60,8 @@ def tokenizer_file(args, work: Path) -> str:
 def bench_prepare(args, tok_path: str, work: Path) -> dict:
     from tokenizers import Tokenizer
 
-    from launch.documents import doc_text, documents
-    from launch.prepare import prepare
+    from launch.data.documents import doc_text, documents
+    from launch.data.prepare import prepare
 
     _, docs, _ = documents("python", None, max_docs=args.docs)
     texts = [t for t in map(doc_text, docs) if t]
@@ -104,8 +104,8 @@ def write_jsonl(path: Path, mb: float, seed: int = 0) -> None:
 
 def bench_steps(args, tok_path: str, shards: str, work: Path) -> dict:
     from launch.config import load_config
-    from launch.data import load_data, make_batcher
-    from launch.models import Transformer, model_args_from_config
+    from launch.data.batches import load_data, make_batcher
+    from launch.models.transformer import Transformer, model_args_from_config
 
     jsonl = work / "steps.jsonl"
     write_jsonl(jsonl, 20)
@@ -144,9 +144,9 @@ def bench_steps(args, tok_path: str, shards: str, work: Path) -> dict:
 
 
 def bench_stream_memory(args, work: Path) -> dict:
-    from launch.documents import HFOptions
-    from launch.stream import StreamBatcher, load_stream
-    from launch.tokenizer import ByteTokenizer
+    from launch.data.documents import HFOptions
+    from launch.data.stream import StreamBatcher, load_stream
+    from launch.data.tokenizer import ByteTokenizer
 
     path = work / "big.jsonl"
     write_jsonl(path, args.stream_mb, seed=1)

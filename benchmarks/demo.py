@@ -92,7 +92,7 @@ def model_demo(model_size: str, device: torch.device, topk: int = 32):
     """DeMo over random parameters shaped like the model's (built on the meta device: nothing initialised), with
     its entries, plans, chain and layout: what its step works on, in its own wire order."""
     from demo_optim import DeMo
-    from launch.models import SIZES, Transformer
+    from launch.models.transformer import SIZES, Transformer
 
     with torch.device("meta"):
         shapes = [p.shape for p in Transformer(replace(SIZES[model_size], vocab_size=256, max_seq_len=128)).parameters()]
@@ -219,9 +219,9 @@ def main() -> None:
     from benchmarks import convergence as conv
     from benchmarks.simulator import device_name
     from launch.config import load_config
-    from launch.data import load_data
-    from launch.metrics import human_bytes
-    from launch.runtime import resolve_device
+    from launch.data.batches import load_data
+    from launch.metrics.log import human_bytes
+    from launch.loop.runtime import resolve_device
 
     args.seeds = [int(s) for s in args.seeds.split(",")]
     asked = args.methods.split(",")
@@ -303,9 +303,9 @@ def main() -> None:
 def encode_report(args) -> None:
     """``--encode-only``: the encode table for every model of ``--encode-models``."""
     from benchmarks.simulator import device_name
-    from launch.metrics import human_bytes
-    from launch.models import SIZES, Transformer, count_params
-    from launch.runtime import resolve_device
+    from launch.metrics.log import human_bytes
+    from launch.models.transformer import SIZES, Transformer, count_params
+    from launch.loop.runtime import resolve_device
 
     device = resolve_device(args.device or "auto")
     models = [m for m in (args.encode_models or args.model).split(",") if m]

@@ -1,7 +1,7 @@
 """``loco export`` against ``safetensors.torch.save_file`` on the same weights.
 
 A randomly initialised model of a named size (fp32, on the CPU) is saved as a loco checkpoint; then, alternating,
-``launch.hf_export.export`` writes it as a bf16 Hugging Face folder (reading the checkpoint through its memory map,
+``launch.models.hf.export.export`` writes it as a bf16 Hugging Face folder (reading the checkpoint through its memory map,
 reordering the rotary rows, converting tensor by tensor, fsyncing, renaming), and ``save_file`` writes the same
 tensors, already reordered and converted, from one dict in memory. ``save_file`` does not fsync: its time with an
 fsync of the file after it is the third column. The fourth is the part of the export that ``save_file`` is
@@ -82,13 +82,13 @@ def settle() -> None:
 def main() -> None:
     from safetensors.torch import save_file
 
-    from launch.checkpoint import load_checkpoint, save_checkpoint
-    from launch.hf_export import _converted_ahead, export
-    from launch.hf_weights import loco_to_hf
-    from launch.models import SIZES, Transformer
+    from launch.store.checkpoint import load_checkpoint, save_checkpoint
+    from launch.models.hf.export import _converted_ahead, export
+    from launch.models.hf.weights import loco_to_hf
+    from launch.models.transformer import SIZES, Transformer
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="1b", choices=sorted(SIZES), help="a named size of launch.models.SIZES")
+    p.add_argument("--size", default="1b", choices=sorted(SIZES), help="a named size of launch.models.transformer.SIZES")
     p.add_argument("--vocab-size", type=int, default=32000, help="the vocabulary (the named sizes assume 32k)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work", help="a folder for the files (default: a temporary one)")
@@ -161,7 +161,7 @@ def main() -> None:
         f"{platform.processor() or platform.machine()} ({os.cpu_count()} logical CPUs, shared with other jobs)",
         f"- torch {torch.__version__}, safetensors {__import__('safetensors').__version__}, "
         f"Python {platform.python_version()}, Linux {platform.release()}",
-        f"- model: `{args.size}` of `launch.models.SIZES` with a {args.vocab_size:,} vocabulary, "
+        f"- model: `{args.size}` of `launch.models.transformer.SIZES` with a {args.vocab_size:,} vocabulary, "
         f"{model_args.n_params / 1e9:.3f}B parameters, random init, fp32 checkpoint; bf16 out "
         f"({weight_bytes / 1e9:.2f} GB, one file)",
         f"- median of {args.repeats}, alternating; the disk is the machine's virtual disk, so the times include "

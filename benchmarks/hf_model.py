@@ -48,8 +48,8 @@ def main() -> None:
     a = p.parse_args()
     from dataclasses import replace
 
-    from launch.hf_models import HFCausalLM, config_from_dict
-    from launch.models import SIZES, Transformer
+    from launch.models.hf.causal_lm import HFCausalLM, config_from_dict
+    from launch.models.transformer import SIZES, Transformer
 
     device = torch.device(a.device)
     compiled = a.compile if a.compile is not None else device.type == "cuda"

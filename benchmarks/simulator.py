@@ -10,7 +10,7 @@ Memory: peak of a simulated run with 1, 2, 4, ... N workers, each in a fresh pro
 CPU: peak resident set); the slope is the memory each extra worker adds. ``--mem-workers`` picks the worker
 counts measured (default 1, 2, 4, ... up to N).
 
-``--offload`` sets ``sim.offload`` (launch.simulate): a worker's model, optimizer and algorithm state leave the
+``--offload`` sets ``sim.offload`` (launch.simulate.runner): a worker's model, optimizer and algorithm state leave the
 accelerator while it waits at a collective and come back when it runs again, so N workers need about the
 memory of one; the time ratio then includes those copies. ``--offload-outer`` sets ``algo.offload_outer`` too
 (DiLoCo's global parameters and outer momentum stay on the CPU). The one-worker side never offloads.
@@ -67,8 +67,8 @@ def _timed_fit(cfg, data, workers: int, cuda: bool = False) -> tuple[float, int 
 
     import torch
 
-    from launch.simulate import simulate_once
-    from launch.trainer import Trainer
+    from launch.simulate.runner import simulate_once
+    from launch.loop.trainer import Trainer
 
     held = 0
     if cuda:
@@ -91,7 +91,7 @@ def _timed_fit(cfg, data, workers: int, cuda: bool = False) -> tuple[float, int 
 def measure_time(args) -> dict:
     import tempfile
 
-    from launch.data import load_data
+    from launch.data.batches import load_data
 
     data = None
     sim_s, single_s, sim_peak, single_peak = [], [], [], []
@@ -128,7 +128,7 @@ def peak_memory_child(args) -> None:
 
     import torch
 
-    from launch.simulate import simulate_once
+    from launch.simulate.runner import simulate_once
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(args, args.child_workers, args.inner_steps, "diloco", f"{tmp}/run")
@@ -144,7 +144,7 @@ def model_params(args) -> int:
     """The parameters of ``--model`` at the benchmark's vocabulary and sequence length (built on the meta device)."""
     import torch
 
-    from launch.models import SIZES, Transformer
+    from launch.models.transformer import SIZES, Transformer
 
     with torch.device("meta"):
         model = Transformer(replace(SIZES[args.model], vocab_size=256, max_seq_len=args.seq_len))

@@ -46,8 +46,8 @@ SEED = 20261123
 def state_bytes(model: str) -> int:
     from dataclasses import replace
 
-    from launch.models import SIZES
-    from launch.plan_model import VOCAB
+    from launch.models.transformer import SIZES
+    from launch.plan.settings import VOCAB
 
     return 8 * replace(SIZES[model], vocab_size=VOCAB[model]).n_params
 
@@ -93,8 +93,8 @@ def join_args(model: str) -> list[str]:
 def serve_peer(ip: str, model: str, addr_file: str, peers: list[str], run_dir: str) -> None:
     """A holder built as `loco join` builds a peer (it downloads the run's state when it has --peers, and
     publishes its own), serving until killed without training."""
-    from launch.cli import _load, build_parser
-    from launch.join import JoinOptions, Peer
+    from launch.cli.commands import _load, build_parser
+    from launch.join.peer import JoinOptions, Peer
 
     cfg = _load(build_parser().parse_args(["join", *join_args(model), "--run-dir", run_dir]))
     hold(Peer(cfg, JoinOptions(peers=peers, run_key=KEY, host=ip)).transport, ip, addr_file)

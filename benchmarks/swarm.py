@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--links: no such file {links}")
 
     from launch.config import load_config
-    from launch.data import load_data
-    from launch.metrics import human_bytes
+    from launch.data.batches import load_data
+    from launch.metrics.log import human_bytes
     from diloco.sim.speeds import sample_speeds
 
     conv.METHODS.update(SWARM_METHODS)

@@ -5,7 +5,7 @@ Each cell is one ``loco train`` process (``configs/tiny.yaml``, ``--max-steps``,
 figure is its training time (``wall_s`` of summary.json: the steps, not the start-up). The loader is another process
 running fp32 matrix products on torch's default threads, as a second training job would. Targets: ``auto`` within
 10% of the default when idle, and never 2x slower than one thread when loaded. A second table times one training
-step of small models on one thread and on all, which places ``SMALL_MODEL_PARAMS`` (``launch/runtime.py``).
+step of small models on one thread and on all, which places ``SMALL_MODEL_PARAMS`` (``launch/loop/runtime.py``).
 
     python benchmarks/threads.py --out benchmarks/results/threads_cpu.md      # about 3 to 5 minutes
     python benchmarks/threads.py --loader 60                                  # only the load, for other benchmarks
@@ -80,7 +80,7 @@ def step_times(dims: list[int], threads: int, steps: int = 8) -> dict[int, tuple
     import torch
     import torch.nn.functional as F
 
-    from launch.models import SIZES, Transformer
+    from launch.models.transformer import SIZES, Transformer
 
     out = {}
     for dim in dims:

@@ -3,14 +3,14 @@
 Each model runs in a fresh Python process (this script re-invoked with a hidden flag), so the
 peak memory of one model never includes another's: on CUDA the peak is
 ``torch.cuda.max_memory_allocated``, on CPU the peak resident set size (``VmHWM`` in
-``/proc/self/status``). A step is what ``launch.trainer.Trainer`` does for DDP on one worker:
+``/proc/self/status``). A step is what ``launch.loop.trainer.Trainer`` does for DDP on one worker:
 forward (bf16 autocast on CUDA unless ``--precision fp32``; ``torch.compile`` of the model with
 ``--compile on``, the default on CUDA, as ``run.compile``), cross-entropy, backward, then
-``diloco.DDP.step``: gradient clipping and AdamW (``launch.build.build_optimizer``; fused on
+``diloco.DDP.step``: gradient clipping and AdamW (``launch.loop.build.build_optimizer``; fused on
 CUDA and CPU, so the finiteness check and clipping stay on the device, with no host sync), zero_grad. After ``--warmup`` untimed steps,
 ``--repeats`` windows of ``--steps`` steps each are timed; the table shows the median window.
 
-MFU is counted as the trainer's log counts it (``launch.mfu.mfu_basis``): 6N+attention FLOPs per
+MFU is counted as the trainer's log counts it (``launch.metrics.mfu.mfu_basis``): 6N+attention FLOPs per
 token against the device's datasheet peak at the run's precision (e.g. H100 dense bf16 989 TFLOP/s).
 The caption says which; a CPU, or a device the table does not list, gets no MFU column.
 
@@ -69,7 +69,7 @@ def cpu_model() -> str:
 
 
 def fmt_bytes(n: float | None) -> str:
-    from launch.metrics import human_bytes
+    from launch.metrics.log import human_bytes
 
     return "n/a" if n is None else human_bytes(n)
 
@@ -99,13 +99,13 @@ def run_one(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from launch.config_schema import DataConfig, OptimConfig
-    from launch.mfu import matmul_precision, mfu_basis
-    from launch.models import SIZES, Transformer, count_params
+    from launch.config.schema import DataConfig, OptimConfig
+    from launch.metrics.mfu import matmul_precision, mfu_basis
+    from launch.models.transformer import SIZES, Transformer, count_params
     from diloco import DDP
     from diloco.comm import LocalTransport
-    from launch.build import build_optimizer
-    from launch.runtime import resolve_device
+    from launch.loop.build import build_optimizer
+    from launch.loop.runtime import resolve_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -134,7 +134,7 @@ def run_one(args: argparse.Namespace) -> dict:
     mfu = mfu_basis(model, T, device, matmul_precision(device, bf16))
 
     if args.data == "stdlib":
-        from launch.data import Batcher, load_data
+        from launch.data.batches import Batcher, load_data
 
         batcher = Batcher(load_data(DataConfig(source="stdlib", max_docs=200, seq_len=T)), T, B, seed=args.seed)
 
@@ -269,7 +269,7 @@ def compile_label(result: dict) -> str:
 
 def mfu_caption(result: dict) -> str:
     """Which FLOP count and which peak the MFU column uses, as the trainer's start-up line says it."""
-    from launch.mfu import MFU_RULE
+    from launch.metrics.mfu import MFU_RULE
 
     if result.get("peak") is None:
         return f"MFU: not reported: no datasheet peak for {result.get('mfu_device', result['device'])}"
@@ -288,7 +288,7 @@ def render(results: list[dict], args: argparse.Namespace, started: str, load: tu
         f"- torch threads: {first['threads']} (logical CPUs on the machine: {os.cpu_count()})",
         f"- step: forward ({first['precision']}, {compile_label(first)}) "
         f"+ cross-entropy + backward + grad clip + AdamW (diloco.DDP.step); "
-        f"data: {'random byte tokens' if args.data == 'random' else 'launch.data stdlib batches'}, vocab 256",
+        f"data: {'random byte tokens' if args.data == 'random' else 'launch.data.batches stdlib batches'}, vocab 256",
         f"- {args.warmup} warmup steps, then {args.repeats} timed windows per model; "
         f"tokens/s and ms/step are the median window (range in brackets)",
         f"- peak memory: {first['peak_kind']}, each model in its own process "
@@ -315,7 +315,7 @@ def render(results: list[dict], args: argparse.Namespace, started: str, load: tu
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="tiny,small", help="comma-separated sizes from launch.models.SIZES")
+    p.add_argument("--models", default="tiny,small", help="comma-separated sizes from launch.models.transformer.SIZES")
     p.add_argument("--steps", default="20", help="timed steps per window: N, or per model: tiny=20,small=5")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before the first window")
     p.add_argument("--repeats", type=int, default=3, help="timed windows per model; the median is reported")
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="auto: bf16 autocast on CUDA, fp32 on CPU (as the trainer)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--data", default="random", choices=["random", "stdlib"],
-                   help="random byte tokens, or real batches from launch.data (stdlib corpus)")
+                   help="random byte tokens, or real batches from launch.data.batches (stdlib corpus)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the model (auto: on CUDA, as run.compile)")
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     sys.path.insert(0, str(ROOT))
-    from launch.models import SIZES
+    from launch.models.transformer import SIZES
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m.partition("+")[0] not in SIZES

@@ -212,7 +212,7 @@ class Algorithm:
     @classmethod
     def state_copies(cls, cfg: Any) -> float:
         """fp32 copies of the parameters it keeps besides the model and the inner optimizer's state (what a process
-        holds, ``launch.memory``): a lossy codec's error-feedback residual."""
+        holds, ``launch.loop.memory``): a lossy codec's error-feedback residual."""
         spec = parse_chain(cfg.compress.codec)
         return 1.0 if spec.topk_chunk is not None and spec.ef_decay > 0 else 0.0
 

@@ -188,7 +188,7 @@ def simulate_and_torchrun(tmp_path: Path, args: list[str], workers: int, capture
 
     Returns (simulated checkpoint, real checkpoint, simulated summary, real summary): the last of each run.
     """
-    from launch.checkpoint import latest_checkpoint
+    from launch.store.checkpoint import latest_checkpoint
 
     sim = loco(["simulate", *args, "--workers", str(workers), "--run-dir", str(tmp_path / "sim")], capture)
     assert sim.returncode == 0, sim.stderr[-3000:]

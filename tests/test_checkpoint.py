@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from conftest import FAST, ROOT, TINY, child_env, kill_when
-from launch.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, rng_state,
+from launch.store.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, rng_state,
                                save_checkpoint, set_rng_state, write_file)
-from launch.metrics import read_metrics
+from launch.metrics.log import read_metrics
 
 
 def test_save_load_and_keep_last_k(tmp_path):
@@ -36,7 +36,7 @@ def test_save_load_and_keep_last_k(tmp_path):
 
 WRITER = textwrap.dedent("""
     import sys, torch
-    from launch.checkpoint import save_checkpoint
+    from launch.store.checkpoint import save_checkpoint
     d = sys.argv[1]
     save_checkpoint(d, 1, {"model": {"w": torch.ones(4)}})
     print("first-saved", flush=True)
@@ -173,7 +173,7 @@ class _Signals:
 def test_a_signal_in_the_middle_of_a_checkpoint_write(tmp_path, count):
     """The first signal waits for the write (the run stops after it, saved); a second stops at once, reported as
     the signal it was (never as a full disk), with the older checkpoint intact."""
-    from launch.signals import STOP, Interrupted, save_waiting_for_it, stop_signals
+    from launch.loop.signals import STOP, Interrupted, save_waiting_for_it, stop_signals
 
     save_checkpoint(tmp_path, 1, {"model": {"w": torch.zeros(3)}})
     state = {"model": {"w": torch.ones(100_000)}, "extra": _Signals(count)}
@@ -197,8 +197,8 @@ def test_a_signal_during_the_final_checkpoint_stops_after_it_is_written(tmp_path
     """SIGTERM while the last checkpoint is written (after the loop): the write completes, the run stops with
     Interrupted naming it, and the checkpoint loads."""
     from launch.config import load_config
-    from launch.signals import Interrupted, stop_signals
-    from launch.trainer import Trainer, train
+    from launch.loop.signals import Interrupted, stop_signals
+    from launch.loop.trainer import Trainer, train
 
     state_dict = Trainer.state_dict
 
@@ -228,9 +228,9 @@ def test_appended_lines_on_a_full_disk_are_one_line(tmp_path):
     file, the bytes and the space free, the same line a checkpoint gives; closing afterwards raises nothing."""
     from types import SimpleNamespace
 
-    from launch.disk import DiskFull
-    from launch.metrics import Metrics
-    from launch.rounds import RoundsLog
+    from launch.store.disk import DiskFull
+    from launch.metrics.log import Metrics
+    from launch.metrics.rounds import RoundsLog
 
     (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
     (tmp_path / "rounds.jsonl").symlink_to("/dev/full")

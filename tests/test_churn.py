@@ -13,7 +13,7 @@ from diloco.sim import InProcessGroup, run_workers
 from diloco.sim.churn import ChurnError, ChurnEvent, ChurnSchedule
 from diloco.sim.transport import WorkerLeft
 from launch.config import ConfigError, load_config
-from launch.simulate import simulate_once
+from launch.simulate.runner import simulate_once
 
 QUICK = [*FAST, "run.batch_size=4", "run.eval_every=0", "run.checkpoint_every=0", "sim.baseline=none",
          "sim.step_time=1"]
@@ -306,7 +306,7 @@ def test_the_ddp_baseline_reads_a_round_keyed_trace_at_the_same_point_of_trainin
     baseline keyed by steps (or, for time-budgeted rounds, by the virtual time the round starts at), so both runs
     lose and regain workers at the same point; before, the baseline lost worker 1 at its step 2. Events keyed by
     time stay as they are."""
-    from launch.simulate import baseline_config
+    from launch.simulate.runner import baseline_config
 
     trace = tmp_path / "churn.csv"
     trace.write_text("worker,event,round,time\n1,leave,2,\n1,join,4,\n2,leave,,90s\n")

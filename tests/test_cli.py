@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import EXAMPLES, build_parser, main
+from launch.cli.commands import EXAMPLES, build_parser, main
 from conftest import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -352,8 +352,8 @@ def test_sample_requires_checkpoint_flag(capsys):
 def _save_tiny_checkpoint(folder: Path, with_args: bool = True, tokenizer: bool = True) -> None:
     import torch
 
-    from launch.checkpoint import save_checkpoint
-    from launch.models import ModelArgs, Transformer
+    from launch.store.checkpoint import save_checkpoint
+    from launch.models.transformer import ModelArgs, Transformer
 
     torch.manual_seed(0)
     args = ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=256, max_seq_len=64)

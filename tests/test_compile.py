@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, child_env, loco, run_cli
-from launch.checkpoint import latest_checkpoint
-from launch.metrics import read_metrics
-from launch.trainer import train
+from launch.store.checkpoint import latest_checkpoint
+from launch.metrics.log import read_metrics
+from launch.loop.trainer import train
 
 SMALL = ["data.max_docs=60", "log.plot=false", "log.progress=plain", "run.device=cpu", "run.threads=1",
          "run.batch_size=4", "data.seq_len=64", "run.eval_every=0", "run.eval_batches=1", "log.every=1",
@@ -83,7 +83,7 @@ def test_simulated_workers_share_the_compiled_graphs(tmp_path, codec):
     from torch._dynamo.utils import counters
 
     from launch.config import load_config
-    from launch.simulate import simulate
+    from launch.simulate.runner import simulate
 
     def graphs_for(workers: int) -> int:
         torch._dynamo.reset()

@@ -16,9 +16,9 @@ from diloco.compress import make_codec
 from diloco.compress import collective
 from diloco.compress.flat import Scratch
 from diloco.sim import InProcessGroup, run_workers
-from launch.checkpoint import latest_checkpoint
+from launch.store.checkpoint import latest_checkpoint
 from launch.config import load_config
-from launch.simulate import simulate_once
+from launch.simulate.runner import simulate_once
 
 SMALL = ["run.batch_size=4", "run.eval_every=0", "run.checkpoint_every=0", "sim.baseline=none", "sim.step_time=0.01"]
 SIZES = [1, 2, 5000, 3001]  # a one-element tensor has empty shards on most workers
@@ -400,7 +400,7 @@ def test_simulator_equals_real_gloo_processes_with_a_codec(tmp_path, capfd):
 
 
 def test_simulate_table_names_the_codec_and_the_baseline_stays_dense(tmp_path, capsys):
-    from launch.simulate import simulate
+    from launch.simulate.runner import simulate
 
     cfg = cfg_of(tmp_path, "run", *DILOCO[:-1], "run.max_steps=4", "sim.baseline=ddp", "compress.codec=int8")
     simulate(cfg)

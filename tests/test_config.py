@@ -11,9 +11,9 @@ import yaml
 
 from diloco.sim.units import parse_duration
 from launch.config import Config, ConfigError, config_from_dict, dump_config, load_config
-from launch.config_loader import ConfigBuilder, format_duration
-from launch.config_schema import SECTIONS, describe_fields
-from launch.config_validation import validate
+from launch.config.loader import ConfigBuilder, format_duration
+from launch.config.schema import SECTIONS, describe_fields
+from launch.config.validation import validate
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -628,7 +628,7 @@ def test_run_threads_refuses_other_values_in_one_line(value):
     (2, 1, None, 10_000_000, 3.0, 1, "2 core(s), 3.0 of them kept busy by other work"),
 ])
 def test_auto_threads_takes_a_share_of_the_idle_cores(cores, processes, omp, params, busy, threads, why):
-    from launch.runtime import auto_threads
+    from launch.loop.runtime import auto_threads
 
     assert auto_threads(cores, processes, omp, params, busy) == (threads, why)
 
@@ -639,7 +639,7 @@ def test_a_deterministic_run_asks_torch_cublas_and_the_compiler_for_repeatable_k
     import torch
     import torch._inductor.config as inductor
 
-    from launch.runtime import start_process
+    from launch.loop.runtime import start_process
 
     monkeypatch.setattr(inductor, "deterministic", False)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from launch.config import ConfigError, load_config
-from launch.config_schema import DataConfig
-from launch.data import Batcher, load_data
-from launch.documents import _binary_reason, stdlib_files
-from launch.shards import LLMC_MAGIC
-from launch.python_corpus import load_python, python_files, python_roots
-from launch.token_data import BYTE_VOCAB, EOS, DataError, TokenData, _is_val, _split_documents
+from launch.config.schema import DataConfig
+from launch.data.batches import Batcher, load_data
+from launch.data.documents import _binary_reason, stdlib_files
+from launch.data.shards import LLMC_MAGIC
+from launch.data.python_corpus import load_python, python_files, python_roots
+from launch.data.tokens import BYTE_VOCAB, EOS, DataError, TokenData, _is_val, _split_documents
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -586,7 +586,7 @@ def test_hf_missing_local_path_raises(hf, tmp_path):
 
 
 def test_shards_all_named_for_validation_fall_back_to_a_tail_cut(tmp_path, monkeypatch):
-    import launch.shards as data_mod
+    import launch.data.shards as data_mod
 
     folder = tmp_path / "shards"
     folder.mkdir()
@@ -735,7 +735,7 @@ def test_a_batch_is_cut_from_one_block_that_goes_to_the_device_whole():
     on a GPU the trainer pins and moves that block once (a pinned strided view would be staged through pageable
     memory, a copy the host waits for). ``one_block`` finds it for training and validation batches, and only for
     such a pair."""
-    from launch.compute import one_block
+    from launch.loop.compute import one_block
 
     b = Batcher(_synthetic(), SEQ, 3)
     for x, y in (b.train_batch(2), b.val_batch(0)):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import FAST, TINY, child_env, free_port, loco, run_cli
-from launch.checkpoint import latest_checkpoint
+from launch.store.checkpoint import latest_checkpoint
 
 STEPS = 6
 
@@ -43,7 +43,7 @@ def test_torchrun_ddp_matches_single_process_with_doubled_batch(tmp_path, capfd)
     assert worst < 1e-4, f"DDP drifted from single-process training by {worst}"
     # and training really moved the parameters away from the seeded init (not a vacuous comparison)
     from launch.config import load_config
-    from launch.models import Transformer, model_args_from_config
+    from launch.models.transformer import Transformer, model_args_from_config
 
     cfg, _ = load_config([TINY])
     torch.manual_seed(3)
@@ -118,8 +118,8 @@ def test_a_time_keyed_lr_schedule_keeps_replicas_equal(tmp_path):
     two simulated workers whose clocks start apart) take rank 0's clock as agreed at the stop checks, not each its
     own: the same lr at every step, the same parameters at the end, and the run stops on the one budget."""
     from launch.config import load_config
-    from launch.data import load_data
-    from launch.trainer import Trainer
+    from launch.data.batches import load_data
+    from launch.loop.trainer import Trainer
     from diloco.sim import InProcessGroup, run_workers
 
     cfg, _ = load_config([TINY], [*FAST, "algo.name=ddp", "run.max_steps=null", "run.max_time=2s", "log.every=2",

@@ -19,9 +19,9 @@ from diloco.compress import from_chunks, plan_for, to_chunks
 from diloco.compress.flat import end_to_end
 from diloco.compress.kernels import topk
 from diloco.sim import InProcessGroup, run_workers
-from launch.checkpoint import latest_checkpoint
+from launch.store.checkpoint import latest_checkpoint
 from launch.config import load_config
-from launch.simulate import simulate_once
+from launch.simulate.runner import simulate_once
 
 SHAPES = [(), (1,), (7,), (131,), (64,), (131, 70), (64, 64), (128, 192), (3, 5, 64), (2, 3, 17, 33)]
 
@@ -642,7 +642,7 @@ def test_demo_refuses_a_codec_and_muon():
 def _tiny(n_layers: int) -> torch.nn.Module:
     from dataclasses import replace
 
-    from launch.models import SIZES, Transformer
+    from launch.models.transformer import SIZES, Transformer
     torch.manual_seed(0)
     return Transformer(replace(SIZES["tiny"], n_layers=n_layers, max_seq_len=16))
 

@@ -9,11 +9,11 @@ import torch
 from conftest import FAST, TINY, max_diff
 from diloco.outer import DiLoCo
 from diloco.streaming import StreamingDiLoCo, layer_fragments
-from launch.checkpoint import latest_checkpoint
+from launch.store.checkpoint import latest_checkpoint
 from launch.config import load_config
-from launch.models import SIZES, Transformer
-from launch.simulate import simulate_once
-from launch.trainer import train
+from launch.models.transformer import SIZES, Transformer
+from launch.simulate.runner import simulate_once
+from launch.loop.trainer import train
 
 SMALL = ["run.batch_size=4", "run.eval_every=0", "run.checkpoint_every=0", "sim.baseline=none", "sim.step_time=0.01"]
 
@@ -332,7 +332,7 @@ def test_a_diverged_streaming_worker_takes_the_global_fragments_and_trains_on(ex
     for good, and every later exchange of the worker was refused."""
     from diloco import StreamingDiLoCo
     from diloco.sim import InProcessGroup, run_workers
-    from launch.models import ModelArgs, Transformer
+    from launch.models.transformer import ModelArgs, Transformer
 
     def body(rank, transport):
         torch.manual_seed(0)
@@ -366,7 +366,7 @@ def test_streaming_finalize_is_not_repeated_when_resumed_from_the_final_checkpoi
     import copy
 
     from diloco import StreamingDiLoCo
-    from launch.models import ModelArgs, Transformer
+    from launch.models.transformer import ModelArgs, Transformer
 
     def make():
         torch.manual_seed(0)
@@ -420,8 +420,8 @@ def test_workers_waiting_in_an_exchange_hold_no_gradients(tmp_path, algo):
     """The gradients are spent once the inner step is taken: a simulated worker waiting for the others in a round's
     exchange does not keep them (N workers wait at once: N gradients' worth of memory on one GPU)."""
     from diloco.sim import InProcessGroup, run_workers
-    from launch.data import load_data
-    from launch.trainer import Trainer
+    from launch.data.batches import load_data
+    from launch.loop.trainer import Trainer
 
     cfg, _ = load_config([TINY], [*FAST, *algo, "algo.inner_steps=2", "run.max_steps=4", "run.eval_every=0",
                                   "run.checkpoint_every=0", "run.checkpoint_final=false",

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import FAST, TINY, loco
-from launch.checkpoint import latest_checkpoint, save_checkpoint
+from launch.store.checkpoint import latest_checkpoint, save_checkpoint
 from launch.errors import RunError
-from launch.hf_weights import args_from_llama_config, hf_shapes, hf_to_loco, llama_config, loco_to_hf
-from launch.models import ModelArgs, Transformer
+from launch.models.hf.weights import args_from_llama_config, hf_shapes, hf_to_loco, llama_config, loco_to_hf
+from launch.models.transformer import ModelArgs, Transformer
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -26,7 +26,7 @@ TEXTS = ["def add(x, y):\n    return x + y\n", "for item in items:\n    print(it
 def trained(tmp_path_factory) -> Path:
     """A tiny run trained a few steps: tied embeddings, byte-level."""
     from launch.config import load_config
-    from launch.trainer import train
+    from launch.loop.trainer import train
 
     run = tmp_path_factory.mktemp("trained") / "run"
     cfg, _ = load_config([TINY], [*FAST, f"run.dir={run}", "run.max_steps=4", "data.seq_len=32",
@@ -38,7 +38,7 @@ def trained(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def gqa(tmp_path_factory) -> Path:
     """A checkpoint of a model with 2 key/value heads for 4 query heads, its own output projection, and a BPE."""
-    from launch.tokenizer import BPETokenizer, train_bpe
+    from launch.data.tokenizer import BPETokenizer, train_bpe
 
     folder = tmp_path_factory.mktemp("gqa")
     train_bpe(TEXTS, 300, folder / "tok.json", say=lambda m: None)
@@ -114,7 +114,7 @@ def test_the_weight_map_round_trips_bit_for_bit(exported, trained, gqa):
 
 
 def test_the_run_s_bpe_becomes_a_tokenizer_transformers_loads(exported, gqa):
-    from launch.tokenizer import tokenizer_from_state
+    from launch.data.tokenizer import tokenizer_from_state
 
     _, state = latest_checkpoint(gqa / "checkpoints")
     mine = tokenizer_from_state(state["tokenizer"], "test")
@@ -128,7 +128,7 @@ def test_the_run_s_bpe_becomes_a_tokenizer_transformers_loads(exported, gqa):
 
 
 def test_shards_hold_every_tensor_under_the_limit_and_load(gqa, tmp_path):
-    from launch.hf_export import INDEX_FILE, write_safetensors
+    from launch.models.hf.export import INDEX_FILE, write_safetensors
 
     _, state = latest_checkpoint(gqa / "checkpoints")
     args = ModelArgs(**state["model_args"])
@@ -192,7 +192,7 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, trained, capsys):
 
 def test_a_failure_while_writing_leaves_neither_the_folder_nor_the_folders_made_for_it(tmp_path, trained,
                                                                                       monkeypatch):
-    import launch.hf_export as hf_export
+    import launch.models.hf.export as hf_export
 
     def full_disk(folder, *args, **kwargs):
         (Path(folder) / "model.safetensors").write_bytes(b"half")

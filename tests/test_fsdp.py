@@ -11,8 +11,8 @@ import torch
 from conftest import FAST, TINY, loco, max_diff
 from conftest import torchrun_nodes as nodes
 from diloco.algorithm import algorithm_class
-from launch.checkpoint import latest_checkpoint, load_checkpoint, payload_bytes, slices_folder
-from launch.rundir import RunDir
+from launch.store.checkpoint import latest_checkpoint, load_checkpoint, payload_bytes, slices_folder
+from launch.loop.rundir import RunDir
 
 RUN = ["run.batch_size=2", "run.eval_every=0", "sim.baseline=none", "log.every=2", "run.checkpoint_every=3",
        "algo.name=streaming", "algo.inner_steps=4", "algo.fragments=2", "algo.overlap_steps=2"]
@@ -139,7 +139,7 @@ def test_plan_prints_what_a_sharded_process_holds(capfd):
 def test_sharding_outside_torchrun_or_over_too_few_units_says_why(capfd):
     from diloco.comm import TransportError
     from diloco.comm.fsdp import shard_model, shard_units
-    from launch.models import ModelArgs, Transformer
+    from launch.models.transformer import ModelArgs, Transformer
 
     res = loco(["train", "--config", TINY, "--max-steps", "1", *sets("run.shard=fsdp")], capfd)
     assert res.returncode != 0 and "run.shard=fsdp shards a worker among the processes of a node started by " \

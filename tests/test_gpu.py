@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from conftest import FAST, TINY, free_port, run_cli
-from launch.checkpoint import latest_checkpoint, list_checkpoints
+from launch.store.checkpoint import latest_checkpoint, list_checkpoints
 from launch.config import load_config
-from launch.metrics import read_metrics
-from launch.simulate import simulate_once
+from launch.metrics.log import read_metrics
+from launch.simulate.runner import simulate_once
 from launch.errors import RunError
-from launch.runtime import check_gpu_share
-from launch.trainer import Hooks, train
+from launch.loop.runtime import check_gpu_share
+from launch.loop.trainer import Hooks, train
 
 # FAST names the CPU; a later override wins
 ON_GPU = [*FAST, "run.device=cuda", "run.eval_every=0", "run.batch_size=4"]
@@ -125,7 +125,7 @@ def test_a_published_state_is_copied_to_pinned_memory_without_waiting_and_read_a
     live tensors, and the bytes made later are still the state as published."""
     import io
 
-    from launch.trainer import Trainer
+    from launch.loop.trainer import Trainer
 
     trainer = Trainer(gpu_cfg(tmp_path, "algo.name=diloco", "algo.inner_steps=2"))
     try:

@@ -53,7 +53,7 @@ def test_an_hf_config_model_trains_alike_simulated_and_under_torchrun(tmp_path, 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_an_hf_config_run_resumes_exactly_and_samples(tmp_path, tiny_cfg, capsys, kind):
-    from launch.trainer import Hooks, train
+    from launch.loop.trainer import Hooks, train
 
     config = _config(tmp_path, kind)
     # gpt2 with Muon on its hidden matrices (Conv1D weights), AdamW on the rest: its state resumes as AdamW's
@@ -72,8 +72,8 @@ def test_an_hf_config_run_resumes_exactly_and_samples(tmp_path, tiny_cfg, capsys
         train(tiny_cfg(*extra, recompute, run_dir=tmp_path / "broken"), hooks=Hooks(on_step=interrupt))
     resumed = train(tiny_cfg(*extra, recompute, "run.resume=true", run_dir=tmp_path / "broken"))
     assert resumed["val_loss"] == whole["val_loss"]
-    from launch.build import hidden_matrices
-    from launch.hf_models import build_hf_model
+    from launch.loop.build import hidden_matrices
+    from launch.models.hf.causal_lm import build_hf_model
 
     model = build_hf_model(str(config), 256, 32)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -89,7 +89,7 @@ def test_an_hf_config_run_resumes_exactly_and_samples(tmp_path, tiny_cfg, capsys
 
 
 def test_init_from_a_saved_hf_model_starts_every_worker_from_its_weights(tmp_path, capfd):
-    from launch.hf_models import HFCausalLM, read_hf_config
+    from launch.models.hf.causal_lm import HFCausalLM, read_hf_config
 
     config = _config(tmp_path, "gpt2")
     torch.manual_seed(123)
@@ -101,7 +101,7 @@ def test_init_from_a_saved_hf_model_starts_every_worker_from_its_weights(tmp_pat
                 "--set", "algo.inner_steps=1", "--set", "run.checkpoint_every=1", "--baseline", "none",
                 "--run-dir", str(tmp_path / "run")], capfd)
     assert run.returncode == 0, run.stderr[-2000:]
-    from launch.checkpoint import latest_checkpoint
+    from launch.store.checkpoint import latest_checkpoint
 
     state = latest_checkpoint(tmp_path / "run" / "checkpoints")[1]
     for w in state["workers"]:
@@ -122,7 +122,7 @@ def _one_error(capsys, *sets: str) -> str:
 
 
 def test_bad_models_and_weights_are_one_line(tmp_path, capsys):
-    from launch.hf_models import HFCausalLM, read_hf_config
+    from launch.models.hf.causal_lm import HFCausalLM, read_hf_config
 
     unknown = tmp_path / "unknown.json"
     unknown.write_text(json.dumps({"model_type": "no-such-model", "hidden_size": 8}))
@@ -148,11 +148,11 @@ def test_bad_models_and_weights_are_one_line(tmp_path, capsys):
 def test_an_hf_config_run_exports_with_save_pretrained_and_its_tokenizer(tmp_path, tiny_cfg):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from launch.checkpoint import latest_checkpoint
-    from launch.hf_export import export
-    from launch.hf_models import HFCausalLM, config_from_dict
-    from launch.tokenizer import train_bpe
-    from launch.trainer import train
+    from launch.store.checkpoint import latest_checkpoint
+    from launch.models.hf.export import export
+    from launch.models.hf.causal_lm import HFCausalLM, config_from_dict
+    from launch.data.tokenizer import train_bpe
+    from launch.loop.trainer import train
 
     texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)]
     tok = train_bpe(texts, 300, tmp_path / "tok.json", say=lambda m: None)
@@ -174,11 +174,11 @@ def test_an_hf_config_run_exports_with_save_pretrained_and_its_tokenizer(tmp_pat
 def test_init_from_an_export_then_export_gives_the_same_weights_back(tmp_path, tiny_cfg):
     from safetensors.torch import load_file
 
-    from launch.build import build_model
-    from launch.checkpoint import latest_checkpoint, save_checkpoint
-    from launch.data import load_data
-    from launch.hf_export import export
-    from launch.trainer import train
+    from launch.loop.build import build_model
+    from launch.store.checkpoint import latest_checkpoint, save_checkpoint
+    from launch.data.batches import load_data
+    from launch.models.hf.export import export
+    from launch.loop.trainer import train
 
     base = ["data.seq_len=32", "run.batch_size=4", "run.eval_every=0", "model.n_kv_heads=2",
             "model.tie_embeddings=false"]

@@ -625,7 +625,7 @@ def test_a_peer_refuses_a_broken_state_and_trains_on_from_its_own(tmp_path, capf
 
     from diloco.comm.hivemind import RoundReport
     from launch.config import load_config
-    from launch.join import JoinOptions, Peer
+    from launch.join.peer import JoinOptions, Peer
 
     sets = [*FAST, "data.seq_len=64", "run.batch_size=4", "algo.inner_steps=10", "run.eval_every=0",
             "run.checkpoint_every=0", "algo.name=diloco"]
@@ -830,7 +830,7 @@ def simulated_churn_matches(tmp: Path) -> None:
     simulation of 3 workers on that trace must record the same members per round, each weighted by the tokens
     of a full round, as the peers' rounds did."""
     from launch.config import load_config
-    from launch.simulate import simulate_once
+    from launch.simulate.runner import simulate_once
 
     ids = {json.loads((tmp / n / "ledger.json").read_text())["observer"]: n for n in "abcd"}
     slot = {"a": 0, "b": 1, "c": 2, "d": 2}
@@ -943,7 +943,7 @@ def test_peers_whose_outer_step_differs_do_not_share_a_schema(algo, apart, toget
     refused; settings each peer keeps to itself (its inner optimizer, its seed) do not count."""
     from launch.config import load_config
     from diloco.comm.agreement import schema_differs
-    from launch.join import schema_of
+    from launch.join.peer import schema_of
 
     def schema(*overrides):
         return schema_of(load_config([TINY], [f"algo.name={algo}", *overrides])[0])
@@ -959,7 +959,7 @@ def test_peers_whose_outer_step_differs_do_not_share_a_schema(algo, apart, toget
     assert "this peer's" in schema_differs(None, base)
     assert schema_differs('{"codec": "int8"}', '{"codec": "fp32"}') == "codec: 'int8' there, 'fp32' here"
     # so do the bounds a peer puts on the others' updates: members that bound otherwise take other means
-    from launch.join import JoinOptions
+    from launch.join.peer import JoinOptions
 
     cfg = load_config([TINY], [f"algo.name={algo}"])[0]
     joined = schema_of(cfg, JoinOptions())
@@ -1028,7 +1028,7 @@ def test_state_sketches_tolerate_rounding_but_not_a_different_round():
 
 def test_the_ledger_merges_observers_by_median():
     from diloco.comm.hivemind import merge_ledgers
-    from launch.join import format_status
+    from launch.join.peer import format_status
 
     honest = {"p1": [100.0, 2, 2, 0, 0], "p2": [50.0, 2, 1, 1, 1]}
     liar = {"p1": [1e9, 99, 99, 0, 0], "p2": [0.0, 0, 0, 9, 0]}
@@ -1121,7 +1121,7 @@ def test_an_adaptive_peer_sets_its_deadline_from_measured_exchanges(swarm):
 
 def test_round_timeout_takes_auto_or_seconds_and_names_the_flag_otherwise():
     from conftest import run_cli
-    from launch.cli import _seconds_or_auto, build_parser
+    from launch.cli.commands import _seconds_or_auto, build_parser
 
     args = build_parser().parse_args(["join", "--round-timeout", "auto", "--matchmaking-time", "auto"])
     assert _seconds_or_auto("--round-timeout", args.round_timeout) is None

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from benchmarks import train_throughput
-from launch.metrics import Metrics, format_seconds, human_bytes
-from launch.mfu import MFU_RULE, Peak, matmul_precision, mfu_basis, peak_flops, peak_of
-from launch.models import ModelArgs, Transformer, count_params, flops_per_token
+from launch.metrics.log import Metrics, format_seconds, human_bytes
+from launch.metrics.mfu import MFU_RULE, Peak, matmul_precision, mfu_basis, peak_flops, peak_of
+from launch.models.transformer import ModelArgs, Transformer, count_params, flops_per_token
 
 H100 = "NVIDIA H100 80GB HBM3"
 

@@ -10,13 +10,13 @@ import pytest
 
 from conftest import FAST, TINY
 from diloco.sim import NetworkModel
-from launch import plan as planner
+from launch.plan import planner
 from launch.cli import main
 from launch.config import load_config
-from launch.plan import format_plan, make_plan
-from launch.plan_model import MEASURED, PlanError, Setting, resolve_model
-from launch.plan_timeline import exchange, predict, timeline
-from launch.simulate import simulate_once
+from launch.plan.planner import format_plan, make_plan
+from launch.plan.settings import MEASURED, PlanError, Setting, resolve_model
+from launch.plan.timeline import exchange, predict, timeline
+from launch.simulate.runner import simulate_once
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,7 +139,7 @@ def test_cli_plan_check_says_what_it_simulated(capsys, monkeypatch):
 def test_plan_costs_the_same_for_any_model_or_number_of_workers():
     """Buckets alike are priced once, and a parameter count is cut in at most MAX_TENSORS tensors: a model of
     10^15 parameters or 10,000 workers plan like 150m on 8 (before: minutes, and 72 s for 10,000 workers)."""
-    from launch.plan_model import MAX_TENSORS
+    from launch.plan.settings import MAX_TENSORS
 
     huge = resolve_model("1e15")
     assert huge.params == 10 ** 15 and len(huge.tensors) <= MAX_TENSORS + 1

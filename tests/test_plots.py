@@ -14,8 +14,8 @@ from typing import Any, Optional
 import pytest
 
 from launch.config import Config, dump_config
-from launch.metrics import count_label
-from launch.plots import binary_bytes, binary_ticks, plot_runs, run_label, runs_figure
+from launch.metrics.log import count_label
+from launch.metrics.plots import binary_bytes, binary_ticks, plot_runs, run_label, runs_figure
 
 plt = pytest.importorskip("matplotlib.pyplot")
 
@@ -205,7 +205,7 @@ def _timed_run(folder: Path, algo: str, points: list[tuple[float, float]], step_
 
 
 def test_curves_on_virtual_time_interpolate_and_say_not_reached(tmp_path):
-    from launch.plots import equal_time_comparison, loss_at, time_to_reach, virtual_curve
+    from launch.metrics.plots import equal_time_comparison, loss_at, time_to_reach, virtual_curve
 
     diloco = _timed_run(tmp_path / "run", "diloco", [(10.0, 3.0), (20.0, 2.5)])
     ddp = _timed_run(tmp_path / "run" / "baseline-ddp", "ddp", [(10.0, 3.5), (30.0, 2.5), (50.0, 2.0)])

@@ -17,10 +17,10 @@ import time
 import pytest
 
 from conftest import FAST, ROOT, TINY, child_env, kill_when, loco
-from launch.checkpoint import latest_checkpoint, list_checkpoints
-from launch.metrics import read_metrics
+from launch.store.checkpoint import latest_checkpoint, list_checkpoints
+from launch.metrics.log import read_metrics
 from launch.errors import RunError
-from launch.trainer import Hooks, train
+from launch.loop.trainer import Hooks, train
 
 STEPS = 40
 SHORT = ["run.batch_size=4", "data.seq_len=64"]  # exactness does not need a full batch: a step is 8x cheaper
@@ -199,7 +199,7 @@ def test_a_resume_goes_on_with_the_runs_settings_and_says_which_changed(tmp_path
                                                                          check):
     """The optimizers take their state from the checkpoint and their settings from the resumed run (torch's load
     would bring the checkpoint's back, silently); the resume's log line names what changed."""
-    from launch.trainer import Trainer
+    from launch.loop.trainer import Trainer
 
     run_dir = tmp_path / algo
     base = [*SHORT, f"algo.name={algo}", "algo.inner_steps=5", "run.checkpoint_every=10", "run.eval_every=0"]
@@ -253,7 +253,7 @@ VIRTUAL = ("virtual_wall_s", "compute_utilization", "tokens_per_virtual_s", "vir
 
 
 def _compared(run_dir, stdout):
-    from launch.plots import virtual_curve
+    from launch.metrics.plots import virtual_curve
 
     runs = json.loads((run_dir / "comparison.json").read_text())
     table = stdout[stdout.index("simulated network"):].replace(str(run_dir), "RUN")

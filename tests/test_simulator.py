@@ -15,7 +15,7 @@ from diloco.comm import TransportError
 from diloco.compress.collective import all_reduce_
 from diloco.sim import InProcessGroup, NetworkModel, parse_bandwidth, resolve_speeds, run_workers, sample_speeds
 from launch.config import load_config
-from launch.simulate import simulate, simulate_once
+from launch.simulate.runner import simulate, simulate_once
 
 QUICK = [*FAST, "run.batch_size=4", "run.eval_every=0", "run.checkpoint_every=0", "sim.baseline=none"]
 
@@ -41,13 +41,13 @@ def test_bad_input_fails_before_training(args, key, capsys, monkeypatch):
 def simulate_in_process(args, capsys, monkeypatch) -> tuple[int, str]:
     """``loco simulate ARGS`` in this process (the process's own exit path is tested in test_cli): its exit code
     and stderr. Training must not start: the bad input is refused first."""
-    import launch.simulate
+    import launch.simulate.runner
     from launch.cli import main
 
     def started(*a, **k):
         raise AssertionError("training started before the input was checked")
 
-    monkeypatch.setattr(launch.simulate, "run_workers", started)
+    monkeypatch.setattr(launch.simulate.runner, "run_workers", started)
     rc = main(["simulate", *args])
     return rc, capsys.readouterr().err
 
@@ -201,7 +201,7 @@ def test_offload_paths_run_and_change_nothing_on_cpu(tmp_path, algo, monkeypatch
     exchange in flight does not wait for it (which would move its clock to the exchange's end). Every worker is
     parked from its first wait, at start-up, not from its first exchange: N workers' models never meet on the
     device."""
-    from launch import simulate as sim_module
+    from launch.simulate import runner as sim_module
 
     moves = []  # (rank, step) of every park and unpark
     real_move = sim_module.move_worker_state
@@ -235,7 +235,7 @@ def test_an_offloaded_worker_leaves_the_device_once_an_exchange_not_once_a_bucke
     import diloco.algorithm as algorithm_module
     import diloco.outer as outer_module
     from diloco.sim.transport import InProcessTransport
-    from launch import simulate as sim_module
+    from launch.simulate import runner as sim_module
 
     monkeypatch.setattr(InProcessTransport, "bucket_bytes", 16 << 10)  # tiny's exchange in dozens of buckets
     moved, waits = [0] * 3, [0] * 3  # per worker: moves of its state, collectives it joined
@@ -340,7 +340,7 @@ def test_simulated_steps_on_a_gpu_are_timed_on_the_device(tmp_path):
     launches only): the median measured step is a real share of the loop's time, and no more than all of it."""
     from conftest import FAST, TINY
     from launch.config import load_config
-    from launch.simulate import simulate_once
+    from launch.simulate.runner import simulate_once
 
     cfg, _ = load_config([TINY], [*FAST, "run.device=cuda", "run.max_steps=30", "sim.workers=2", "sim.baseline=none",
                                   "algo.name=diloco", "algo.inner_steps=10", "run.eval_every=0",
@@ -362,7 +362,7 @@ def test_a_fixed_step_time_makes_virtual_time_independent_of_the_machine():
 
 
 def test_step_time_flag_sets_sim_step_time():
-    from launch.cli import _load, build_parser
+    from launch.cli.commands import _load, build_parser
 
     cfg = _load(build_parser().parse_args(["simulate", "--step-time", "0.25"]))
     assert cfg.sim.step_time == 0.25 and cfg.sim.step_time_note is None  # the preset's note named its own figure
@@ -374,7 +374,7 @@ def test_step_time_flag_sets_sim_step_time():
 def test_a_measured_step_time_that_moved_with_the_host_says_so():
     """A step time measured while other jobs came and went moves over the run: the table says so in one line and
     suggests a fixed one; one slow step among many is no such move."""
-    from launch.simulate import format_table
+    from launch.simulate.runner import format_table
 
     def run(seconds):
         group = InProcessGroup(1)
@@ -405,7 +405,7 @@ def test_the_baseline_runs_on_the_measured_step_time_of_the_run(tmp_path):
 
 
 def test_the_table_compares_at_equal_time_too():
-    from launch.simulate import format_table
+    from launch.simulate.runner import format_table
 
     run = {"val_loss": 2.5, "tokens": 1e6, "bytes_sent_per_worker": [1 << 20], "virtual_wall_s": 20.0,
            "compute_utilization": 0.9, "run_dir": "runs/x", "virtual_step_time_s": 0.5,
@@ -517,7 +517,7 @@ def test_simulate_with_links_reports_where_time_went(tmp_path):
 @pytest.mark.parametrize("ddp_s, words", [(20.5, "finishes about as fast"), (19.5, "finishes about as fast"),
                                           (21.5, "finishes 1.1x sooner"), (18.0, "takes 1.1x longer")])
 def test_the_table_says_about_as_fast_where_a_ratio_would_read_1_0x(ddp_s, words):
-    from launch.simulate import format_table
+    from launch.simulate.runner import format_table
 
     run = {"val_loss": 2.5, "tokens": 1e6, "bytes_sent_per_worker": [1 << 20], "virtual_wall_s": 20.0,
            "compute_utilization": 0.9, "run_dir": "runs/x", "virtual_step_time_s": 0.5,
@@ -534,7 +534,7 @@ def test_workers_that_cannot_fit_in_memory_are_refused_in_one_line(tmp_path, cap
     parameter a worker), or after a few, by what they took (before: --workers 2000 was killed for memory)."""
     import torch
 
-    from launch.runtime import available_memory
+    from launch.loop.runtime import available_memory
 
     sets = [a for s in QUICK for a in ("--set", s)]
     res = loco(["simulate", "--config", TINY, *sets, "--workers", "1000000", "--run-dir", str(tmp_path / "a")], capfd)

@@ -191,8 +191,8 @@ def test_settings_are_checked_where_the_user_sets_them():
 
 def test_resume_continues_exactly(tmp_path):
     """The error-feedback buffers are part of the checkpoint: 8 steps + resume to 16 == 16 steps."""
-    from launch.checkpoint import latest_checkpoint
-    from launch.simulate import simulate_once
+    from launch.store.checkpoint import latest_checkpoint
+    from launch.simulate.runner import simulate_once
 
     def cfg(name, *extra):
         c, _ = load_config([TINY], [*FAST, "run.batch_size=4", "run.eval_every=0", "sim.baseline=none",
@@ -206,7 +206,7 @@ def test_resume_continues_exactly(tmp_path):
     a, b = (latest_checkpoint(f"{s['run_dir']}/checkpoints")[1]["model"] for s in (full, resumed))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
     assert resumed["bytes_sent"] == full["bytes_sent"] > 0
-    from launch.metrics import read_metrics  # the round's figures, on every metrics line, resumed alike
+    from launch.metrics.log import read_metrics  # the round's figures, on every metrics line, resumed alike
 
     lines = [[r for r in read_metrics(tmp_path / n) if "loss" in r] for n in ("full", "part")]
     assert all(1 <= r["senders_per_position"] <= 2 and 0 < r["sent_share"] <= 1 for r in lines[0][1:])
@@ -235,8 +235,8 @@ def test_alpha_left_empty_is_sparselocos_own_and_a_fine_decay_keeps_its_digits()
     from diloco.sparseloco import sparse_chain
     from launch.config import load_config
 
-    from launch.algorithms import algorithm_class
-    from launch.join import schema_of
+    from launch.config.algorithms import algorithm_class
+    from launch.join.peer import schema_of
 
     small = [str(ROOT / "configs" / "small.yaml")]
     for name, alpha in (("sparseloco", 1.0), ("diloco", 0.7), ("streaming", 0.7)):
@@ -293,7 +293,7 @@ def test_under_churn_the_robust_mean_over_senders_keeps_the_workers_on_one_model
     figures in rounds.jsonl, and the joiner ends on worker 0's model."""
     import json
 
-    from launch.simulate import simulate_once
+    from launch.simulate.runner import simulate_once
 
     trace = tmp_path / "churn.csv"
     trace.write_text("round,worker,event\n1,1,leave\n2,1,join\n")

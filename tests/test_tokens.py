@@ -16,7 +16,7 @@ import pytest
 
 from conftest import TINY
 from launch.cli import main
-from launch.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, train_bpe
+from launch.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, train_bpe
 
 WORDS = ("def return class import self value index token stream shard worker round merge tensor model "
          "loss batch step eval the of and to in for with über naïve 東京").split()
@@ -93,7 +93,7 @@ def test_prepare_writes_a_manifest_and_resumes_without_redoing_shards(corpus, ca
 
 
 def test_train_on_prepared_shards_then_sample_text_from_a_moved_checkpoint(corpus, tiny_cfg, tmp_path, capsys):
-    from launch.trainer import train
+    from launch.loop.trainer import train
 
     cfg = tiny_cfg(*SMALL, "data.source=shards", f"data.path={corpus['root'] / 'shards'}", "run.max_steps=6",
                    "run.eval_every=3", "run.checkpoint_every=0", "data.max_docs=")
@@ -115,8 +115,8 @@ def test_train_on_prepared_shards_then_sample_text_from_a_moved_checkpoint(corpu
 
 
 def test_bits_per_byte_is_the_loss_over_ln2_and_the_bytes_per_token(corpus, tmp_path):
-    from launch.data import Batcher, val_bytes_per_token
-    from launch.token_data import TokenData
+    from launch.data.batches import Batcher, val_bytes_per_token
+    from launch.data.tokens import TokenData
 
     tok = corpus["tok"]
     text = "def token stream return value"  # ASCII: each id's bytes decode alone
@@ -131,7 +131,7 @@ def test_bits_per_byte_is_the_loss_over_ln2_and_the_bytes_per_token(corpus, tmp_
 
 
 def _stream_run(tiny_cfg, corpus, run_dir, *extra, **kwargs):
-    from launch.trainer import train
+    from launch.loop.trainer import train
 
     cfg = tiny_cfg(*SMALL, "data.source=hf", f"data.path={corpus['root'] / 'docs.jsonl'}", "data.streaming=true",
                    f"data.tokenizer={corpus['root'] / 'tok.json'}", "data.val_docs=20", "run.max_steps=9",
@@ -147,7 +147,7 @@ def _curve(run_dir):
 def test_a_streamed_dataset_resumes_on_the_very_tokens(corpus, tiny_cfg, tmp_path):
     import torch
 
-    from launch.trainer import Hooks
+    from launch.loop.trainer import Hooks
 
     whole = _stream_run(tiny_cfg, corpus, tmp_path / "whole")
 
@@ -165,8 +165,8 @@ def test_a_streamed_dataset_resumes_on_the_very_tokens(corpus, tiny_cfg, tmp_pat
 
 
 def test_each_worker_takes_its_own_interleaved_share(corpus):
-    from launch.documents import HFOptions
-    from launch.stream import load_stream, share_docs
+    from launch.data.documents import HFOptions
+    from launch.data.stream import load_stream, share_docs
 
     data = load_stream(str(corpus["root"] / "docs.jsonl"), HFOptions(), corpus["tok"], 20)
     seen = [set(d[1] for d in itertools.takewhile(lambda d: d[0] == 0, share_docs(data.stream, share, 3, None)))

@@ -16,7 +16,7 @@ import torch
 
 from conftest import FAST, ROOT, TINY, child_env, free_port, loco, max_diff, run_cli, simulate_and_torchrun
 from conftest import torchrun_nodes as _nodes
-from launch.checkpoint import latest_checkpoint, load_checkpoint
+from launch.store.checkpoint import latest_checkpoint, load_checkpoint
 
 SMALL = ["run.batch_size=2", "run.eval_every=0", "sim.baseline=none", "sim.step_time=0.01", "log.every=2"]
 
@@ -247,7 +247,7 @@ CRASH = textwrap.dedent("""
         try:
             raise RuntimeError("the training thread failed at step 7")
         except BaseException:
-            t.abort()  # what launch.trainer.train does when fit() raises
+            t.abort()  # what launch.loop.trainer.train does when fit() raises
             raise
 """)
 

@@ -14,7 +14,7 @@ import yaml
 
 from conftest import FAST, ROOT, TINY, HostReads, child_env, loco, run_cli
 from launch.config import config_from_dict
-from launch.trainer import train
+from launch.loop.trainer import train
 
 REQUIRED = {"step", "tokens", "loss", "lr", "tokens_per_s", "bytes_sent", "bytes_received", "wall_s"}
 
@@ -99,7 +99,7 @@ def test_a_published_state_is_the_live_tensors_copied_to_host_once(tiny_cfg):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from launch.trainer import Trainer
+    from launch.loop.trainer import Trainer
 
     class Made(TorchDispatchMode):
         """The bytes of the storages that operations made (views of existing tensors are not counted)."""
@@ -148,7 +148,7 @@ def test_a_broken_shared_state_is_refused_whole_and_this_one_stays_as_it_was(alg
     import torch
 
     from launch.errors import RunError
-    from launch.trainer import Trainer
+    from launch.loop.trainer import Trainer
 
     algo, _, optim = algo.partition("+")
     extra = ["algo.inner_steps=2"] if algo != "ddp" and algo != "demo" else []
@@ -269,7 +269,7 @@ def test_a_downloaded_state_loads_without_a_copy_of_its_bytes(tiny_cfg):
 
     import torch
 
-    from launch.trainer import Trainer
+    from launch.loop.trainer import Trainer
 
     base = tiny_cfg("algo.name=diloco", "algo.inner_steps=2", "run.eval_every=0", "run.checkpoint_every=0")
     mine, theirs = Trainer(base), Trainer(tiny_cfg("algo.name=diloco", "algo.inner_steps=2", "run.seed=5"))
@@ -293,7 +293,7 @@ def test_a_model_vocabulary_smaller_than_the_data_is_refused_in_one_line(tiny_cf
     """A byte-level corpus has 256 tokens; a model of 100 would look a token past its embedding up (an IndexError
     on the CPU, a device assert that ends the CUDA context on a GPU)."""
     from launch.errors import RunError
-    from launch.trainer import Trainer
+    from launch.loop.trainer import Trainer
 
     with pytest.raises(RunError, match="model.vocab_size=100 is smaller than the data's vocabulary of 256 tokens"):
         Trainer(tiny_cfg("model.vocab_size=100"))
@@ -324,8 +324,8 @@ def test_with_time_budgeted_rounds_the_lr_follows_the_runs_agreed_tokens_not_the
     they agreed on. The lr schedule follows the same: those tokens as steps of every worker plus this worker's
     steps since the last sync. A worker at a quarter of the speed decayed only a third of the way by the run's
     end; a fast one spent the last third at the floor."""
-    from launch.schedule import lr_factor
-    from launch.trainer import Trainer
+    from launch.loop.schedule import lr_factor
+    from launch.loop.trainer import Trainer
 
     cfg = tiny_cfg("algo.name=diloco", "sync.mode=time", "sync.time_budget_s=1s", "run.max_steps=100",
                    "optim.warmup_steps=0", "optim.min_lr_ratio=0.1", "optim.lr=1e-3")
@@ -382,8 +382,8 @@ def test_wandb_offline_run_is_written(tiny_cfg, tmp_path, monkeypatch):
 _FAULTS = """
 import resource, sys, torch
 from launch.config import load_config
-from launch.models import SIZES, Transformer
-from launch.trainer import Trainer
+from launch.models.transformer import SIZES, Transformer
+from launch.loop.trainer import Trainer
 from demo_optim import DeMo
 
 if sys.argv[1] == "trainer":  # a trainer in the process keeps freed memory from then on
@@ -430,7 +430,7 @@ def test_a_step_reads_nothing_back_to_the_host_outside_log_steps_and_rounds(algo
     """On a GPU a read-back stalls the queue of kernels; the loop makes none inside a step. With the fused AdamW
     (the CPU's kernel as well as CUDA's), and with Muon beside it, a plain step reads nothing back; a log step reads the loss, the norm
     and the skipped count; a DiLoCo round a few numbers; neither grows with the model's parameter tensors."""
-    from launch.trainer import Trainer
+    from launch.loop.trainer import Trainer
 
     algo, _, optim = algo.partition("+")
     seen = {}
@@ -463,7 +463,7 @@ def test_a_step_reads_nothing_back_to_the_host_outside_log_steps_and_rounds(algo
 def test_a_worker_that_takes_the_runs_step_counts_only_the_tokens_it_trained(tiny_cfg):
     """A late ``loco join`` peer takes the run's step with its state (``follow_run``): its summary's tokens are the
     steps it trained, not the run's steps before it joined."""
-    from launch.trainer import Trainer
+    from launch.loop.trainer import Trainer
 
     cfg = tiny_cfg("run.max_steps=14", "run.batch_size=4", "run.eval_every=0", "run.checkpoint_every=0",
                    "run.checkpoint_final=false")

@@ -28,7 +28,7 @@ def flat_settings(nested: Any) -> dict[str, Any]:
 
 
 def schema_differs(theirs: object, mine: str) -> str:
-    """The keys of two peers' settings (JSON objects, as ``launch.join.schema_of`` makes them) that differ, as
+    """The keys of two peers' settings (JSON objects, as ``launch.join.peer.schema_of`` makes them) that differ, as
     ``key: theirs there, mine here; ...`` (the keys of a nested object, the model's, named one by one)."""
     try:
         a, b = json.loads(theirs), json.loads(mine)  # type: ignore[arg-type]

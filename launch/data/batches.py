@@ -1,0 +1,166 @@
+"""Token data for training: the splits a ``DataConfig`` names (:func:`load_data`), and the batches cut from them.
+
+A :class:`Batcher` cuts a split into windows of ``seq_len + 1`` tokens, shuffles
+the windows per epoch from the seed, and hands worker ``w`` of ``W`` its own
+block of every global batch: at worker step ``t`` the rows are global samples
+``(t * W + w) * B ... + B - 1``. So the workers never share a sample, the union
+of all workers' batches at a step is the batch a single worker with ``W * B``
+rows would see, and a batch depends only on the step, which makes resume exact.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from launch.data.sources import load_hf, load_stdlib, load_text
+from launch.data.documents import HFOptions
+from launch.data.python_corpus import load_python
+from launch.data.shards import load_shards
+from launch.data.stream import StreamBatcher, load_stream
+from launch.data.tokens import EOS, DataError, TokenData, Windows, join_documents
+from launch.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+
+def load_data(dcfg) -> TokenData:
+    """Build the splits named by a ``DataConfig``, in the run's tokens (``data.tokenizer``)."""
+    tokenizer = load_tokenizer(dcfg.tokenizer)
+    hf = HFOptions(dcfg.hf_name, dcfg.hf_split, dcfg.hf_text_field, dcfg.hf_data_files)
+    if dcfg.streaming:
+        data = load_stream(dcfg.path, hf, tokenizer, dcfg.val_docs, dcfg.max_docs)
+    elif dcfg.source == "shards":
+        data = load_shards(dcfg.path, dcfg.val_path, dcfg.dtype, dcfg.vocab_size, dcfg.val_fraction,
+                           tokenizer if dcfg.tokenizer else None)
+    else:
+        data = encoded(_load_bytes(dcfg, hf), tokenizer)
+    for split_name, split in (("train", data.train), ("validation", data.val)):
+        if data.stream is not None and split_name == "train":
+            continue
+        if sum(max(0, len(a) - 1) // dcfg.seq_len for a in split) == 0:
+            raise DataError(f"{data.description}: the {split_name} split has fewer than data.seq_len+1={dcfg.seq_len + 1} tokens")
+    return data
+
+
+def _load_bytes(dcfg, hf: HFOptions) -> TokenData:
+    if dcfg.source == "stdlib":
+        data = load_stdlib(dcfg.val_fraction, dcfg.max_docs)
+    elif dcfg.source == "python":
+        data = load_python(dcfg.val_fraction, dcfg.max_docs)
+    elif dcfg.source == "text":
+        data = load_text(dcfg.path, dcfg.val_path, dcfg.pattern, dcfg.val_fraction, dcfg.max_docs)
+    elif dcfg.source == "hf":
+        data = load_hf(dcfg.path, hf, dcfg.val_fraction, dcfg.max_docs)
+    else:
+        raise DataError(f"data.source: unknown source {dcfg.source!r}")
+    return data
+
+
+LARGE_TEXT = 64_000_000  # bytes of text whose encoding at start is announced
+
+
+def encoded(data: TokenData, tokenizer: Tokenizer) -> TokenData:
+    """Byte documents (each ending in byte 0) in ``tokenizer``'s ids; byte-level data as it is."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return data
+    size = sum(len(a) for a in data.train + data.val)
+    if size > LARGE_TEXT:  # a minute or more: say what is happening, and how to do it once
+        print(f"encoding {size / 1e6:,.0f} MB of text with {tokenizer.describe()} (loco data prepare does it once "
+              f"for every run)", file=sys.stderr, flush=True)
+    splits = []
+    for arrays in (data.train, data.val):
+        out = []
+        for a in arrays:
+            ends = np.flatnonzero(np.asarray(a) == EOS)
+            starts = np.concatenate(([0], ends[:-1] + 1)) if len(ends) else np.zeros(0, dtype=np.int64)
+            texts = [bytes(a[s:e]).decode("utf-8", errors="replace") for s, e in zip(starts, ends)]
+            if len(ends) == 0 or ends[-1] != len(a) - 1:  # a tail without its separator (a cut document)
+                texts.append(bytes(a[(ends[-1] + 1) if len(ends) else 0:]).decode("utf-8", errors="replace"))
+            parts = tokenizer.encode_batch(texts)
+            out.append(join_documents(parts, tokenizer.eos, closed=len(ends) > 0 and ends[-1] == len(a) - 1))
+        splits.append(out)
+    return TokenData(splits[0], splits[1], tokenizer.vocab_size, tokenizer,
+                     f"{data.description}, encoded with {tokenizer.describe()}")
+
+
+def val_bytes_per_token(batcher: "Batcher | StreamBatcher", tokenizer: Optional[Tokenizer],
+                        batches: int) -> Optional[float]:
+    """Bytes of text per target token over the validation batches an evaluation reads (None without a
+    tokenizer): the loss in nats per token, divided by ln 2 and by this, is bits per byte."""
+    if tokenizer is None:
+        return None
+    lengths = tokenizer.token_bytes()
+    total = count = 0
+    for k in range(batches):
+        y = batcher.val_batch(k)[1].numpy()
+        total += int(lengths[np.minimum(y, len(lengths) - 1)].sum())
+        count += y.size
+    return total / count if count else None
+
+
+def make_batcher(data: TokenData, seq_len: int, batch_size: int, worker_index: int = 0, num_workers: int = 1,
+                 seed: int = 0, grad_accum: int = 1) -> "Batcher | StreamBatcher":
+    """A worker's batcher: windows cut from splits held in memory or on disk, or read from a stream."""
+    if data.stream is not None:
+        return StreamBatcher(data, seq_len, batch_size, worker_index, num_workers, grad_accum)
+    return Batcher(data, seq_len, batch_size, worker_index, num_workers, seed, grad_accum)
+
+
+class Batcher:
+    """Deterministic batches for one worker: a pure function of (step, micro-batch)."""
+
+    FULL_PERMUTATION_LIMIT = 1 << 24
+
+    def __init__(self, data: TokenData, seq_len: int, batch_size: int, worker_index: int = 0,
+                 num_workers: int = 1, seed: int = 0, grad_accum: int = 1) -> None:
+        if not 0 <= worker_index < num_workers:
+            raise ValueError(f"worker_index {worker_index} is not in [0, {num_workers})")
+        self.train, self.val = Windows(data.train, seq_len), Windows(data.val, seq_len)
+        self.vocab_size, self.description = data.vocab_size, data.description
+        self.batch_size, self.grad_accum = batch_size, grad_accum
+        self.micro = batch_size // grad_accum
+        self.worker_index, self.num_workers, self.seed = worker_index, num_workers, seed
+        self._perm_epoch, self._perm = -1, None
+
+    def _window_index(self, sample: int) -> int:
+        n = self.train.n
+        epoch, i = divmod(sample, n)
+        if n <= self.FULL_PERMUTATION_LIMIT:
+            if epoch != self._perm_epoch:
+                self._perm = np.random.default_rng([self.seed, epoch]).permutation(n)
+                self._perm_epoch = epoch
+            return int(self._perm[i])
+        # very large corpora: an affine bijection mod n, no O(n) table
+        rng = np.random.default_rng([self.seed, epoch])
+        a = int(rng.integers(1, n))
+        while np.gcd(a, n) != 1:
+            a += 1
+        return (a * i + int(rng.integers(0, n))) % n
+
+    def samples_before(self, step: int) -> int:
+        """Global sample index where this worker's batch of ``step`` starts."""
+        return (step * self.num_workers + self.worker_index) * self.batch_size
+
+    def _stack(self, windows: Windows, indices: Sequence[int], where: str) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = np.stack([windows.get(i) for i in indices])
+        top, bottom = int(rows.max()), int(rows.min())
+        if top >= self.vocab_size or bottom < 0:
+            bad = top if top >= self.vocab_size else bottom
+            raise DataError(f"{self.description}: token id {bad} in the {where} data is outside [0, vocab_size="
+                            f"{self.vocab_size}); check data.vocab_size / data.dtype")
+        t = torch.from_numpy(rows)
+        return t[:, :-1], t[:, 1:]
+
+    def train_batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.samples_before(step) + micro * self.micro
+        return self._stack(self.train, [self._window_index(s) for s in range(start, start + self.micro)], "training")
+
+    def val_batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k-th validation batch: sequential windows, the same on every worker."""
+        start = k * self.micro
+        return self._stack(self.val, [(start + j) % self.val.n for j in range(self.micro)], "validation")
+
+
+__all__ = ["Batcher", "Windows", "encoded", "load_data", "make_batcher"]

@@ -1,0 +1,145 @@
+"""Token shards (``data.source: shards``): a folder ``loco data prepare`` made, with its ``manifest.json``, or
+plain ``.bin``/``.npy`` files (llm.c's header too) whose vocabulary the run names.
+
+A manifest names everything a run needs: the shards of each split, their dtype, the vocabulary and the
+tokenizer (its SHA-256, and its file beside the shards). A run whose ``data.tokenizer`` names another
+tokenizer is refused: its ids would mean other text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from launch.data.tokens import DataError, TokenData, _is_val
+from launch.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+
+LLMC_MAGIC = 20240520  # llm.c token shards: 256 int32 header, then uint16 tokens
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "loco-shards-1"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def shard_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def open_shard(path: Path, dtype: str) -> np.ndarray:
+    """Memory-map one token shard: .npy (any header) or raw .bin (uint16/uint32, or llm.c's header)."""
+    try:
+        if path.suffix == ".npy":
+            arr = np.load(path, mmap_mode="r")
+            if arr.ndim != 1 or arr.dtype not in (np.uint16, np.uint32, np.int32, np.int64):
+                raise DataError(f"{path}: expected a 1-D array of integer tokens (uint16, uint32, int32, int64), "
+                                f"got {arr.dtype} with shape {arr.shape}")
+            return arr
+        with open(path, "rb") as fh:
+            raw = fh.read(1024)
+        head = np.frombuffer(raw[: len(raw) // 4 * 4], dtype=np.int32)
+        if len(head) == 256 and head[0] == LLMC_MAGIC:
+            return np.memmap(path, dtype=np.uint16, mode="r", offset=1024, shape=(int(head[2]),))
+        np_dtype = np.uint32 if dtype == "uint32" else np.uint16
+        if path.stat().st_size % np.dtype(np_dtype).itemsize:
+            raise DataError(f"{path}: size {path.stat().st_size} is not a multiple of {np.dtype(np_dtype).itemsize} "
+                            f"({np_dtype.__name__}); check data.dtype")
+        return np.memmap(path, dtype=np_dtype, mode="r")
+    except (OSError, ValueError) as e:
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"{path}: cannot read token shard: {e}") from None
+
+
+def _shard_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise DataError(f"{path}: no such file or folder (data.path)")
+    files = sorted(p for p in path.iterdir() if p.suffix in (".bin", ".npy") and not p.name.startswith("."))
+    if not files:
+        raise DataError(f"{path}: no .bin or .npy token shards in this folder")
+    return files
+
+
+def read_manifest(path: Path) -> Optional[dict[str, Any]]:
+    """The manifest of a shard folder, or None where there is none."""
+    f = path / MANIFEST if path.is_dir() else None
+    if f is None or not f.exists():
+        return None
+    try:
+        manifest = json.loads(f.read_text())
+        if manifest.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+        for key in ("vocab_size", "dtype", "shards", "tokenizer"):
+            if key not in manifest:
+                raise ValueError(f"no {key!r}")
+    except (OSError, ValueError) as e:
+        raise DataError(f"{f}: not a loco shard manifest ({e})") from None
+    return manifest
+
+
+def manifest_tokenizer(folder: Path, manifest: dict[str, Any]) -> Tokenizer:
+    info = manifest["tokenizer"]
+    if info.get("file"):
+        return BPETokenizer.from_file(folder / info["file"])
+    return ByteTokenizer()
+
+
+def _tail_split(arrays: list[np.ndarray], fraction: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Every shard trains but the last one's tail, which validates."""
+    *first, last = arrays
+    cut = int(len(last) * (1 - fraction))
+    return first + [last[:cut]], [last[cut:]]
+
+
+def load_shards(path: str, val_path: Optional[str], dtype: str, vocab_size: Optional[int], fraction: float,
+                tokenizer: Optional[Tokenizer] = None) -> TokenData:
+    """Shards with a manifest take their vocabulary, dtype and tokenizer from it; ``tokenizer`` (the run's
+    ``data.tokenizer``, when set) must be the manifest's. Shards without one need ``vocab_size``."""
+    folder = Path(path)
+    manifest = read_manifest(folder)
+    if manifest is not None:
+        return _load_manifest(folder, manifest, val_path, vocab_size, fraction, tokenizer)
+    if not vocab_size:
+        raise DataError(f"{path}: no {MANIFEST} and no data.vocab_size: name the vocabulary of these token ids, "
+                        f"or make the shards with loco data prepare")
+    files = _shard_files(folder)
+    arrays = [(f.name, open_shard(f, dtype)) for f in files]
+    if val_path:
+        train = [a for _, a in arrays]
+        val = [open_shard(f, dtype) for f in _shard_files(Path(val_path))]
+    elif len(arrays) == 1 or len({_is_val(n, fraction) for n, _ in arrays}) == 1:  # all on one side: cut the tail
+        train, val = _tail_split([a for _, a in arrays], fraction)
+    else:
+        train = [a for n, a in arrays if not _is_val(n, fraction)]
+        val = [a for n, a in arrays if _is_val(n, fraction)]
+    return TokenData(train, val, vocab_size, tokenizer, f"token shards {path} ({len(files)} files)")
+
+
+def _load_manifest(folder: Path, manifest: dict[str, Any], val_path: Optional[str], vocab_size: Optional[int],
+                   fraction: float, tokenizer: Optional[Tokenizer]) -> TokenData:
+    where = folder / MANIFEST
+    info = manifest["tokenizer"]
+    if tokenizer is not None and (tokenizer.sha256 or tokenizer.name) != (info.get("sha256") or info.get("name")):
+        raise DataError(f"{where}: made with tokenizer {info.get('name')} (sha256 {str(info.get('sha256'))[:12]}), "
+                        f"but data.tokenizer is {tokenizer.describe()}; use the manifest's tokenizer or prepare again")
+    if vocab_size and vocab_size != manifest["vocab_size"]:
+        raise DataError(f"{where}: vocab_size {manifest['vocab_size']}, but data.vocab_size is {vocab_size}; "
+                        f"leave data.vocab_size empty to take the manifest's")
+    tok = tokenizer or manifest_tokenizer(folder, manifest)
+    dtype = manifest["dtype"]
+    train = [open_shard(folder / s["file"], dtype) for s in manifest["shards"]["train"]]
+    val = [open_shard(folder / s["file"], dtype) for s in manifest["shards"]["val"]]
+    if val_path:
+        train += val
+        val = [open_shard(f, dtype) for f in _shard_files(Path(val_path))]
+    elif not val:  # no document fell in validation: the last shard's tail validates
+        train, val = _tail_split(train, fraction)
+    if not train:
+        raise DataError(f"{where}: lists no training shards")
+    docs = manifest.get("documents", {})
+    return TokenData(train, val, int(manifest["vocab_size"]), tok,
+                     f"token shards {folder} ({len(train)} + {len(val)} shards, "
+                     f"{sum(docs.values()) if docs else '?'} documents, tokenizer {tok.describe()})")

@@ -1,0 +1,1 @@
+"""``loco join`` and ``loco status``: a run of internet peers over hivemind."""

@@ -1,0 +1,109 @@
+"""A step's compute: batches onto the device, the forward pass (bf16 autocast where asked, ``run.compile``
+with a fallback to the eager model), the loss and its backward pass over the step's micro-batches."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from launch.data.batches import Batcher
+
+
+def one_block(x: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
+    """The contiguous ``(B, T + 1)`` block whose ``[:, :-1]`` is ``x`` and ``[:, 1:]`` is ``y`` (as the batcher cuts
+    inputs and targets), or None."""
+    block = x._base
+    if (block is None or y._base is not block or block.dim() != 2 or not block.is_contiguous()
+            or x.shape != (block.shape[0], block.shape[1] - 1) or y.shape != x.shape):
+        return None
+    if x.data_ptr() != block.data_ptr() or y.data_ptr() != block.data_ptr() + block.element_size():
+        return None
+    return block
+
+
+class StepCompute:
+    """The model's forward and backward passes on ``device``.
+
+    ``compile`` (``run.compile``; None: on CUDA only) compiles the model in place (its state_dict keeps its
+    names). Graphs are cached by code, not by module, so the simulator's workers (one model each, the same
+    architecture) share them: a worker switch compiles nothing. A compilation that fails is said once through
+    ``say`` and the run goes on with the eager model.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, bf16: bool, compile: Optional[bool],
+                 say: Callable[[str], None]) -> None:
+        self.model, self.device, self.bf16, self.say = model, device, bf16, say
+        self.compiled = device.type == "cuda" if compile is None else bool(compile)
+        self.compiled_modes: set[tuple[bool, bool]] = set()  # (training, grad enabled) that ran compiled
+        self.backward_compiled = False  # the backward graph compiles at the first backward, apart from the forward
+        if self.compiled:
+            self.model.compile()
+
+    def loss_on(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x, y = self._on_device(x, y)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            logits = self._forward(x)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def accumulate(self, batcher: Batcher, step: int, first_micro: int, micros: int) -> torch.Tensor:
+        """The step's mean loss over its ``micros`` micro-batches (``first_micro`` on: this process's share of its
+        worker's batch), their gradients added to the parameters'. The loss stays on the device: it is read
+        back only where a metrics line needs it."""
+        step_loss = None
+        for micro in range(micros):
+            loss = self._loss_and_backward(batcher.train_batch(step, first_micro + micro), micros)
+            part = loss.detach() / micros
+            step_loss = part if step_loss is None else step_loss + part
+        return step_loss
+
+    def _on_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch on the run's device. On a GPU it goes from pinned memory, so the copy does not wait for the
+        queued kernels; a pinned tensor keeps its strides, and a strided one would be staged through pageable
+        memory (a copy the host waits for). The batcher cuts inputs and targets from one block of windows one
+        token longer: that block goes over once, whole, and is cut again on the device."""
+        if self.device.type != "cuda":
+            return x.to(self.device), y.to(self.device)
+        block = one_block(x, y)
+        if block is not None:
+            on = block.pin_memory().to(self.device, non_blocking=True)
+            return on[:, :-1], on[:, 1:]
+        return x.contiguous().pin_memory().to(self.device, non_blocking=True), \
+            y.contiguous().pin_memory().to(self.device, non_blocking=True)
+
+    def _uncompile(self, e: Exception) -> None:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        self.say(f"run.compile: torch.compile failed ({type(e).__name__}: {first}); "
+                 "continuing without compiling (set run.compile=false to skip the attempt)")
+        self.model._compiled_call_impl = None  # what nn.Module.compile set: back to the eager forward
+        self.compiled = False
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        mode = (self.model.training, torch.is_grad_enabled())
+        if not self.compiled or mode in self.compiled_modes:
+            return self.model(x)
+        try:  # the first call in a mode compiles; if that fails, the run goes on uncompiled
+            out = self.model(x)
+        except Exception as e:
+            self._uncompile(e)
+            return self.model(x)
+        self.compiled_modes.add(mode)
+        return out
+
+    def _loss_and_backward(self, batch: tuple[torch.Tensor, torch.Tensor], micros: int) -> torch.Tensor:
+        """The loss of one micro-batch, its gradients added to the parameters'. The first compiled backward
+        compiles its own graph: if that fails, nothing was added, and the micro-batch runs again on the eager
+        model."""
+        loss = self.loss_on(*batch)
+        try:
+            (loss / micros).backward()
+        except Exception as e:
+            if not self.compiled or self.backward_compiled:
+                raise  # not a compilation: the run's own error
+            self._uncompile(e)
+            loss = self.loss_on(*batch)
+            (loss / micros).backward()
+        self.backward_compiled = self.compiled
+        return loss

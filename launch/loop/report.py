@@ -1,0 +1,118 @@
+"""What a run says about itself: the metrics line every ``log.every`` steps, the final line, and
+``summary.json``'s contents."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+from diloco import Algorithm
+from diloco.comm import Transport
+from launch.config import Config
+from launch.metrics.log import Metrics
+from launch.metrics.mfu import Mfu
+from launch.loop.schedule import Progress, RunClock
+
+
+class Window:
+    """The train loss summed since the last metrics line, its steps, and when the line's interval began. The
+    sum stays on the device (read back at a metrics line only: no host sync per step), and a run stopped
+    between two lines continues the average of its next one where it was (:meth:`state`)."""
+
+    def __init__(self) -> None:
+        self.loss: Any = 0.0
+        self.steps = 0
+        self.began = time.perf_counter()
+
+    def add(self, step_loss: torch.Tensor) -> None:
+        self.loss = self.loss + step_loss
+        self.steps += 1
+
+    def take(self) -> tuple[float, int, float]:
+        """(mean loss, steps, seconds) of the interval; the sums start over (the clock at :meth:`restart`)."""
+        taken = (float(self.loss) / self.steps, self.steps, max(time.perf_counter() - self.began, 1e-9))
+        self.loss, self.steps = 0.0, 0
+        return taken
+
+    def restart(self) -> None:
+        self.began = time.perf_counter()
+
+    def state(self) -> dict[str, Any]:
+        return {"loss": float(self.loss), "steps": self.steps}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.loss, self.steps = float(state.get("loss", 0.0)), int(state.get("steps", 0))
+
+
+class Reporter:
+    """Turns the run's state into its metrics records and its summary."""
+
+    def __init__(self, cfg: Config, algo: Algorithm, transport: Transport, progress: Progress, clock: RunClock,
+                 metrics: Metrics, mfu: Mfu) -> None:
+        self.cfg, self.algo, self.transport = cfg, algo, transport
+        self.progress, self.clock, self.metrics, self.mfu = progress, clock, metrics, mfu
+        self.peak = mfu.peak.flops if mfu.peak is not None else None
+        self.skipped_reported = algo.skipped_steps  # non-finite steps already reported (see _say_skipped)
+
+    def line(self, window: Window, lr: float, info: dict[str, Any]) -> dict[str, Any]:
+        """The metrics record of the steps in ``window`` (whose sums start over)."""
+        self._say_skipped(info)
+        loss, steps, seconds = window.take()
+        tps_local = steps * self.progress.tokens_per_step / seconds
+        mfu = self.mfu.flops_per_token * tps_local / self.peak if self.peak else None
+        norm = info.get("grad_norm")
+        return {"step": self.progress.step, "tokens": self.progress.tokens_seen(), "loss": loss, "lr": lr,
+                "tokens_per_s": tps_local * self.progress.world, "mfu": mfu,
+                "grad_norm": float(norm) if norm is not None else None, **self.algo.figures(), **self._traffic()}
+
+    def final_line(self, val_loss: float, val_bpb: Optional[float], lr: float) -> dict[str, Any]:
+        """The last line of metrics.jsonl: the final validation (no train loss)."""
+        return {"step": self.progress.step, "tokens": self.progress.tokens_seen(), "val_loss": val_loss,
+                "val_bpb": val_bpb, "lr": lr, **self._traffic()}
+
+    def _traffic(self) -> dict[str, Any]:
+        stats = self.transport.stats
+        return {"bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "wall_s": self.clock.wall_s(),
+                **self.transport.metrics()}
+
+    def _say_skipped(self, info: dict[str, Any]) -> None:
+        """Say (at a log step, where reading the device's count costs nothing extra) if steps were skipped."""
+        skipped = self.algo.skipped_steps
+        new, self.skipped_reported = skipped - self.skipped_reported, skipped
+        if new > 0:
+            norm = info.get("grad_norm")
+            last = f"; last norm {float(norm):.4g}" if norm is not None else ""
+            what = "this step's update was" if new == 1 else f"{new} steps' updates were"
+            self.metrics.info(f"non-finite gradients{last}: {what} skipped; lower optim.lr or set optim.grad_clip",
+                              self.progress.step)
+
+    def summary(self, val_loss: float, val_bpb: Optional[float], run_dir: Any) -> dict[str, Any]:
+        """``summary.json``: the run's totals and every worker's own (a collective: every worker calls it)."""
+        p, stats = self.progress, self.transport.stats
+        trained = self.transport.my_steps_trained()  # under churn: not the steps of the run while it was away
+        steps = p.step - p.followed if trained is None else trained  # a joiner's own, not the run's before it
+        mine = {"worker": self.transport.rank, "tokens": steps * p.tokens_per_step, "bytes_sent": stats.bytes_sent,
+                "bytes_received": stats.bytes_received, "val_loss": val_loss, "steps": steps}
+        workers = self.transport.all_gather_object(mine)
+        tokens = sum(w["tokens"] for w in workers)
+        if self.transport.steps_trained() is not None:  # also what workers away at the end trained
+            tokens = p.tokens_seen()
+        summary = {
+            "val_loss": val_loss, "val_bpb": val_bpb, "steps": p.step, "tokens": tokens,
+            "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "wall_s": self.clock.wall_s(),
+            "peak_bytes_per_exchange": stats.peak_bytes, "algorithm": self.cfg.algo.name, "workers": workers,
+            "num_workers": p.world, "codec": self.cfg.compress.codec, **self._codec_summary(),
+            "skipped_steps": self.algo.skipped_steps, "run_dir": str(run_dir),
+            **self.transport.summary(),
+        }
+        if summary.get("virtual_wall_s"):
+            summary["tokens_per_virtual_s"] = summary["tokens"] / summary["virtual_wall_s"]
+        return summary
+
+    def _codec_summary(self) -> dict[str, Any]:
+        codec = self.algo.codec
+        if codec is None or not codec.stats.wire_bytes:
+            return {}
+        return {"codec_chain": codec.chain, "compression_ratio": codec.stats.ratio}

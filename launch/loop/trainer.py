@@ -1,0 +1,496 @@
+"""The one training loop. It drives ``algo.step()`` and knows nothing of which algorithm runs.
+
+Per step: ``grad_accum`` micro-batches forward/backward (bf16 autocast on CUDA), then ``algo.step()`` (exchange,
+clip, inner step, maybe a round), then ``algo.zero_grad()``. Around it: the learning-rate schedule, metrics every
+``log.every`` steps, validation every ``run.eval_every``, checkpoints every ``run.checkpoint_every``, and the stop
+conditions ``run.max_steps`` and ``run.max_time`` (a resumed run gets the budget afresh: it counts from the
+resume). At the end: a last validation, a checkpoint, summary.json and a plot. A signal stops the loop where it
+can save (:mod:`launch.loop.signals`).
+
+The loop's rooms: the process and device (:mod:`launch.loop.runtime`), what a run is built of (:mod:`launch.loop.build`),
+the run folder and resume (:mod:`launch.loop.rundir`), the step's compute (:mod:`launch.loop.compute`), progress, lr and stop
+rule (:mod:`launch.loop.schedule`), shared state as bytes (:mod:`launch.loop.shared_state`) and what the run reports
+(:mod:`launch.loop.report`). What ``loco join`` and ``loco simulate`` add comes in through :class:`Hooks` and the
+constructor.
+
+Python API::
+
+    from launch.config import load_config
+    from launch.loop.trainer import Trainer
+    cfg, _ = load_config(["configs/tiny.yaml"], ["run.max_steps=200"])
+    summary = Trainer(cfg, model=my_module).fit()   # model: ids [B, T] -> logits [B, T, V]
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from diloco.comm import Transport, make_transport
+from diloco.reshard import cut_model, sharded_keys
+from diloco.state import like_sharded, local_tree
+from launch.loop.build import build_algorithm, build_model, build_optimizer, shard_worker
+from launch.store.checkpoint import checkpoint_name, rng_state, set_rng_state
+from launch.loop.compute import StepCompute
+from launch.config import Config, changed_settings, shared_settings
+from launch.data.batches import Batcher, load_data, make_batcher, val_bytes_per_token
+from launch.errors import RunError
+from launch.models.hf.causal_lm import folder_sha256
+from launch.loop.memory import ProcessBytes, process_bytes
+from launch.metrics.log import Metrics
+from launch.metrics.mfu import matmul_precision, mfu_basis
+from launch.models.transformer import count_params
+from launch.metrics.plots import plot_runs
+from launch.loop.report import Reporter, Window
+from launch.loop.rundir import RunDir
+from launch.loop.runtime import seed_everything, settle_threads, start_process, threads_note
+from launch.loop.schedule import LrSchedule, Progress, RunClock, StopRule
+from launch.loop.signals import STOP, Interrupted, save_waiting_for_it
+from launch.loop.shared_state import host_copy, load_shared_blob, shared_blob, shared_later
+from launch.data.tokens import TokenData
+
+
+@dataclass
+class Hooks:
+    """What a caller adds to the loop (all optional).
+
+    ``on_built(trainer)``: once the model and algorithm exist, before the start-up collectives that find the run
+    folder and the checkpoint (the simulator parks the worker while it waits in them). ``on_round(info)``: after
+    every round's sync (``loco join``). ``on_step(step, record)``: at every metrics line. ``on_step_end(synced,
+    info)``: at the end of every step, where every worker's next collective is the same (the simulator admits
+    joining workers there)."""
+
+    on_built: Optional[Callable[["Trainer"], None]] = None
+    on_round: Optional[Callable[[dict], None]] = None
+    on_step: Optional[Callable[[int, dict], None]] = None
+    on_step_end: Optional[Callable[[bool, dict], None]] = None
+
+
+class Trainer:
+    def __init__(self, cfg: Config, model: Optional[nn.Module] = None, transport: Optional[Transport] = None,
+                 data: Optional[TokenData] = None, *, batcher: Optional[Batcher] = None, restart: bool = False,
+                 join_run: Optional[Path] = None, hooks: Optional[Hooks] = None) -> None:
+        """``batcher``: this worker's batches (default: its share of the run's, by rank). ``restart``: start over
+        from step 0 in ``run.dir``, moving its checkpoints and metrics aside. ``join_run``: the folder of a run in
+        progress that this worker joins (a simulated worker coming back): it starts without the start-up
+        collectives, and the caller loads the run's state (:meth:`join_at`)."""
+        self.cfg, self.hooks, self.joining = cfg, hooks or Hooks(), join_run is not None
+        run = cfg.run
+        self.device = start_process(run.threads, run.device, run.deterministic)
+        self.transport = transport or make_transport(cfg.transport.backend, cfg.transport.dist_backend,
+                                                     cfg.transport.timeout, self.device, cfg.transport.mesh,
+                                                     shard=cfg.run.shard,
+                                                     settings={**shared_settings(cfg), "--restart": restart})
+        self.rank, self.world, self.leader = self.transport.rank, self.transport.world_size, self.transport.is_leader
+        # a worker may be several processes (a node of a torchrun mesh): each takes its share of the worker's batch
+        self.inner: Optional[Transport] = getattr(self.transport, "inner", None)
+        procs = self.inner.world_size if self.inner is not None else 1
+        self.micro_offset = (self.inner.rank if self.inner is not None else 0) * run.grad_accum
+        seed_everything(run.seed)
+        self.data = data or load_data(cfg.data)
+        if self.data.stream is not None and procs > 1:
+            raise RunError("data.streaming: one process a worker reads a stream; run torchrun with --nproc-per-node 1 "
+                           "(or transport.mesh: off), or prepare shards with loco data prepare")
+        self.batcher = batcher or make_batcher(self.data, cfg.data.seq_len, run.batch_size * procs, self.rank,
+                                               self.world, run.seed, run.grad_accum * procs)
+        self.bytes_per_token: Optional[float] = None  # of the validation targets, for bits per byte; read once
+        built_here = model is None  # from the run's seed (a model handed in may differ from worker to worker)
+        if built_here:
+            model, self.model_args = build_model(cfg, self.data, self.device)
+        else:
+            self.model_args = getattr(model, "args", None)
+        self.model = model.to(self.device)
+        self.threads = settle_threads(run.threads, self.device, count_params(self.model))  # (count, why) or None
+        self.bf16 = run.precision == "bf16" or (run.precision == "auto" and self.device.type == "cuda")
+        # every worker starts from rank 0's parameters (and DiLoCo's copy), which models built alike already are
+        if not self.joining:
+            with torch.no_grad():
+                self.transport.share_initial_([p.data for p in self.model.parameters()], seeded=built_here)
+        self.sharded = run.shard != "none"
+        if self.sharded:
+            self.model = shard_worker(self.transport, self.model, self.bf16)
+        self.compute = StepCompute(self.model, self.device, self.bf16, run.compile,
+                                   say=lambda message: self.metrics.info(message, self.step))
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device, transport=self.transport, cfg=cfg)
+        self.tokens_per_step = run.batch_size * procs * cfg.data.seq_len  # per worker
+        self.algo = build_algorithm(cfg, self.model, self.optimizer, self.transport, self.tokens_per_step, self.inner)
+        if self.hooks.on_built is not None:
+            self.hooks.on_built(self)
+        # rounds that end on a time budget: workers' step counts differ, so they meet only after syncs
+        self.progress = Progress(self.algo, self.transport, self.tokens_per_step,
+                                 self.algo.round_based and cfg.sync.mode == "time")
+        self.clock = RunClock(self.transport, virtual=self.transport.caps.measures_compute,
+                              solo=self.world == 1 and self.inner is None)
+        self.schedule = LrSchedule(self.optimizer, cfg, self.progress, self.clock)
+        # MFU's FLOP count and datasheet peak, as benchmarks/train_throughput.py counts them (none on a CPU)
+        self.mfu = mfu_basis(self.model, cfg.data.seq_len, self.device, matmul_precision(self.device, self.bf16))
+        self.window = Window()
+        self.last_val: Optional[tuple[int, float]] = None  # (step, val_loss) of the latest evaluation
+        self.saved_step: Optional[int] = None  # the step of the checkpoint this process last wrote or loaded
+        self.folder = RunDir(cfg, self.transport, restart, join_run)
+        self.run_dir = self.folder.path
+        self.resume_changes: Optional[str] = None  # settings changed since the checkpoint (set by a resume)
+        self.resumed_from = self._resume()
+        self.folder.write_config(cfg)
+        self.folder.write_tokenizer(self.data.tokenizer)
+        self.progress.start_step = self.step
+        # a signal stops the loop where every process can save: one worker at any step end; several where a
+        # broadcast spans them all (round ends, or every log.every-th step)
+        self.stop_rule = StopRule(cfg, self.progress, self.clock,
+                                  on_request=self.world == 1 or self.transport.caps.shared_stop)
+        self.metrics = Metrics(self.run_dir, cfg.log, self.leader, run.max_steps, self.step, self.rank,
+                               cfg.to_dict(), run.name)
+        self.report = Reporter(cfg, self.algo, self.transport, self.progress, self.clock, self.metrics, self.mfu)
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @property
+    def slice_layout(self) -> Optional[dict[str, int]]:
+        """How a sharded run's processes are laid out (its slices are cut for them); None unsharded."""
+        return {"nodes": self.world, "per_node": self.inner.world_size} if self.sharded else None
+
+    # ---- state ------------------------------------------------------------------------------
+    def _resume(self) -> Optional[Path]:
+        found = self.folder.resume_state(self.rank)
+        if found is None:
+            return None
+        path, state = found
+        self.resume_changes = changed_settings(state.get("config"), self.cfg)
+        try:
+            if "slices" in state or self.sharded:
+                state = {**state, "mine": self._process_state(path, state)}
+            self.load_state(state)
+        except (ValueError, RuntimeError) as e:  # another algorithm, model shape or fragment layout
+            text = str(e).strip()
+            text = text if len(text) <= 600 else text[:600] + " ..."
+            changed = f"\nSettings changed since it was saved: {self.resume_changes}" if self.resume_changes else ""
+            raise RunError(f"{path}: cannot resume this run from it: {text}{changed}") from None
+        if self.leader:
+            self.folder.truncate_metrics(self.step)
+        self.saved_step = self.step
+        return path
+
+    def worker_state(self) -> dict[str, Any]:
+        """What differs between workers: local model, algorithm (inner and outer optimizer), data, RNG."""
+        return {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "algo": self.algo.state_dict(),
+            "data": {"samples": self.batcher.samples_before(self.step), "worker_index": self.rank,
+                     "num_workers": self.world, "seed": self.cfg.run.seed},
+            "rng": rng_state(),
+            "comm": self.transport.stats.as_dict(),
+            "log_window": self.window.state(),
+            "followed": self.progress.followed,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint: shared fields, then the worker state (replicated algorithms) or all workers' states."""
+        shared: dict[str, Any] = {
+            "wall_s": self.clock.wall_s(),
+            "budget_s": self.clock.budget_spent_s(),
+            "config": self.cfg.to_dict(),
+            "model_args": vars(self.model_args) if self.model_args is not None else None,
+            "hf_config": self.model.config_dict() if hasattr(self.model, "config_dict") else None,
+            "tokenizer": self.data.tokenizer.state() if self.data.tokenizer is not None else None,
+            "num_workers": self.world,
+        }
+        if hasattr(self.batcher, "state_dict"):  # each worker's stream position, by worker (churn leaves gaps)
+            shared["streams"] = self.transport.gather_object((self.rank, self.batcher.state_dict()))
+        if self.sharded:  # every process's own state goes into the slices folder (save); here the whole model
+            with self.algo.evaluation_weights():
+                whole = self.transport.whole_model_state(self.model)
+            return {**shared, "model": whole, "slices": self.slice_layout, **self._clock_state()} if self.leader else {}
+        if self.algo.replicated_state:
+            mine = self.worker_state()
+            return {**shared, **mine, **self._clock_state()}
+        mine = host_copy(self.worker_state())
+        states = self.transport.gather_object(mine)  # on the leader only
+        clock = self._clock_state()
+        if states is None:
+            return {}
+        with self.algo.evaluation_weights():  # the global model, for sampling and evaluation
+            global_model = host_copy(self.model.state_dict())
+        return {**shared, "model": global_model, "workers": states, **clock}
+
+    def _clock_state(self) -> dict[str, Any]:
+        """The transport's clock (the simulator's virtual time), read after the workers' states: an exchange in
+        flight that a state waits for moves it."""
+        clock = self.transport.clock_state()
+        return {} if clock is None else {"clock": clock}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._same_workers(state)
+        mine = self._my_state(state)
+        self.model.load_state_dict(mine["model"])
+        self.algo.load_state_dict(mine["algo"])
+        set_rng_state(mine["rng"])
+        self.progress.step, self.progress.followed = int(mine["step"]), int(mine.get("followed", 0))
+        if hasattr(self.batcher, "load_state_dict"):
+            self.batcher.load_state_dict(dict(state.get("streams") or []).get(self.rank))
+        self.clock.wall_prior = float(state.get("wall_s", 0.0))
+        self.clock.budget_prior = float(state["budget_s"])  # the time budget spent before (virtual in the simulator)
+        self.window.load(mine.get("log_window", {}))
+        comm = mine.get("comm", {})
+        self.transport.stats.bytes_sent = int(comm.get("bytes_sent", 0))
+        self.transport.stats.bytes_received = int(comm.get("bytes_received", 0))
+        self.transport.stats.peak_bytes = int(comm.get("peak_bytes", 0))
+        if "clock" in state:
+            self.transport.load_clock_state(state["clock"])
+
+    def _same_workers(self, state: dict[str, Any]) -> None:
+        if state.get("num_workers", 1) != self.world:
+            raise RunError(f"the checkpoint was written by {state.get('num_workers', 1)} workers and this run has "
+                           f"{self.world}; resume with the same number of workers")
+
+    def _process_state(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
+        """This process's state where the checkpoint or this run is sharded: its own slices where both are laid
+        out alike; else its worker's state held whole (joined from the slices of the processes that wrote it, or
+        as an unsharded run wrote it), cut for this process (:mod:`diloco.reshard`)."""
+        written = state.get("slices")
+        if written == self.slice_layout:
+            return self.folder.load_slices(path)
+        self._same_workers(state)
+        whole = self.folder.whole_worker(path, written, self.rank, type(self.algo)) if written else self._my_state(state)
+        return {**whole, "model": cut_model(self.model.state_dict(), whole["model"]),
+                "algo": self.algo.cut_state(whole["algo"])}
+
+    def _my_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This worker's part of a checkpoint. A worker a simulation with churn had away when it was written has
+        none: it comes back as a joining worker would, on worker 0's state (the run's model, at the run's step).
+        A sharded run's process takes its own state, its slices made its model's layout again."""
+        if "mine" in state:
+            mine = state["mine"]
+            return {**mine, "model": like_sharded(self.model.state_dict(), mine["model"])}
+        if "workers" not in state:
+            return state
+        workers = {int(w["data"]["worker_index"]): w for w in state["workers"]}
+        if self.rank in workers:
+            return workers[self.rank]
+        print(f"[worker {self.rank}] away when the checkpoint was written: it starts from worker 0's state",
+              file=sys.stderr, flush=True)
+        return workers[0]
+
+    def shared_state_blob(self, **extra: Any) -> bytes:
+        """What every worker shares, and ``extra``, as bytes (:func:`launch.loop.shared_state.shared_blob`)."""
+        return shared_blob(self.algo, **extra)
+
+    def shared_state_later(self, **extra: Any) -> Callable[[], bytes]:
+        """:meth:`shared_state_blob`, made when called (:func:`launch.loop.shared_state.shared_later`)."""
+        return shared_later(self.algo, **extra)
+
+    def load_shared_blob(self, blob: bytes, source: str = "a peer",
+                         check: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
+        """Take a :meth:`shared_state_blob`, whole or not at all (:func:`launch.loop.shared_state.load_shared_blob`)."""
+        return load_shared_blob(self.algo, blob, source, check)
+
+    def join_at(self, blob: bytes, step: int, source: str) -> None:
+        """A worker joining a run in progress (``join_run``): the run's state, at the run's step."""
+        self.load_shared_blob(blob, source)
+        self.progress.step = self.progress.start_step = self.algo.steps = step  # step-keyed schedules follow the run
+
+    def follow_run(self, step: int) -> None:
+        """This worker takes the run's step (``loco join`` after taking another peer's state): its lr schedule and
+        ``run.max_steps`` follow the run's progress; the steps it skips are not this worker's tokens."""
+        self.progress.followed += step - self.progress.step
+        self.progress.step = step
+
+    def save(self) -> Optional[Path]:
+        """Rank 0 writes; algorithms whose workers differ first gather every worker's state (a collective). A
+        sharded worker's processes first write their own states together (:meth:`RunDir.save_slices`)."""
+        if self.sharded:
+            mine = self.worker_state()
+            self.folder.save_slices(self.step, {**local_tree(mine), "cut_keys": sharded_keys(mine["model"])})
+        state = self.state_dict()
+        self.saved_step = self.step
+        if not self.leader:
+            return None
+        before = STOP.signum
+        path = save_waiting_for_it(self.folder.checkpoints, self.step, state, keep=self.cfg.run.keep_checkpoints)
+        if before is None and STOP.signum is not None and STOP.listening == 0:
+            # a first signal came during a save outside the loop (the final one): it waited, and stops here
+            self.metrics.info(f"stopped by {signal.Signals(STOP.signum).name}: saved {path}; continue with --resume "
+                              f"--run-dir {self.run_dir}", self.step)
+            self.metrics.close()
+            raise Interrupted(STOP.signum, path, clean=True)
+        return path
+
+    # ---- the loop ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Validation loss of the model the algorithm stands for (DiLoCo: the global parameters)."""
+        self.model.eval()
+        total = 0.0
+        with self.algo.evaluation_weights():
+            for k in range(self.cfg.run.eval_batches):
+                total += float(self.compute.loss_on(*self.batcher.val_batch(k)))
+        self.model.train()
+        return total / self.cfg.run.eval_batches
+
+    def bits_per_byte(self, val_loss: float) -> Optional[float]:
+        """The validation loss in bits per byte of text (None for token ids without a tokenizer)."""
+        if self.bytes_per_token is None:
+            self.bytes_per_token = val_bytes_per_token(self.batcher, self.data.tokenizer, self.cfg.run.eval_batches)
+        return val_loss / math.log(2) / self.bytes_per_token if self.bytes_per_token else None
+
+    def close_data(self) -> None:
+        """Stop a stream's reader (a batcher cut from arrays has nothing to stop)."""
+        close = getattr(self.batcher, "close", None)
+        if close is not None:
+            close()
+
+    def fit(self) -> dict[str, Any]:
+        if self.leader:
+            self._announce()
+        self.clock.start(self.step)
+        self.progress.synced_step = self.step  # the run's progress counts from this worker's latest sync
+        self.window.restart()
+        # a worker that joins does so where the others' last step synced (round-based) or at any step (DDP)
+        synced = self.joining and self.algo.round_based
+        with STOP.listened(self.stop_rule.on_request):
+            try:
+                while not self.stop_rule(synced):
+                    synced = self.train_step()
+            except KeyboardInterrupt as e:
+                # a plain KeyboardInterrupt (the Python API without stop_signals) saves at this step; an Interrupted
+                # here is a second signal, or one the loop could not wait for (torchrun): it stops without saving
+                if self.world == 1 and self.step > 0 and not isinstance(e, Interrupted):
+                    path = self.save()
+                    self.metrics.info(f"interrupted: saved {path}; continue with --resume --run-dir {self.run_dir}",
+                                      self.step)
+                self.metrics.close()
+                raise
+        if self.stop_rule.stopped_by is not None:
+            self._stop(self.stop_rule.stopped_by)
+        return self._finish()
+
+    def train_step(self) -> bool:
+        """One step, and what follows it (metrics, validation, checkpoint, hooks); whether it synced."""
+        run, hooks = self.cfg.run, self.hooks
+        lr = self.schedule.apply()
+        with self.transport.computing(self.device):  # the simulator's virtual time measures the compute
+            step_loss = self.compute.accumulate(self.batcher, self.step, self.micro_offset, run.grad_accum)
+        info = self.algo.step()
+        synced = bool(info.get("synced"))
+        self.algo.zero_grad()
+        self.progress.stepped(synced)
+        if synced and hooks.on_round is not None:
+            hooks.on_round(info)
+        self.window.add(step_loss)
+        evaluate = run.eval_every and self.step % run.eval_every == 0
+        if self.step % self.cfg.log.every == 0 or evaluate:
+            record = self.report.line(self.window, lr, info)
+            if evaluate:
+                record["val_loss"] = self.evaluate()
+                record["val_bpb"] = self.bits_per_byte(record["val_loss"])
+                self.last_val = (self.step, record["val_loss"])
+            self.metrics.log(record)
+            if hooks.on_step is not None:
+                hooks.on_step(self.step, record)
+            self.window.restart()
+        if self.stop_rule.checkpoint_due(synced):
+            self.save()
+        if hooks.on_step_end is not None:
+            hooks.on_step_end(synced, info)
+        return synced
+
+    def _announce(self) -> None:
+        cfg, m = self.cfg, self.metrics
+        train = "streamed" if self.data.stream is not None else f"{self.data.train_tokens:,}"
+        m.info(f"{self.data.description}: {train} train / {self.data.val_tokens:,} val tokens; "
+               f"model {count_params(self.model) / 1e6:.2f}M params on {self.device}{threads_note(self.threads)}; "
+               f"algorithm {cfg.algo.name} "
+               f"x {self.world} worker(s); run folder {self.run_dir}")
+        if self.device.type != "cpu":  # a CPU has no datasheet peak: no MFU, and no line about it
+            m.info(self.mfu.describe())
+        if self.sharded:
+            m.info(f"each of a worker's {self.inner.world_size} processes holds its slices (run.shard: fsdp): "
+                   f"{self.memory().describe()}")
+        if self.resumed_from:
+            changes = f"; settings changed since it was saved: {self.resume_changes}" if self.resume_changes else ""
+            m.info(f"resumed from {self.resumed_from}{changes}", self.step)
+
+    def memory(self) -> ProcessBytes:
+        """What this process holds for the worker's training state (:mod:`launch.loop.memory`)."""
+        return process_bytes(self.cfg, count_params(self.model), self.inner.world_size if self.sharded else 1)
+
+    def _sources(self) -> dict[str, Any]:
+        """What the run started from, for summary.json: its tokenizer, and the weights of ``model.init_from``."""
+        tok, init = self.data.tokenizer, self.cfg.model.init_from
+        out: dict[str, Any] = {"tokenizer": None if tok is None else {"name": tok.name, "sha256": tok.sha256,
+                                                                      "vocab_size": tok.vocab_size}}
+        if init:
+            out["init_from"] = {"path": init, "sha256": folder_sha256(Path(init))}
+        return out
+
+    def _stop(self, signum: int) -> None:
+        """Save where a signal stopped the loop (every worker is here), then raise Interrupted."""
+        m = self.metrics
+        path = None
+        if self.step != self.saved_step and self.step > 0:
+            path = self.save()
+        elif self.leader and self.step > 0:
+            path = self.folder.checkpoints / checkpoint_name(self.step)
+        name = signal.Signals(signum).name
+        if self.leader:
+            if path is not None:
+                m.info(f"stopped by {name}: saved {path}; continue with --resume --run-dir {self.run_dir}", self.step)
+            else:
+                m.info(f"stopped by {name} before the first step: nothing to save", self.step)
+        m.close()
+        raise Interrupted(signum, path, clean=True)
+
+    def _finish(self) -> dict[str, Any]:
+        m = self.metrics
+        self.algo.finalize()
+        # resumed from the run's final checkpoint: nothing trained since, and its last lines are already there
+        at_end = self.resumed_from is not None and self.step == self.progress.start_step
+        if self.last_val is not None and self.last_val[0] == self.step and not self.algo.round_based:
+            val = self.last_val[1]
+        else:
+            val = self.evaluate()
+            if not (at_end and self.folder.final_line_logged(self.step)):
+                # the done line below prints it
+                m.log(self.report.final_line(val, self.bits_per_byte(val), self.optimizer.param_groups[0]["lr"]),
+                      show=False)
+        if self.cfg.run.checkpoint_final:  # again at_end too: the checkpoint there may predate algo.finalize()
+            self.save()
+        summary = self.report.summary(val, self.bits_per_byte(val), self.run_dir)
+        summary.update(self._sources())
+        if self.leader:
+            path = self.folder.write_summary(summary)
+            if self.cfg.log.plot:
+                plot_runs([self.run_dir], self.run_dir / "loss.png", title=self.cfg.run.name)
+            m.info(f"done at step {self.step}: val_loss {val:.4f} after {summary['tokens']:,} tokens in "
+                   f"{summary['wall_s']:.1f}s; summary in {path}")
+        m.close()
+        return summary
+
+
+def train(cfg: Config, model: Optional[nn.Module] = None, **kwargs: Any) -> dict[str, Any]:
+    """Train from a config; returns the summary. ``kwargs``: :class:`Trainer`'s."""
+    trainer = Trainer(cfg, model=model, **kwargs)
+    owned = kwargs.get("transport") is None
+    try:
+        summary = trainer.fit()
+    except BaseException as e:
+        trainer.close_data()
+        if owned:  # a failing run ends now, with its error: it does not wait for exchanges other ranks won't finish
+            if isinstance(e, Interrupted) and e.clean:
+                trainer.transport.close()  # every worker stopped here together, after the save
+            else:
+                trainer.transport.abort()
+        raise
+    trainer.close_data()
+    if owned:
+        trainer.transport.close()
+    return summary

@@ -1,0 +1,1 @@
+"""``loco simulate``: N workers, each the ordinary training loop, on one device."""

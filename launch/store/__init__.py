@@ -1,0 +1,1 @@
+"""What a run keeps on disk: every file written whole or appended, and checkpoint files."""
