@@ -198,17 +198,18 @@ def test_a_signal_during_the_final_checkpoint_stops_after_it_is_written(tmp_path
     Interrupted naming it, and the checkpoint loads."""
     from launch.config import load_config
     from launch.loop.signals import Interrupted, stop_signals
-    from launch.loop.trainer import Trainer, train
+    from launch.loop.checkpointer import Checkpointer
+    from launch.loop.trainer import train
 
-    state_dict = Trainer.state_dict
+    state_dict = Checkpointer.state_dict
 
     def with_a_signal(self):
         state = state_dict(self)
-        if self.step == 4:  # only the final save's state carries it
+        if self.parts.progress.step == 4:  # only the final save's state carries it
             state["extra"] = _Signals(1)
         return state
 
-    monkeypatch.setattr(Trainer, "state_dict", with_a_signal)
+    monkeypatch.setattr(Checkpointer, "state_dict", with_a_signal)
     cfg, _ = load_config([TINY], [*FAST, "run.max_steps=4", "run.checkpoint_every=0", "run.eval_every=0",
                                   f"run.dir={tmp_path / 'run'}", "log.plot=false"])
     with stop_signals():

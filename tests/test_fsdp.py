@@ -12,7 +12,7 @@ from conftest import FAST, TINY, loco, max_diff
 from conftest import torchrun_nodes as nodes
 from diloco.algorithm import algorithm_class
 from launch.store.checkpoint import latest_checkpoint, load_checkpoint, payload_bytes, slices_folder
-from launch.loop.rundir import RunDir
+from launch.loop.checkpointer import Checkpointer
 
 RUN = ["run.batch_size=2", "run.eval_every=0", "sim.baseline=none", "log.every=2", "run.checkpoint_every=3",
        "algo.name=streaming", "algo.inner_steps=4", "algo.fragments=2", "algo.overlap_steps=2"]
@@ -75,7 +75,7 @@ def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_pa
     # at that step: its model, AdamW's moments, the global copy, the outer momenta and the exchange in flight
     sim_at_3 = load_checkpoint(tmp_path / "sim" / "checkpoints" / "step_00000003.pt")
     for w in sim_at_3["workers"]:
-        joined = RunDir.whole_worker(to_sim / "checkpoints" / "step_00000003.pt", b["slices"],
+        joined = Checkpointer.whole_worker(to_sim / "checkpoints" / "step_00000003.pt", b["slices"],
                                         w["data"]["worker_index"], algorithm_class("streaming"))
         assert joined["algo"]["pending"], "no exchange was in flight at the checkpoint"
         assert same_state(joined["algo"], w["algo"]) < 1e-5
@@ -166,7 +166,7 @@ def test_sparseloco_error_feedback_moves_between_layouts(tmp_path, capfd):
         assert node.returncode == 0, node.stderr[-3000:]
     unbroken = latest_checkpoint(first / "checkpoints")[1]
     (first / "checkpoints" / "step_00000002.pt").unlink()
-    at_1 = RunDir.whole_worker(first / "checkpoints" / "step_00000001.pt", {"nodes": 2, "per_node": 2}, 0,
+    at_1 = Checkpointer.whole_worker(first / "checkpoints" / "step_00000001.pt", {"nodes": 2, "per_node": 2}, 0,
                                algorithm_class("sparseloco"))
     (residual,) = at_1["algo"]["codec"]["residuals"].values()  # tiny's pieces make one bucket
     assert residual.numel() == sum(g.numel() for g in at_1["algo"]["global_params"]) and residual.abs().max() > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -371,3 +372,119 @@ def test_launch_never_compares_an_algorithm_name():
     for path in _modules("launch"):
         found = _name_comparisons(path.read_text())
         assert not found, f"{path.relative_to(ROOT)} compares algorithm names: {found}"
+
+
+# ---- rooms of one job: sizes, the loop's module, probes --------------------------------------------------------
+ROOM_LINES = 500  # a module past this is a sign to split it
+TRAINER_LINES = 350  # the loop's module: what a step does and what follows it, nothing else
+
+
+def _too_long(root: Path) -> list[str]:
+    """Every module of the three packages past ``ROOM_LINES``, and the module defining ``Trainer`` at or past
+    ``TRAINER_LINES``."""
+    found = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            text = path.read_text()
+            lines = len(text.splitlines())
+            if lines > ROOM_LINES:
+                found.append(f"{path.relative_to(root)}: {lines} lines")
+            if re.search(r"^class Trainer\b", text, re.M) and lines >= TRAINER_LINES:
+                found.append(f"{path.relative_to(root)} defines Trainer in {lines} lines")
+    return found
+
+
+def test_no_module_outgrows_its_room(tmp_path):
+    assert _too_long(ROOT) == []
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "diloco/big.py").write_text("x = 1\n" * (ROOM_LINES + 1))
+    (tmp_path / "launch/loop.py").write_text("class Trainer:\n" + "    x = 1\n" * TRAINER_LINES)
+    (tmp_path / "demo_optim/fine.py").write_text("x = 1\n" * ROOM_LINES)
+    assert _too_long(tmp_path) == [f"diloco/big.py: {ROOM_LINES + 1} lines",
+                                   f"launch/loop.py defines Trainer in {TRAINER_LINES + 1} lines"]
+
+
+def test_launch_is_a_few_wings():
+    """``launch/`` holds its wings (packages by job), the entry points, the one error and the re-exported loop."""
+    entries = sorted(p.name for p in (ROOT / "launch").iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 15, entries
+    loose = [e for e in entries if e.endswith(".py")]
+    assert loose == ["__init__.py", "__main__.py", "errors.py", "trainer.py"], loose
+
+
+# Probes on objects that are not loco's: their attribute differs by library version or by subcommand
+FOREIGN = {
+    ("diloco/comm/hivemind/registry.py", "v"): "a value hivemind's DHT returns",
+    ("diloco/extras.py", "e"): "an ImportError",
+    ("launch/cli/commands.py", "args"): "argparse's namespace: each subcommand has its own flags",
+    ("launch/loop/runtime.py", "inductor"): "torch's inductor config, whose keys differ by torch version",
+}
+
+
+def _declared_names(root: Path) -> set[str]:
+    """Every attribute and method a class of the three packages declares (defines, assigns on self, or names in
+    its body)."""
+    names = set()
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            for cls in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(cls, ast.ClassDef):
+                    continue
+                for node in cls.body:
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        names.add(node.name)
+                    elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                        names.add(node.target.id)
+                    elif isinstance(node, ast.Assign):
+                        names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+                for node in ast.walk(cls):
+                    if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                            and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                        names.add(node.attr)
+    return names - {"__init__"}
+
+
+def _probes(root: Path) -> list[str]:
+    """``hasattr(x, "name")`` and ``getattr(x, "name", default)`` where a class of loco's declares ``name``: a
+    question an interface should answer. Probes on the objects in ``FOREIGN`` are not counted."""
+    declared = _declared_names(root)
+    found = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            where = str(path.relative_to(root))
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and node.func.id in ("hasattr", "getattr") and len(node.args) >= 2):
+                    continue
+                name = node.args[1]
+                if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
+                    continue
+                if node.func.id == "getattr" and len(node.args) == 2:  # no default: an attribute by name, not a probe
+                    continue
+                if name.value in declared and (where, ast.unparse(node.args[0])) not in FOREIGN:
+                    found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_loco_asks_its_own_objects_through_interfaces(tmp_path):
+    assert _probes(ROOT) == []
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "launch/batches.py").write_text("class Batcher:\n    def close(self):\n        pass\n")
+    (tmp_path / "launch/loop.py").write_text(
+        "def end(batcher, args):\n    if hasattr(batcher, 'close'):\n        batcher.close()\n"
+        "    return getattr(args, 'close', None), getattr(args, 'seed', 0)\n")
+    assert _probes(tmp_path) == ["launch/loop.py:2 hasattr(batcher, 'close')",
+                                 "launch/loop.py:4 getattr(args, 'close', None)"]
+
+
+def test_dtensor_checks_go_through_comm():
+    """Whether a tensor is a DTensor, and its local part, are asked of one helper in ``diloco/comm/``, the room
+    that alone imports ``torch.distributed``."""
+    for path in _modules("diloco") + _modules("demo_optim") + _modules("launch"):
+        if "comm" in path.relative_to(ROOT).parts:
+            continue
+        text = path.read_text()
+        bad = [w for w in ('"to_local"', "'to_local'", '"device_mesh"', "'device_mesh'") if w in text]
+        assert not bad, f"{path.relative_to(ROOT)} probes a DTensor by {bad}: use diloco.comm's helper"

@@ -401,8 +401,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"loco {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # launch.loop.signals.Interrupted names the signal and the checkpoint it saved
-        signum = getattr(e, "signum", signal.SIGINT)
-        saved = f"; saved {e.saved}" if getattr(e, "saved", None) else ""
+        from launch.loop.signals import Interrupted
+
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        saved = f"; saved {e.saved}" if isinstance(e, Interrupted) and e.saved else ""
         who = "the user (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
         print(f"loco {args.command}: stopped by {who}{saved}", file=sys.stderr)
         return 128 + int(signum)  # 130 for Ctrl-C, 143 for SIGTERM, as a shell reports a process they ended

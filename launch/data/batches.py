@@ -11,7 +11,7 @@ rows would see, and a batch depends only on the step, which makes resume exact.
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -100,6 +100,25 @@ def val_bytes_per_token(batcher: "Batcher | StreamBatcher", tokenizer: Optional[
     return total / count if count else None
 
 
+class Batches(Protocol):
+    """What the loop asks of a worker's batches, from arrays (:class:`Batcher`) or a stream (``StreamBatcher``)."""
+
+    #: whether a checkpoint must carry the batcher's position (a stream's), or the step alone places it
+    keeps_position: bool
+
+    def samples_before(self, step: int) -> int: ...
+
+    def train_batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def val_batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def state_dict(self) -> Optional[dict[str, Any]]: ...
+
+    def load_state_dict(self, position: Optional[dict[str, Any]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 def make_batcher(data: TokenData, seq_len: int, batch_size: int, worker_index: int = 0, num_workers: int = 1,
                  seed: int = 0, grad_accum: int = 1) -> "Batcher | StreamBatcher":
     """A worker's batcher: windows cut from splits held in memory or on disk, or read from a stream."""
@@ -112,6 +131,7 @@ class Batcher:
     """Deterministic batches for one worker: a pure function of (step, micro-batch)."""
 
     FULL_PERMUTATION_LIMIT = 1 << 24
+    keeps_position = False  # the step places every batch
 
     def __init__(self, data: TokenData, seq_len: int, batch_size: int, worker_index: int = 0,
                  num_workers: int = 1, seed: int = 0, grad_accum: int = 1) -> None:
@@ -162,5 +182,14 @@ class Batcher:
         start = k * self.micro
         return self._stack(self.val, [(start + j) % self.val.n for j in range(self.micro)], "validation")
 
+    def state_dict(self) -> None:
+        return None
 
-__all__ = ["Batcher", "Windows", "encoded", "load_data", "make_batcher"]
+    def load_state_dict(self, position: Optional[dict[str, Any]]) -> None:
+        """Nothing to take: the step places every batch."""
+
+    def close(self) -> None:
+        """Nothing to stop: the windows are read as asked."""
+
+
+__all__ = ["Batcher", "Batches", "Windows", "encoded", "load_data", "make_batcher"]

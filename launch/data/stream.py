@@ -160,6 +160,8 @@ class StreamBatcher:
     """A worker's batches from a stream: ``train_batch`` hands out the next micro-batch (the loop asks for them in
     order); ``state_dict`` is the position after the last one handed out."""
 
+    keeps_position = True
+
     def __init__(self, data: TokenData, seq_len: int, batch_size: int, worker_index: int = 0,
                  num_workers: int = 1, grad_accum: int = 1) -> None:
         self.spec: StreamSpec = data.stream

@@ -31,6 +31,7 @@ class Tokenizer:
     vocab_size: int
     eos: int
     sha256: Optional[str]
+    json: Optional[str] = None  # the file it was read from, for tokenizers that have one (a BPE's)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         raise NotImplementedError

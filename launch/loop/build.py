@@ -15,6 +15,7 @@ from diloco.muon import MuonAdamW
 from launch.config.algorithms import algorithm_class
 from launch.config import Config
 from launch.errors import RunError
+from launch.models.base import output_head
 from launch.models.hf.causal_lm import build_hf_model, load_hf_weights
 from launch.models.hf.from_llama import load_loco_weights, loco_args_of
 from launch.models.transformer import Transformer, model_args_from_config
@@ -66,7 +67,7 @@ def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
     """The parameters Muon steps: every 2-D parameter outside the embeddings and the output head (a model names
     its head by ``output_head()``; a tied head is the embedding)."""
     outside = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    head = model.output_head() if hasattr(model, "output_head") else None
+    head = output_head(model)
     if head is not None:
         outside |= {id(p) for p in head.parameters()}
     return [p for p in model.parameters() if p.requires_grad and p.dim() == 2 and id(p) not in outside]
@@ -106,11 +107,10 @@ def _decay_groups(params: list[nn.Parameter], ocfg) -> list[dict[str, Any]]:
 
 def shard_worker(transport: Transport, model: nn.Module, bf16: bool) -> nn.Module:
     """``run.shard: fsdp``: the model sharded among the processes of this worker's node, by its transport."""
-    shard = getattr(transport, "shard", None)
-    if shard is None:
+    if not transport.shards_worker:
         raise RunError("run.shard=fsdp shards a worker among the processes of a node started by torchrun; here each "
                        "worker is one process (loco simulate, loco join): leave run.shard at none")
-    return shard(model, bf16)
+    return transport.shard(model, bf16)
 
 
 def build_algorithm(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,

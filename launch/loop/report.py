@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -14,6 +15,7 @@ from launch.config import Config
 from launch.metrics.log import Metrics
 from launch.metrics.mfu import Mfu
 from launch.loop.schedule import Progress, RunClock
+from launch.models.hf.causal_lm import folder_sha256
 
 
 class Window:
@@ -116,3 +118,12 @@ class Reporter:
         if codec is None or not codec.stats.wire_bytes:
             return {}
         return {"codec_chain": codec.chain, "compression_ratio": codec.stats.ratio}
+
+
+def run_sources(tokenizer: Any, init_from: Optional[str]) -> dict[str, Any]:
+    """What a run started from, for summary.json: its tokenizer, and the weights of ``model.init_from``."""
+    out: dict[str, Any] = {"tokenizer": None if tokenizer is None else {
+        "name": tokenizer.name, "sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size}}
+    if init_from:
+        out["init_from"] = {"path": init_from, "sha256": folder_sha256(Path(init_from))}
+    return out

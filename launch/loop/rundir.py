@@ -1,5 +1,6 @@
-"""The run folder: which one a run writes (a new one, the one it resumes, the one it starts over in), the
-checkpoint it resumes from, its ``config.yaml`` and ``summary.json``, and moving an earlier run aside.
+"""The run folder: which one a run writes (a new one, the one it resumes, the one it starts over in), its
+``config.yaml``, ``summary.json`` and ``tokenizer.json``, and moving an earlier run aside. What its checkpoints
+hold and how a run resumes from them is :mod:`launch.loop.checkpointer`'s.
 
 Rank 0 decides and every process of the run follows its answer (one broadcast), so processes whose clocks or
 files differ still agree on one folder and one checkpoint.
@@ -15,12 +16,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
-from diloco.comm import Transport, read_slices
-from diloco.reshard import join_model
-from launch.store.checkpoint import checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint, slices_folder
+from diloco.comm import Transport
+from launch.store.checkpoint import list_checkpoints, slices_folder
 from launch.config import Config, dump_config
+from launch.data.tokenizer import Tokenizer
 from launch.errors import RunError
-from launch.store.disk import fsync_dir, write_file
+from launch.store.disk import write_file
 from launch.metrics.log import read_metrics, truncate_metrics
 
 # what --restart (or a new run over one that left no checkpoint) moves aside
@@ -47,38 +48,6 @@ class RunDir:
         self.leader = transport.is_leader
         self.path = Path(joined) if joined is not None else self._agree()
         self.checkpoints = self.path / "checkpoints"
-
-    # ---- a sharded run's checkpoints: every process's own state beside the file ----------------------
-    def save_slices(self, step: int, state: dict[str, Any]) -> None:
-        """Every process's own ``state`` (its slices: its share of the model, the optimizer's and the algorithm's
-        state, its RNG) into the slices folder of step ``step``'s checkpoint (a collective of every process),
-        through a temporary folder the leader renames once all have written: the checkpoint's file, written after,
-        stands for both."""
-        final = slices_folder(self.checkpoints / checkpoint_name(step))
-        tmp = final.with_name(f".{final.name}.tmp")
-        if self.leader:
-            self.checkpoints.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        self.transport.barrier()
-        self.transport.save_slices(tmp, state)
-        if self.leader:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            fsync_dir(final.parent)
-        self.transport.barrier()
-
-    def load_slices(self, path: Path) -> dict[str, Any]:
-        """This process's own state in the checkpoint ``path`` of a sharded run laid out as this one."""
-        return self.transport.load_slices(slices_folder(path))
-
-    @staticmethod
-    def whole_worker(path: Path, written: dict[str, int], worker: int, algorithm: type) -> dict[str, Any]:
-        """Worker ``worker``'s state held whole, from the checkpoint ``path`` of a sharded run laid out as
-        ``written`` (nodes, processes a node): the parts its processes kept, joined (:mod:`diloco.reshard`);
-        ValueError where they cannot be."""
-        parts = [read_slices(slices_folder(path), worker * written["per_node"] + q) for q in range(written["per_node"])]
-        return {**parts[0], "model": join_model([p["model"] for p in parts], parts[0].get("cut_keys", [])),
-                "algo": algorithm.whole_state([p["algo"] for p in parts])}
 
     def _agree(self) -> Path:
         run = self.cfg.run
@@ -122,44 +91,12 @@ class RunDir:
         except OSError as e:
             raise RunError(f"{path}: the run folder cannot be made: {e.strerror or e}") from None
 
-    def resume_state(self, rank: int) -> Optional[tuple[Path, dict[str, Any]]]:
-        """The checkpoint to resume from and its state, as every process of the run agreed on it (``run.resume``);
-        None where there is none. A folder whose checkpoints all fail to load is a RunError: starting over
-        would lose the run (and prune its files)."""
-        if not self.cfg.run.resume or self.joined:
-            return None
-        found = None
-        if self.leader:
-            skipped: list[str] = []
-            hit = latest_checkpoint(self.checkpoints, map_location="cpu", on_skip=skipped.append)
-            if hit is not None:
-                for line in skipped:
-                    print(f"[worker {rank}] skipping checkpoint {line}", file=sys.stderr, flush=True)
-                found = str(hit[0])
-            elif skipped:
-                found = ("error", unreadable_message(self.path, self.checkpoints))
-        found = self.transport.broadcast_object(found)
-        if isinstance(found, tuple):
-            raise RunError(found[1])
-        if found is None:
-            if self.leader:
-                print(f"[worker {rank}] no checkpoint in {self.checkpoints}: starting from step 0", flush=True)
-                self.truncate_metrics(0)  # an earlier attempt's lines would repeat
-            return None
-        # every process reads the file; processes on another machine without it get the leader's copy
-        have = self.transport.all_gather_object(Path(found).is_file())
-        if all(have):
-            state = load_checkpoint(found, map_location="cpu")
-        else:
-            state = self.transport.broadcast_object(load_checkpoint(found, map_location="cpu") if self.leader else None)
-        return Path(found), state
-
     def truncate_metrics(self, step: int) -> None:
         truncate_metrics(self.path / "metrics.jsonl", step)
 
-    def write_tokenizer(self, tokenizer: Any) -> None:
+    def write_tokenizer(self, tokenizer: Optional[Tokenizer]) -> None:
         """A copy of a BPE tokenizer's file (the checkpoints hold it too), for tools that read the folder."""
-        if self.leader and getattr(tokenizer, "json", None):
+        if self.leader and tokenizer is not None and tokenizer.json:
             self._write("tokenizer.json", tokenizer.json)
 
     def write_config(self, cfg: Config) -> None:
@@ -202,11 +139,3 @@ def discard_run(path: Path, why: str = "--restart") -> Optional[Path]:
     print(f"loco: {why}: moved {len(movable)} file(s) of the earlier run to {dest}", file=sys.stderr, flush=True)
     return dest
 
-
-def unreadable_message(run_dir: Path, ckpt_dir: Path) -> str:
-    """The one line that refuses to resume from a folder whose checkpoints are all unreadable."""
-    names = [p.name for p in list_checkpoints(ckpt_dir)]
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    return (f"{ckpt_dir}: none of its {len(names)} checkpoint(s) can be read ({shown}: truncated, corrupted or "
-            f"not loco checkpoints), so there is nothing to resume from; remove them, or pass --restart instead "
-            f"of --resume to start over from step 0 in {run_dir} (they are moved to {run_dir}/discarded-<time>/)")

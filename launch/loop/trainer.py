@@ -7,11 +7,8 @@ conditions ``run.max_steps`` and ``run.max_time`` (a resumed run gets the budget
 resume). At the end: a last validation, a checkpoint, summary.json and a plot. A signal stops the loop where it
 can save (:mod:`launch.loop.signals`).
 
-The loop's rooms: the process and device (:mod:`launch.loop.runtime`), what a run is built of (:mod:`launch.loop.build`),
-the run folder and resume (:mod:`launch.loop.rundir`), the step's compute (:mod:`launch.loop.compute`), progress, lr and stop
-rule (:mod:`launch.loop.schedule`), shared state as bytes (:mod:`launch.loop.shared_state`) and what the run reports
-(:mod:`launch.loop.report`). What ``loco join`` and ``loco simulate`` add comes in through :class:`Hooks` and the
-constructor.
+The rooms it holds are its wing's (``launch/loop/``): checkpoints and resume are the :class:`Checkpointer`'s.
+What ``loco join`` and ``loco simulate`` add comes in through :class:`Hooks` and the constructor.
 
 Python API::
 
@@ -25,7 +22,6 @@ from __future__ import annotations
 
 import math
 import signal
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -34,27 +30,26 @@ import torch
 import torch.nn as nn
 
 from diloco.comm import Transport, make_transport
-from diloco.reshard import cut_model, sharded_keys
-from diloco.state import like_sharded, local_tree
-from launch.loop.build import build_algorithm, build_model, build_optimizer, shard_worker
-from launch.store.checkpoint import checkpoint_name, rng_state, set_rng_state
-from launch.loop.compute import StepCompute
-from launch.config import Config, changed_settings, shared_settings
-from launch.data.batches import Batcher, load_data, make_batcher, val_bytes_per_token
+from launch.config import Config, shared_settings
+from launch.data.batches import Batches, load_data, make_batcher, val_bytes_per_token
+from launch.data.tokens import TokenData
 from launch.errors import RunError
-from launch.models.hf.causal_lm import folder_sha256
-from launch.loop.memory import ProcessBytes, process_bytes
-from launch.metrics.log import Metrics
-from launch.metrics.mfu import matmul_precision, mfu_basis
-from launch.models.transformer import count_params
-from launch.metrics.plots import plot_runs
-from launch.loop.report import Reporter, Window
+from launch.loop.build import build_algorithm, build_model, build_optimizer, shard_worker
+from launch.loop.checkpointer import Checkpointer, WorkerParts
+from launch.loop.compute import StepCompute
+from launch.loop.memory import process_bytes
+from launch.loop.report import Reporter, Window, run_sources
 from launch.loop.rundir import RunDir
 from launch.loop.runtime import seed_everything, settle_threads, start_process, threads_note
 from launch.loop.schedule import LrSchedule, Progress, RunClock, StopRule
-from launch.loop.signals import STOP, Interrupted, save_waiting_for_it
-from launch.loop.shared_state import host_copy, load_shared_blob, shared_blob, shared_later
-from launch.data.tokens import TokenData
+from launch.loop.shared_state import load_shared_blob, shared_blob, shared_later
+from launch.loop.signals import STOP, Interrupted
+from launch.metrics.log import Metrics
+from launch.metrics.mfu import matmul_precision, mfu_basis
+from launch.metrics.plots import plot_runs
+from launch.models.base import model_args
+from launch.models.transformer import count_params
+from launch.store.checkpoint import checkpoint_name
 
 
 @dataclass
@@ -75,7 +70,7 @@ class Hooks:
 
 class Trainer:
     def __init__(self, cfg: Config, model: Optional[nn.Module] = None, transport: Optional[Transport] = None,
-                 data: Optional[TokenData] = None, *, batcher: Optional[Batcher] = None, restart: bool = False,
+                 data: Optional[TokenData] = None, *, batcher: Optional[Batches] = None, restart: bool = False,
                  join_run: Optional[Path] = None, hooks: Optional[Hooks] = None) -> None:
         """``batcher``: this worker's batches (default: its share of the run's, by rank). ``restart``: start over
         from step 0 in ``run.dir``, moving its checkpoints and metrics aside. ``join_run``: the folder of a run in
@@ -90,7 +85,7 @@ class Trainer:
                                                      settings={**shared_settings(cfg), "--restart": restart})
         self.rank, self.world, self.leader = self.transport.rank, self.transport.world_size, self.transport.is_leader
         # a worker may be several processes (a node of a torchrun mesh): each takes its share of the worker's batch
-        self.inner: Optional[Transport] = getattr(self.transport, "inner", None)
+        self.inner: Optional[Transport] = self.transport.inner
         procs = self.inner.world_size if self.inner is not None else 1
         self.micro_offset = (self.inner.rank if self.inner is not None else 0) * run.grad_accum
         seed_everything(run.seed)
@@ -105,7 +100,7 @@ class Trainer:
         if built_here:
             model, self.model_args = build_model(cfg, self.data, self.device)
         else:
-            self.model_args = getattr(model, "args", None)
+            self.model_args = model_args(model)
         self.model = model.to(self.device)
         self.threads = settle_threads(run.threads, self.device, count_params(self.model))  # (count, why) or None
         self.bf16 = run.precision == "bf16" or (run.precision == "auto" and self.device.type == "cuda")
@@ -133,11 +128,13 @@ class Trainer:
         self.mfu = mfu_basis(self.model, cfg.data.seq_len, self.device, matmul_precision(self.device, self.bf16))
         self.window = Window()
         self.last_val: Optional[tuple[int, float]] = None  # (step, val_loss) of the latest evaluation
-        self.saved_step: Optional[int] = None  # the step of the checkpoint this process last wrote or loaded
         self.folder = RunDir(cfg, self.transport, restart, join_run)
         self.run_dir = self.folder.path
-        self.resume_changes: Optional[str] = None  # settings changed since the checkpoint (set by a resume)
-        self.resumed_from = self._resume()
+        tokenizer = self.data.tokenizer
+        self.checkpoints = Checkpointer(cfg, self.transport, self.folder, WorkerParts(
+            self.model, self.algo, self.batcher, self.progress, self.clock, self.window, tokenizer, self.model_args),
+            processes=self.inner.world_size if self.sharded else None)
+        self.resumed_from = self.checkpoints.resume()
         self.folder.write_config(cfg)
         self.folder.write_tokenizer(self.data.tokenizer)
         self.progress.start_step = self.step
@@ -154,132 +151,11 @@ class Trainer:
         return self.progress.step
 
     @property
-    def slice_layout(self) -> Optional[dict[str, int]]:
-        """How a sharded run's processes are laid out (its slices are cut for them); None unsharded."""
-        return {"nodes": self.world, "per_node": self.inner.world_size} if self.sharded else None
+    def resume_changes(self) -> Optional[str]:
+        """The settings changed since the checkpoint this run resumed from (None: none, or no resume)."""
+        return self.checkpoints.resume_changes
 
     # ---- state ------------------------------------------------------------------------------
-    def _resume(self) -> Optional[Path]:
-        found = self.folder.resume_state(self.rank)
-        if found is None:
-            return None
-        path, state = found
-        self.resume_changes = changed_settings(state.get("config"), self.cfg)
-        try:
-            if "slices" in state or self.sharded:
-                state = {**state, "mine": self._process_state(path, state)}
-            self.load_state(state)
-        except (ValueError, RuntimeError) as e:  # another algorithm, model shape or fragment layout
-            text = str(e).strip()
-            text = text if len(text) <= 600 else text[:600] + " ..."
-            changed = f"\nSettings changed since it was saved: {self.resume_changes}" if self.resume_changes else ""
-            raise RunError(f"{path}: cannot resume this run from it: {text}{changed}") from None
-        if self.leader:
-            self.folder.truncate_metrics(self.step)
-        self.saved_step = self.step
-        return path
-
-    def worker_state(self) -> dict[str, Any]:
-        """What differs between workers: local model, algorithm (inner and outer optimizer), data, RNG."""
-        return {
-            "step": self.step,
-            "model": self.model.state_dict(),
-            "algo": self.algo.state_dict(),
-            "data": {"samples": self.batcher.samples_before(self.step), "worker_index": self.rank,
-                     "num_workers": self.world, "seed": self.cfg.run.seed},
-            "rng": rng_state(),
-            "comm": self.transport.stats.as_dict(),
-            "log_window": self.window.state(),
-            "followed": self.progress.followed,
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        """The checkpoint: shared fields, then the worker state (replicated algorithms) or all workers' states."""
-        shared: dict[str, Any] = {
-            "wall_s": self.clock.wall_s(),
-            "budget_s": self.clock.budget_spent_s(),
-            "config": self.cfg.to_dict(),
-            "model_args": vars(self.model_args) if self.model_args is not None else None,
-            "hf_config": self.model.config_dict() if hasattr(self.model, "config_dict") else None,
-            "tokenizer": self.data.tokenizer.state() if self.data.tokenizer is not None else None,
-            "num_workers": self.world,
-        }
-        if hasattr(self.batcher, "state_dict"):  # each worker's stream position, by worker (churn leaves gaps)
-            shared["streams"] = self.transport.gather_object((self.rank, self.batcher.state_dict()))
-        if self.sharded:  # every process's own state goes into the slices folder (save); here the whole model
-            with self.algo.evaluation_weights():
-                whole = self.transport.whole_model_state(self.model)
-            return {**shared, "model": whole, "slices": self.slice_layout, **self._clock_state()} if self.leader else {}
-        if self.algo.replicated_state:
-            mine = self.worker_state()
-            return {**shared, **mine, **self._clock_state()}
-        mine = host_copy(self.worker_state())
-        states = self.transport.gather_object(mine)  # on the leader only
-        clock = self._clock_state()
-        if states is None:
-            return {}
-        with self.algo.evaluation_weights():  # the global model, for sampling and evaluation
-            global_model = host_copy(self.model.state_dict())
-        return {**shared, "model": global_model, "workers": states, **clock}
-
-    def _clock_state(self) -> dict[str, Any]:
-        """The transport's clock (the simulator's virtual time), read after the workers' states: an exchange in
-        flight that a state waits for moves it."""
-        clock = self.transport.clock_state()
-        return {} if clock is None else {"clock": clock}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        self._same_workers(state)
-        mine = self._my_state(state)
-        self.model.load_state_dict(mine["model"])
-        self.algo.load_state_dict(mine["algo"])
-        set_rng_state(mine["rng"])
-        self.progress.step, self.progress.followed = int(mine["step"]), int(mine.get("followed", 0))
-        if hasattr(self.batcher, "load_state_dict"):
-            self.batcher.load_state_dict(dict(state.get("streams") or []).get(self.rank))
-        self.clock.wall_prior = float(state.get("wall_s", 0.0))
-        self.clock.budget_prior = float(state["budget_s"])  # the time budget spent before (virtual in the simulator)
-        self.window.load(mine.get("log_window", {}))
-        comm = mine.get("comm", {})
-        self.transport.stats.bytes_sent = int(comm.get("bytes_sent", 0))
-        self.transport.stats.bytes_received = int(comm.get("bytes_received", 0))
-        self.transport.stats.peak_bytes = int(comm.get("peak_bytes", 0))
-        if "clock" in state:
-            self.transport.load_clock_state(state["clock"])
-
-    def _same_workers(self, state: dict[str, Any]) -> None:
-        if state.get("num_workers", 1) != self.world:
-            raise RunError(f"the checkpoint was written by {state.get('num_workers', 1)} workers and this run has "
-                           f"{self.world}; resume with the same number of workers")
-
-    def _process_state(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
-        """This process's state where the checkpoint or this run is sharded: its own slices where both are laid
-        out alike; else its worker's state held whole (joined from the slices of the processes that wrote it, or
-        as an unsharded run wrote it), cut for this process (:mod:`diloco.reshard`)."""
-        written = state.get("slices")
-        if written == self.slice_layout:
-            return self.folder.load_slices(path)
-        self._same_workers(state)
-        whole = self.folder.whole_worker(path, written, self.rank, type(self.algo)) if written else self._my_state(state)
-        return {**whole, "model": cut_model(self.model.state_dict(), whole["model"]),
-                "algo": self.algo.cut_state(whole["algo"])}
-
-    def _my_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """This worker's part of a checkpoint. A worker a simulation with churn had away when it was written has
-        none: it comes back as a joining worker would, on worker 0's state (the run's model, at the run's step).
-        A sharded run's process takes its own state, its slices made its model's layout again."""
-        if "mine" in state:
-            mine = state["mine"]
-            return {**mine, "model": like_sharded(self.model.state_dict(), mine["model"])}
-        if "workers" not in state:
-            return state
-        workers = {int(w["data"]["worker_index"]): w for w in state["workers"]}
-        if self.rank in workers:
-            return workers[self.rank]
-        print(f"[worker {self.rank}] away when the checkpoint was written: it starts from worker 0's state",
-              file=sys.stderr, flush=True)
-        return workers[0]
-
     def shared_state_blob(self, **extra: Any) -> bytes:
         """What every worker shares, and ``extra``, as bytes (:func:`launch.loop.shared_state.shared_blob`)."""
         return shared_blob(self.algo, **extra)
@@ -305,19 +181,9 @@ class Trainer:
         self.progress.step = step
 
     def save(self) -> Optional[Path]:
-        """Rank 0 writes; algorithms whose workers differ first gather every worker's state (a collective). A
-        sharded worker's processes first write their own states together (:meth:`RunDir.save_slices`)."""
-        if self.sharded:
-            mine = self.worker_state()
-            self.folder.save_slices(self.step, {**local_tree(mine), "cut_keys": sharded_keys(mine["model"])})
-        state = self.state_dict()
-        self.saved_step = self.step
-        if not self.leader:
-            return None
-        before = STOP.signum
-        path = save_waiting_for_it(self.folder.checkpoints, self.step, state, keep=self.cfg.run.keep_checkpoints)
-        if before is None and STOP.signum is not None and STOP.listening == 0:
-            # a first signal came during a save outside the loop (the final one): it waited, and stops here
+        """A checkpoint of this step (:meth:`Checkpointer.save`, a collective); the path, on the leader."""
+        path = self.checkpoints.save()
+        if path is not None and self.checkpoints.signalled_while_saving:
             self.metrics.info(f"stopped by {signal.Signals(STOP.signum).name}: saved {path}; continue with --resume "
                               f"--run-dir {self.run_dir}", self.step)
             self.metrics.close()
@@ -344,9 +210,7 @@ class Trainer:
 
     def close_data(self) -> None:
         """Stop a stream's reader (a batcher cut from arrays has nothing to stop)."""
-        close = getattr(self.batcher, "close", None)
-        if close is not None:
-            close()
+        self.batcher.close()
 
     def fit(self) -> dict[str, Any]:
         if self.leader:
@@ -414,29 +278,16 @@ class Trainer:
             m.info(self.mfu.describe())
         if self.sharded:
             m.info(f"each of a worker's {self.inner.world_size} processes holds its slices (run.shard: fsdp): "
-                   f"{self.memory().describe()}")
+                   f"{process_bytes(cfg, count_params(self.model), self.inner.world_size).describe()}")
         if self.resumed_from:
             changes = f"; settings changed since it was saved: {self.resume_changes}" if self.resume_changes else ""
             m.info(f"resumed from {self.resumed_from}{changes}", self.step)
-
-    def memory(self) -> ProcessBytes:
-        """What this process holds for the worker's training state (:mod:`launch.loop.memory`)."""
-        return process_bytes(self.cfg, count_params(self.model), self.inner.world_size if self.sharded else 1)
-
-    def _sources(self) -> dict[str, Any]:
-        """What the run started from, for summary.json: its tokenizer, and the weights of ``model.init_from``."""
-        tok, init = self.data.tokenizer, self.cfg.model.init_from
-        out: dict[str, Any] = {"tokenizer": None if tok is None else {"name": tok.name, "sha256": tok.sha256,
-                                                                      "vocab_size": tok.vocab_size}}
-        if init:
-            out["init_from"] = {"path": init, "sha256": folder_sha256(Path(init))}
-        return out
 
     def _stop(self, signum: int) -> None:
         """Save where a signal stopped the loop (every worker is here), then raise Interrupted."""
         m = self.metrics
         path = None
-        if self.step != self.saved_step and self.step > 0:
+        if self.step != self.checkpoints.saved_step and self.step > 0:
             path = self.save()
         elif self.leader and self.step > 0:
             path = self.folder.checkpoints / checkpoint_name(self.step)
@@ -465,7 +316,7 @@ class Trainer:
         if self.cfg.run.checkpoint_final:  # again at_end too: the checkpoint there may predate algo.finalize()
             self.save()
         summary = self.report.summary(val, self.bits_per_byte(val), self.run_dir)
-        summary.update(self._sources())
+        summary.update(run_sources(self.data.tokenizer, self.cfg.model.init_from))
         if self.leader:
             path = self.folder.write_summary(summary)
             if self.cfg.log.plot:

@@ -21,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from launch.models.base import RunModel
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -155,7 +157,7 @@ def _embedding(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 _lookup = _embedding
 
 
-class Transformer(nn.Module):
+class Transformer(RunModel):
     """Token ids [B, T] -> logits [B, T, vocab]."""
 
     def __init__(self, args: ModelArgs) -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from launch.errors import RunError
+from launch.models.base import RunModel
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -82,7 +83,7 @@ def n_layers_of(config: Any) -> int:
     return config_value(config, LAYER_KEYS) or 1
 
 
-class HFCausalLM(nn.Module):
+class HFCausalLM(RunModel):
     """A ``transformers`` causal LM taking ids to logits. ``hf`` is the model; its ``state_dict`` keys start
     with ``hf.``."""
 
