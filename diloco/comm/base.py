@@ -103,10 +103,6 @@ class Transport(ABC):
     bucket_bytes: int = 32 << 20
     caps: Capabilities = Capabilities()  # what it can do beyond moving bytes (each transport states its own)
     bounds: RobustBounds = RobustBounds()  # what one member's update may weigh in a robust mean
-    # the transport among one worker's own processes (a node mesh's); None where a worker is one process
-    inner: Optional["Transport"] = None
-    # whether a worker's model is cut among its processes (run.shard: fsdp): see shard, save_slices, load_slices
-    shards_worker: bool = False
 
     def __init__(self) -> None:
         self.stats = CommStats()
@@ -224,23 +220,6 @@ class Transport(ABC):
         """Steps this worker trained, where it may have been away for some of the run's (the simulator under
         churn: a worker that comes back takes the run's step count); None where that is its step count."""
         return None
-
-    # ---- a worker cut among its processes (shards_worker): the sharded node mesh answers these ----------------
-    def shard(self, model: torch.nn.Module, bf16: bool) -> torch.nn.Module:
-        """``model`` sharded among this worker's processes, in place."""
-        raise TransportError(f"{type(self).__name__} runs a worker in one process: it has nothing to shard among")
-
-    def save_slices(self, folder: Any, state: dict[str, Any]) -> None:
-        """Every process's own ``state`` into ``folder`` (a collective of every process)."""
-        raise TransportError(f"{type(self).__name__} runs a worker in one process: it has no slices to save")
-
-    def load_slices(self, folder: Any) -> dict[str, Any]:
-        """This process's part of a :meth:`save_slices` folder."""
-        raise TransportError(f"{type(self).__name__} runs a worker in one process: it has no slices to load")
-
-    def whole_model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The sharded ``model``'s weights whole, at the leader."""
-        raise TransportError(f"{type(self).__name__} runs a worker in one process: its model is whole")
 
     def clock_state(self) -> Optional[dict[str, Any]]:
         """What a checkpoint keeps of this transport's own clock (the simulator's virtual time), taken where every

@@ -107,7 +107,7 @@ def _decay_groups(params: list[nn.Parameter], ocfg) -> list[dict[str, Any]]:
 
 def shard_worker(transport: Transport, model: nn.Module, bf16: bool) -> nn.Module:
     """``run.shard: fsdp``: the model sharded among the processes of this worker's node, by its transport."""
-    if not transport.shards_worker:
+    if not transport.shards_model:
         raise RunError("run.shard=fsdp shards a worker among the processes of a node started by torchrun; here each "
                        "worker is one process (loco simulate, loco join): leave run.shard at none")
     return transport.shard(model, bf16)
