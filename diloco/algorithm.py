@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from diloco.comm.base import Transport
+from diloco.comm.dtensor import is_sharded, local_part
 from diloco.comm.local import LocalTransport
 from diloco.compress import collective, make_codec
 from diloco.compress.chain import parse_chain
@@ -179,10 +180,10 @@ class Algorithm:
         trainable = [p for p in model.parameters() if p.requires_grad]
         # a model sharded among a node's processes (run.shard: fsdp) holds DTensors: the algorithm works on this
         # process's slice of each (a plain tensor on the same storage), and the inner optimizer on the DTensors
-        self._sharded = any(hasattr(p, "to_local") for p in trainable)
+        self._sharded = any(is_sharded(p) for p in trainable)
         if self._sharded:
             with torch.no_grad():
-                self.params = [p.to_local() if hasattr(p, "to_local") else p for p in trainable]
+                self.params = [local_part(p) for p in trainable]
             self._slice_of = list(zip(trainable, self.params))
         else:
             self.params = trainable
@@ -303,7 +304,7 @@ class Algorithm:
         ones were reduce-scattered in the backward: each slice takes its part of its DTensor's gradient."""
         if self._sharded:
             for p, local in self._slice_of:
-                local.grad = None if p.grad is None or local is p else p.grad.to_local()
+                local.grad = None if p.grad is None or local is p else local_part(p.grad)
             return
         if self.inner is not None and self.inner.world_size > 1:
             for p in self.params:

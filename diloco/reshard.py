@@ -18,6 +18,7 @@ from typing import Any, Hashable, Optional, Sequence
 
 import torch
 
+from diloco.comm.dtensor import is_sharded, mesh_place
 from diloco.compress.flat import bucket_groups
 
 Span = Optional[tuple[int, int]]  # (first row, rows) of a parameter that this process holds; None: all of it
@@ -26,9 +27,9 @@ Span = Optional[tuple[int, int]]  # (first row, rows) of a parameter that this p
 def span_of(param: Any) -> Span:
     """The rows of the sharded ``param`` (a DTensor cut along its first dimension) that this process holds; None
     for a parameter held whole."""
-    if not hasattr(param, "device_mesh"):
+    if not is_sharded(param):
         return None
-    rows, g, r = param.shape[0], param.device_mesh.size(), param.device_mesh.get_local_rank()
+    rows, (g, r) = param.shape[0], mesh_place(param)
     chunk = -(-rows // g)
     first = min(r * chunk, rows)
     return first, min(chunk, rows - first)
@@ -36,7 +37,7 @@ def span_of(param: Any) -> Span:
 
 def sharded_keys(state: dict[str, Any]) -> list[str]:
     """The entries of a model's ``state_dict()`` that it holds sharded (DTensors)."""
-    return [k for k, v in state.items() if hasattr(v, "device_mesh")]
+    return [k for k, v in state.items() if is_sharded(v)]
 
 
 def cut_rows(whole: torch.Tensor, span: Span) -> torch.Tensor:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from diloco.comm.dtensor import is_sharded, local_part, sharded_like
+
 
 def list_at(state: Any, key: str) -> list:
     """``state[key]``, a list or tuple: ValueError naming the key otherwise."""
@@ -145,26 +147,18 @@ def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> N
 
 def local_tree(obj: Any) -> Any:
     """``obj`` with every sharded tensor (a DTensor) in it replaced by this process's slice of it."""
-    if hasattr(obj, "to_local"):
-        return obj.to_local()
     if isinstance(obj, dict):
         return {k: local_tree(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(local_tree(v) for v in obj)
-    return obj
-
-
-def as_slice_of(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local``, this process's slice of the sharded ``param`` (a DTensor), as a DTensor of its layout again."""
-    return type(param).from_local(local.to(param.device), param.device_mesh, param.placements, shape=param.shape,
-                                  stride=param.stride(), run_check=False)
+    return local_part(obj)
 
 
 def like_sharded(template: Any, saved: Any) -> Any:
     """``saved`` (a state saved as slices) with each tensor that ``template`` holds as a DTensor made one again
-    (:func:`as_slice_of`): what a sharded model's ``load_state_dict`` takes."""
-    if hasattr(template, "to_local") and isinstance(saved, torch.Tensor):
-        return as_slice_of(template, saved)
+    (:func:`~diloco.comm.dtensor.sharded_like`): what a sharded model's ``load_state_dict`` takes."""
+    if is_sharded(template) and isinstance(saved, torch.Tensor):
+        return sharded_like(template, saved)
     if isinstance(template, dict) and isinstance(saved, dict):
         return {k: like_sharded(template[k], v) if k in template else v for k, v in saved.items()}
     return saved
@@ -175,10 +169,10 @@ def _moments_as_slices(opt: torch.optim.Optimizer) -> None:
     DTensor of its parameter's layout again, as the optimizer made it (its step count stays a plain tensor)."""
     for group in opt.param_groups:
         for p in group["params"]:
-            if not hasattr(p, "to_local"):
+            if not is_sharded(p):
                 continue
-            shape = p.to_local().shape
+            shape = local_part(p).shape
             state = opt.state.get(p, {})
             for k, v in state.items():
-                if isinstance(v, torch.Tensor) and not hasattr(v, "to_local") and v.dim() and v.shape == shape:
-                    state[k] = as_slice_of(p, v)
+                if isinstance(v, torch.Tensor) and not is_sharded(v) and v.dim() and v.shape == shape:
+                    state[k] = sharded_like(p, v)
