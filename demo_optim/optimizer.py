@@ -44,6 +44,10 @@ log = logging.getLogger("demo_optim")
 
 
 class DeMo(torch.optim.Optimizer):
+    #: set for one step by loco's algorithm (as torch's GradScaler sets it): a 0-d device tensor, nonzero where the
+    #: gradients are not finite; None where the step decides on the host
+    found_inf: Optional[torch.Tensor] = None
+
     def __init__(self, params: Iterable, lr: float = 1e-3, compression_decay: float = 0.999,
                  compression_topk: int = 32, compression_chunk: int = 64, weight_decay: float = 0.0,
                  transport: Optional[Transport] = None, *, chunk_rule: str = "auto", sign_values: bool = False,
@@ -138,7 +142,7 @@ class DeMo(torch.optim.Optimizer):
         # ``found_inf`` (set for this step by loco's trainer, as torch's GradScaler sets it): a 0-d device tensor,
         # nonzero where the gradients are not finite. The step then decides on the device and reads nothing back
         ok = None
-        found_inf = getattr(self, "found_inf", None)
+        found_inf = self.found_inf
         if isinstance(found_inf, torch.Tensor) and self.contribute and entries:
             ok = found_inf.reshape(()) == 0
             contribute = True

@@ -42,6 +42,7 @@ from diloco.comm.dtensor import is_sharded, local_part
 from diloco.comm.local import LocalTransport
 from diloco.compress import collective, make_codec
 from diloco.compress.chain import parse_chain
+from diloco.muon import MuonAdamW
 from diloco.reshard import KEPT_BY_SHARES, cut_optimizer, join_optimizer
 from diloco.state import check_finite, check_fits, copy_into, counts_of, list_at, load_optimizer_state
 
@@ -320,11 +321,12 @@ class Algorithm:
         True for the plain update (no subclass hook that must know on the host) with a fused Adam/AdamW or SGD,
         which skips a step itself when it is handed ``found_inf`` (as under a GradScaler): the step then costs no
         host sync, and ``info`` carries the norm and the skip flag as device tensors. A subclass whose optimizer
-        honours ``found_inf`` in its own way says so here (DeMo).
+        honours ``found_inf`` in its own way says so here (DeMo); loco's own inner optimizer (MuonAdamW) says
+        whether it honours it by its settings.
         """
         opt = self.optimizer
         honours = isinstance(opt, (torch.optim.Adam, torch.optim.SGD)) and bool(opt.defaults.get("fused")) \
-            or bool(getattr(opt, "skips_found_inf", False))  # an optimizer that says so (MuonAdamW)
+            or isinstance(opt, MuonAdamW) and opt.skips_found_inf
         return (type(self)._update is Algorithm._update and type(self)._skipped_update is Algorithm._skipped_update
                 and honours)
 

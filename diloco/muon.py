@@ -36,6 +36,10 @@ class MuonAdamW(torch.optim.Optimizer):
     ``lr`` and ``weight_decay`` are Muon's (decoupled: each step scales a matrix by ``1 - lr * weight_decay``);
     ``adamw`` holds the AdamW keyword arguments (``lr``, ``betas``, ``eps``, ``fused``...)."""
 
+    #: set for one step by :meth:`Algorithm._step_on_device` (as torch's GradScaler sets it on a fused AdamW): a
+    #: 0-d device tensor, nonzero where the gradients are not finite and the step must change nothing
+    found_inf: Optional[torch.Tensor] = None
+
     def __init__(self, matrices: Iterable[torch.Tensor], adamw_groups: list[dict[str, Any]], *, lr: float,
                  weight_decay: float = 0.0, momentum: float = 0.95, adjust_lr_fn: Optional[str] = None,
                  adamw: Optional[dict[str, Any]] = None) -> None:
@@ -67,7 +71,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf = getattr(self, "found_inf", None)
+        found_inf = self.found_inf
         for group in self.param_groups:
             if group.get("muon"):
                 self._muon_group(group, found_inf)

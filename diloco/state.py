@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from diloco.comm.dtensor import is_sharded, local_part, sharded_like
+from diloco.muon import MuonAdamW
 
 
 def list_at(state: Any, key: str) -> list:
@@ -101,7 +102,7 @@ def check_optimizer_state(opt: torch.optim.Optimizer, saved: Any, what: str = "o
 def _moments(opt: torch.optim.Optimizer, group: dict[str, Any]) -> set[str]:
     """The per-parameter state an optimizer of this kind cannot step ``group`` without (where it has stepped at
     all)."""
-    if hasattr(opt, "moments"):  # an optimizer of several kinds of groups says which (MuonAdamW)
+    if isinstance(opt, MuonAdamW):  # groups of two kinds: it says which
         return opt.moments(group)
     if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
         return {"exp_avg", "exp_avg_sq"}
