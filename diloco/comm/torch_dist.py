@@ -57,6 +57,13 @@ def torchrun_layout() -> tuple[int, int]:
     return world // local, local
 
 
+class _LaneGroups(threading.local):
+    """The process groups of the calling thread: a lane's own in its background thread (set there), None in every
+    other thread (the training thread's groups are the transport's attributes)."""
+
+    groups: Optional[dict[str, Any]] = None
+
+
 class _Lane:
     """One daemon thread that runs the overlapped exchanges in order, on process groups of its own.
 
@@ -66,7 +73,7 @@ class _Lane:
     device's stream, whatever device their tensors are on.
     """
 
-    def __init__(self, groups: dict[str, Any], lanes: threading.local, device: torch.device) -> None:
+    def __init__(self, groups: dict[str, Any], lanes: _LaneGroups, device: torch.device) -> None:
         if device.type == "cuda" and device.index is None:  # "cuda": the device current here, named
             device = torch.device("cuda", torch.cuda.current_device())
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -74,7 +81,7 @@ class _Lane:
                                        daemon=True)
         self.thread.start()
 
-    def _loop(self, groups: dict[str, Any], lanes: threading.local, device: torch.device) -> None:
+    def _loop(self, groups: dict[str, Any], lanes: _LaneGroups, device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         lanes.groups = groups
@@ -171,7 +178,7 @@ class TorchDistTransport(Transport):
                             device_gather=self.caps.device_gather and backend == "nccl",
                             overlaps_exchange=self.caps.overlaps_exchange and backend == "gloo" and self.world_size > 1)
         self.global_rank = dist.get_rank()
-        self._lanes = threading.local()  # .groups in the background thread: its own process groups
+        self._lanes = _LaneGroups()
         self._background: Optional[_Lane] = None
         self._gather_sizes: set[int] = set()  # tensor sizes all ranks agreed on (all_gather_tensor)
         self._pool = BufferPool(1 << 20, 8)  # host send / receive buffers of the byte collectives
@@ -182,7 +189,7 @@ class TorchDistTransport(Transport):
     # ---- lanes: the training thread's process groups, or the background thread's -----------------
     def _g(self, name: str = "group") -> Any:
         """The process group ``name`` (group, world, node_group, cross_group) of the calling thread."""
-        side = getattr(self._lanes, "groups", None)
+        side = self._lanes.groups
         if side is not None:
             return side[name]
         return None if name == "world" else getattr(self, name)
