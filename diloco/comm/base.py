@@ -24,9 +24,11 @@ import contextlib
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequence
 
 import torch
+import torch.nn as nn
 
 from diloco.comm.caps import Capabilities, RobustBounds
 
@@ -186,13 +188,42 @@ class Transport(ABC):
         """Seconds on this worker's clock since ``mark`` (from :meth:`mark`)."""
         return self.now() - mark
 
+    # ---- a worker of several processes (a node of a torchrun mesh) --------------------------------
     #: this process's place among the processes of its worker (a node of a torchrun mesh); 0 where a worker is one
     local_rank: int = 0
+    #: the transport among the processes of this worker, which average their gradients every step (the node
+    #: mesh's); None where a worker is one process
+    inner: Optional[Transport] = None
+    #: True where this worker's processes hold a slice of its model each (``run.shard: fsdp``): :meth:`shard` cuts
+    #: the model, and a checkpoint keeps every process's slices (:meth:`save_slices`, :meth:`load_slices`)
+    shards_model: bool = False
 
     def gather_in_worker(self, obj: Any) -> Optional[list[Any]]:
         """``obj`` of every process of this worker, in local-rank order, at its first process (None at the others);
         ``[obj]`` where a worker is one process."""
         return [obj]
+
+    def shard(self, model: nn.Module, bf16: bool) -> nn.Module:
+        """``model`` cut among this worker's processes, in place (``bf16``: computed in bf16 over fp32 weights);
+        only where :attr:`shards_model`: a worker of one process has nothing to cut it among."""
+        raise TransportError("run.shard=fsdp shards a worker among the processes of a node started by torchrun; here "
+                             "each worker is one process (loco simulate, loco join): leave run.shard at none")
+
+    def save_slices(self, folder: Path, state: dict[str, Any]) -> None:
+        """Every process's own ``state`` (its slices) into ``folder``, where :attr:`shards_model`."""
+        raise NotImplementedError(self._holds_whole("keeps no slices to save"))
+
+    def load_slices(self, folder: Path) -> dict[str, Any]:
+        """This process's part of a :meth:`save_slices` folder, where :attr:`shards_model`."""
+        raise NotImplementedError(self._holds_whole("has no slices to load"))
+
+    def whole_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The sharded ``model``'s weights whole at the leader, where :attr:`shards_model`."""
+        raise NotImplementedError(self._holds_whole("has the model whole: its state_dict() is its whole state"))
+
+    def _holds_whole(self, what: str) -> str:
+        return (f"{type(self).__name__} holds each worker's model whole in one process (shards_model is False), "
+                f"so it {what}")
 
     @contextlib.contextmanager
     def computing(self, device: torch.device) -> Iterator[None]:

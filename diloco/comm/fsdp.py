@@ -28,6 +28,8 @@ class ShardedNodeTransport(NodeMeshTransport):
     a buffer handed to an exchange is already this process's share. ``inner`` is the node's, as there; an
     algorithm on a sharded model uses it only to sum what the slices make together (a gradient norm)."""
 
+    shards_model = True
+
     def _on_my_share(self, flat: torch.Tensor, align: int, reduce: Callable[[torch.Tensor], Any]) -> Any:
         work = self._reachable(flat)
         result = reduce(work)
