@@ -13,3 +13,16 @@ def layer_stack(model: nn.Module) -> Optional[nn.Module]:
     ``transformers`` model's ``layers`` or ``h``, wherever it is nested; None where the model has none."""
     lists = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+
+
+class HeadedModel(nn.Module):
+    """A model that names the layer making its logits (loco's own models do: ``launch.models.base.RunModel``)."""
+
+    def output_head(self) -> Optional[nn.Module]:
+        """The layer that makes the logits, where it is not the embedding (tied); Muon and FSDP leave it out."""
+        return None
+
+
+def output_head(model: nn.Module) -> Optional[nn.Module]:
+    """The logits' layer of ``model`` where it names one (None: tied, or a model that names none)."""
+    return model.output_head() if isinstance(model, HeadedModel) else None

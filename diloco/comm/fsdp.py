@@ -20,7 +20,7 @@ import torch.nn as nn
 from diloco.comm.base import Transport, TransportError
 from diloco.comm.node_mesh import NodeMeshTransport
 from diloco.comm.slices import packed, read_slices
-from diloco.layers import layer_stack
+from diloco.layers import layer_stack, output_head
 
 
 class ShardedNodeTransport(NodeMeshTransport):
@@ -79,7 +79,7 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     embedding's weight itself instead of calling its module, which a unit of its own would leave sharded there."""
     stack = layer_stack(model)
     units = list(stack) if stack is not None else []
-    head = model.output_head() if hasattr(model, "output_head") else None
+    head = output_head(model)
     embedded = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     if head is not None and not {id(p) for p in head.parameters()} & embedded:
         units.append(head)

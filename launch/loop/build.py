@@ -11,11 +11,11 @@ import torch.nn as nn
 
 from diloco import Algorithm
 from diloco.comm import Transport
+from diloco.layers import output_head
 from diloco.muon import MuonAdamW
 from launch.config.algorithms import algorithm_class
 from launch.config import Config
 from launch.errors import RunError
-from launch.models.base import output_head
 from launch.models.hf.causal_lm import build_hf_model, load_hf_weights
 from launch.models.hf.from_llama import load_loco_weights, loco_args_of
 from launch.models.transformer import Transformer, model_args_from_config

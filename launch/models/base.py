@@ -10,16 +10,14 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
+from diloco.layers import HeadedModel
 
-class RunModel(nn.Module):
+
+class RunModel(HeadedModel):
     """A model of loco's: token ids [B, T] -> logits [B, T, V]."""
 
     #: the named sizes it was built from, saved in checkpoints (``model_args``); None where the model has none
     args: Any = None
-
-    def output_head(self) -> Optional[nn.Module]:
-        """The layer that makes the logits, where it is not the embedding (tied); Muon and FSDP leave it out."""
-        return None
 
     def config_dict(self) -> Optional[dict[str, Any]]:
         """The Hugging Face config it was built from (saved in checkpoints as ``hf_config``); None for loco's own."""
@@ -30,7 +28,3 @@ def model_args(model: nn.Module) -> Any:
     """The named sizes of ``model`` (None for a module that is not loco's)."""
     return model.args if isinstance(model, RunModel) else None
 
-
-def output_head(model: nn.Module) -> Optional[nn.Module]:
-    """The logits' layer of ``model`` where it names one (None: tied, or a module that is not loco's)."""
-    return model.output_head() if isinstance(model, RunModel) else None
