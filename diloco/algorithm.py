@@ -94,7 +94,7 @@ def settle(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def _move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> None:
+def move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> None:
     """Every state tensor goes to ``device``; a step count only where its kernel keeps it beside its parameter (a
     fused or capturable group), as torch's optimizers place it: elsewhere it stays a host scalar."""
     beside = {id(p) for g in opt.param_groups if g.get("fused") or g.get("capturable") for p in g["params"]}
@@ -269,7 +269,7 @@ class Algorithm:
     def _move(self, device: torch.device) -> None:
         """What :meth:`to` moves; subclasses add their own state."""
         self.model._apply(lambda t: move_tensor(t, device))
-        _move_optimizer_state(self.optimizer, device)
+        move_optimizer_state(self.optimizer, device)
 
     def global_parameters(self) -> list[torch.Tensor]:
         """The parameters every worker shares (the model; DiLoCo: the global copy)."""

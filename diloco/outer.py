@@ -31,7 +31,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from diloco.algorithm import Algorithm, _move_optimizer_state, move_tensor, register
+from diloco.algorithm import Algorithm, move_optimizer_state, move_tensor, register
 from diloco.comm.base import Handle, Transport
 from diloco.compress import collective
 from diloco.compress.codec import Codec
@@ -250,7 +250,7 @@ class DiLoCo(Algorithm):
                     if rows is not None:
                         view.data = _rows_of(self.global_params[i].data, rows)
             for opt in self.outer_optimizers:
-                _move_optimizer_state(opt, device)
+                move_optimizer_state(opt, device)
             self.outer_device = torch.device(device)
         if self.flat_params and torch.device(device).type != "cpu":
             # the move gave every parameter its own storage; laid end to end again where the exchanges run (on the

@@ -20,7 +20,7 @@ from launch.data.batches import Batcher, load_data
 from launch.data.documents import _binary_reason, stdlib_files
 from launch.data.shards import LLMC_MAGIC
 from launch.data.python_corpus import load_python, python_files, python_roots
-from launch.data.tokens import BYTE_VOCAB, EOS, DataError, TokenData, _is_val, _split_documents
+from launch.data.tokens import BYTE_VOCAB, EOS, DataError, TokenData, in_val_split, split_documents
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -201,12 +201,12 @@ def test_python_source_documents_and_skips_on_a_temporary_tree(tmp_path):
 
 @pytest.mark.parametrize("n_files,fraction", [(1, 0.3), (3, 1e-9), (3, 0.9999), (8, 0.3), (8, 0.5)])
 def test_python_source_split_matches_split_documents(tmp_path, n_files, fraction):
-    """Streaming into one array per split gives what _split_documents gives, its fallbacks included."""
+    """Streaming into one array per split gives what split_documents gives, its fallbacks included."""
     for i in range(n_files):
         _write(tmp_path / "lib" / f"m{i}.py", f"value_{i} = {i * 7}\n" * (i + 2))
     files = python_files(tmp_path / "lib", [])
     docs = [(f.name, np.frombuffer(_expected_doc(f.path), dtype=np.uint8)) for f in files]
-    want_train, want_val = _split_documents(docs, fraction)
+    want_train, want_val = split_documents(docs, fraction)
     got = load_python(fraction, None, tmp_path / "lib", [])
     assert len(got.train) == len(got.val) == 1
     assert np.array_equal(got.train[0], want_train[0]) and np.array_equal(got.val[0], want_val[0])
@@ -224,8 +224,8 @@ def test_python_source_is_deterministic_and_splits_by_whole_files():
     site_docs = [d for n, d in docs if n.startswith("site/")]
     assert len(site_docs) >= 30  # installed packages contribute documents
     # every file lands whole on the side its name picks, in corpus order: none is on both sides
-    assert _docs(a.train) == [d for n, d in docs if not _is_val(n, cfg.val_fraction)]
-    assert _docs(a.val) == [d for n, d in docs if _is_val(n, cfg.val_fraction)]
+    assert _docs(a.train) == [d for n, d in docs if not in_val_split(n, cfg.val_fraction)]
+    assert _docs(a.val) == [d for n, d in docs if in_val_split(n, cfg.val_fraction)]
     assert 0 < a.val_tokens < 0.1 * a.train_tokens
     assert f"{a.train_tokens + a.val_tokens:,} tokens" in a.description
     assert f"{len(docs) - len(site_docs):,} stdlib, {len(site_docs):,} site-packages" in a.description
@@ -592,7 +592,7 @@ def test_shards_all_named_for_validation_fall_back_to_a_tail_cut(tmp_path, monke
     folder.mkdir()
     for name in ("s1.bin", "s2.bin"):
         np.arange(1000, dtype=np.uint16).tofile(folder / name)
-    monkeypatch.setattr(data_mod, "_is_val", lambda name, fraction: True)
+    monkeypatch.setattr(data_mod, "in_val_split", lambda name, fraction: True)
     data = load_data(DataConfig(source="shards", path=str(folder), vocab_size=1000, seq_len=16, val_fraction=0.1))
     assert data.train_tokens == 1900 and data.val_tokens == 100
 

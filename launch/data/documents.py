@@ -66,7 +66,7 @@ def _binary_reason(path: Path) -> Optional[str]:
     return None
 
 
-def _text_files(path: Path, pattern: str) -> tuple[Path, list[Path], int]:
+def text_files(path: Path, pattern: str) -> tuple[Path, list[Path], int]:
     """The text files named by ``path`` (a file or a folder searched with ``pattern``) and how many binaries were skipped."""
     if path.is_file():
         reason = _binary_reason(path)
@@ -114,7 +114,7 @@ def file_documents(source: str, path: Optional[str], pattern: str, max_docs: Opt
     elif source == "text":
         if not path:
             raise DataError("source 'text' needs a path (--path or data.path)")
-        root, files, _ = _text_files(Path(path), pattern)
+        root, files, _ = text_files(Path(path), pattern)
         docs = [Doc(f.relative_to(root).as_posix() if root in f.parents else f.name, str(f), None, f.stat().st_size)
                 for f in files]
         where = str(path)

@@ -20,7 +20,7 @@ from launch.store.disk import write_file
 from launch.data.documents import Doc, HFOptions, doc_text, documents
 from launch.data.shards import MANIFEST, MANIFEST_FORMAT, TOKENIZER_FILE, shard_dtype
 from launch.data.ticker import Ticker
-from launch.data.tokens import DataError, _is_val, join_documents
+from launch.data.tokens import DataError, in_val_split, join_documents
 from launch.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 
 SETTINGS = "prepare.json"
@@ -74,7 +74,7 @@ def _encode_unit(index: int, unit: list[Doc], out: str, val_fraction: float, dty
         text = doc_text(doc)
         if text:
             texts.append(text)
-            sides.append(_is_val(doc.name, val_fraction))
+            sides.append(in_val_split(doc.name, val_fraction))
     ids = tok.encode_batch(texts) if texts else []
     record: dict[str, Any] = {"unit": index, "documents": {"train": 0, "val": 0}, "bytes": {"train": 0, "val": 0}}
     folder = Path(out)

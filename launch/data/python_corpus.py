@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from launch.data.tokens import BYTE_VOCAB, EOS, DataError, TokenData, _is_val, _split_documents
+from launch.data.tokens import BYTE_VOCAB, EOS, DataError, TokenData, in_val_split, split_documents
 from launch.data.tokenizer import ByteTokenizer
 
 
@@ -138,7 +138,7 @@ def load_python(fraction: float, max_docs: Optional[int], stdlib_root: Optional[
                 site_roots: Optional[Sequence[Path]] = None) -> TokenData:
     """The ``python`` source: the standard library and every installed package's ``.py`` files.
 
-    Byte tokens, one document per file ending in EOS, split by file name like ``_split_documents``
+    Byte tokens, one document per file ending in EOS, split by file name like ``split_documents``
     (the same names give the same two arrays), but read straight into one preallocated array per
     split so the corpus is held once, not twice. Files that cannot be read or are not UTF-8 are skipped
     and counted; empty files are left out like in the ``stdlib`` source.
@@ -150,7 +150,7 @@ def load_python(fraction: float, max_docs: Optional[int], stdlib_root: Optional[
         files = files[:max_docs]
     if not files:
         raise DataError(f"{stdlib_root}: no Python source found on this interpreter; use data.source=text")
-    sides = [int(_is_val(f.name, fraction)) for f in files]
+    sides = [int(in_val_split(f.name, fraction)) for f in files]
     bufs = [np.empty(sum(f.size + 1 for f, v in zip(files, sides) if v == side), dtype=np.uint8) for side in (0, 1)]
     pos = [0, 0]
     kept: list[tuple[str, int, int]] = []  # (name, side, length with its EOS)
@@ -174,9 +174,9 @@ def load_python(fraction: float, max_docs: Optional[int], stdlib_root: Optional[
     if not kept:
         raise DataError(f"{stdlib_root}: none of the {len(files)} Python files could be read as UTF-8")
     train, val = (_compact(bufs[side], pos[side]) for side in (0, 1))
-    if len(kept) == 1:  # one document: _split_documents cuts its tokens (without the EOS)
+    if len(kept) == 1:  # one document: split_documents cuts its tokens (without the EOS)
         (name, side, n), = kept
-        train, val = _split_documents([(name, (val if side else train)[:n - 1])], fraction)
+        train, val = split_documents([(name, (val if side else train)[:n - 1])], fraction)
         train, val = train[0], val[0]
     elif not val.size:  # _val_indices' fallbacks: no file named for validation -> the last one goes there
         cut = len(train) - kept[-1][2]

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from launch.data.tokens import DataError, TokenData, _is_val
+from launch.data.tokens import DataError, TokenData, in_val_split
 from launch.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 
 LLMC_MAGIC = 20240520  # llm.c token shards: 256 int32 header, then uint16 tokens
@@ -110,11 +110,11 @@ def load_shards(path: str, val_path: Optional[str], dtype: str, vocab_size: Opti
     if val_path:
         train = [a for _, a in arrays]
         val = [open_shard(f, dtype) for f in _shard_files(Path(val_path))]
-    elif len(arrays) == 1 or len({_is_val(n, fraction) for n, _ in arrays}) == 1:  # all on one side: cut the tail
+    elif len(arrays) == 1 or len({in_val_split(n, fraction) for n, _ in arrays}) == 1:  # all on one side: cut the tail
         train, val = _tail_split([a for _, a in arrays], fraction)
     else:
-        train = [a for n, a in arrays if not _is_val(n, fraction)]
-        val = [a for n, a in arrays if _is_val(n, fraction)]
+        train = [a for n, a in arrays if not in_val_split(n, fraction)]
+        val = [a for n, a in arrays if in_val_split(n, fraction)]
     return TokenData(train, val, vocab_size, tokenizer, f"token shards {path} ({len(files)} files)")
 
 

@@ -11,8 +11,8 @@ from typing import Optional
 
 import numpy as np
 
-from launch.data.documents import HFOptions, _text_files, open_hf, stdlib_files
-from launch.data.tokens import BYTE_VOCAB, DataError, TokenData, _split_documents, encode_text, join_documents
+from launch.data.documents import HFOptions, text_files, open_hf, stdlib_files
+from launch.data.tokens import BYTE_VOCAB, DataError, TokenData, split_documents, encode_text, join_documents
 from launch.data.tokenizer import ByteTokenizer
 
 
@@ -26,16 +26,16 @@ def _read_docs(root: Path, files: list[Path], max_docs: Optional[int]) -> list[t
 
 
 def load_text(path: str, val_path: Optional[str], pattern: str, fraction: float, max_docs: Optional[int]) -> TokenData:
-    root, files, binary = _text_files(Path(path), pattern)
+    root, files, binary = text_files(Path(path), pattern)
     docs = _read_docs(root, files, max_docs)
     if not docs:
         raise DataError(f"{path}: the text files are empty")
     if val_path:
-        vroot, vfiles, _ = _text_files(Path(val_path), pattern)
+        vroot, vfiles, _ = text_files(Path(val_path), pattern)
         train = [join_documents([t for _, t in docs])]
         val = [join_documents([t for _, t in _read_docs(vroot, vfiles, None)])]
     else:
-        train, val = _split_documents(docs, fraction)
+        train, val = split_documents(docs, fraction)
     skipped = f"; {binary} binary files skipped" if binary else ""
     return TokenData(train, val, BYTE_VOCAB, ByteTokenizer(), f"text {path} ({len(docs)} files{skipped})")
 
@@ -45,7 +45,7 @@ def load_stdlib(fraction: float, max_docs: Optional[int]) -> TokenData:
     if not files:
         raise DataError(f"{root}: no Python standard library source found on this interpreter; use data.source=text")
     docs = _read_docs(root, files, max_docs)
-    train, val = _split_documents(docs, fraction)
+    train, val = split_documents(docs, fraction)
     return TokenData(train, val, BYTE_VOCAB, ByteTokenizer(), f"Python {sysconfig.get_python_version()} standard library ({len(docs)} files)")
 
 
@@ -57,5 +57,5 @@ def load_hf(path: str, opts: HFOptions, fraction: float, max_docs: Optional[int]
                         f"{', '.join(ds.column_names)}")
     texts = ds[opts.text_field][:max_docs] if max_docs else ds[opts.text_field]
     docs = [(f"{i}", encode_text(t)) for i, t in enumerate(texts) if t]
-    train, val = _split_documents(docs, fraction)
+    train, val = split_documents(docs, fraction)
     return TokenData(train, val, BYTE_VOCAB, ByteTokenizer(), f"Hugging Face dataset {path} ({len(docs)} rows)")

@@ -48,11 +48,11 @@ def decode_tokens(tokens: Sequence[int]) -> str:
     return bytes(int(t) for t in tokens if 0 < int(t) < 256).decode("utf-8", errors="replace")
 
 
-def _is_val(name: str, fraction: float) -> bool:
+def in_val_split(name: str, fraction: float) -> bool:
     return zlib.crc32(name.encode()) % 10_000 < fraction * 10_000
 
 
-def _split_documents(docs: list[tuple[str, np.ndarray]], fraction: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def split_documents(docs: list[tuple[str, np.ndarray]], fraction: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Deterministic split by document name; both sides get at least one document."""
     if not docs:
         raise DataError("no documents found")
@@ -68,7 +68,7 @@ def _split_documents(docs: list[tuple[str, np.ndarray]], fraction: float) -> tup
 
 def _val_indices(names: Sequence[str], fraction: float) -> set[int]:
     """Indices of the validation documents among two or more: by name, never none and never all."""
-    val_idx = {i for i, name in enumerate(names) if _is_val(name, fraction)}
+    val_idx = {i for i, name in enumerate(names) if in_val_split(name, fraction)}
     if not val_idx:
         val_idx = {len(names) - 1}
     if len(val_idx) == len(names):
