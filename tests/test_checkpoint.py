@@ -205,7 +205,7 @@ def test_a_signal_during_the_final_checkpoint_stops_after_it_is_written(tmp_path
 
     def with_a_signal(self):
         state = state_dict(self)
-        if self.parts.progress.step == 4:  # only the final save's state carries it
+        if self.worker.progress.step == 4:  # only the final save's state carries it
             state["extra"] = _Signals(1)
         return state
 

@@ -38,7 +38,7 @@ from launch.store.disk import fsync_dir
 
 
 @dataclass
-class WorkerParts:
+class WorkerObjects:
     """What a worker's checkpoint is made of and restored into."""
 
     model: nn.Module
@@ -55,10 +55,10 @@ class Checkpointer:
     """The checkpoints of one process of a run: where they are (``folder.checkpoints``), what they hold, and the
     step of the one this process last wrote or loaded (``saved_step``)."""
 
-    def __init__(self, cfg: Config, transport: Transport, folder: RunDir, parts: WorkerParts,
+    def __init__(self, cfg: Config, transport: Transport, folder: RunDir, worker: WorkerObjects,
                  processes: Optional[int] = None) -> None:
         """``processes``: the processes a sharded worker is cut among (None: unsharded)."""
-        self.cfg, self.transport, self.folder, self.parts = cfg, transport, folder, parts
+        self.cfg, self.transport, self.folder, self.worker = cfg, transport, folder, worker
         self.rank, self.world, self.leader = transport.rank, transport.world_size, transport.is_leader
         self.processes = processes
         self.saved_step: Optional[int] = None
@@ -78,38 +78,38 @@ class Checkpointer:
     # ---- what a checkpoint holds --------------------------------------------------------------
     def worker_state(self) -> dict[str, Any]:
         """What differs between workers: local model, algorithm (inner and outer optimizer), data, RNG."""
-        p = self.parts
+        w = self.worker
         return {
-            "step": p.progress.step,
-            "model": p.model.state_dict(),
-            "algo": p.algo.state_dict(),
-            "data": {"samples": p.batcher.samples_before(p.progress.step), "worker_index": self.rank,
+            "step": w.progress.step,
+            "model": w.model.state_dict(),
+            "algo": w.algo.state_dict(),
+            "data": {"samples": w.batcher.samples_before(w.progress.step), "worker_index": self.rank,
                      "num_workers": self.world, "seed": self.cfg.run.seed},
             "rng": rng_state(),
             "comm": self.transport.stats.as_dict(),
-            "log_window": p.window.state(),
-            "followed": p.progress.followed,
+            "log_window": w.window.state(),
+            "followed": w.progress.followed,
         }
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint: shared fields, then the worker state (replicated algorithms) or all workers' states."""
-        p = self.parts
+        w = self.worker
         shared: dict[str, Any] = {
-            "wall_s": p.clock.wall_s(),
-            "budget_s": p.clock.budget_spent_s(),
+            "wall_s": w.clock.wall_s(),
+            "budget_s": w.clock.budget_spent_s(),
             "config": self.cfg.to_dict(),
-            "model_args": vars(p.model_args) if p.model_args is not None else None,
-            "hf_config": p.model.config_dict() if isinstance(p.model, RunModel) else None,
-            "tokenizer": p.tokenizer.state() if p.tokenizer is not None else None,
+            "model_args": vars(w.model_args) if w.model_args is not None else None,
+            "hf_config": w.model.config_dict() if isinstance(w.model, RunModel) else None,
+            "tokenizer": w.tokenizer.state() if w.tokenizer is not None else None,
             "num_workers": self.world,
         }
-        if p.batcher.keeps_position:  # each worker's stream position, by worker (churn leaves gaps)
-            shared["streams"] = self.transport.gather_object((self.rank, p.batcher.state_dict()))
+        if w.batcher.keeps_position:  # each worker's stream position, by worker (churn leaves gaps)
+            shared["streams"] = self.transport.gather_object((self.rank, w.batcher.state_dict()))
         if self.sharded:  # every process's own state goes into the slices folder (save); here the whole model
-            with p.algo.evaluation_weights():
-                whole = self.transport.whole_model_state(p.model)
+            with w.algo.evaluation_weights():
+                whole = self.transport.whole_model_state(w.model)
             return {**shared, "model": whole, "slices": self.slice_layout, **self._clock_state()} if self.leader else {}
-        if p.algo.replicated_state:
+        if w.algo.replicated_state:
             mine = self.worker_state()
             return {**shared, **mine, **self._clock_state()}
         mine = host_copy(self.worker_state())
@@ -117,8 +117,8 @@ class Checkpointer:
         clock = self._clock_state()
         if states is None:
             return {}
-        with p.algo.evaluation_weights():  # the global model, for sampling and evaluation
-            global_model = host_copy(p.model.state_dict())
+        with w.algo.evaluation_weights():  # the global model, for sampling and evaluation
+            global_model = host_copy(w.model.state_dict())
         return {**shared, "model": global_model, "workers": states, **clock}
 
     def _clock_state(self) -> dict[str, Any]:
@@ -131,7 +131,7 @@ class Checkpointer:
         """Rank 0 writes; algorithms whose workers differ first gather every worker's state (a collective). A
         sharded worker's processes first write their own states together (:meth:`save_slices`). The path written,
         on the leader; None elsewhere."""
-        step = self.parts.progress.step
+        step = self.worker.progress.step
         if self.sharded:
             mine = self.worker_state()
             self.save_slices(step, {**local_tree(mine), "cut_keys": sharded_keys(mine["model"])})
@@ -163,8 +163,8 @@ class Checkpointer:
             changed = f"\nSettings changed since it was saved: {self.resume_changes}" if self.resume_changes else ""
             raise RunError(f"{path}: cannot resume this run from it: {text}{changed}") from None
         if self.leader:
-            self.folder.truncate_metrics(self.parts.progress.step)
-        self.saved_step = self.parts.progress.step
+            self.folder.truncate_metrics(self.worker.progress.step)
+        self.saved_step = self.worker.progress.step
         self.resumed_from = path
         return path
 
@@ -202,18 +202,18 @@ class Checkpointer:
         return Path(found), state
 
     def load_state(self, state: dict[str, Any]) -> None:
-        p = self.parts
+        w = self.worker
         self._same_workers(state)
         mine = self._my_state(state)
-        p.model.load_state_dict(mine["model"])
-        p.algo.load_state_dict(mine["algo"])
+        w.model.load_state_dict(mine["model"])
+        w.algo.load_state_dict(mine["algo"])
         set_rng_state(mine["rng"])
-        p.progress.step, p.progress.followed = int(mine["step"]), int(mine.get("followed", 0))
-        if p.batcher.keeps_position:
-            p.batcher.load_state_dict(dict(state.get("streams") or []).get(self.rank))
-        p.clock.wall_prior = float(state.get("wall_s", 0.0))
-        p.clock.budget_prior = float(state["budget_s"])  # the time budget spent before (virtual in the simulator)
-        p.window.load(mine.get("log_window", {}))
+        w.progress.step, w.progress.followed = int(mine["step"]), int(mine.get("followed", 0))
+        if w.batcher.keeps_position:
+            w.batcher.load_state_dict(dict(state.get("streams") or []).get(self.rank))
+        w.clock.wall_prior = float(state.get("wall_s", 0.0))
+        w.clock.budget_prior = float(state["budget_s"])  # the time budget spent before (virtual in the simulator)
+        w.window.load(mine.get("log_window", {}))
         comm = mine.get("comm", {})
         stats = self.transport.stats
         stats.bytes_sent = int(comm.get("bytes_sent", 0))
@@ -235,9 +235,9 @@ class Checkpointer:
         if written == self.slice_layout:
             return self.transport.load_slices(slices_folder(path))
         self._same_workers(state)
-        p = self.parts
-        whole = self.whole_worker(path, written, self.rank, type(p.algo)) if written else self._my_state(state)
-        return {**whole, "model": cut_model(p.model.state_dict(), whole["model"]), "algo": p.algo.cut_state(whole["algo"])}
+        w = self.worker
+        whole = self.whole_worker(path, written, self.rank, type(w.algo)) if written else self._my_state(state)
+        return {**whole, "model": cut_model(w.model.state_dict(), whole["model"]), "algo": w.algo.cut_state(whole["algo"])}
 
     def _my_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """This worker's part of a checkpoint. A worker a simulation with churn had away when it was written has
@@ -245,7 +245,7 @@ class Checkpointer:
         A sharded run's process takes its own state, its slices made its model's layout again."""
         if "mine" in state:
             mine = state["mine"]
-            return {**mine, "model": like_sharded(self.parts.model.state_dict(), mine["model"])}
+            return {**mine, "model": like_sharded(self.worker.model.state_dict(), mine["model"])}
         if "workers" not in state:
             return state
         workers = {int(w["data"]["worker_index"]): w for w in state["workers"]}
@@ -278,11 +278,11 @@ class Checkpointer:
     @staticmethod
     def whole_worker(path: Path, written: dict[str, int], worker: int, algorithm: type[Algorithm]) -> dict[str, Any]:
         """Worker ``worker``'s state held whole, from the checkpoint ``path`` of a sharded run laid out as
-        ``written`` (nodes, processes a node): the parts its processes kept, joined (:mod:`diloco.reshard`);
+        ``written`` (nodes, processes a node): the slices its processes kept, joined (:mod:`diloco.reshard`);
         ValueError where they cannot be."""
-        parts = [read_slices(slices_folder(path), worker * written["per_node"] + q) for q in range(written["per_node"])]
-        return {**parts[0], "model": join_model([p["model"] for p in parts], parts[0].get("cut_keys", [])),
-                "algo": algorithm.whole_state([p["algo"] for p in parts])}
+        kept = [read_slices(slices_folder(path), worker * written["per_node"] + q) for q in range(written["per_node"])]
+        return {**kept[0], "model": join_model([k["model"] for k in kept], kept[0].get("cut_keys", [])),
+                "algo": algorithm.whole_state([k["algo"] for k in kept])}
 
 
 def unreadable_message(run_dir: Path, ckpt_dir: Path) -> str:

@@ -35,7 +35,7 @@ from launch.data.batches import Batches, load_data, make_batcher, val_bytes_per_
 from launch.data.tokens import TokenData
 from launch.errors import RunError
 from launch.loop.build import build_algorithm, build_model, build_optimizer, shard_worker
-from launch.loop.checkpointer import Checkpointer, WorkerParts
+from launch.loop.checkpointer import Checkpointer, WorkerObjects
 from launch.loop.compute import StepCompute
 from launch.loop.memory import process_bytes
 from launch.loop.report import Reporter, Window, run_sources
@@ -131,7 +131,7 @@ class Trainer:
         self.folder = RunDir(cfg, self.transport, restart, join_run)
         self.run_dir = self.folder.path
         tokenizer = self.data.tokenizer
-        self.checkpoints = Checkpointer(cfg, self.transport, self.folder, WorkerParts(
+        self.checkpoints = Checkpointer(cfg, self.transport, self.folder, WorkerObjects(
             self.model, self.algo, self.batcher, self.progress, self.clock, self.window, tokenizer, self.model_args),
             processes=self.inner.world_size if self.sharded else None)
         self.resumed_from = self.checkpoints.resume()
