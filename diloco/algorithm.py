@@ -413,13 +413,13 @@ class Algorithm:
         self.skipped_steps = state["skipped_steps"]
 
     @classmethod
-    def whole_state(cls, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """The :meth:`state_dict` a worker held whole would keep, from the parts its processes kept when they
+    def whole_state(cls, slices: list[dict[str, Any]]) -> dict[str, Any]:
+        """The :meth:`state_dict` a worker held whole would keep, from the slices its processes kept when they
         sharded it (``run.shard: fsdp``), in process order: ValueError where it cannot be (:mod:`diloco.reshard`)."""
-        return {**parts[0], "optimizer": join_optimizer([p["optimizer"] for p in parts])}
+        return {**slices[0], "optimizer": join_optimizer([p["optimizer"] for p in slices])}
 
     def cut_state(self, whole: dict[str, Any]) -> dict[str, Any]:
-        """This process's part of ``whole`` (a :meth:`whole_state`): itself where the model is not sharded, but
+        """This process's slice of ``whole`` (a :meth:`whole_state`): itself where the model is not sharded, but
         a node mesh's processes keep a codec's residuals by shares of their buffers, not whole."""
         if self._sharded:
             return {**whole, "optimizer": cut_optimizer(self.optimizer, whole["optimizer"])}
@@ -434,17 +434,17 @@ class Algorithm:
         part in)."""
         state = self.codec.state_dict()
         if not self.replicated_state and not self._sharded:  # a sharded process saves its own state
-            parts = self.transport.gather_in_worker(state["residuals"])
-            if parts is not None and len(parts) > 1:
-                state["residuals_by_process"] = parts
+            by_process = self.transport.gather_in_worker(state["residuals"])
+            if by_process is not None and len(by_process) > 1:
+                state["residuals_by_process"] = by_process
         return state
 
     def _load_codec_state(self, state: dict[str, Any]) -> None:
         """Take a :meth:`_codec_state`: this process's own residuals where they were kept by process."""
         if "residuals_by_process" in state:
-            parts, r = state["residuals_by_process"], self.transport.local_rank
+            by_process, r = state["residuals_by_process"], self.transport.local_rank
             state = {**{k: v for k, v in state.items() if k != "residuals_by_process"},
-                     "residuals": parts[r] if r < len(parts) else {}}
+                     "residuals": by_process[r] if r < len(by_process) else {}}
         self.codec.load_state_dict(state)
 
     @property

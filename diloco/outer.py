@@ -304,33 +304,33 @@ class DiLoCo(Algorithm):
 
     # ---- the state of a sharded worker in another layout (diloco.reshard) ----------------------------
     @classmethod
-    def whole_state(cls, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        state = super().whole_state(parts)
-        first = parts[0]
+    def whole_state(cls, slices: list[dict[str, Any]]) -> dict[str, Any]:
+        state = super().whole_state(slices)
+        first = slices[0]
         if "whole_layout" not in first:
             return state
         state["global_params"] = [torch.cat(ts) if span is not None else ts[0]
-                                  for ts, span in zip(zip(*(p["global_params"] for p in parts)), first["param_spans"])]
-        state["outer_optimizers"] = [with_momenta(o, cls._joined(parts, f, [momenta([p["outer_optimizers"][f]])
-                                                                            for p in parts]))
+                                  for ts, span in zip(zip(*(p["global_params"] for p in slices)), first["param_spans"])]
+        state["outer_optimizers"] = [with_momenta(o, cls._joined(slices, f, [momenta([p["outer_optimizers"][f]])
+                                                                            for p in slices]))
                                      for f, o in enumerate(first["outer_optimizers"])]
         state["fragments"] = first["whole_layout"]
-        if any((p.get("codec") or {}).get("residuals") for p in parts):
-            state["codec"] = {"chain": first["codec"]["chain"], "residuals": cls._joined_residuals(parts, state)}
+        if any((p.get("codec") or {}).get("residuals") for p in slices):
+            state["codec"] = {"chain": first["codec"]["chain"], "residuals": cls._joined_residuals(slices, state)}
         for key in ("whole_layout", "whole_pieces", "param_spans"):
             del state[key]
         return state
 
     @classmethod
-    def _joined_residuals(cls, parts: list[dict[str, Any]], whole: dict[str, Any]) -> dict[Any, torch.Tensor]:
-        """The codec's error-feedback residuals of the whole worker: each part's, piece by piece, joined and laid
+    def _joined_residuals(cls, slices: list[dict[str, Any]], whole: dict[str, Any]) -> dict[Any, torch.Tensor]:
+        """The codec's error-feedback residuals of the whole worker: each slice's, piece by piece, joined and laid
         into the whole worker's buckets."""
         layout, size = whole["fragments"], Transport.bucket_bytes
         pieces = [unbucketed(p["codec"]["residuals"], exchanges(piece_shapes(p["fragments"], p["global_params"])), size)
-                  for p in parts]
+                  for p in slices]
         shapes = exchanges(piece_shapes(layout, whole["global_params"]))
         joined = {f: join_pieces([x[f] for x in pieces], [origins_in(p["fragments"], p["whole_pieces"], layout, f)
-                                                          for p in parts], len(shapes[f])) for f in shapes}
+                                                          for p in slices], len(shapes[f])) for f in shapes}
         return bucketed(joined, shapes, size)
 
     def cut_state(self, whole: dict[str, Any]) -> dict[str, Any]:

@@ -1,9 +1,9 @@
-"""A sharded worker's state in another layout: the parts its processes kept, joined into the state an unsharded
-worker keeps, and a whole worker's state cut into one process's part.
+"""A sharded worker's state in another layout: the slices its processes kept, joined into the state an unsharded
+worker keeps, and a whole worker's state cut into one process's slice.
 
 ``fully_shard`` cuts each parameter along its first dimension as ``torch.chunk`` does: process r of G holds rows
 ``r*c : (r+1)*c`` (c = ceil(rows / G), fewer or none at the end). So does every per-parameter tensor of the state
-(the weights, the inner optimizer's moments, DiLoCo's global copy), and joining is concatenating the parts in
+(the weights, the inner optimizer's moments, DiLoCo's global copy), and joining is concatenating the slices in
 process order. A *piece* (:mod:`diloco.outer`: a parameter, or rows of one, that one fragment's outer optimizer
 steps) holds the rows of its whole piece that fall in the process's slice; each process's state records, for
 each of its pieces, the whole piece it comes from and where in it its rows start (``whole_pieces``). A gathered
@@ -49,10 +49,10 @@ def _is_rows(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
-def join_model(parts: Sequence[dict[str, Any]], cut: Sequence[str]) -> dict[str, Any]:
-    """A whole model's state from its processes' ``parts``: the entries named in ``cut`` (its sharded ones)
-    joined, every other entry the first part's."""
-    return {k: torch.cat([p[k] for p in parts]) if k in cut else v for k, v in parts[0].items()}
+def join_model(slices: Sequence[dict[str, Any]], cut: Sequence[str]) -> dict[str, Any]:
+    """A whole model's state from its processes' ``slices``: the entries named in ``cut`` (its sharded ones)
+    joined, every other entry the first slice's."""
+    return {k: torch.cat([p[k] for p in slices]) if k in cut else v for k, v in slices[0].items()}
 
 
 def cut_model(template: dict[str, Any], whole: dict[str, Any]) -> dict[str, Any]:
@@ -61,17 +61,17 @@ def cut_model(template: dict[str, Any], whole: dict[str, Any]) -> dict[str, Any]
     return {k: cut_rows(v, span_of(template.get(k))) if _is_rows(v) else v for k, v in whole.items()}
 
 
-def join_optimizer(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """An optimizer's whole state from its processes' ``state_dict()`` parts: its moments (tensors of a dimension
-    or more) joined, its step counts and settings the first part's."""
-    first = parts[0]
-    state = {i: {k: torch.cat([p["state"][i][k] for p in parts]) if _is_rows(v) else v for k, v in entry.items()}
+def join_optimizer(slices: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """An optimizer's whole state from its processes' ``state_dict()`` slices: its moments (tensors of a dimension
+    or more) joined, its step counts and settings the first slice's."""
+    first = slices[0]
+    state = {i: {k: torch.cat([p["state"][i][k] for p in slices]) if _is_rows(v) else v for k, v in entry.items()}
              for i, entry in first["state"].items()}
     return {**first, "state": state}
 
 
 def cut_optimizer(optimizer: torch.optim.Optimizer, whole: dict[str, Any]) -> dict[str, Any]:
-    """This process's part of an optimizer's whole state, for ``optimizer`` (over the sharded parameters)."""
+    """This process's slice of an optimizer's whole state, for ``optimizer`` (over the sharded parameters)."""
     spans: dict[Any, Span] = {}
     for saved, group in zip(whole.get("param_groups", []), optimizer.param_groups):
         spans.update((i, span_of(p)) for i, p in zip(saved["params"], group["params"]))
@@ -80,12 +80,12 @@ def cut_optimizer(optimizer: torch.optim.Optimizer, whole: dict[str, Any]) -> di
     return {**whole, "state": state}
 
 
-def join_pieces(parts: Sequence[Sequence[Optional[torch.Tensor]]], origins: Sequence[Sequence[Sequence[int]]],
+def join_pieces(slices: Sequence[Sequence[Optional[torch.Tensor]]], origins: Sequence[Sequence[Sequence[int]]],
                 count: int) -> list[Optional[torch.Tensor]]:
-    """Each of ``count`` whole pieces from its rows in every part, in the parts' order: ``parts[p][k]`` is part
+    """Each of ``count`` whole pieces from its rows in every slice, in the slices' order: ``slices[p][k]`` is slice
     p's piece k (None: nothing kept for it), and ``origins[p][k][0]`` the whole piece it is rows of."""
     rows: list[list[torch.Tensor]] = [[] for _ in range(count)]
-    for tensors, whence in zip(parts, origins):
+    for tensors, whence in zip(slices, origins):
         for t, origin in zip(tensors, whence):
             if t is not None:
                 rows[origin[0]].append(t)

@@ -185,10 +185,10 @@ class SparseLoCo(DiLoCo):
         return {**super().state_dict(), "moved": [m.detach().cpu() for m in self.moved]}
 
     @classmethod
-    def whole_state(cls, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        state = super().whole_state(parts)
-        if "whole_layout" in parts[0] and "moved" in parts[0]:  # one fragment: its pieces are every piece
-            state["moved"] = cls._joined(parts, 0, [p["moved"] for p in parts])
+    def whole_state(cls, slices: list[dict[str, Any]]) -> dict[str, Any]:
+        state = super().whole_state(slices)
+        if "whole_layout" in slices[0] and "moved" in slices[0]:  # one fragment: its pieces are every piece
+            state["moved"] = cls._joined(slices, 0, [p["moved"] for p in slices])
         return state
 
     def cut_state(self, whole: dict[str, Any]) -> dict[str, Any]:

@@ -263,16 +263,16 @@ class StreamingDiLoCo(DiLoCo):
         self.pending = [Pending.from_state(x) for x in state["pending"]]
 
     @classmethod
-    def whole_state(cls, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        state = super().whole_state(parts)
-        if "whole_layout" in parts[0]:  # the exchanges in flight are the same on every process: joined one by one
-            state["pending"] = [cls._joined_pending(parts, e) for e in range(len(parts[0]["pending"]))]
+    def whole_state(cls, slices: list[dict[str, Any]]) -> dict[str, Any]:
+        state = super().whole_state(slices)
+        if "whole_layout" in slices[0]:  # the exchanges in flight are the same on every process: joined one by one
+            state["pending"] = [cls._joined_pending(slices, e) for e in range(len(slices[0]["pending"]))]
         return state
 
     @classmethod
-    def _joined_pending(cls, parts: list[dict[str, Any]], e: int) -> dict[str, Any]:
-        x = parts[0]["pending"][e]
-        joined = {k: cls._joined(parts, x["fragment"], [p["pending"][e][k] for p in parts]) if x[k] is not None
+    def _joined_pending(cls, slices: list[dict[str, Any]], e: int) -> dict[str, Any]:
+        x = slices[0]["pending"][e]
+        joined = {k: cls._joined(slices, x["fragment"], [p["pending"][e][k] for p in slices]) if x[k] is not None
                   else None for k in ("deltas", "sent")}
         return {**x, **joined}
 
