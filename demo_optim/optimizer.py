@@ -161,7 +161,7 @@ class DeMo(torch.optim.Optimizer):
             return layout.silent_device()
 
         # every worker's payload has one length (same settings, same model; a silent one is padded to it)
-        payloads = self.transport.all_gather_payload(on_wire, on_device if entries else None)
+        payloads = self.transport.all_gather_payload(on_wire, on_device if entries else None, layout.wire_bound())
         self._apply_mean(payloads, entries, layout)
         return loss
 

@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from diloco.comm.base import PayloadBound
 from diloco.compress import (ChunkPlan, CorruptPayload, bits_for, pack_bits, packed_size, tensor_bytes,
                              unpack_bits, wire)
 
@@ -116,6 +117,12 @@ class Layout:
     def wire_size(self) -> int:
         """The length of every wire payload of this layout (header included)."""
         return wire.header_size(1, self.chain) + self.body_bytes
+
+    def wire_bound(self) -> PayloadBound:
+        """The lengths another worker's wire payload may have, for a transport that checks them before reading
+        one (hivemind): from the header alone to :meth:`wire_size`. Every payload sent has that length (a silent one
+        is padded to it); a shorter one fails :meth:`check_header` and is counted as rejected there."""
+        return PayloadBound(wire.header_size(1, self.chain), self.wire_size(), False)
 
     def encode_device(self, idx: torch.Tensor, values: torch.Tensor,
                       ok: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -68,6 +68,14 @@ def payload(seed: int) -> bytes:
     return bytes(make_codec("int8").encode(values, prefix=struct.pack("<d", 1.0)))
 
 
+def bound():
+    """The lengths of :func:`payload`'s payloads, as the collective hands them to the transport."""
+    from diloco.compress.codec import make_codec
+    from diloco.compress.message import message_bound
+
+    return message_bound(make_codec("int8"), 3000, True)
+
+
 def exchange_all(peers, payloads, faulty: int):
     """Every peer runs one epoch at once; the survivors' results and how long each took. The faulty peer's
     thread is not waited for (a dead daemon can keep it in its own timeouts), only checked at the end."""
@@ -76,7 +84,7 @@ def exchange_all(peers, payloads, faulty: int):
     def work(i, t):
         t0 = time.perf_counter()
         try:
-            out[i] = (t.exchange(payloads[i]), time.perf_counter() - t0)
+            out[i] = (t.exchange(payloads[i], bound()), time.perf_counter() - t0)
         except Exception as e:
             errors.append((i, e))
 

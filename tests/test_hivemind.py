@@ -393,13 +393,14 @@ def test_a_push_header_is_refused_before_its_body_is_read(swarm):
 
     from diloco.comm.hivemind.push import push_mac
     from diloco.compress.codec import make_codec
+    from diloco.compress.message import message_bound
 
     t = swarm[0]
     payload = bytes(make_codec("int8").encode(torch.randn(3000), prefix=struct.pack("<d", 1.0)))
     sha = hashlib.sha256(payload).digest()
 
     async def opened():
-        return t.inbox.open(t.round, payload, 3, t.max_payload_bytes)
+        return t.inbox.open(t.round, message_bound(make_codec("int8"), 3000, True), 3, t.max_payload_bytes)
 
     async def closed():
         t.inbox.close()
@@ -466,6 +467,7 @@ def test_a_member_relays_a_push_it_can_neither_redirect_nor_carry_for_a_stranger
 
     from diloco.comm.hivemind.push import push_mac
     from diloco.compress.codec import make_codec
+    from diloco.compress.message import message_bound
 
     relay, sender, target = swarm
     payload = bytes(make_codec("int8").encode(torch.randn(3000), prefix=struct.pack("<d", 1.0)))
@@ -475,7 +477,8 @@ def test_a_member_relays_a_push_it_can_neither_redirect_nor_carry_for_a_stranger
 
     async def opened(t):
         t.adopted(e)
-        t.inbox.know_group(t.inbox.open(e, payload, 3, t.max_payload_bytes), gid, members)
+        bound = message_bound(make_codec("int8"), 3000, True)
+        t.inbox.know_group(t.inbox.open(e, bound, 3, t.max_payload_bytes), gid, members)
 
     async def closed(t):
         t.inbox.close()
@@ -914,22 +917,30 @@ def test_peers_at_different_speeds_and_start_times_meet_every_round_and_end_on_o
 
 def test_payload_sizes_follow_from_the_model_and_codec():
     """Exact for a chain without zstd, with or without the collective's weight; a bound that every zstd payload
-    of the tensor's size respects (incompressible values included) and that junk of any other size misses."""
-    from diloco.comm.hivemind.limits import payload_sizes
+    of the tensor's size respects (incompressible values included) and that junk of any other size misses. The
+    collective computes them from its codec and hands the transport numbers; a payload handed without them may
+    be of any length up to the largest the peer takes."""
+    from diloco.comm import PayloadBound
+    from diloco.comm.hivemind.limits import accepted
     from diloco.compress.codec import make_codec
+    from diloco.compress.message import message_bound
+
+    def sizes(bound: PayloadBound) -> tuple[int, int, bool]:
+        return bound.least, bound.most, bound.exact
 
     x = torch.randn(5000, generator=torch.Generator().manual_seed(0))
+    shapes = [(50, 64), (1800,)]
     for chain in ("fp32", "int8", "topk:0.05+2bit", "topk:k=205,tile=64+2bit"):
         codec = make_codec(chain)
         for prefix in (b"", struct.pack("<d", 2.0)):
             # tiles: the size follows the tensors' shapes, which the members share and the header does not carry
-            p = codec.encode(x, key="a", prefix=prefix, shapes=[(50, 64), (1800,)])
-            assert payload_sizes(p, 1 << 30) == (len(p), len(p), True), chain
+            p = codec.encode(x, key="a", prefix=prefix, shapes=shapes)
+            assert sizes(message_bound(codec, 5000, bool(prefix), shapes)) == (len(p), len(p), True), chain
     zc = make_codec("fp32+zstd")
-    least, most, exact = payload_sizes(zc.encode(torch.zeros(5000)), 1 << 30)
+    least, most, exact = sizes(message_bound(zc, 5000, False))
     assert not exact and least < len(zc.encode(torch.zeros(5000))) <= most
     assert least <= len(zc.encode(x)) <= most and most < 4 * 5000 + 256
-    assert payload_sizes(b"not a loco payload", 1 << 20) == (0, 1 << 20, False)
+    assert sizes(accepted(None, 1 << 20)) == (0, 1 << 20, False)
 
 
 @pytest.mark.parametrize("algo, apart, together", [

@@ -5,13 +5,13 @@ import os
 from typing import Any
 
 from diloco.comm.agreement import schema_differs
-from diloco.comm.base import CommStats, Handle, Transport, TransportError
+from diloco.comm.base import CommStats, Handle, PayloadBound, Transport, TransportError
 from diloco.comm.caps import Capabilities, RobustBounds
 from diloco.comm.local import LocalTransport
 
-__all__ = ["Capabilities", "CommStats", "Handle", "LocalTransport", "RobustBounds", "Transport", "TransportError",
-           "check_run_name", "fingerprint", "make_transport", "merge_ledgers", "read_slices", "read_swarm",
-           "schema_differs"]
+__all__ = ["Capabilities", "CommStats", "Handle", "LocalTransport", "PayloadBound", "RobustBounds", "Transport",
+           "TransportError", "check_run_name", "fingerprint", "make_transport", "merge_ledgers", "read_slices",
+           "read_swarm", "schema_differs"]
 
 
 def make_transport(backend: str = "auto", dist_backend: str = "auto", timeout: float = 300.0, device=None,

@@ -50,6 +50,18 @@ class CommStats:
                 "collectives": self.collectives, "comm_s": self.seconds, "peak_bytes": self.peak_bytes}
 
 
+@dataclass(frozen=True)
+class PayloadBound:
+    """The lengths the other members' payloads of one all-gather may have, as the sender's own codec and tensors
+    make them (``diloco.compress.message.message_bound``): from ``least`` to ``most`` bytes, every one of them
+    ``most`` where ``exact``. A transport whose members need not trust each other refuses a payload of another
+    length before reading it (hivemind); the others ignore it."""
+
+    least: int
+    most: int
+    exact: bool
+
+
 class Handle:
     """A collective that may still be in flight; ``wait()`` returns its result once it may be used."""
 
@@ -311,17 +323,20 @@ class Transport(ABC):
         self._count(*self._moved(kind, sent, [len(p) for p in out]))
         return out
 
-    def all_gather_bytes(self, payload: bytes, sizes: Optional[Sequence[int]] = None) -> list[bytes]:
-        """Every worker's payload, indexed by rank. ``sizes``: see :meth:`all_gather_bytes_start`."""
-        return self.all_gather_bytes_start(payload, sizes).wait()
+    def all_gather_bytes(self, payload: bytes, sizes: Optional[Sequence[int]] = None,
+                         bound: Optional[PayloadBound] = None) -> list[bytes]:
+        """Every worker's payload, indexed by rank. ``sizes``, ``bound``: see :meth:`all_gather_bytes_start`."""
+        return self.all_gather_bytes_start(payload, sizes, bound).wait()
 
-    def all_gather_bytes_start(self, payload: bytes, sizes: Optional[Sequence[int]] = None) -> Handle:
+    def all_gather_bytes_start(self, payload: bytes, sizes: Optional[Sequence[int]] = None,
+                               bound: Optional[PayloadBound] = None) -> Handle:
         """Start :meth:`all_gather_bytes`; the handle's ``wait()`` returns its result. See
-        :meth:`all_to_all_bytes_start` (``sizes`` here: every worker's payload length, by rank)."""
+        :meth:`all_to_all_bytes_start` (``sizes`` here: every worker's payload length, by rank). ``bound``: the
+        lengths the others' payloads may have (None: any length up to what the transport takes at all)."""
         sent = [len(payload)]
         if sizes is not None:
             self._check_sizes(sizes, len(payload))
-        finish = self._start_all_gather_bytes(payload, sizes)
+        finish = self._start_all_gather_bytes(payload, sizes, bound)
         return _Later(lambda: self._counted("all_gather", sent, finish()))
 
     def _check_sizes(self, sizes: Sequence[int], mine: int) -> None:
@@ -331,11 +346,12 @@ class Transport(ABC):
             raise ValueError(f"worker {self.rank}: stated payload sizes {list(sizes)} do not fit {self.world_size} "
                              f"workers and this worker's own payload of {mine} bytes")
 
-    def _start_all_gather_bytes(self, payload: bytes, sizes: Optional[Sequence[int]] = None
-                                ) -> Callable[[], list[bytes]]:
+    def _start_all_gather_bytes(self, payload: bytes, sizes: Optional[Sequence[int]] = None,
+                                bound: Optional[PayloadBound] = None) -> Callable[[], list[bytes]]:
         """Start :meth:`_all_gather_bytes`; the callable returned waits for it and returns its result. Here it is
         done before this returns; a transport that ``caps.overlaps_exchange`` leaves it in flight. ``sizes``: the
-        payloads' lengths, known to every worker beforehand (a transport may then skip exchanging them)."""
+        payloads' lengths, known to every worker beforehand (a transport may then skip exchanging them); ``bound``:
+        the lengths the others' payloads may have, which a transport among trusted members leaves unchecked."""
         out = self._all_gather_bytes(payload)
         return lambda: out
 
@@ -352,17 +368,18 @@ class Transport(ABC):
     def _all_gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} has no device all-gather")
 
-    def all_gather_payload(self, wire: Callable[[], bytes], device: Optional[Callable[[], torch.Tensor]] = None
-                           ) -> list:
+    def all_gather_payload(self, wire: Callable[[], bytes], device: Optional[Callable[[], torch.Tensor]] = None,
+                           bound: Optional[PayloadBound] = None) -> list:
         """Every worker's payload of an exchange whose payloads all have one length, in the form this transport
         moves best: where it moves tensors where they lie (``caps.device_gather``) the 1-D uint8 tensors
         ``device()`` makes (no header between trusted members), else the self-describing bytes ``wire()`` makes.
         Where the ranks are fixed every worker knows the length beforehand, so the transport may skip exchanging
-        it (see :meth:`all_to_all_bytes_start`)."""
+        it (see :meth:`all_to_all_bytes_start`); ``bound``: the lengths the wire payloads may have."""
         if device is not None and self.caps.device_gather:
             return self.all_gather_tensor(device())
         payload = wire()
-        return self.all_gather_bytes(payload, [len(payload)] * self.world_size if self.caps.fixed_ranks else None)
+        return self.all_gather_bytes(payload, [len(payload)] * self.world_size if self.caps.fixed_ranks else None,
+                                     bound)
 
     def all_to_all_bytes(self, payloads: Sequence[bytes]) -> list[bytes]:
         """Send ``payloads[j]`` to worker j; returns what each worker sent this one, indexed by rank."""

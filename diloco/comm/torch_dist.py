@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from diloco.comm.agreement import settings_differ
-from diloco.comm.base import Handle, Transport, TransportError
+from diloco.comm.base import Handle, PayloadBound, Transport, TransportError
 from diloco.comm.caps import Capabilities
 from diloco.comm.pool import BufferPool
 
@@ -337,8 +337,8 @@ class TorchDistTransport(Transport):
             return self._host_views(recv, spans, buf)
         return finish
 
-    def _start_all_gather_bytes(self, payload: bytes | bytearray | memoryview, sizes: Optional[Sequence[int]] = None
-                                ) -> Callable[[], list[memoryview]]:
+    def _start_all_gather_bytes(self, payload: bytes | bytearray | memoryview, sizes: Optional[Sequence[int]] = None,
+                                bound: Optional[PayloadBound] = None) -> Callable[[], list[memoryview]]:
         return self._gather_start(payload, self.caps.overlaps_exchange, sizes if self.caps.settings_agreed else None)
 
     def _start_all_to_all_bytes(self, payloads: Sequence[bytes | bytearray | memoryview],

@@ -1,11 +1,13 @@
 """One message of the weighted mean: the sender's weight (``<d``, 8 bytes) followed by the codec's self-describing
-payload, in one buffer (the codec writes its payload behind the prefix it is given)."""
+payload, in one buffer (the codec writes its payload behind the prefix it is given); and the sizes such messages
+have, which the transport is handed as plain numbers (it knows bytes, not codecs)."""
 
 from __future__ import annotations
 
 import struct
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from diloco.comm.base import PayloadBound
 from diloco.compress import wire
 from diloco.compress.wire import CorruptPayload
 
@@ -52,3 +54,25 @@ def known_sizes(codec: "Codec", numels: Sequence[int],
     if codec.wire_size(1) is None:
         return None
     return [message_size(codec, n, shapes) for n in numels]
+
+
+def zstd_bound(n: int) -> int:
+    """The most bytes zstd turns ``n`` bytes into (``ZSTD_COMPRESSBOUND``), plus room for a frame header."""
+    return n + (n >> 8) + (((128 << 10) - n) >> 11 if n < (128 << 10) else 0) + 32
+
+
+def message_bound(codec: "Codec", numel: int, weighted: bool,
+                  shapes: Optional[Sequence[Sequence[int]]] = None) -> PayloadBound:
+    """The lengths every member's message of a 1-D piece of ``numel`` values has, where the members share the
+    codec and the tensors (``shapes``, for a chain with tiles): members of one run share model and codec, so this
+    member's own message says what the others' must be. ``weighted``: the weight in front of each.
+
+    Without a zstd stage the length is exact; with one it varies with the values, from the header alone up to
+    the uncompressed sections plus zstd's worst case (a chain with tiles: at most 8 bytes a value, a bound on any
+    chain's sections)."""
+    head = (WEIGHT.size if weighted else 0) + wire.header_size(1, codec.chain)
+    if codec.spec.zstd_level is None:
+        exact = head + codec.payload_bytes(numel, shapes)
+        return PayloadBound(exact, exact, True)
+    raw = 8 * numel if codec.spec.topk_tile else codec.payload_bytes(numel)
+    return PayloadBound(head, head + zstd_bound(raw), False)

@@ -22,7 +22,7 @@ import torch
 from diloco.comm.base import Transport
 from diloco.compress.codec import Codec, make_codec
 from diloco.compress.flat import buckets, end_to_end, unflatten_into
-from diloco.compress.message import pack_weight, split_weight
+from diloco.compress.message import message_bound, pack_weight, split_weight
 from diloco.compress.senders import Senders, divide_by_senders_
 from diloco.compress.shared import SharedResult
 from diloco.compress.wire import CorruptPayload
@@ -79,8 +79,9 @@ def robust_mean(transport: Transport, flat: torch.Tensor, codec: "Codec", weight
     """
     with transport.exchange_scope():
         prefix = b"" if weight is None else pack_weight(weight)
+        bound = message_bound(codec, flat.numel(), weight is not None, shapes)  # what the others' messages weigh
         payloads = transport.all_gather_bytes(codec.encode(flat, key=key, prefix=prefix, shapes=shapes,
-                                                           feedback=weight is None or weight > 0))
+                                                           feedback=weight is None or weight > 0), bound=bound)
     names = transport.member_names()
     b = transport.bounds
     tiles = codec.tiling(shapes, flat.numel()) if shapes is not None else None

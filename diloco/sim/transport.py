@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from diloco.comm.base import DeviceSpan, Handle, Transport, TransportError
+from diloco.comm.base import DeviceSpan, Handle, PayloadBound, Transport, TransportError
 from diloco.comm.caps import Capabilities
 from diloco.sim.clock import VirtualTime
 
@@ -147,11 +147,11 @@ class InProcessTransport(Transport):
                              clipped: dict[str, float], weights_clipped: Optional[dict[str, float]] = None) -> None:
         self.group.contributions = dict(accepted)  # every member computes the same; rounds.jsonl reads it
 
-    def _start_all_gather_bytes(self, payload: bytes, sizes: Optional[Sequence[int]] = None
-                                ) -> Callable[[], list[bytes]]:
+    def _start_all_gather_bytes(self, payload: bytes, sizes: Optional[Sequence[int]] = None,
+                                bound: Optional[PayloadBound] = None) -> Callable[[], list[bytes]]:
         if sizes is None:  # the simulated workers always agree: stated sizes need no exchange
             self._size_exchange("all_gather")
-        return super()._start_all_gather_bytes(payload, sizes)
+        return super()._start_all_gather_bytes(payload, sizes, bound)
 
     def _start_all_to_all_bytes(self, payloads: Sequence[bytes], sizes: Optional[Sequence[int]] = None
                                 ) -> Callable[[], list[bytes]]:

@@ -29,7 +29,7 @@ The modules, one per job; a :class:`HivemindTransport` holds one object of each:
   taking them: a push is checked by its header before any body byte is read, and purged when the round ends;
 * ``commit`` -- the ack intersection (a pure function) and which state is the group's (state sketches);
 * ``deadlines`` -- the matchmaking window and exchange deadline, fixed or paced by what the peer measures;
-  ``limits`` -- the payload sizes a run's model and codec make, and the inbox's bounds;
+  ``limits`` -- the payload sizes a round takes (handed by the collective as numbers), and the inbox's bounds;
 * ``round`` -- one exchange walked through those phases; ``report`` -- what it produced;
 * ``state`` -- serving this peer's state and downloading the run's, in stripes from every holder;
 * ``ledger`` -- who contributed what, published in the DHT for ``loco status`` (``merge_ledgers``);

@@ -18,7 +18,8 @@ from typing import Optional
 
 from diloco.comm.hivemind.deadlines import Deadlines
 from diloco.comm.hivemind.framing import FAIL, OK, PIECE, UNREACHED, _read_body, _read_header, _write_head, log
-from diloco.comm.hivemind.limits import ACK_MAX, PUSH_HEADER_MAX, Window, inbox_cap, payload_sizes
+from diloco.comm.base import PayloadBound
+from diloco.comm.hivemind.limits import ACK_MAX, PUSH_HEADER_MAX, Window, accepted, inbox_cap
 from diloco.comm.hivemind.node import Node
 from diloco.comm.hivemind.push import KINDS, push_mac
 from diloco.comm.hivemind.registry import Registry, round_of
@@ -45,11 +46,11 @@ class Inbox:
         await self.node.p2p.add_binary_stream_handler(f"{self.node.run}.push", self.on_push)
 
     # ---- the round's window -----------------------------------------------------------------
-    def open(self, round: int, payload: bytes, group: int, largest: int) -> Window:
-        """Start accepting pushes for ``round``: sizes from this peer's own payload, room for ``group`` members.
-        ``largest`` bounds only a payload whose size nothing derives: a 1B model's fp32 payload is 4.4 GB."""
-        least, most, exact = payload_sizes(payload, largest)
-        self.window = Window(round, least, most, exact, inbox_cap(most, group))
+    def open(self, round: int, bound: Optional[PayloadBound], group: int, largest: int) -> Window:
+        """Start accepting pushes for ``round``: payloads of the lengths ``bound`` allows, room for ``group``
+        members. ``largest`` bounds only payloads handed without a bound: a 1B model's fp32 payload is 4.4 GB."""
+        sizes = accepted(bound, largest)
+        self.window = Window(round, sizes.least, sizes.most, sizes.exact, inbox_cap(sizes.most, group))
         self.boxes.clear()
         return self.window
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+from diloco.comm.base import PayloadBound
 from diloco.comm.hivemind.commit import agree, read_acks
 from diloco.comm.hivemind.deadlines import Deadlines
 from diloco.comm.hivemind.framing import _now, pack
@@ -25,17 +26,18 @@ from diloco.comm.hivemind.report import RoundResult
 
 
 class Round:
-    """One exchange of ``payload`` (see the module's docstring). ``fp``: the sketch of this peer's state;
-    ``wait_cap``: how long the rendezvous waits at most for peers announced at the round; ``largest``: the
-    largest payload taken whose size nothing derives; ``stop_requested``: true when the rendezvous should stop
-    waiting (a signal). The steps keep what they learn on the object: the round, the group, its members."""
+    """One exchange of ``payload`` (see the module's docstring). ``bound``: the lengths the members' payloads may
+    have (None: any up to ``largest``); ``fp``: the sketch of this peer's state; ``wait_cap``: how long the
+    rendezvous waits at most for peers announced at the round; ``stop_requested``: true when the rendezvous
+    should stop waiting (a signal). The steps keep what they learn on the object: the round, the group, its
+    members."""
 
     def __init__(self, *, node: Node, standing: Standing, registry: Registry, deadlines: Deadlines,
-                 matchmaker: Matchmaker, inbox: Inbox, pusher: Pusher, payload: bytes, fp: bytes, wait_cap: float,
-                 largest: int, stop_requested: Optional[Callable[[], bool]] = None) -> None:
+                 matchmaker: Matchmaker, inbox: Inbox, pusher: Pusher, payload: bytes, bound: Optional[PayloadBound],
+                 fp: bytes, wait_cap: float, largest: int, stop_requested: Optional[Callable[[], bool]] = None) -> None:
         self.node, self.standing, self.registry, self.deadlines = node, standing, registry, deadlines
         self.matchmaker, self.inbox, self.pusher = matchmaker, inbox, pusher
-        self.payload, self.fp, self.wait_cap, self.largest = payload, fp, wait_cap, largest
+        self.payload, self.bound, self.fp, self.wait_cap, self.largest = payload, bound, fp, wait_cap, largest
         self.stop_requested = stop_requested
         self.peer_id = node.peer_id
         self.notes: list[str] = []
@@ -49,7 +51,7 @@ class Round:
         waiting = max(len(here), 1)
         # pushes may come before the group is known: meanwhile, the deadline of a group of everyone waiting here
         self.deadlines.for_exchange(2 * len(self.payload) * waiting, waiting)
-        window = self.inbox.open(self.round, self.payload, 1 + len(here), self.largest)
+        window = self.inbox.open(self.round, self.bound, 1 + len(here), self.largest)
         try:
             return await self._grouped(here, others, window)
         finally:

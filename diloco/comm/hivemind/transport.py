@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from diloco.comm.base import Transport, TransportError
+from diloco.comm.base import PayloadBound, Transport, TransportError
 from diloco.comm.caps import Capabilities, RobustBounds
 from diloco.comm.hivemind.auth import check_run_name
 from diloco.comm.hivemind.commit import resync_sources
@@ -161,8 +161,9 @@ class HivemindTransport(Transport):
         self.node.close(None if self.observer else self.registry.leave)
 
     # ---- one round --------------------------------------------------------------------------
-    def exchange(self, payload: bytes) -> RoundResult:
-        """Run one round: form a group, send ``payload`` to every member, agree on who delivered."""
+    def exchange(self, payload: bytes, bound: Optional[PayloadBound] = None) -> RoundResult:
+        """Run one round: form a group, send ``payload`` to every member, agree on who delivered. ``bound``: the
+        lengths the members' payloads may have (None: any up to ``max_payload_bytes``)."""
         fp = self.fingerprint_fn() if self.fingerprint_fn is not None else b""
         compute_s = time.perf_counter() - self._round_start
         s, d = self.standing, self.deadlines
@@ -172,7 +173,7 @@ class HivemindTransport(Transport):
         last_exchange = self._last.seconds if self._last is not None and not self._last.alone else 0.0
         wait_cap = max(d.matchmaking_time, self.wait_rounds * (compute_s + last_exchange))
         rnd = Round(node=self.node, standing=s, registry=self.registry, deadlines=d, matchmaker=self.matchmaker,
-                    inbox=self.inbox, pusher=self.pusher, payload=payload, fp=fp, wait_cap=wait_cap,
+                    inbox=self.inbox, pusher=self.pusher, payload=payload, bound=bound, fp=fp, wait_cap=wait_cap,
                     largest=self.max_payload_bytes, stop_requested=self.stop_requested)
         try:
             result = self.node.call(rnd.run(), wait_cap + d.matchmaking_time * 4 + d.exchange_timeout * 3 + 60)
@@ -297,14 +298,20 @@ class HivemindTransport(Transport):
 
     # ---- collectives ------------------------------------------------------------------------
     def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
-        """Every member's payload (this peer's included) in canonical order (:meth:`member_names`)."""
-        result = self.exchange(payload)
+        return self._start_all_gather_bytes(payload)()
+
+    def _start_all_gather_bytes(self, payload: bytes, sizes: Optional[Sequence[int]] = None,
+                                bound: Optional[PayloadBound] = None) -> Callable[[], list[bytes]]:
+        """One round, done before this returns; the callable hands every member's payload (this peer's included)
+        in canonical order (:meth:`member_names`). A member's payload of a length ``bound`` does not allow is
+        refused unread."""
+        result = self.exchange(payload, bound)
         # a member whose own payload did not reach everyone is left out of the agreed set (its update too)
         out = [result.payloads[p] for p in result.members]
         # handed over: the result kept until the next round holds no payload, or every member's would stay in
         # memory through the next round's training and meet the next round's
         result.payloads = {}
-        return out
+        return lambda: out
 
     def _moved(self, kind: str, sent: Sequence[int], received: Sequence[int]) -> tuple[int, int]:
         """What this peer's pushes really delivered, and what it took from the members it kept."""
