@@ -280,16 +280,44 @@ def test_no_module_imports_itself_through_others(tmp_path):
     assert _circles(_import_graph(tmp_path)) == [["diloco", "diloco.a"], ["launch.b", "launch.c"]]
 
 
-def test_the_transport_knows_bytes_not_codecs():
-    tree = ast.parse((ROOT / "diloco/comm/base.py").read_text())
-    # the collective builds on the transport, never the reverse
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("diloco.compress"):
-            assert node.module == "diloco.compress" and [a.name for a in node.names] == ["collective"]
-        if isinstance(node, ast.Import):
-            assert not any(a.name.startswith("diloco.compress") for a in node.names)
+def _codec_imports(root: Path = ROOT) -> list[str]:
+    """Every import of ``diloco.compress`` or a module in it by a module under ``diloco/comm/``, as "path: module"
+    (one per import statement): wherever in the file (a function-local one too), absolute or relative, or as
+    ``from diloco import compress``."""
+    found = []
+    for path in sorted((root / "diloco/comm").rglob("*.py")):
+        package = list(path.relative_to(root).parent.parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                above = package[:len(package) - node.level + 1] if node.level else []
+                base = ".".join(above + ([node.module] if node.module else []))
+                names = [base, *(f"{base}.{a.name}" for a in node.names)]
+            else:
+                continue
+            codecs = [n for n in names if n == "diloco.compress" or n.startswith("diloco.compress.")]
+            if codecs:
+                found.append(f"{path.relative_to(root).as_posix()}: {codecs[0]}")
+    return found
+
+
+def test_the_transport_knows_bytes_not_codecs(tmp_path):
+    # the collective builds on the transport, never the reverse: no module of the transports imports a codec
+    assert _codec_imports() == []
     text = (ROOT / "diloco/comm/base.py").read_text()
     assert "encode(" not in text and "decode" not in text
+    # the scan sees an import of the package or of a module in it, absolute, relative, or inside a function
+    (tmp_path / "diloco/comm/hivemind").mkdir(parents=True)
+    (tmp_path / "diloco/comm/base.py").write_text("from diloco.comm.caps import Capabilities\n")
+    (tmp_path / "diloco/comm/a.py").write_text("from diloco import compress\n")
+    (tmp_path / "diloco/comm/b.py").write_text("import diloco.compress.wire as wire\n")
+    (tmp_path / "diloco/comm/hivemind/c.py").write_text("def f():\n    from diloco.compress.codec import Codec\n")
+    (tmp_path / "diloco/comm/hivemind/d.py").write_text("from ...compress import wire\n")
+    (tmp_path / "diloco/comm/hivemind/e.py").write_text("from .. import base\nfrom . import c\n")
+    assert _codec_imports(tmp_path) == ["diloco/comm/a.py: diloco.compress", "diloco/comm/b.py: diloco.compress.wire",
+                                        "diloco/comm/hivemind/c.py: diloco.compress.codec",
+                                        "diloco/comm/hivemind/d.py: diloco.compress"]
 
 
 def test_launch_never_imports_a_backend_module():
