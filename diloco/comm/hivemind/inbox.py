@@ -16,9 +16,9 @@ import hmac
 import time
 from typing import Optional
 
+from diloco.comm.base import PayloadBound
 from diloco.comm.hivemind.deadlines import Deadlines
 from diloco.comm.hivemind.framing import FAIL, OK, PIECE, UNREACHED, _read_body, _read_header, _write_head, log
-from diloco.comm.base import PayloadBound
 from diloco.comm.hivemind.limits import ACK_MAX, PUSH_HEADER_MAX, Window, accepted, inbox_cap
 from diloco.comm.hivemind.node import Node
 from diloco.comm.hivemind.push import KINDS, push_mac
