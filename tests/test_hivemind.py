@@ -353,7 +353,7 @@ def test_a_header_of_nested_msgpack_extensions_is_refused_not_a_crash():
     import msgpack
     from hivemind.utils.serializer import MSGPackSerializer
 
-    from diloco.comm.hivemind.framing import _read_header, pack, unpack
+    from diloco.comm.hivemind.framing import read_header, pack, unpack
 
     nested = msgpack.packb(1)
     for _ in range(300):
@@ -366,7 +366,7 @@ def test_a_header_of_nested_msgpack_extensions_is_refused_not_a_crash():
         reader = asyncio.StreamReader()
         reader.feed_data(len(data).to_bytes(8, "big") + data + (0).to_bytes(8, "big"))
         reader.feed_eof()
-        return await _read_header(reader)
+        return await read_header(reader)
 
     with pytest.raises(ValueError, match="msgpack extension"):
         asyncio.run(read(nested))
@@ -1153,7 +1153,7 @@ def test_a_state_reply_held_back_for_a_newer_epoch_is_waited_for():
     reads the reply's header with a timeout of its own (STATE_WAIT_S + 10; the fixed 10 s gave up first)."""
     import asyncio
 
-    from diloco.comm.hivemind.framing import _read_framed
+    from diloco.comm.hivemind.framing import read_framed
     from hivemind.utils.serializer import MSGPackSerializer
 
     head = MSGPackSerializer.dumps({"n": 3})
@@ -1162,7 +1162,7 @@ def test_a_state_reply_held_back_for_a_newer_epoch_is_waited_for():
     async def read_after(delay: float, header_timeout: float):
         reader = asyncio.StreamReader()
         asyncio.get_running_loop().call_later(delay, lambda: (reader.feed_data(message), reader.feed_eof()))
-        return await _read_framed(reader, 1 << 10, 5, header_timeout=header_timeout)
+        return await read_framed(reader, 1 << 10, 5, header_timeout=header_timeout)
 
     assert asyncio.run(read_after(0.3, 1.0)) == ({"n": 3}, b"abc")
     with pytest.raises(asyncio.TimeoutError):
@@ -1177,7 +1177,7 @@ def test_a_body_is_read_into_one_buffer_of_its_size():
     import socket
     import tracemalloc
 
-    from diloco.comm.hivemind.framing import _read_body
+    from diloco.comm.hivemind.framing import read_body
 
     n = 32 << 20
     body = os.urandom(n)
@@ -1197,7 +1197,7 @@ def test_a_body_is_read_into_one_buffer_of_its_size():
         sender = asyncio.ensure_future(send())
         try:
             tracemalloc.reset_peak()
-            got = await _read_body(reader, n, 60)
+            got = await read_body(reader, n, 60)
             # a small result: handing a large one back through asyncio.run peaks at 9x its size (CPython 3.11)
             return got == body, tracemalloc.get_traced_memory()[1]
         finally:

@@ -516,3 +516,25 @@ def test_dtensor_checks_go_through_comm():
         text = path.read_text()
         bad = [w for w in ('"to_local"', "'to_local'", '"device_mesh"', "'device_mesh'") if w in text]
         assert not bad, f"{path.relative_to(ROOT)} probes a DTensor by {bad}: use diloco.comm's helper"
+
+
+def _private_imports(root: Path) -> list[str]:
+    """``from <one of loco's modules> import _name``: a name its module keeps to itself, taken by another."""
+    found = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                        and node.module.split(".")[0] in PACKAGES):
+                    found += [f"{path.relative_to(root)}: {node.module}.{a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_takes_a_name_private_to_another(tmp_path):
+    assert _private_imports(ROOT) == []
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "diloco/a.py").write_text("def _inner():\n    pass\n")
+    (tmp_path / "launch/b.py").write_text("from diloco.a import _inner\nfrom diloco import __version__\n")
+    assert _private_imports(tmp_path) == ["launch/b.py: diloco.a._inner"]

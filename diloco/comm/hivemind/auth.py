@@ -25,7 +25,7 @@ def check_run_name(name: str) -> str:
     return name
 
 
-def _make_authorizer(secret: bytes):
+def make_authorizer(secret: bytes):
     from hivemind.utils.auth import AuthorizerBase
     from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 

@@ -1,9 +1,9 @@
 """What the phases of a swarm peer share: the logger, the stream framing and the DHT clock.
 
 A framed message is ``u64 len | msgpack header | u64 n | n bytes``. A receiver reads it in two steps: the
-header (:func:`_read_header`, at most ``MAX_HEADER`` bytes), which it checks (who sent it, for which round and
+header (:func:`read_header`, at most ``MAX_HEADER`` bytes), which it checks (who sent it, for which round and
 group, its MAC, whether ``n`` is a size this run's payloads can have), and only then the body
-(:func:`_read_body`). A refused header costs the receiver the header's bytes, never the body's.
+(:func:`read_body`). A refused header costs the receiver the header's bytes, never the body's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ MAX_HEADER = 64 << 10
 PIECE = 1 << 20  # bodies are written, read and relayed in pieces of at most this many bytes
 
 
-def _write_head(writer, header: dict, n: int) -> None:
+def write_head(writer, header: dict, n: int) -> None:
     """The start of a frame: ``u64 len | msgpack header | u64 n``; ``n`` body bytes follow."""
     head = pack(header)
     writer.write(len(head).to_bytes(8, "big") + head + n.to_bytes(8, "big"))
@@ -52,10 +52,10 @@ def unpack(buf: bytes | bytearray | memoryview) -> Any:
         raise ValueError(f"not a message: {type(e).__name__}: {e}") from None
 
 
-async def _write_framed(writer, header: dict, data: bytes) -> None:
-    """``u64 len | msgpack header | u64 len | data``, the data in slices of :data:`PIECE` (what ``_read_framed``
+async def write_framed(writer, header: dict, data: bytes) -> None:
+    """``u64 len | msgpack header | u64 len | data``, the data in slices of :data:`PIECE` (what ``read_framed``
     reads)."""
-    _write_head(writer, header, len(data))
+    write_head(writer, header, len(data))
     view = memoryview(data)
     for off in range(0, len(view), PIECE):
         writer.write(view[off:off + PIECE])
@@ -63,7 +63,7 @@ async def _write_framed(writer, header: dict, data: bytes) -> None:
     await writer.drain()
 
 
-async def _read_header(reader, max_header: int = MAX_HEADER, timeout: float = 10) -> tuple[dict, int]:
+async def read_header(reader, max_header: int = MAX_HEADER, timeout: float = 10) -> tuple[dict, int]:
     """The header of one framed message and the body size it announces; the body is left unread."""
     hlen = int.from_bytes(await asyncio.wait_for(reader.readexactly(8), timeout), "big")
     if hlen > max_header:
@@ -75,8 +75,8 @@ async def _read_header(reader, max_header: int = MAX_HEADER, timeout: float = 10
     return header, n
 
 
-async def _read_body(reader, n: int, timeout: float) -> bytearray:
-    """The ``n`` body bytes after a header :func:`_read_header` read (and the caller accepted), within
+async def read_body(reader, n: int, timeout: float) -> bytearray:
+    """The ``n`` body bytes after a header :func:`read_header` read (and the caller accepted), within
     ``timeout`` seconds in all.
 
     They are read in pieces (:data:`PIECE`) into one buffer of ``n`` bytes, so a body costs its own size while it arrives.
@@ -97,20 +97,20 @@ async def _read_body(reader, n: int, timeout: float) -> bytearray:
     return await asyncio.wait_for(pieces(), timeout)
 
 
-async def _read_framed(reader, limit: int, timeout: Union[float, Callable[[int], float]],
+async def read_framed(reader, limit: int, timeout: Union[float, Callable[[int], float]],
                        header_timeout: float = 10) -> tuple[dict, bytearray]:
-    """One message that :func:`_write_framed` wrote: (header, data), the data at most ``limit`` bytes.
+    """One message that :func:`write_framed` wrote: (header, data), the data at most ``limit`` bytes.
 
     ``timeout`` bounds the body's read; a function of the body's size (read from the header first) lets a
     large body take longer than a small one. ``header_timeout`` bounds each read of the header (a reply the
     sender may hold back while it waits for something has to allow for that wait)."""
-    header, n = await _read_header(reader, timeout=header_timeout)
+    header, n = await read_header(reader, timeout=header_timeout)
     if n > limit:
         raise ValueError(f"payload of {n} bytes (limit {limit})")
-    return header, await _read_body(reader, n, timeout(n) if callable(timeout) else timeout)
+    return header, await read_body(reader, n, timeout(n) if callable(timeout) else timeout)
 
 
-def _now() -> float:
+def dht_now() -> float:
     from hivemind.utils.timed_storage import get_dht_time
 
     return get_dht_time()

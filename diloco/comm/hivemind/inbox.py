@@ -18,7 +18,7 @@ from typing import Optional
 
 from diloco.comm.base import PayloadBound
 from diloco.comm.hivemind.deadlines import Deadlines
-from diloco.comm.hivemind.framing import FAIL, OK, PIECE, UNREACHED, _read_body, _read_header, _write_head, log
+from diloco.comm.hivemind.framing import FAIL, OK, PIECE, UNREACHED, read_body, read_header, write_head, log
 from diloco.comm.hivemind.limits import ACK_MAX, PUSH_HEADER_MAX, Window, accepted, inbox_cap
 from diloco.comm.hivemind.node import Node
 from diloco.comm.hivemind.push import KINDS, push_mac
@@ -137,7 +137,7 @@ class Inbox:
         w = slot = None
         stored = False
         try:
-            header, n = await _read_header(reader, PUSH_HEADER_MAX)
+            header, n = await read_header(reader, PUSH_HEADER_MAX)
             w = self.window
             to, frm = header.get("t", me), header.get("f", sender.to_bytes())
             if to != me:
@@ -154,7 +154,7 @@ class Inbox:
                 if w is not None:
                     w.refuse(sender, header.get("k"), why)
                 raise PermissionError(why)
-            self._store(w, sender, header, await _read_body(reader, n, self.deadlines.exchange_timeout))
+            self._store(w, sender, header, await read_body(reader, n, self.deadlines.exchange_timeout))
             stored = True
             writer.write(OK)
             await writer.drain()
@@ -270,7 +270,7 @@ class Inbox:
     async def _stream_on(self, reader, out, back, header: dict, n: int) -> bytes:
         """The header, then the body piece by piece, from the sender's stream to the receiver's; its answer."""
         timeout = self.deadlines.exchange_timeout
-        _write_head(out, header, n)
+        write_head(out, header, n)
         left = n
         while left:
             piece = await asyncio.wait_for(reader.readexactly(min(left, PIECE)), timeout)

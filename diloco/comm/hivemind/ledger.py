@@ -12,7 +12,7 @@ import statistics
 from dataclasses import asdict, dataclass, fields
 from typing import Mapping, Sequence
 
-from diloco.comm.hivemind.framing import _now, log
+from diloco.comm.hivemind.framing import dht_now, log
 from diloco.comm.hivemind.node import Node
 
 LEDGER_TTL_S = 7 * 86400  # a published ledger outlives its peer by a week: `loco status` credits peers gone
@@ -83,7 +83,7 @@ class Ledger:
 
     async def publish(self) -> None:
         value = {pid: rec.as_list() for pid, rec in self.records.items()}
-        await self.node.dht.store(self.key, subkey=self.node.me, value=value, expiration_time=_now() + LEDGER_TTL_S,
+        await self.node.dht.store(self.key, subkey=self.node.me, value=value, expiration_time=dht_now() + LEDGER_TTL_S,
                                   return_future=True)
 
 

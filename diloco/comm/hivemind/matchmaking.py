@@ -16,7 +16,7 @@ from typing import AsyncIterator, Optional
 
 from diloco.comm.hivemind.auth import mac
 from diloco.comm.hivemind.deadlines import Deadlines
-from diloco.comm.hivemind.framing import _now, pack, unpack
+from diloco.comm.hivemind.framing import dht_now, pack, unpack
 from diloco.comm.hivemind.limits import Window
 from diloco.comm.hivemind.node import Node
 
@@ -98,7 +98,7 @@ class Matchmaker:
         window = self.deadlines.matchmaking_time
         self.mm.group_key_manager.prefix = f"{self.node.run}_e{round}"  # one DHT key per round: rounds never mix
         self.mm.target_group_size = expected  # assemble at once when every peer waiting here has come
-        step = StepControl(scheduled_time=_now() + window, deadline=_now() + window + 2, allow_retries=False,
+        step = StepControl(scheduled_time=dht_now() + window, deadline=dht_now() + window + 2, allow_retries=False,
                            weight=1.0, data_for_gather=pack(mine))
         step.attach(MPFuture(), MPFuture())
         step.allow_allreduce()

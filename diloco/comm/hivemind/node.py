@@ -21,7 +21,7 @@ import threading
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from diloco.comm.base import TransportError, die_with_parent
-from diloco.comm.hivemind.auth import _make_authorizer
+from diloco.comm.hivemind.auth import make_authorizer
 from diloco.comm.hivemind.framing import log
 
 _TAGS = itertools.count()
@@ -119,7 +119,7 @@ class Node:
         kwargs = dict(dht_options, initial_peers=list(initial_peers), start=False, ensure_bootstrap_success=True,
                       await_ready=True)
         if key:
-            kwargs["authorizer"] = _make_authorizer(key)
+            kwargs["authorizer"] = make_authorizer(key)
         self._sockets = _socket_tag()  # this peer's p2pd sockets, removed whatever way it ends
         self.dht = _dht_class()(**kwargs)
         try:

@@ -15,7 +15,7 @@ import time
 from typing import Optional
 
 from diloco.comm.hivemind.auth import mac
-from diloco.comm.hivemind.framing import OK, UNREACHED, _now, _write_framed, log
+from diloco.comm.hivemind.framing import OK, UNREACHED, dht_now, write_framed, log
 from diloco.comm.hivemind.node import Node
 
 KINDS = ("ag", "ack")  # a member's payload, then its list of whom it holds payloads from
@@ -52,7 +52,7 @@ class Pusher:
         is remembered for ``UNREACHABLE_S`` and then reached through a member at once. ``sha``: ``data``'s
         SHA-256 when the caller has it (hashed once for all)."""
         sha = sha or hashlib.sha256(data).digest()
-        now = _now()
+        now = dht_now()
         known = {p for p in peers if now - self.unreachable.get(p.to_base58(), -UNREACHABLE_S) < UNREACHABLE_S}
         direct = [p for p in peers if p not in known]
         sent = dict(zip(direct, await asyncio.gather(*[self.push(p, gid, kind, round, data, deadline, sha=sha)
@@ -104,7 +104,7 @@ class Pusher:
                     raise asyncio.TimeoutError("the exchange's deadline passed")
                 _, reader, writer = await asyncio.wait_for(
                     node.p2p.call_binary_stream_handler(hop, f"{node.run}.push"), min(10.0, left()))
-                await asyncio.wait_for(_write_framed(writer, header, data), left())
+                await asyncio.wait_for(write_framed(writer, header, data), left())
                 answer = await asyncio.wait_for(reader.readexactly(1), left())
                 if answer == UNREACHED:
                     log.info("peer %s: %s could not reach %s with this peer's %s", node.tag,

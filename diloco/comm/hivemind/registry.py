@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from diloco.comm.agreement import schema_differs
-from diloco.comm.hivemind.framing import _now, log
+from diloco.comm.hivemind.framing import dht_now, log
 from diloco.comm.hivemind.links import Links
 from diloco.comm.hivemind.node import Node
 
@@ -85,9 +85,9 @@ class Registry:
     async def beat(self) -> None:
         s = self.standing
         # the entry's keys are read by every peer and by `loco status`: "epoch" is this peer's round
-        value = {"epoch": s.round, "time": _now(), "phase": s.phase, "eta": s.eta, "round_s": s.round_s,
+        value = {"epoch": s.round, "time": dht_now(), "phase": s.phase, "eta": s.eta, "round_s": s.round_s,
                  "settings": self.settings, **self.status}
-        await self.node.dht.store(self.key, subkey=self.node.me, value=value, expiration_time=_now() + self.ttl,
+        await self.node.dht.store(self.key, subkey=self.node.me, value=value, expiration_time=dht_now() + self.ttl,
                                   return_future=True)
 
     async def beat_or_log(self) -> None:
@@ -110,7 +110,7 @@ class Registry:
 
     async def leave(self) -> None:
         """Leave the registry now rather than when the entry expires."""
-        await self.node.dht.store(self.key, subkey=self.node.me, value=None, expiration_time=_now() + 1,
+        await self.node.dht.store(self.key, subkey=self.node.me, value=None, expiration_time=dht_now() + 1,
                                   return_future=True)
 
     # ---- reading it -------------------------------------------------------------------------
@@ -194,7 +194,7 @@ class Registry:
                 announced = (s.round, s.phase)
             here = {pid: v for pid, v in live.items()
                     if round_of(v) == s.round and v.get("phase") not in ("train", "resync")}
-            now, waited = _now(), time.perf_counter() - begin
+            now, waited = dht_now(), time.perf_counter() - begin
             pending = [pid for pid, v in live.items() if pid not in here and round_of(v) <= s.round
                        and expects(v, now, waited, window)]
             grouping = any(v.get("phase") == "group" for v in here.values())
@@ -223,7 +223,7 @@ class Registry:
 
     async def _drop_lost(self, live: dict, notes: list) -> None:
         for pid in await self.links.lost(live):
-            self.suspects[pid] = _now()
+            self.suspects[pid] = dht_now()
             live.pop(pid)
             notes.append(f"peer {pid[-8:]}: its libp2p connection dropped and it cannot be dialled: not waited for")
 

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 from diloco.comm.base import PayloadBound
 from diloco.comm.hivemind.commit import agree, read_acks
 from diloco.comm.hivemind.deadlines import Deadlines
-from diloco.comm.hivemind.framing import _now, pack
+from diloco.comm.hivemind.framing import dht_now, pack
 from diloco.comm.hivemind.inbox import Inbox
 from diloco.comm.hivemind.limits import Window
 from diloco.comm.hivemind.matchmaking import Matchmaker
@@ -44,7 +44,7 @@ class Round:
 
     async def run(self) -> RoundResult:
         self.start = time.perf_counter()
-        self.standing.phase, self.standing.eta = "wait", _now()
+        self.standing.phase, self.standing.eta = "wait", dht_now()
         here, others = await self.registry.rendezvous(self.wait_cap, self.deadlines.matchmaking_time, self.notes,
                                                       self.stop_requested)
         self.round = self.standing.round
@@ -154,5 +154,5 @@ class Round:
             elif p in self.refusers:
                 self.notes.append(f"peer {name[-8:]} refused this peer's payload: left out")
             else:
-                self.registry.suspects[name] = _now()
+                self.registry.suspects[name] = dht_now()
                 self.notes.append(f"peer {name[-8:]} did not complete round {self.round}: left out")

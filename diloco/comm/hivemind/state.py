@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from diloco.comm.hivemind.auth import mac
 from diloco.comm.hivemind.deadlines import Deadlines
-from diloco.comm.hivemind.framing import _read_framed, _write_framed, log, pack, unpack
+from diloco.comm.hivemind.framing import read_framed, write_framed, log, pack, unpack
 from diloco.comm.hivemind.node import Node
 
 # how long a peer asked for a state of a newer round than it holds waits for that round before refusing (a peer
@@ -106,7 +106,7 @@ class StateService:
     async def on_request(self, info, reader, writer) -> None:
         node, sender = self.node, info.peer_id
         try:
-            header, body = await _read_framed(reader, 1 << 10, 10)
+            header, body = await read_framed(reader, 1 << 10, 10)
             if not hmac.compare_digest(header.get("m", b""), mac(node.key, b"state", sender.to_bytes(),
                                                                   node.peer_id.to_bytes(), body)):
                 raise PermissionError("bad MAC (no or another run key)")
@@ -128,7 +128,7 @@ class StateService:
                               str(round).encode(), sha)}
             if start == 0:  # the first stripe brings the manifest (its SHA-256 is the signed one)
                 reply["man"] = man
-            await _write_framed(writer, reply, piece)
+            await write_framed(writer, reply, piece)
             # the reader closes when it has it all: over a slow link, long after the last byte left this peer
             await asyncio.wait_for(reader.read(1), self.deadlines.state_timeout(len(piece)))
         except Exception as e:
@@ -154,9 +154,9 @@ class StateService:
         head = {"n": len(body), "m": mac(node.key, b"state", node.peer_id.to_bytes(), peer.to_bytes(), body)}
         _, reader, writer = await asyncio.wait_for(node.p2p.call_binary_stream_handler(peer, f"{node.run}.state"), 10)
         try:
-            await _write_framed(writer, head, body)
+            await write_framed(writer, head, body)
             # the reply's header may come only once the peer has the round asked for: up to STATE_WAIT_S
-            header, piece = await _read_framed(reader, largest, self.deadlines.state_timeout,
+            header, piece = await read_framed(reader, largest, self.deadlines.state_timeout,
                                                header_timeout=STATE_WAIT_S + 10)
             round, total, digest = int(header["e"]), int(header.get("total", len(piece))), header["sha"]
             if not hmac.compare_digest(header["m"], mac(node.key, b"state-reply", peer.to_bytes(),

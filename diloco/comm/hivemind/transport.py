@@ -16,7 +16,7 @@ from diloco.comm.caps import Capabilities, RobustBounds
 from diloco.comm.hivemind.auth import check_run_name
 from diloco.comm.hivemind.commit import resync_sources
 from diloco.comm.hivemind.deadlines import STATE_CEILING_S, Deadlines
-from diloco.comm.hivemind.framing import _now, log
+from diloco.comm.hivemind.framing import dht_now, log
 from diloco.comm.hivemind.inbox import Inbox
 from diloco.comm.hivemind.ledger import Ledger
 from diloco.comm.hivemind.links import Links
@@ -183,7 +183,7 @@ class HivemindTransport(Transport):
         # the next round starts now: announce when this peer expects to reach the next round
         s.round_s = compute_s
         self._round_start = time.perf_counter()
-        s.phase, s.eta = "train", _now() + compute_s
+        s.phase, s.eta = "train", dht_now() + compute_s
         try:
             self.node.call(self.registry.beat(), 30)
         except Exception as e:
@@ -293,7 +293,7 @@ class HivemindTransport(Transport):
             return None
         finally:  # its round starts now
             self._round_start = time.perf_counter()
-            s.phase, s.eta = "train", (_now() + s.round_s if s.round_s else None)
+            s.phase, s.eta = "train", (dht_now() + s.round_s if s.round_s else None)
             self.registry.announce()
 
     # ---- collectives ------------------------------------------------------------------------
