@@ -13,7 +13,7 @@ What ``loco join`` and ``loco simulate`` add comes in through :class:`Hooks` and
 Python API::
 
     from launch.config import load_config
-    from launch.loop.trainer import Trainer
+    from launch.trainer import Trainer
     cfg, _ = load_config(["configs/tiny.yaml"], ["run.max_steps=200"])
     summary = Trainer(cfg, model=my_module).fit()   # model: ids [B, T] -> logits [B, T, V]
 """
