@@ -538,3 +538,18 @@ def test_no_module_takes_a_name_private_to_another(tmp_path):
     (tmp_path / "diloco/a.py").write_text("def _inner():\n    pass\n")
     (tmp_path / "launch/b.py").write_text("from diloco.a import _inner\nfrom diloco import __version__\n")
     assert _private_imports(tmp_path) == ["launch/b.py: diloco.a._inner"]
+
+
+def test_the_names_users_and_scripts_rely_on_import():
+    """What the README, scripts and ``pyproject.toml``'s entry point name, wherever the code behind them lives."""
+    import diloco
+    from diloco import DiLoCo as named
+    from diloco.comm import make_transport
+    from launch.cli import main
+    from launch.config import load_config
+    from launch.loop.trainer import train as loop_train
+    from launch.trainer import train
+
+    assert train is loop_train and callable(main) and callable(load_config) and callable(make_transport)
+    assert named is diloco.ALGORITHMS["diloco"]
+    assert (ROOT / "launch/__main__.py").is_file() and (ROOT / "launch/cli/__main__.py").is_file()  # python -m
