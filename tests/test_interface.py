@@ -403,6 +403,19 @@ def test_launch_never_compares_an_algorithm_name():
 
 
 # ---- rooms of one job: sizes, the loop's module, probes --------------------------------------------------------
+def _package_files(root: Path) -> list[Path]:
+    return [path for package in PACKAGES for path in sorted((root / package).rglob("*.py"))]
+
+
+def _planted(root: Path, files: dict[str, str]) -> Path:
+    """A tree of the three packages holding ``files`` (path -> text): where a guard must find its breach."""
+    for package in PACKAGES:
+        (root / package).mkdir()
+    for name, text in files.items():
+        (root / name).write_text(text)
+    return root
+
+
 ROOM_LINES = 500  # a module past this is a sign to split it
 TRAINER_LINES = 350  # the loop's module: what a step does and what follows it, nothing else
 
@@ -411,25 +424,22 @@ def _too_long(root: Path) -> list[str]:
     """Every module of the three packages past ``ROOM_LINES``, and the module defining ``Trainer`` at or past
     ``TRAINER_LINES``."""
     found = []
-    for package in PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            text = path.read_text()
-            lines = len(text.splitlines())
-            if lines > ROOM_LINES:
-                found.append(f"{path.relative_to(root)}: {lines} lines")
-            if re.search(r"^class Trainer\b", text, re.M) and lines >= TRAINER_LINES:
-                found.append(f"{path.relative_to(root)} defines Trainer in {lines} lines")
+    for path in _package_files(root):
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > ROOM_LINES:
+            found.append(f"{path.relative_to(root)}: {lines} lines")
+        if re.search(r"^class Trainer\b", text, re.M) and lines >= TRAINER_LINES:
+            found.append(f"{path.relative_to(root)} defines Trainer in {lines} lines")
     return found
 
 
 def test_no_module_outgrows_its_room(tmp_path):
     assert _too_long(ROOT) == []
-    for package in PACKAGES:
-        (tmp_path / package).mkdir()
-    (tmp_path / "diloco/big.py").write_text("x = 1\n" * (ROOM_LINES + 1))
-    (tmp_path / "launch/loop.py").write_text("class Trainer:\n" + "    x = 1\n" * TRAINER_LINES)
-    (tmp_path / "demo_optim/fine.py").write_text("x = 1\n" * ROOM_LINES)
-    assert _too_long(tmp_path) == [f"diloco/big.py: {ROOM_LINES + 1} lines",
+    planted = _planted(tmp_path, {"diloco/big.py": "x = 1\n" * (ROOM_LINES + 1),
+                                  "launch/loop.py": "class Trainer:\n" + "    x = 1\n" * TRAINER_LINES,
+                                  "demo_optim/fine.py": "x = 1\n" * ROOM_LINES})
+    assert _too_long(planted) == [f"diloco/big.py: {ROOM_LINES + 1} lines",
                                    f"launch/loop.py defines Trainer in {TRAINER_LINES + 1} lines"]
 
 
@@ -454,22 +464,21 @@ def _declared_names(root: Path) -> set[str]:
     """Every attribute and method a class of the three packages declares (defines, assigns on self, or names in
     its body)."""
     names = set()
-    for package in PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            for cls in ast.walk(ast.parse(path.read_text())):
-                if not isinstance(cls, ast.ClassDef):
-                    continue
-                for node in cls.body:
-                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                        names.add(node.name)
-                    elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                        names.add(node.target.id)
-                    elif isinstance(node, ast.Assign):
-                        names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-                for node in ast.walk(cls):
-                    if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                            and isinstance(node.value, ast.Name) and node.value.id == "self"):
-                        names.add(node.attr)
+    for path in _package_files(root):
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for node in cls.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(node.name)
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    names.add(node.target.id)
+                elif isinstance(node, ast.Assign):
+                    names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            for node in ast.walk(cls):
+                if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                        and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                    names.add(node.attr)
     return names - {"__init__"}
 
 
@@ -478,32 +487,29 @@ def _probes(root: Path) -> list[str]:
     question an interface should answer. Probes on the objects in ``FOREIGN`` are not counted."""
     declared = _declared_names(root)
     found = []
-    for package in PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            where = str(path.relative_to(root))
-            for node in ast.walk(ast.parse(path.read_text())):
-                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                        and node.func.id in ("hasattr", "getattr") and len(node.args) >= 2):
-                    continue
-                name = node.args[1]
-                if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
-                    continue
-                if node.func.id == "getattr" and len(node.args) == 2:  # no default: an attribute by name, not a probe
-                    continue
-                if name.value in declared and (where, ast.unparse(node.args[0])) not in FOREIGN:
-                    found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    for path in _package_files(root):
+        where = str(path.relative_to(root))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("hasattr", "getattr") and len(node.args) >= 2):
+                continue
+            name = node.args[1]
+            if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
+                continue
+            if node.func.id == "getattr" and len(node.args) == 2:  # no default: an attribute by name, not a probe
+                continue
+            if name.value in declared and (where, ast.unparse(node.args[0])) not in FOREIGN:
+                found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
     return found
 
 
 def test_loco_asks_its_own_objects_through_interfaces(tmp_path):
     assert _probes(ROOT) == []
-    for package in PACKAGES:
-        (tmp_path / package).mkdir()
-    (tmp_path / "launch/batches.py").write_text("class Batcher:\n    def close(self):\n        pass\n")
-    (tmp_path / "launch/loop.py").write_text(
-        "def end(batcher, args):\n    if hasattr(batcher, 'close'):\n        batcher.close()\n"
-        "    return getattr(args, 'close', None), getattr(args, 'seed', 0)\n")
-    assert _probes(tmp_path) == ["launch/loop.py:2 hasattr(batcher, 'close')",
+    planted = _planted(tmp_path, {
+        "launch/batches.py": "class Batcher:\n    def close(self):\n        pass\n",
+        "launch/loop.py": "def end(batcher, args):\n    if hasattr(batcher, 'close'):\n        batcher.close()\n"
+                          "    return getattr(args, 'close', None), getattr(args, 'seed', 0)\n"})
+    assert _probes(planted) == ["launch/loop.py:2 hasattr(batcher, 'close')",
                                  "launch/loop.py:4 getattr(args, 'close', None)"]
 
 
@@ -521,23 +527,20 @@ def test_dtensor_checks_go_through_comm():
 def _private_imports(root: Path) -> list[str]:
     """``from <one of loco's modules> import _name``: a name its module keeps to itself, taken by another."""
     found = []
-    for package in PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
-                        and node.module.split(".")[0] in PACKAGES):
-                    found += [f"{path.relative_to(root)}: {node.module}.{a.name}" for a in node.names
-                              if a.name.startswith("_") and not a.name.startswith("__")]
+    for path in _package_files(root):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                    and node.module.split(".")[0] in PACKAGES):
+                found += [f"{path.relative_to(root)}: {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
     return found
 
 
 def test_no_module_takes_a_name_private_to_another(tmp_path):
     assert _private_imports(ROOT) == []
-    for package in PACKAGES:
-        (tmp_path / package).mkdir()
-    (tmp_path / "diloco/a.py").write_text("def _inner():\n    pass\n")
-    (tmp_path / "launch/b.py").write_text("from diloco.a import _inner\nfrom diloco import __version__\n")
-    assert _private_imports(tmp_path) == ["launch/b.py: diloco.a._inner"]
+    planted = _planted(tmp_path, {"diloco/a.py": "def _inner():\n    pass\n",
+                                  "launch/b.py": "from diloco.a import _inner\nfrom diloco import __version__\n"})
+    assert _private_imports(planted) == ["launch/b.py: diloco.a._inner"]
 
 
 def test_the_names_users_and_scripts_rely_on_import():
