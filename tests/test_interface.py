@@ -556,3 +556,32 @@ def test_the_names_users_and_scripts_rely_on_import():
     assert train is loop_train and callable(main) and callable(load_config) and callable(make_transport)
     assert named is diloco.ALGORITHMS["diloco"]
     assert (ROOT / "launch/__main__.py").is_file() and (ROOT / "launch/cli/__main__.py").is_file()  # python -m
+
+
+# launch's wings, from the top: a wing imports only the wings below it
+WINGS = (("cli",), ("plan",), ("simulate", "join"), ("trainer",), ("loop",), ("metrics",), ("config",), ("models",),
+         ("data",), ("store",), ("errors",))
+
+
+def _wing_arrows_up(root: Path) -> list[str]:
+    floor = {wing: i for i, wings in enumerate(WINGS) for wing in wings}
+    found = []
+    for path in sorted((root / "launch").rglob("*.py")):
+        parts = path.relative_to(root / "launch").with_suffix("").parts
+        mine = floor.get(parts[0])
+        if mine is None:  # launch/__init__.py and __main__.py stand above every wing
+            continue
+        wings = {t.split(".")[1] for t in _imports(path) if t.startswith("launch.") and t.split(".")[1] in floor}
+        found += [f"{path.relative_to(root)} imports launch.{w}" for w in sorted(wings)
+                  if w != parts[0] and floor[w] <= mine]
+    return found
+
+
+def test_launch_wings_import_downwards(tmp_path):
+    assert _wing_arrows_up(ROOT) == []
+    planted = _planted(tmp_path, {})
+    (planted / "launch/models").mkdir()
+    (planted / "launch/models/sample.py").write_text("from launch.loop.runtime import resolve_device\n")
+    (planted / "launch/loop").mkdir()
+    (planted / "launch/loop/trainer.py").write_text("from launch.models.base import RunModel\n")
+    assert _wing_arrows_up(planted) == ["launch/models/sample.py imports launch.loop"]

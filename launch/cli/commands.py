@@ -332,7 +332,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from launch.models.sample import main_sample
+    from launch.cli.sample import main_sample
 
     return main_sample(args)
 
