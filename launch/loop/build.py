@@ -105,14 +105,6 @@ def _decay_groups(params: list[nn.Parameter], ocfg) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def shard_worker(transport: Transport, model: nn.Module, bf16: bool) -> nn.Module:
-    """``run.shard: fsdp``: the model sharded among the processes of this worker's node, by its transport."""
-    if not transport.shards_model:
-        raise RunError("run.shard=fsdp shards a worker among the processes of a node started by torchrun; here each "
-                       "worker is one process (loco simulate, loco join): leave run.shard at none")
-    return transport.shard(model, bf16)
-
-
 def build_algorithm(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, transport: Transport,
                     tokens_per_step: int, inner: Optional[Transport] = None) -> Algorithm:
     """The configured algorithm around the inner optimizer."""

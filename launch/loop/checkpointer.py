@@ -63,7 +63,6 @@ class Checkpointer:
         self.processes = processes
         self.saved_step: Optional[int] = None
         self.signalled_while_saving = False  # by the last save (leader)
-        self.resumed_from: Optional[Path] = None
         self.resume_changes: Optional[str] = None  # settings changed since the checkpoint (set by a resume)
 
     @property
@@ -165,7 +164,6 @@ class Checkpointer:
         if self.leader:
             self.folder.truncate_metrics(self.worker.progress.step)
         self.saved_step = self.worker.progress.step
-        self.resumed_from = path
         return path
 
     def find(self) -> Optional[tuple[Path, dict[str, Any]]]:
@@ -237,7 +235,8 @@ class Checkpointer:
         self._same_workers(state)
         w = self.worker
         whole = self.whole_worker(path, written, self.rank, type(w.algo)) if written else self._my_state(state)
-        return {**whole, "model": cut_model(w.model.state_dict(), whole["model"]), "algo": w.algo.cut_state(whole["algo"])}
+        return {**whole, "model": cut_model(w.model.state_dict(), whole["model"]),
+                "algo": w.algo.cut_state(whole["algo"])}
 
     def _my_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """This worker's part of a checkpoint. A worker a simulation with churn had away when it was written has

@@ -34,7 +34,7 @@ from launch.config import Config, shared_settings
 from launch.data.batches import Batches, load_data, make_batcher, val_bytes_per_token
 from launch.data.tokens import TokenData
 from launch.errors import RunError
-from launch.loop.build import build_algorithm, build_model, build_optimizer, shard_worker
+from launch.loop.build import build_algorithm, build_model, build_optimizer
 from launch.loop.checkpointer import Checkpointer, WorkerObjects
 from launch.loop.compute import StepCompute
 from launch.loop.memory import process_bytes
@@ -110,7 +110,7 @@ class Trainer:
                 self.transport.share_initial_([p.data for p in self.model.parameters()], seeded=built_here)
         self.sharded = run.shard != "none"
         if self.sharded:
-            self.model = shard_worker(self.transport, self.model, self.bf16)
+            self.model = self.transport.shard(self.model, self.bf16)  # a worker of one process refuses
         self.compute = StepCompute(self.model, self.device, self.bf16, run.compile,
                                    say=lambda message: self.metrics.info(message, self.step))
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, transport=self.transport, cfg=cfg)
