@@ -559,7 +559,7 @@ def test_the_names_users_and_scripts_rely_on_import():
 
 
 # launch's wings, from the top: a wing imports only the wings below it
-WINGS = (("cli",), ("plan",), ("simulate", "join"), ("trainer",), ("loop",), ("metrics",), ("config",), ("models",),
+WINGS = (("cli",), ("plan",), ("simulate", "join"), ("trainer",), ("loop",), ("eval",), ("metrics",), ("config",), ("models",),
          ("data",), ("store",), ("errors",))
 
 
