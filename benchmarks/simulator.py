@@ -38,7 +38,7 @@ def _config(args, workers: int, steps: int, algo: str, run_dir: str):
     from launch.config import load_config
 
     overrides = [f"model.size={args.model}", f"data.seq_len={args.seq_len}", f"run.batch_size={args.batch_size}",
-                 f"run.max_steps={steps}", "run.eval_every=0", "run.eval_batches=1", "run.checkpoint_every=0",
+                 f"run.max_steps={steps}", "run.eval_every=0", "eval.tokens=256", "run.checkpoint_every=0",
                  "log.plot=false", "log.progress=off", "data.max_docs=300", f"algo.name={algo}",
                  f"algo.inner_steps={args.inner_steps}", f"sim.workers={workers}", "sim.baseline=none",
                  "optim.warmup_steps=5", f"run.dir={run_dir}", f"run.device={args.device}",

@@ -94,7 +94,7 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 # fast settings for runs inside tests: a slice of the corpus, no plot, plain logs
 # the CPU, named: runs compared with gloo processes or across a resume must not follow whatever GPU is present
-FAST = ["data.max_docs=120", "log.plot=false", "log.progress=plain", "run.eval_batches=2", "run.threads=1",
+FAST = ["data.max_docs=120", "log.plot=false", "log.progress=plain", "eval.tokens=512", "run.threads=1",
         "run.device=cpu"]
 
 

@@ -18,7 +18,7 @@ from launch.metrics.log import read_metrics
 from launch.loop.trainer import train
 
 SMALL = ["data.max_docs=60", "log.plot=false", "log.progress=plain", "run.device=cpu", "run.threads=1",
-         "run.batch_size=4", "data.seq_len=64", "run.eval_every=0", "run.eval_batches=1", "log.every=1",
+         "run.batch_size=4", "data.seq_len=64", "run.eval_every=0", "eval.tokens=256", "log.every=1",
          "model.n_layers=2"]
 
 

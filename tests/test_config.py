@@ -45,7 +45,7 @@ def test_unknown_section_in_file_names_file_suggestion_and_sections(tmp_path):
     assert msg.startswith(path + ":"), msg
     assert "unknown section 'modle'" in msg
     assert "did you mean 'model'" in msg
-    assert "sections are: model, data, optim, algo, sync, compress, transport, log, run, sim" in msg
+    assert "sections are: model, data, optim, algo, sync, compress, transport, log, run, eval, sim" in msg
     assert_one_line(msg)
 
 
@@ -652,3 +652,17 @@ def test_a_deterministic_run_asks_torch_cublas_and_the_compiler_for_repeatable_k
     finally:
         torch.use_deterministic_algorithms(False)
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+def test_a_retired_key_is_said_in_one_line_naming_what_to_write_and_the_config_still_loads(tmp_path, capsys):
+    path = write(tmp_path, "old.yaml", "run:\n  eval_batches: 8\n  max_steps: 5\n")
+    cfg, _ = load_config([path], ["run.eval_batches=2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert cfg.run.max_steps == 5 and cfg.eval.tokens == 16384
+    assert len(err) == 1 and "--set run.eval_batches=2: run.eval_batches is no longer read" in err[0]
+    assert "write eval.tokens=N instead" in err[0]
+    # a checkpoint's saved settings name it too: they load without a word
+    from launch.config import config_from_dict
+
+    assert config_from_dict({"run": {"eval_batches": 10}}).run.max_steps == 1000
+    assert capsys.readouterr().err == ""

@@ -489,8 +489,10 @@ def test_shards_token_beyond_vocab_raises_in_batcher(tmp_path):
     with pytest.raises(DataError) as e:
         b.train_batch(0)
     assert "vocab_size" in str(e.value) and "600" in str(e.value)
-    with pytest.raises(DataError, match="vocab_size"):
-        b.val_batch(0)
+    from launch.eval.validation import ValidationSet
+
+    with pytest.raises(DataError, match="validation data is outside"):
+        ValidationSet.spread(b.val, 64).check_ids(500, b.description)
     edge = Batcher(load_data(DataConfig(source="shards", path=str(path), vocab_size=600, seq_len=16)), 16, 4)
     with pytest.raises(DataError, match="vocab_size"):  # ids run 0 .. vocab_size - 1
         edge.train_batch(0)
@@ -685,19 +687,6 @@ def test_grad_accum_micro_batches_concatenate_to_full_batch():
             assert torch.equal(torch.cat([my for _, my in micro]), y)
 
 
-def test_val_batch_is_sequential_and_the_same_on_every_worker():
-    data = _synthetic(val_len=8 * SEQ + 1)  # 8 validation windows
-    batchers = [Batcher(data, SEQ, 6, worker_index=w, num_workers=3, seed=w) for w in range(3)]
-    base = int(data.val[0][0])
-    for k in range(4):
-        xs = [b.val_batch(k) for b in batchers]
-        for x, y in xs[1:]:
-            assert torch.equal(x, xs[0][0]) and torch.equal(y, xs[0][1])
-        want = [base + ((k * 6 + j) % 8) * SEQ for j in range(6)]  # wraps around the 8 windows
-        assert [int(v) for v in xs[0][0][:, 0]] == want
-        assert torch.equal(xs[0][1], xs[0][0] + 1)
-
-
 def test_epochs_wrap_and_cover_every_window_once():
     data = _synthetic(lengths=(7 * SEQ + 1,))  # 7 windows, batches of 3: epochs straddle batches
     b = Batcher(data, SEQ, 3, seed=11)
@@ -733,12 +722,12 @@ def test_worker_index_out_of_range():
 def test_a_batch_is_cut_from_one_block_that_goes_to_the_device_whole():
     """Inputs and targets are ``[:, :-1]`` and ``[:, 1:]`` of one contiguous block of windows one token longer:
     on a GPU the trainer pins and moves that block once (a pinned strided view would be staged through pageable
-    memory, a copy the host waits for). ``one_block`` finds it for training and validation batches, and only for
-    such a pair."""
+    memory, a copy the host waits for). ``one_block`` finds it for training batches (validation cuts its windows
+    the same way), and only for such a pair."""
     from launch.loop.compute import one_block
 
     b = Batcher(_synthetic(), SEQ, 3)
-    for x, y in (b.train_batch(2), b.val_batch(0)):
+    for x, y in (b.train_batch(2), b.train_batch(3)):
         block = one_block(x, y)
         assert block is not None and block.is_contiguous() and block.shape == (3, SEQ + 1)
         assert torch.equal(block[:, :-1], x) and torch.equal(block[:, 1:], y)

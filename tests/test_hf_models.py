@@ -22,7 +22,7 @@ CONFIGS = {
              "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
 }
 COMMON = ["--set", "data.seq_len=32", "--set", "run.batch_size=4", "--set", "data.max_docs=60",
-          "--set", "run.eval_batches=1", "--set", "log.plot=false", "--set", "run.device=cpu",
+          "--set", "eval.tokens=256", "--set", "log.plot=false", "--set", "run.device=cpu",
           "--set", "run.threads=1"]
 
 

@@ -333,7 +333,7 @@ def test_custom_module_trains_through_python_api(tmp_path):
     from launch.loop.trainer import train
 
     # 'off' is quoted: unquoted, YAML 1.1 reads it as false (see the xfail in test_config.py)
-    cfg, _ = load_config([TINY], ["run.max_steps=3", "run.eval_every=0", "run.eval_batches=1", "log.plot=false",
+    cfg, _ = load_config([TINY], ["run.max_steps=3", "run.eval_every=0", "eval.tokens=256", "log.plot=false",
                                   "data.max_docs=50", "log.progress='off'", f"run.dir={tmp_path}"])
     custom = Bigram()
     before = custom.head.weight.detach().clone()

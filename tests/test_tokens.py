@@ -20,7 +20,7 @@ from launch.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, t
 
 WORDS = ("def return class import self value index token stream shard worker round merge tensor model "
          "loss batch step eval the of and to in for with über naïve 東京").split()
-SMALL = ["data.seq_len=32", "run.batch_size=4", "model.size=tiny", "run.eval_batches=2", "optim.warmup_steps=0"]
+SMALL = ["data.seq_len=32", "run.batch_size=4", "model.size=tiny", "eval.tokens=512", "optim.warmup_steps=0"]
 
 
 def _write_corpus(folder: Path, docs: int, seed: int = 0) -> list[str]:
@@ -115,19 +115,22 @@ def test_train_on_prepared_shards_then_sample_text_from_a_moved_checkpoint(corpu
 
 
 def test_bits_per_byte_is_the_loss_over_ln2_and_the_bytes_per_token(corpus, tmp_path):
-    from launch.data.batches import Batcher, val_bytes_per_token
-    from launch.data.tokens import TokenData
+    from launch.data.tokens import TokenData, Windows
+    from launch.eval.validation import Score, ValidationSet
 
     tok = corpus["tok"]
     text = "def token stream return value"  # ASCII: each id's bytes decode alone
     ids = np.tile(np.append(tok.encode(text), tok.eos), 40).astype(np.uint16)
-    data = TokenData([ids], [ids], tok.vocab_size, tok, "known text")
-    batcher = Batcher(data, 16, 4)
-    ratio = val_bytes_per_token(batcher, tok, 3)
-    targets = np.concatenate([batcher.val_batch(k)[1].numpy().ravel() for k in range(3)])
-    by_decoding = sum(len(tok.decode([int(t)]).encode()) for t in targets) / len(targets)
-    assert ratio == pytest.approx(by_decoding) and 1.5 < ratio < len(text) + 1
-    assert val_bytes_per_token(Batcher(TokenData([ids], [ids], 500, None, "ids"), 16, 4), None, 3) is None
+    vset = ValidationSet.spread(Windows(TokenData([ids], [ids], tok.vocab_size, tok, "known text").val, 16), 48)
+    window_bytes = vset.target_bytes(tok.token_bytes())
+    targets = np.concatenate([vset.rows(np.arange(vset.count))[:, 1:].ravel()])
+    by_decoding = sum(len(tok.decode([int(t)]).encode()) for t in targets)
+    assert window_bytes.sum() == by_decoding and 1.5 < by_decoding / len(targets) < len(text) + 1
+    nll = np.array([20.0, 30.0, 25.0])
+    score = Score.of(nll, 16, window_bytes)
+    assert score.loss == pytest.approx(nll.sum() / 48)
+    assert score.bpb == pytest.approx(nll.sum() / math.log(2) / by_decoding)
+    assert vset.target_bytes(None) is None and Score.of(nll, 16, None).bpb is None
 
 
 def _stream_run(tiny_cfg, corpus, run_dir, *extra, **kwargs):

@@ -13,6 +13,7 @@ and dumping a config, and what runs must agree on.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import yaml
@@ -37,6 +38,8 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
     if sim.step_time_note and builder.where("sim.step_time") != builder.where("sim.step_time_note"):
         sim.step_time_note = None  # it names the step time set beside it, not one given elsewhere
     validate(builder.config, builder.where)
+    for note in builder.retired_notes():
+        print(note, file=sys.stderr)
     return builder.config, builder
 
 

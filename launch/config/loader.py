@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from diloco.sim.units import parse_duration
-from launch.config.schema import SECTIONS, Config, ConfigError
+from launch.config.schema import RETIRED, SECTIONS, Config, ConfigError
 
 
 def format_duration(seconds: float) -> str:
@@ -146,6 +146,7 @@ class ConfigBuilder:
     def __init__(self) -> None:
         self.config = Config()
         self.sources: dict[str, str] = {}
+        self.retired: dict[str, str] = {}  # retired key -> where it was set
 
     def _field(self, section: str, key: str, source: str) -> dataclasses.Field:
         if section not in SECTIONS:
@@ -166,6 +167,9 @@ class ConfigBuilder:
         if len(parts) != 2 or not all(parts):
             raise ConfigError(f"{source}: key '{dotted}' must look like section.key (for example optim.lr)")
         section, key = parts
+        if dotted in RETIRED:
+            self.retired[dotted] = source
+            return
         f = self._field(section, key, source)
         hints = typing.get_type_hints(SECTIONS[section])
         try:
@@ -225,6 +229,10 @@ class ConfigBuilder:
         except yaml.YAMLError:
             value = raw
         self.set(key.strip(), value, f"{source} {text}")
+
+    def retired_notes(self) -> list[str]:
+        """One line for each retired key a layer set: where, and what to write instead."""
+        return [f"{source}: {key} is no longer read: {RETIRED[key]}" for key, source in self.retired.items()]
 
     def where(self, dotted: str) -> str:
         return self.sources.get(dotted, "default")

@@ -201,6 +201,20 @@ class LogConfig:
 
 
 @dataclass
+class EvalConfig:
+    tokens: int = _f(16384, "Validation tokens: windows of data.seq_len spread evenly over the whole validation "
+                            "split, the same for every batch size, process count and transport (a smaller split is "
+                            "scored whole). The loss comes with its standard error.", gt=0)
+    batch_size: Optional[int] = _f(None, "Windows per forward pass while scoring (empty: the run's micro-batch, "
+                                         "run.batch_size / run.grad_accum); the score does not depend on it.", gt=0)
+    tasks: str = _f("", "lm-eval tasks to run on the model, comma-separated (needs the eval extra), e.g. "
+                        "arc_easy,hellaswag; empty: none.")
+    tasks_every: int = _f(0, "Run eval.tasks every this many steps (0: only at the end).", ge=0)
+    tasks_limit: Optional[int] = _f(None, "Documents per task (empty: all).", gt=0)
+    include_path: Optional[str] = _f(None, "A folder of lm-eval task YAMLs (local data: dataset_path: json).")
+
+
+@dataclass
 class RunConfig:
     name: str = _f("loco", "Run name; the default run folder is runs/<name>-<time>.")
     dir: Optional[str] = _f(None, "Run folder (config.yaml, metrics.jsonl, summary.json, checkpoints/).")
@@ -226,8 +240,8 @@ class RunConfig:
                                     "unbroken one, torchrun and loco simulate): deterministic CUDA kernels and "
                                     "torch.compile without on-device autotuning, at some cost in speed. CPU runs "
                                     "are deterministic without it.")
-    eval_every: int = _f(100, "Validation every this many steps (0: only at the end).", ge=0)
-    eval_batches: int = _f(10, "Validation batches per evaluation.", gt=0)
+    eval_every: int = _f(100, "Validation every this many steps (0: only at the end); what is scored: eval.*.",
+                         ge=0)
     checkpoint_every: int = _f(500, "Checkpoint every this many steps (0: only at the end).", ge=0)
     keep_checkpoints: int = _f(3, "Keep the newest K checkpoints.", gt=0)
     checkpoint_final: bool = _f(True, "Write a checkpoint when the run ends (false for throwaway runs such as "
@@ -246,6 +260,7 @@ class Config:
     transport: TransportConfig = field(default_factory=TransportConfig)
     log: LogConfig = field(default_factory=LogConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     sim: SimConfig = field(default_factory=SimConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -253,6 +268,12 @@ class Config:
         out["optim"]["betas"] = list(out["optim"]["betas"])
         return out
 
+
+#: keys no longer read, and what to write instead (a config that sets one still loads: the key is said and skipped)
+RETIRED: dict[str, str] = {
+    "run.eval_batches": "validation is eval.tokens tokens spread over the whole split, the same for every batch "
+                        "size; write eval.tokens=N instead (default 16384)",
+}
 
 SECTIONS: dict[str, type] = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)}
 

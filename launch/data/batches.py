@@ -21,7 +21,7 @@ from launch.data.documents import HFOptions
 from launch.data.python_corpus import load_python
 from launch.data.shards import load_shards
 from launch.data.stream import StreamBatcher, load_stream
-from launch.data.tokens import EOS, DataError, TokenData, Windows, join_documents
+from launch.data.tokens import EOS, DataError, TokenData, Windows, check_ids, join_documents
 from launch.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 
@@ -85,32 +85,17 @@ def encoded(data: TokenData, tokenizer: Tokenizer) -> TokenData:
                      f"{data.description}, encoded with {tokenizer.describe()}")
 
 
-def val_bytes_per_token(batcher: "Batcher | StreamBatcher", tokenizer: Optional[Tokenizer],
-                        batches: int) -> Optional[float]:
-    """Bytes of text per target token over the validation batches an evaluation reads (None without a
-    tokenizer): the loss in nats per token, divided by ln 2 and by this, is bits per byte."""
-    if tokenizer is None:
-        return None
-    lengths = tokenizer.token_bytes()
-    total = count = 0
-    for k in range(batches):
-        y = batcher.val_batch(k)[1].numpy()
-        total += int(lengths[np.minimum(y, len(lengths) - 1)].sum())
-        count += y.size
-    return total / count if count else None
-
-
 class Batches(Protocol):
     """What the loop asks of a worker's batches, from arrays (:class:`Batcher`) or a stream (``StreamBatcher``)."""
 
     #: whether a checkpoint must carry the batcher's position (a stream's), or the step alone places it
     keeps_position: bool
+    #: the validation split's windows (:mod:`launch.eval.validation` picks the scored ones)
+    val: Windows
 
     def samples_before(self, step: int) -> int: ...
 
     def train_batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def val_batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def state_dict(self) -> Optional[dict[str, Any]]: ...
 
@@ -165,22 +150,13 @@ class Batcher:
 
     def _stack(self, windows: Windows, indices: Sequence[int], where: str) -> tuple[torch.Tensor, torch.Tensor]:
         rows = np.stack([windows.get(i) for i in indices])
-        top, bottom = int(rows.max()), int(rows.min())
-        if top >= self.vocab_size or bottom < 0:
-            bad = top if top >= self.vocab_size else bottom
-            raise DataError(f"{self.description}: token id {bad} in the {where} data is outside [0, vocab_size="
-                            f"{self.vocab_size}); check data.vocab_size / data.dtype")
+        check_ids(rows, self.vocab_size, self.description, where)
         t = torch.from_numpy(rows)
         return t[:, :-1], t[:, 1:]
 
     def train_batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         start = self.samples_before(step) + micro * self.micro
         return self._stack(self.train, [self._window_index(s) for s in range(start, start + self.micro)], "training")
-
-    def val_batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k-th validation batch: sequential windows, the same on every worker."""
-        start = k * self.micro
-        return self._stack(self.val, [(start + j) % self.val.n for j in range(self.micro)], "validation")
 
     def state_dict(self) -> None:
         return None

@@ -183,12 +183,6 @@ class StreamBatcher:
         t = torch.from_numpy(block)
         return t[:, :-1], t[:, 1:]
 
-    def val_batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = k * self.micro
-        rows = np.stack([self.val.get((start + j) % self.val.n) for j in range(self.micro)])
-        t = torch.from_numpy(rows)
-        return t[:, :-1], t[:, 1:]
-
     def state_dict(self) -> Optional[dict[str, int]]:
         return dict(self.position) if self.position is not None else None
 

@@ -103,3 +103,12 @@ class Windows:
         a = int(np.searchsorted(self.cum, i, side="right"))
         off = (i - (int(self.cum[a - 1]) if a else 0)) * self.seq_len
         return np.asarray(self.arrays[a][off:off + self.seq_len + 1], dtype=np.int64)
+
+
+def check_ids(rows: np.ndarray, vocab_size: int, description: str, where: str) -> None:
+    """Refuse token ids outside ``[0, vocab_size)`` in one line naming the data and the split."""
+    top, bottom = int(rows.max()), int(rows.min())
+    if top >= vocab_size or bottom < 0:
+        bad = top if top >= vocab_size else bottom
+        raise DataError(f"{description}: token id {bad} in the {where} data is outside [0, vocab_size="
+                        f"{vocab_size}); check data.vocab_size / data.dtype")

@@ -48,6 +48,14 @@ class StepCompute:
             logits = self._forward(x)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
+    def row_nll(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Each row's summed negative log-likelihood of its targets, ``[B]`` in fp32, on the device."""
+        x, y = self._on_device(x, y)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            logits = self._forward(x)
+        nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+        return nll.view(y.shape).sum(dim=1)
+
     def accumulate(self, batcher: Batcher, step: int, first_micro: int, micros: int) -> torch.Tensor:
         """The step's mean loss over its ``micros`` micro-batches (``first_micro`` on: this process's share of its
         worker's batch), their gradients added to the parameters'. The loss stays on the device: it is read

@@ -69,10 +69,11 @@ class Reporter:
                 "tokens_per_s": tps_local * self.progress.world, "mfu": mfu,
                 "grad_norm": float(norm) if norm is not None else None, **self.algo.figures(), **self._traffic()}
 
-    def final_line(self, val_loss: float, val_bpb: Optional[float], lr: float) -> dict[str, Any]:
-        """The last line of metrics.jsonl: the final validation (no train loss)."""
-        return {"step": self.progress.step, "tokens": self.progress.tokens_seen(), "val_loss": val_loss,
-                "val_bpb": val_bpb, "lr": lr, **self._traffic()}
+    def final_line(self, val: Any, lr: float) -> dict[str, Any]:
+        """The last line of metrics.jsonl: the final validation (a :class:`launch.eval.validation.Score`; no
+        train loss)."""
+        return {"step": self.progress.step, "tokens": self.progress.tokens_seen(), **val.record(), "lr": lr,
+                **self._traffic()}
 
     def _traffic(self) -> dict[str, Any]:
         stats = self.transport.stats
@@ -90,19 +91,19 @@ class Reporter:
             self.metrics.info(f"non-finite gradients{last}: {what} skipped; lower optim.lr or set optim.grad_clip",
                               self.progress.step)
 
-    def summary(self, val_loss: float, val_bpb: Optional[float], run_dir: Any) -> dict[str, Any]:
+    def summary(self, val: Any, run_dir: Any) -> dict[str, Any]:
         """``summary.json``: the run's totals and every worker's own (a collective: every worker calls it)."""
         p, stats = self.progress, self.transport.stats
         trained = self.transport.my_steps_trained()  # under churn: not the steps of the run while it was away
         steps = p.step - p.followed if trained is None else trained  # a joiner's own, not the run's before it
         mine = {"worker": self.transport.rank, "tokens": steps * p.tokens_per_step, "bytes_sent": stats.bytes_sent,
-                "bytes_received": stats.bytes_received, "val_loss": val_loss, "steps": steps}
+                "bytes_received": stats.bytes_received, "val_loss": val.loss, "steps": steps}
         workers = self.transport.all_gather_object(mine)
         tokens = sum(w["tokens"] for w in workers)
         if self.transport.steps_trained() is not None:  # also what workers away at the end trained
             tokens = p.tokens_seen()
         summary = {
-            "val_loss": val_loss, "val_bpb": val_bpb, "steps": p.step, "tokens": tokens,
+            **val.record(), "steps": p.step, "tokens": tokens,
             "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received, "wall_s": self.clock.wall_s(),
             "peak_bytes_per_exchange": stats.peak_bytes, "algorithm": self.cfg.algo.name, "workers": workers,
             "num_workers": p.world, "codec": self.cfg.compress.codec, **self._codec_summary(),

@@ -107,6 +107,11 @@ class RunDir:
     def write_summary(self, summary: dict[str, Any]) -> Path:
         return self._write("summary.json", json.dumps(summary, indent=2) + "\n")
 
+    def write_windows(self, record: dict[str, Any]) -> Path:
+        """``val_windows.json``: what each validation window summed at the end, so that runs scored on the same
+        windows compare with a paired error (:func:`launch.eval.validation.paired_gap`)."""
+        return self._write("val_windows.json", json.dumps(record) + "\n")
+
     def _write(self, name: str, text: str) -> Path:
         return write_file(self.path / name, text)  # a full disk: one DiskFull line
 

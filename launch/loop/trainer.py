@@ -20,7 +20,6 @@ Python API::
 
 from __future__ import annotations
 
-import math
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +30,10 @@ import torch.nn as nn
 
 from diloco.comm import Transport, make_transport
 from launch.config import Config, shared_settings
-from launch.data.batches import Batches, load_data, make_batcher, val_bytes_per_token
+from launch.data.batches import Batches, load_data, make_batcher
 from launch.data.tokens import TokenData
 from launch.errors import RunError
+from launch.eval.validation import RunValidation, Score
 from launch.loop.build import build_algorithm, build_model, build_optimizer
 from launch.loop.checkpointer import Checkpointer, WorkerObjects
 from launch.loop.compute import StepCompute
@@ -95,7 +95,6 @@ class Trainer:
                            "(or transport.mesh: off), or prepare shards with loco data prepare")
         self.batcher = batcher or make_batcher(self.data, cfg.data.seq_len, run.batch_size * procs, self.rank,
                                                self.world, run.seed, run.grad_accum * procs)
-        self.bytes_per_token: Optional[float] = None  # of the validation targets, for bits per byte; read once
         built_here = model is None  # from the run's seed (a model handed in may differ from worker to worker)
         if built_here:
             model, self.model_args = build_model(cfg, self.data, self.device)
@@ -127,7 +126,9 @@ class Trainer:
         # MFU's FLOP count and datasheet peak, as benchmarks/train_throughput.py counts them (none on a CPU)
         self.mfu = mfu_basis(self.model, cfg.data.seq_len, self.device, matmul_precision(self.device, self.bf16))
         self.window = Window()
-        self.last_val: Optional[tuple[int, float]] = None  # (step, val_loss) of the latest evaluation
+        self.validation = RunValidation(cfg, self.batcher.val, self.data.tokenizer, self.device, self.inner,
+                                        self.data.vocab_size, self.data.description)
+        self.last_val: Optional[tuple[int, Score]] = None  # (step, score) of the latest evaluation
         self.folder = RunDir(cfg, self.transport, restart, join_run)
         self.run_dir = self.folder.path
         tokenizer = self.data.tokenizer
@@ -192,21 +193,14 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Validation loss of the model the algorithm stands for (DiLoCo: the global parameters)."""
+    def evaluate(self) -> Score:
+        """The validation of the model the algorithm stands for (DiLoCo: the global parameters): the run's
+        windows, whatever its layout (:mod:`launch.eval.validation`); a collective among a worker's processes."""
         self.model.eval()
-        total = 0.0
         with self.algo.evaluation_weights():
-            for k in range(self.cfg.run.eval_batches):
-                total += float(self.compute.loss_on(*self.batcher.val_batch(k)))
+            score = self.validation.score(self.compute.row_nll)
         self.model.train()
-        return total / self.cfg.run.eval_batches
-
-    def bits_per_byte(self, val_loss: float) -> Optional[float]:
-        """The validation loss in bits per byte of text (None for token ids without a tokenizer)."""
-        if self.bytes_per_token is None:
-            self.bytes_per_token = val_bytes_per_token(self.batcher, self.data.tokenizer, self.cfg.run.eval_batches)
-        return val_loss / math.log(2) / self.bytes_per_token if self.bytes_per_token else None
+        return score
 
     def close_data(self) -> None:
         """Stop a stream's reader (a batcher cut from arrays has nothing to stop)."""
@@ -254,9 +248,9 @@ class Trainer:
         if self.step % self.cfg.log.every == 0 or evaluate:
             record = self.report.line(self.window, lr, info)
             if evaluate:
-                record["val_loss"] = self.evaluate()
-                record["val_bpb"] = self.bits_per_byte(record["val_loss"])
-                self.last_val = (self.step, record["val_loss"])
+                score = self.evaluate()
+                record.update(score.record())
+                self.last_val = (self.step, score)
             self.metrics.log(record)
             if hooks.on_step is not None:
                 hooks.on_step(self.step, record)
@@ -274,6 +268,9 @@ class Trainer:
                f"model {count_params(self.model) / 1e6:.2f}M params on {self.device}{threads_note(self.threads)}; "
                f"algorithm {cfg.algo.name} "
                f"x {self.world} worker(s); run folder {self.run_dir}")
+        m.info(f"validation: {self.validation.set.describe()}")
+        if self.validation.set.note():
+            m.info(self.validation.set.note())
         if self.device.type != "cpu":  # a CPU has no datasheet peak: no MFU, and no line about it
             m.info(self.mfu.describe())
         if self.sharded:
@@ -311,18 +308,18 @@ class Trainer:
             val = self.evaluate()
             if not (at_end and self.folder.final_line_logged(self.step)):
                 # the done line below prints it
-                m.log(self.report.final_line(val, self.bits_per_byte(val), self.optimizer.param_groups[0]["lr"]),
-                      show=False)
+                m.log(self.report.final_line(val, self.optimizer.param_groups[0]["lr"]), show=False)
         if self.cfg.run.checkpoint_final:  # again at_end too: the checkpoint there may predate algo.finalize()
             self.save()
-        summary = self.report.summary(val, self.bits_per_byte(val), self.run_dir)
+        summary = self.report.summary(val, self.run_dir)
         summary.update(run_sources(self.data.tokenizer, self.cfg.model.init_from))
         if self.leader:
             path = self.folder.write_summary(summary)
+            self.folder.write_windows(val.windows_record())
             if self.cfg.log.plot:
                 plot_runs([self.run_dir], self.run_dir / "loss.png", title=self.cfg.run.name)
-            m.info(f"done at step {self.step}: val_loss {val:.4f} after {summary['tokens']:,} tokens in "
-                   f"{summary['wall_s']:.1f}s; summary in {path}")
+            m.info(f"done at step {self.step}: val_loss {val.loss:.4f} ± {val.loss_se:.4f} after "
+                   f"{summary['tokens']:,} tokens in {summary['wall_s']:.1f}s; summary in {path}")
         m.close()
         return summary
 

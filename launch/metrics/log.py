@@ -151,11 +151,16 @@ def _wandb_id(run_dir: Path) -> str:
     return rid
 
 
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
 def _format(r: dict[str, Any]) -> str:
     parts = [f"loss {r['loss']:.4f}" if r.get("loss") is not None else None]
     if r.get("val_loss") is not None:
+        se = f" ± {r['val_loss_se']:.4f}" if _finite(r.get("val_loss_se")) else ""
         bpb = f" ({r['val_bpb']:.3f} bpb)" if r.get("val_bpb") is not None else ""
-        parts.append(f"val {r['val_loss']:.4f}{bpb}")
+        parts.append(f"val {r['val_loss']:.4f}{se}{bpb}")
     parts.append(f"lr {r['lr']:.2e}" if r.get("lr") is not None else None)
     if r.get("tokens_per_s"):
         parts.append(f"{r['tokens_per_s'] / 1e3:.1f}k tok/s")

@@ -180,7 +180,7 @@ def check(plan: Plan, setting: Optional[Setting] = None, run_dir: Optional[str] 
     overrides = [*setting.overrides(), f"sim.workers={workers}", f"sim.bandwidth={bw}",
                  f"sim.latency={plan.link.latency}", f"sim.step_time={plan.step_time}", "sim.baseline=none",
                  f"run.max_steps={steps}", "run.batch_size=1", "data.seq_len=16", "data.max_docs=40",
-                 "run.eval_every=0", "run.eval_batches=1", "run.checkpoint_every=0", "run.checkpoint_final=false",
+                 "run.eval_every=0", "eval.tokens=256", "run.checkpoint_every=0", "run.checkpoint_final=false",
                  "log.plot=false", "log.progress=off", "log.every=1000000", "run.threads=1", f"run.dir={folder}"]
     cfg, _ = load_config(["tiny"], overrides)
     data = load_data(cfg.data)
