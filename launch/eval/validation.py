@@ -20,8 +20,10 @@ model is hard for the other.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -132,9 +134,10 @@ class Score:
         return {"val_loss": self.loss, "val_loss_se": self.loss_se, "val_bpb": self.bpb, "val_bpb_se": self.bpb_se,
                 "val_tokens": self.tokens}
 
-    def windows_record(self) -> dict[str, Any]:
-        """What each window summed, for :func:`paired_gap` between runs (``val_windows.json``)."""
-        return {"seq_len": self.seq_len, "nll": [float(v) for v in self.nll],
+    def windows_record(self, vset: "ValidationSet") -> dict[str, Any]:
+        """Which windows were scored and what each summed, for :func:`run_gap` (``val_windows.json``)."""
+        return {"seq_len": self.seq_len, "split_windows": vset.windows.n, "picks": [int(p) for p in vset.picks],
+                "nll": [float(v) for v in self.nll],
                 "bytes": None if self.bytes is None else [float(v) for v in self.bytes]}
 
 
@@ -219,4 +222,22 @@ class RunValidation:
                      inner.all_reduce_sum_ if inner is not None else None, self.window_bytes())
 
 
-__all__ = ["Gap", "RunValidation", "Score", "ValidationSet", "paired_gap", "score"]
+def read_windows(run_dir: Any) -> Optional[dict[str, Any]]:
+    """A run folder's ``val_windows.json`` (None where it has none or it cannot be read)."""
+    path = Path(run_dir) / "val_windows.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run_gap(a_dir: Any, b_dir: Any) -> Optional[Gap]:
+    """The final validation loss of run ``a`` against run ``b``, paired over their windows (None: they were not
+    scored on the same windows, or a run has no record of them)."""
+    a, b = read_windows(a_dir), read_windows(b_dir)
+    if a is None or b is None or any(a.get(k) != b.get(k) for k in ("seq_len", "split_windows", "picks")):
+        return None
+    return paired_gap(np.asarray(a["nll"]), np.asarray(b["nll"]), int(a["seq_len"]))
+
+
+__all__ = ["Gap", "RunValidation", "Score", "ValidationSet", "paired_gap", "read_windows", "run_gap", "score"]

@@ -315,7 +315,7 @@ class Trainer:
         summary.update(run_sources(self.data.tokenizer, self.cfg.model.init_from))
         if self.leader:
             path = self.folder.write_summary(summary)
-            self.folder.write_windows(val.windows_record())
+            self.folder.write_windows(val.windows_record(self.validation.set))
             if self.cfg.log.plot:
                 plot_runs([self.run_dir], self.run_dir / "loss.png", title=self.cfg.run.name)
             m.info(f"done at step {self.step}: val_loss {val.loss:.4f} ± {val.loss_se:.4f} after "

@@ -174,10 +174,13 @@ def runs_figure(run_dirs: Iterable[str | Path], title: Optional[str] = None):
         line, = ax_tok.plot([r["tokens"] for r in train], [r["loss"] for r in train], alpha=0.45, lw=1.2)
         color = line.get_color()
         if val:
-            ax_tok.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o-", color=color, ms=4)
-        bpb = next((r["val_bpb"] for r in reversed(val) if r.get("val_bpb") is not None), None)
-        handles.append(Line2D([], [], color=color, lw=2,
-                              label=label if bpb is None else f"{label}: val {bpb:.3f} bits/byte"))
+            # each validation with its standard error (two of them either side: the band a gap must leave)
+            ax_tok.errorbar([r["tokens"] for r in val], [r["val_loss"] for r in val], yerr=_two_se(val), fmt="o-",
+                            color=color, ms=4, capsize=2, elinewidth=0.8)
+        last = next((r for r in reversed(val) if r.get("val_bpb") is not None), None)
+        bpb = "" if last is None else f": val {last['val_bpb']:.3f}" + (
+            f" ± {last['val_bpb_se']:.3f}" if _finite(last.get("val_bpb_se")) else "") + " bits/byte"
+        handles.append(Line2D([], [], color=color, lw=2, label=label + bpb))
         sent = [r for r in train if r.get("bytes_sent")]
         sent_val = [r for r in val if r.get("bytes_sent")]
         for r in sent + sent_val:
@@ -256,6 +259,17 @@ def _mark_equal_time(ax, curves: list[tuple[list[tuple[float, float]], Any]]) ->
         ax.annotate(f"reaches {target:.3f} at {t:.3g} s", xy=(t, target), xytext=(-10, -15),
                     textcoords="offset points", fontsize=8, color=color, ha="center",
                     bbox=dict(facecolor="white", edgecolor="none", alpha=0.85, pad=1))
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _two_se(val: list[dict[str, Any]]) -> Optional[list[float]]:
+    """Two standard errors of each validation (None where the records carry none: runs before they were kept)."""
+    if not any(_finite(r.get("val_loss_se")) for r in val):
+        return None
+    return [2 * r["val_loss_se"] if _finite(r.get("val_loss_se")) else 0.0 for r in val]
 
 
 def plot_runs(run_dirs: Iterable[str | Path], out: str | Path, title: Optional[str] = None,

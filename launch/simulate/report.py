@@ -10,6 +10,7 @@ from typing import Any, Optional
 from diloco.sim import NetworkModel
 from launch.config.algorithms import algorithm_class
 from launch.config import Config
+from launch.eval.validation import run_gap
 from launch.metrics.log import format_seconds, human_bytes, read_metrics
 
 
@@ -76,7 +77,7 @@ def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel,
     equal = rows[0][1].get("equal_time") if len(rows) == 2 else None
     width = max(28, *(len(label) for label, _ in rows))
     at_head = f"loss at {equal['at_s']:.1f}s" if equal else ""
-    head = (f"{'run':<{width}} {'val loss':>9} {'val bpb':>8} {'tokens':>9} {'sent/worker':>12} {'virtual wall':>13} "
+    head = (f"{'run':<{width}} {'val loss':>9} {'± se':>7} {'val bpb':>8} {'tokens':>9} {'sent/worker':>12} {'virtual wall':>13} "
             f"{'compute util':>13}")
     at_w = max(15, len(at_head))
     if equal:
@@ -87,7 +88,9 @@ def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel,
         per_worker = s.get("bytes_sent_per_worker") or [s["bytes_sent"]]
         util = s.get("compute_utilization")
         bpb = "n/a" if s.get("val_bpb") is None else f"{s['val_bpb']:.4f}"
-        line = (f"{label:<{width}} {s['val_loss']:>9.4f} {bpb:>8} {s['tokens'] / 1e6:>8.2f}M {human_bytes(max(per_worker)):>12} "
+        se = s.get("val_loss_se")
+        se = "" if se is None or se != se else f"{se:.4f}"
+        line = (f"{label:<{width}} {s['val_loss']:>9.4f} {se:>7} {bpb:>8} {s['tokens'] / 1e6:>8.2f}M {human_bytes(max(per_worker)):>12} "
                 f"{s.get('virtual_wall_s', 0):>12.1f}s {'' if util is None else f'{100 * util:.1f}%':>13}")
         if equal:
             loss = equal["loss_at"][i]
@@ -100,7 +103,7 @@ def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel,
         faster = f"finishes {speed:.1f}x sooner" if speed >= 1.05 else f"takes {1 / speed:.1f}x longer" \
             if speed <= 1 / 1.05 else "finishes about as fast"
         lines.append(f"at equal tokens: {name} sends {ratio:.0f}x fewer bytes than DDP and {faster} in "
-                     f"virtual time; val loss {100 * (a['val_loss'] / b['val_loss'] - 1):+.1f}% vs DDP.")
+                     f"virtual time; val loss {_loss_verdict(a, b)}.")
         if equal:
             lines.extend(_equal_time_lines(name, equal))
         lines.append(f"plot: {Path(a['run_dir']) / 'compare.png'}")
@@ -108,6 +111,18 @@ def format_table(rows: list[tuple[str, dict[str, Any]]], network: NetworkModel,
         lines.extend(_churn_lines(label, s))
         lines.extend(_time_split_lines(label, s))
     return "\n".join(lines)
+
+
+def _loss_verdict(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """Run ``a``'s final validation loss against DDP's (``b``): on the same windows, the gap and its paired
+    standard error, and level where it is within two of them."""
+    pct = f"{100 * (a['val_loss'] / b['val_loss'] - 1):+.1f}%"
+    gap = run_gap(a["run_dir"], b["run_dir"])
+    if gap is None:
+        return f"{pct} vs DDP"
+    if gap.level:
+        return f"{pct} vs DDP, level with it ({gap.gap:+.4f} ± {gap.se:.4f}, within two standard errors)"
+    return f"{pct} vs DDP ({gap.gap:+.4f} ± {gap.se:.4f}, paired over the same windows)"
 
 
 def _time_split_lines(label: str, s: dict[str, Any], most: int = 8) -> list[str]:
