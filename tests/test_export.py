@@ -90,9 +90,10 @@ def test_transformers_loads_the_folder_and_computes_loco_s_logits(exported, trai
     files = {p.name for p in folder.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "README.md"} <= files
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no temporary folder beside it
-    if name == "trained":  # a byte-level run: no tokenizer files; the README says how to feed it bytes
-        assert "tokenizer.json" not in files and config["eos_token_id"] == 0
-        assert "id 0 ends a document" in (folder / "README.md").read_text()
+    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= files  # bytes or BPE alike
+    if name == "trained":  # a byte-level run: the README says its ids are bytes and its tokenizer makes them
+        assert config["eos_token_id"] == 0
+        assert "`<|endoftext|>`, ends a document" in (folder / "README.md").read_text()
 
 
 def test_the_weight_map_round_trips_bit_for_bit(exported, trained, gqa):
@@ -125,6 +126,30 @@ def test_the_run_s_bpe_becomes_a_tokenizer_transformers_loads(exported, gqa):
     assert ids == mine.encode(text).tolist()
     assert theirs.decode(ids) == text
     assert theirs.eos_token_id == mine.eos == json.loads((exported["gqa"] / "config.json").read_text())["eos_token_id"]
+
+
+def test_a_byte_level_run_s_tokenizer_encodes_text_to_its_bytes(exported, trained, tmp_path, capsys):
+    """The tokenizer a byte-level export carries: AutoTokenizer, loco's own reader and lm-eval all take a text to
+    its UTF-8 bytes, so the model scores the same bits per byte through it as through loco's ``bytes``."""
+    from launch.data.tokenizer import BPETokenizer, ByteTokenizer
+
+    folder, text = exported["trained"], "déf añadir(x):\n\treturn x + 1  # 🙂 <b>\x7f\x01"
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    assert theirs(text)["input_ids"] == list(text.encode("utf-8")) and theirs.decode(list(text.encode())) == text
+    assert theirs.eos_token_id == 0 and theirs.eos_token == "<|endoftext|>" and len(theirs) == 256
+    mine, plain = BPETokenizer.from_file(folder / "tokenizer.json"), ByteTokenizer()
+    assert (mine.vocab_size, mine.eos) == (256, 0) and (mine.token_bytes() == plain.token_bytes()).all()
+    every = "".join(map(chr, range(1, 0x800)))  # every byte but 0 (the separator), as 1- and 2-byte characters
+    assert all(mine.encode(t).tolist() == plain.encode(t).tolist() for t in (text, every, ""))
+    assert mine.encode("a\x00b").tolist() == [97, 98]  # byte 0 is no text: a NUL has no id of its own
+    assert mine.decode([0, *text.encode()]) == text
+    done = loco(["export", "--run-dir", str(trained), "--out", str(tmp_path / "again")], capsys)
+    assert done.stdout.rstrip().endswith("tokenizer: bytes (tokenizer.json)")
+
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=str(folder), device="cpu", dtype="float32")
+    assert lm.tok_encode(text) == list(text.encode("utf-8")) and lm.eot_token_id == 0
 
 
 def test_shards_hold_every_tensor_under_the_limit_and_load(gqa, tmp_path):

@@ -154,6 +154,34 @@ def _token_byte_lengths(tok: Any, vocab_size: int) -> np.ndarray:
     return out
 
 
+def byte_chars() -> list[str]:
+    """The character byte-level BPE spells each byte with (GPT-2's table, which ``tokenizers``' ByteLevel uses):
+    printable Latin-1 bytes stand for themselves, the others take the characters from U+0100 on, in order."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)}
+    moved = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(moved)) for b in range(BYTE_VOCAB)]
+
+
+def bytes_as_file() -> BPETokenizer:
+    """``bytes`` as a ``tokenizers`` file (what an export of a byte-level run carries): a byte-level BPE without
+    merges whose vocabulary is each byte numbered by its value, so a text encodes to its UTF-8 bytes; id 0 is
+    ``<|endoftext|>``, the end-of-document token, as it is for ``bytes``.
+
+    Byte 0 has no token of its own: in loco's data it is the document separator, never text. A NUL in a text
+    therefore encodes to nothing (a BPE without an unknown token skips what its vocabulary lacks), where
+    :class:`ByteTokenizer` gives id 0; and the text ``<|endoftext|>`` encodes to id 0, as in every tokenizer
+    with that special token. Any other text encodes as :class:`ByteTokenizer` encodes it."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    chars = byte_chars()
+    vocab = {EOS_NAMES[0]: EOS, **{chars[b]: b for b in range(BYTE_VOCAB) if b != EOS}}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(EOS_NAMES[0], special=True, normalized=False)])
+    return BPETokenizer(tok, "bytes")
+
+
 def load_tokenizer(spec: Optional[str]) -> Tokenizer:
     """``data.tokenizer``: ``bytes`` (or empty) or a tokenizers JSON file."""
     if spec in (None, "", "bytes"):

@@ -2,8 +2,9 @@
 
 The folder holds ``config.json``, ``generation_config.json``, the weights as safetensors (one
 ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` shards with ``model.safetensors.index.json`` above
-5 GB, as ``transformers`` names them), the run's tokenizer where it has a BPE (``tokenizer.json`` with the config
-files ``AutoTokenizer`` reads) and a ``README.md``. ``transformers``, vLLM and lm-eval load it without custom code.
+5 GB, as ``transformers`` names them), the run's tokenizer where it has one (``tokenizer.json`` with the config
+files ``AutoTokenizer`` reads: a BPE's own file, or for a byte-level run one that encodes a text to its UTF-8
+bytes) and a ``README.md``. ``transformers``, vLLM and lm-eval load it without custom code.
 
 The weights are written tensor by tensor: each is converted to the export's dtype and written, then dropped, while
 the checkpoint is read through a memory map; the export never holds a second copy of the model. Everything goes
@@ -33,6 +34,7 @@ SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+BYTES_KIND = "bytes (tokenizer.json)"  # a byte-level run's tokenizer kind: its export carries a tokenizer file
 
 
 def shard_plan(shapes: dict[str, tuple[int, ...]], itemsize: int, max_bytes: int) -> list[list[str]]:
@@ -171,7 +173,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16
     the checkpoint and its step, the files, the bytes of weights and the tokenizer's kind.
     """
     from launch.models.transformer import ModelArgs
-    from launch.data.tokenizer import BPETokenizer, tokenizer_from_state
+    from launch.data.tokenizer import tokenizer_from_state
 
     if dtype not in DTYPES:
         raise RunError(f"--dtype {dtype}: one of {', '.join(DTYPES)}")
@@ -191,7 +193,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16
     tensors = loco_to_hf(state.get("model") or {}, args, str(path))  # checks every name and shape first
     tokenizer = tokenizer_from_state(state.get("tokenizer"), str(path))
     eos = tokenizer.eos if tokenizer is not None else None
-    kind = "none" if tokenizer is None else ("bpe" if isinstance(tokenizer, BPETokenizer) else "bytes")
+    kind, file = tokenizer_file(tokenizer)
     shapes = hf_shapes(args)
     weight_bytes = sum(_numel(s) for s in shapes.values()) * torch.empty((), dtype=torch_dtype).element_size()
 
@@ -200,8 +202,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16
         _write_json(tmp / "config.json", llama_config(args, torch_dtype, eos))
         generation = {"_from_model_config": True, "bos_token_id": eos, "eos_token_id": eos}
         _write_json(tmp / "generation_config.json", generation)
-        if isinstance(tokenizer, BPETokenizer):
-            files += write_tokenizer(tmp, tokenizer, args.max_seq_len)
+        if file is not None:
+            files += write_tokenizer(tmp, file, args.max_seq_len)
         _write_text(tmp / "README.md", readme(path, int(state.get("step", 0)), args, dtype, kind, eos))
         return files
 
@@ -213,7 +215,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16
 def _export_hf(path: Path, state: dict[str, Any], out: Path, dtype: str) -> dict[str, Any]:
     """A ``model.hf_config`` model: ``transformers``' own ``save_pretrained``, and the run's tokenizer."""
     from launch.models.hf.causal_lm import HFCausalLM, config_from_dict
-    from launch.data.tokenizer import BPETokenizer, tokenizer_from_state
+    from launch.data.tokenizer import tokenizer_from_state
 
     model = HFCausalLM(config_from_dict(state["hf_config"], str(path)))
     try:
@@ -221,18 +223,17 @@ def _export_hf(path: Path, state: dict[str, Any], out: Path, dtype: str) -> dict
     except RuntimeError as e:
         raise RunError(f"{path}: its weights do not fit its hf_config ({str(e).splitlines()[0][:200]})") from None
     model.hf.to(DTYPES[dtype])
-    tokenizer = tokenizer_from_state(state.get("tokenizer"), str(path))
+    kind, file = tokenizer_file(tokenizer_from_state(state.get("tokenizer"), str(path)))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.hf.parameters())
 
     def write(tmp: Path) -> list[str]:
         model.hf.save_pretrained(tmp, safe_serialization=True, max_shard_size=SHARD_BYTES)
         files = sorted(f.name for f in tmp.iterdir())
-        if isinstance(tokenizer, BPETokenizer):
-            files += write_tokenizer(tmp, tokenizer, model.max_seq_len or 0)
+        if file is not None:
+            files += write_tokenizer(tmp, file, model.max_seq_len or 0)
         return files
 
     files = _written_whole(out, weight_bytes, write)
-    kind = "none" if tokenizer is None else ("bpe" if isinstance(tokenizer, BPETokenizer) else "bytes")
     return {"out": out, "checkpoint": path, "step": int(state.get("step", 0)), "files": files,
             "weight_bytes": weight_bytes, "tokenizer": kind, "dtype": dtype}
 
@@ -291,6 +292,18 @@ def _replace(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def tokenizer_file(tokenizer: Any) -> tuple[str, Any]:
+    """The kind of the run's tokenizer, as the export's summary names it, and the ``BPETokenizer`` written as
+    ``tokenizer.json`` (None for a run on bare token ids)."""
+    from launch.data.tokenizer import BPETokenizer, bytes_as_file
+
+    if tokenizer is None:
+        return "none", None
+    if isinstance(tokenizer, BPETokenizer):
+        return "bpe", tokenizer
+    return BYTES_KIND, bytes_as_file()
+
+
 def write_tokenizer(folder: Path, tokenizer: Any, max_len: int) -> list[str]:
     """``tokenizer.json`` and the two files with which ``AutoTokenizer`` makes it a ``PreTrainedTokenizerFast``;
     its end-of-document token is eos, and bos too (loco's data puts it before every document)."""
@@ -311,18 +324,21 @@ def readme(checkpoint: Path, step: int, args: Any, dtype: str, kind: str, eos: O
             "It loads as a `LlamaForCausalLM` in `transformers`, vLLM and lm-eval, without custom code.", ""]
     if kind == "bpe":
         text += [f"The tokenizer is the run's byte-level BPE; id {eos} ends a document, and begins one.", ""]
-    elif kind == "bytes":
+    elif kind == BYTES_KIND:
         text += ["## Input: bytes", "",
-                 "This model reads UTF-8 bytes: the ids are the text's bytes (256 ids), and id 0 ends a document "
-                 "(a document begins after it). There is no tokenizer file; encode and decode yourself:", "",
+                 "This model reads UTF-8 bytes: the ids are the text's bytes (256 ids), and id 0, "
+                 "`<|endoftext|>`, ends a document (a document begins after it). The folder's tokenizer "
+                 "(`tokenizer.json`, which `AutoTokenizer` loads) encodes a text to exactly its bytes and decodes "
+                 "them back; a NUL byte in a text has no id of its own (byte 0 is the document separator) and is "
+                 "dropped:", "",
                  "```python",
-                 "import torch",
-                 "from transformers import AutoModelForCausalLM",
+                 "from transformers import AutoModelForCausalLM, AutoTokenizer",
                  "",
+                 "tokenizer = AutoTokenizer.from_pretrained(FOLDER)",
                  "model = AutoModelForCausalLM.from_pretrained(FOLDER)",
-                 "ids = torch.tensor([[0] + list('def main():'.encode('utf-8'))])",
+                 "ids = tokenizer('<|endoftext|>def main():', return_tensors='pt').input_ids",
                  "out = model.generate(ids, max_new_tokens=200, do_sample=True, top_k=50)",
-                 "print(bytes(i for i in out[0, 1:].tolist() if i).decode('utf-8', errors='replace'))",
+                 "print(tokenizer.decode(out[0], skip_special_tokens=True))",
                  "```", ""]
     else:
         text += ["The run trained on token ids without a tokenizer: feed it the ids of the shards it trained on.", ""]
