@@ -73,23 +73,30 @@ class ByteTokenizer(Tokenizer):
 
 
 class BPETokenizer(Tokenizer):
-    """A ``tokenizers.Tokenizer``; ``source`` names where it came from (a file, or a checkpoint)."""
+    """A ``tokenizers.Tokenizer``; ``source`` names where it came from (a file, or a checkpoint). Its eos is the
+    token named ``eos`` where given (a folder's ``tokenizer_config.json`` names it), else the first of
+    :data:`EOS_NAMES` it has."""
 
-    def __init__(self, tok: Any, source: str) -> None:
+    def __init__(self, tok: Any, source: str, eos: Optional[str] = None) -> None:
         self.tok, self.source = tok, source
         self.json = tok.to_str()
         self.sha256 = hashlib.sha256(self.json.encode("utf-8")).hexdigest()
         self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
         self.name = Path(source).name
-        eos = next((tok.token_to_id(n) for n in EOS_NAMES if tok.token_to_id(n) is not None), None)
-        if eos is None:
-            raise DataError(f"{source}: the tokenizer has no end-of-document token (one of {', '.join(EOS_NAMES)}); "
-                            "add one as a special token")
-        self.eos = int(eos)
+        if eos is not None:
+            found = tok.token_to_id(eos)
+            if found is None:
+                raise DataError(f"{source}: the tokenizer has no token {eos!r}, named as its end-of-document token")
+        else:
+            found = next((tok.token_to_id(n) for n in EOS_NAMES if tok.token_to_id(n) is not None), None)
+            if found is None:
+                raise DataError(f"{source}: the tokenizer has no end-of-document token (one of "
+                                f"{', '.join(EOS_NAMES)}); add one as a special token")
+        self.eos = int(found)
         self._bytes: Optional[np.ndarray] = None
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "BPETokenizer":
+    def from_file(cls, path: str | os.PathLike, eos: Optional[str] = None) -> "BPETokenizer":
         from tokenizers import Tokenizer as HFTokenizer
 
         p = Path(path)
@@ -101,7 +108,7 @@ class BPETokenizer(Tokenizer):
         except Exception as e:  # the Rust side raises plain Exceptions with serde's message
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
             raise DataError(f"{p}: not a Hugging Face tokenizers JSON file ({first})") from None
-        return cls(tok, str(p))
+        return cls(tok, str(p), eos)
 
     @classmethod
     def from_json(cls, text: str, source: str) -> "BPETokenizer":
@@ -128,6 +135,7 @@ class BPETokenizer(Tokenizer):
     def token_bytes(self) -> np.ndarray:
         if self._bytes is None:
             self._bytes = _token_byte_lengths(self.tok, self.vocab_size)
+            self._bytes[self.eos] = 0  # an eos named by a folder's config may be a plain token of the vocabulary
         return self._bytes
 
     def state(self) -> Any:
