@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launch.store.checkpoint import open_checkpoint
 from launch.errors import RunError
 
 
@@ -31,29 +30,16 @@ def sample(checkpoint: str, prompt: str, max_new_tokens: int, temperature: float
            device_name: str) -> str:
     import torch
 
-    from launch.models.transformer import ModelArgs, Transformer
+    from launch.eval.models import load_checkpoint
     from launch.loop.runtime import resolve_device
-    from launch.data.tokenizer import tokenizer_from_state
 
-    path, state = open_checkpoint(checkpoint)
-    if state.get("hf_config"):
-        from launch.models.hf.causal_lm import HFCausalLM, config_from_dict
-
-        model = HFCausalLM(config_from_dict(state["hf_config"], str(path)))
-        vocab = int(model.hf.get_output_embeddings().weight.shape[0])
-    elif state.get("model_args"):
-        model = Transformer(ModelArgs(**state["model_args"]))
-        vocab = int(state["model_args"].get("vocab_size", 0))
-    else:
-        raise RunError(f"{path}: trained with a custom model; sample with your own code via the Python API")
-    tokenizer = tokenizer_from_state(state.get("tokenizer"), str(path))
     device = resolve_device(device_name)
-    model.load_state_dict(state["model"])
-    model.to(device).eval()
-    ids = prompt_ids(prompt, tokenizer, vocab, path)
+    loaded = load_checkpoint(checkpoint, device)
+    tokenizer = loaded.tokenizer
+    ids = prompt_ids(prompt, tokenizer, loaded.vocab_size, Path(checkpoint))
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(idx, max_new_tokens, temperature, top_k or None, gen)[0].tolist()
+    out = loaded.model.generate(idx, max_new_tokens, temperature, top_k or None, gen)[0].tolist()
     if tokenizer is None:
         return " ".join(map(str, out))
     return prompt + tokenizer.decode(out[len(ids) if prompt else 1:])
