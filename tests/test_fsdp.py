@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from typing import Any
 
@@ -44,6 +45,9 @@ def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_pa
     path, b = latest_checkpoint(tmp_path / "fsdp" / "checkpoints")
     assert b["slices"] == {"nodes": 2, "per_node": 2} and "workers" not in b
     assert max_diff(a["model"], b["model"]) < 1e-5
+    # the same validation, scored by a node's two processes (each forward pass a collective) or one worker
+    val_sim, val_fsdp = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("sim", "fsdp"))
+    assert abs(val_fsdp["val_loss"] / val_sim["val_loss"] - 1) < 1e-4
 
     # each process's own state (its slices of the model, of AdamW's moments and of the global copy and outer
     # momentum) is half of what a whole worker holds, plus 5%
@@ -86,6 +90,7 @@ def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_pa
                     *sets(*RUN, "run.batch_size=4", "run.shard=none")], capfd)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert max_diff(a["model"], latest_checkpoint(to_sim / "checkpoints")[1]["model"]) < 1e-5
+    assert abs(json.loads((to_sim / "summary.json").read_text())["val_loss"] / val_sim["val_loss"] - 1) < 1e-4
     from_sim = tmp_path / "from-sim"
     shutil.copytree(tmp_path / "sim", from_sim)
     (from_sim / "checkpoints" / "step_00000006.pt").unlink()

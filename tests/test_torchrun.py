@@ -64,8 +64,12 @@ def test_two_nodes_of_two_processes_equal_two_workers_with_double_batch(tmp_path
     assert max_diff(a["model"], b["model"]) < tol
     assert max_diff(b["workers"][0]["model"], b["workers"][1]["model"]) == 0.0, "both nodes hold the global model"
     summary = json.loads((tmp_path / "mesh" / "summary.json").read_text())
+    simulated = json.loads((tmp_path / "sim" / "summary.json").read_text())
     assert summary["mesh"] == "2 nodes x 2 processes" and summary["intra_node_bytes"] > 0
-    assert summary["tokens"] == json.loads((tmp_path / "sim" / "summary.json").read_text())["tokens"]
+    assert summary["tokens"] == simulated["tokens"]
+    # the same validation windows, scored by a node's two processes together or by one simulated worker
+    assert summary["val_tokens"] == simulated["val_tokens"]
+    assert abs(summary["val_loss"] / simulated["val_loss"] - 1) < 1e-4
 
 
 def test_a_node_of_two_processes_resumes_its_error_feedback_exactly(tmp_path):

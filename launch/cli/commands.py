@@ -1,4 +1,4 @@
-"""The ``loco`` command: train | simulate | join | sample | plot | status | plan | tokenizer | data | export.
+"""The ``loco`` command: train | simulate | join | sample | eval | plot | status | plan | tokenizer | data | export.
 
 Also runs as ``python -m launch.cli ...`` (for torchrun: ``torchrun --nproc-per-node 2 -m launch.cli train ...``).
 A user mistake (bad config, missing data, unusable checkpoint) prints one line
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from launch.cli.data import add_data_commands, cmd_data, cmd_tokenizer
+from launch.cli.evaluate import add_eval_command, cmd_eval
 from launch.cli.export import add_model_commands, cmd_export
 
 EXAMPLES = {
@@ -178,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_data_commands(sub, fmt)
     add_model_commands(sub, fmt)
+    add_eval_command(sub, fmt)
 
     p = sub.add_parser("plot", help="plot loss vs tokens and vs bytes for run folders", formatter_class=fmt,
                        description="Draw loss vs tokens and loss vs bytes communicated for one or more runs into a PNG.",
@@ -388,7 +390,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     handler = {"train": cmd_train, "simulate": cmd_simulate, "join": cmd_join, "sample": cmd_sample,
                "plot": cmd_plot, "status": cmd_status, "plan": cmd_plan, "tokenizer": cmd_tokenizer,
-               "data": cmd_data, "export": cmd_export}[args.command]
+               "data": cmd_data, "export": cmd_export, "eval": cmd_eval}[args.command]
     warnings.simplefilter("default", UserWarning)
     try:
         if args.command in ("train", "simulate"):  # Ctrl-C and SIGTERM save a checkpoint, then stop

@@ -25,19 +25,25 @@ from launch.data.tokens import EOS, DataError, TokenData, Windows, check_ids, jo
 from launch.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 
-def load_data(dcfg) -> TokenData:
-    """Build the splits named by a ``DataConfig``, in the run's tokens (``data.tokenizer``)."""
-    tokenizer = load_tokenizer(dcfg.tokenizer)
+def load_data(dcfg, tokenizer: Optional[Tokenizer] = None, val_only: bool = False) -> TokenData:
+    """Build the splits named by a ``DataConfig``, in the run's tokens (``data.tokenizer``; ``tokenizer``, where
+    given, stands for it: a model scored on text in its own tokens). ``val_only``: the training split of text
+    sources is left unencoded and empty (scoring reads only the validation split)."""
+    named = tokenizer is not None or bool(dcfg.tokenizer)
+    tokenizer = tokenizer or load_tokenizer(dcfg.tokenizer)
     hf = HFOptions(dcfg.hf_name, dcfg.hf_split, dcfg.hf_text_field, dcfg.hf_data_files)
     if dcfg.streaming:
         data = load_stream(dcfg.path, hf, tokenizer, dcfg.val_docs, dcfg.max_docs)
     elif dcfg.source == "shards":
         data = load_shards(dcfg.path, dcfg.val_path, dcfg.dtype, dcfg.vocab_size, dcfg.val_fraction,
-                           tokenizer if dcfg.tokenizer else None)
+                           tokenizer if named else None)
     else:
-        data = encoded(_load_bytes(dcfg, hf), tokenizer)
+        raw = _load_bytes(dcfg, hf)
+        if val_only:
+            raw = TokenData([], raw.val, raw.vocab_size, raw.tokenizer, raw.description)
+        data = encoded(raw, tokenizer)
     for split_name, split in (("train", data.train), ("validation", data.val)):
-        if data.stream is not None and split_name == "train":
+        if (data.stream is not None or val_only) and split_name == "train":
             continue
         if sum(max(0, len(a) - 1) // dcfg.seq_len for a in split) == 0:
             raise DataError(f"{data.description}: the {split_name} split has fewer than data.seq_len+1={dcfg.seq_len + 1} tokens")

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from launch.data.tokens import Windows, check_ids
 
@@ -141,6 +142,12 @@ class Score:
                 "bytes": None if self.bytes is None else [float(v) for v in self.bytes]}
 
 
+def row_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's summed negative log-likelihood of ``targets`` ``[B, T]`` under ``logits`` ``[B, T, V]``, in fp32."""
+    nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    return nll.view(targets.shape).sum(dim=1)
+
+
 def score(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], vset: ValidationSet, rows: int,
           device: torch.device, share: tuple[int, int] = (0, 1),
           combine: Optional[Callable[[torch.Tensor], None]] = None,
@@ -240,4 +247,5 @@ def run_gap(a_dir: Any, b_dir: Any) -> Optional[Gap]:
     return paired_gap(np.asarray(a["nll"]), np.asarray(b["nll"]), int(a["seq_len"]))
 
 
-__all__ = ["Gap", "RunValidation", "Score", "ValidationSet", "paired_gap", "read_windows", "run_gap", "score"]
+__all__ = ["Gap", "RunValidation", "Score", "ValidationSet", "paired_gap", "read_windows", "row_nll", "run_gap",
+           "score"]

@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from launch.data.batches import Batcher
+from launch.eval.validation import row_nll
 
 
 def one_block(x: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
@@ -53,8 +54,7 @@ class StepCompute:
         x, y = self._on_device(x, y)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             logits = self._forward(x)
-        nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
-        return nll.view(y.shape).sum(dim=1)
+        return row_nll(logits, y)
 
     def accumulate(self, batcher: Batcher, step: int, first_micro: int, micros: int) -> torch.Tensor:
         """The step's mean loss over its ``micros`` micro-batches (``first_micro`` on: this process's share of its
