@@ -101,6 +101,13 @@ def world(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
+def manager(world):
+    """lm-eval's whole task index and the test's tasks: built once (seconds), and kept by the harness for every
+    later call with the same folder (the unknown-name check below uses it too)."""
+    return harness.task_manager(world["tasks"])
+
+
+@pytest.fixture(scope="module")
 def hf(world):
     """lm-eval's own hf model on the fp32 export."""
     from lm_eval.models.huggingface import HFLM
@@ -176,7 +183,7 @@ def test_results_are_read_back_per_call_not_per_request_or_token(world):
     assert 2 <= reads.count <= 2 * -(-20 // harness.STOP_CHECK_EVERY)  # 2 batches
 
 
-def test_tasks_score_as_lm_eval_s_hf_model_on_the_export(world, hf):
+def test_tasks_score_as_lm_eval_s_hf_model_on_the_export(world, hf, manager):
     from lm_eval import simple_evaluate
 
     model = world["model"].train()
@@ -185,8 +192,8 @@ def test_tasks_score_as_lm_eval_s_hf_model_on_the_export(world, hf):
     ours = harness.run_tasks(model, world["tok"], MAX_LEN, "cpu", TASKS, world["tasks"], batch_size=4)
     assert model.training and torch.equal(torch.get_rng_state(), rng_before)  # the caller's state is kept
     model.eval()
-    theirs = simple_evaluate(hf, tasks=TASKS, task_manager=harness.task_manager(world["tasks"]),
-                             bootstrap_iters=harness.BOOTSTRAP_ITERS, log_samples=False)["results"]
+    theirs = simple_evaluate(hf, tasks=TASKS, task_manager=manager, bootstrap_iters=harness.BOOTSTRAP_ITERS,
+                             log_samples=False)["results"]
     assert set(ours["tasks"]) == set(TASKS)
     for task, metrics in ours["tasks"].items():
         want = {k.split(",")[0]: v for k, v in theirs[task].items() if k.endswith(",none") and v != "N/A"}
@@ -223,7 +230,7 @@ def test_a_byte_level_model_reads_text_from_eos():
     assert abs(rolling - by_hand) < 1e-4 and abs(empty - by_hand) < 1e-4
 
 
-def test_bad_input_is_one_line(world, monkeypatch, tmp_path):
+def test_bad_input_is_one_line(world, manager, monkeypatch, tmp_path):
     model, tok, tasks = world["model"], world["tok"], world["tasks"]
     with pytest.raises(RunError, match="unknown task 'no_such_task'.*--include-path"):
         harness.run_tasks(model, tok, MAX_LEN, "cpu", ["loco_mc", "no_such_task"], tasks)
