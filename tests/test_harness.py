@@ -251,3 +251,41 @@ def test_bad_input_is_one_line(world, manager, monkeypatch, tmp_path):
                  lambda: harness.task_manager(None)):
         with pytest.raises(RunError, match=r"lm-eval, which is not installed: pip install 'loco\[eval\]'"):
             call()
+
+
+def test_a_run_scores_its_tasks_in_the_loop_and_loco_eval_on_its_checkpoint(world, manager, tmp_path, capsys):
+    """``eval.tasks`` every ``eval.tasks_every`` steps and at the end, in metrics.jsonl and the plot; ``loco eval
+    --tasks`` on the checkpoint gives the final line's scores; an unknown task stops the run before it trains."""
+    from conftest import FAST, TINY
+    from launch.cli import main
+    from launch.config import load_config
+    from launch.loop.trainer import Trainer, train
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(20):
+        (corpus / f"doc{i}.txt").write_text("\n".join(world["texts"][i * 15:(i + 1) * 15]))
+    run = tmp_path / "run"
+    sets = [*FAST, "data.source=text", f"data.path={corpus}", f"data.tokenizer={world['root'] / 'tok.json'}",
+            "data.seq_len=32", "run.batch_size=4", "run.max_steps=4", "run.eval_every=0", "log.plot=true",
+            "eval.tasks=loco_mc", f"eval.include_path={world['tasks']}", "eval.tasks_every=2"]
+    train(load_config([TINY], [*sets, f"run.dir={run}"])[0])
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    scored = {r["step"]: r["tasks/loco_mc/acc"] for r in lines if "tasks/loco_mc/acc" in r}
+    assert sorted(scored) == [2, 4] and all(0 <= v <= 1 for v in scored.values())
+    assert (run / "loss.png").is_file()
+    import matplotlib.pyplot as plt
+
+    from launch.metrics.plots import runs_figure
+
+    fig = runs_figure([run])
+    assert [ax.get_title() for ax in fig.axes][-1] == "downstream tasks (lm-eval)"
+    assert fig.axes[-1].get_legend().get_texts()[0].get_text() == "loco_mc/acc"
+    plt.close(fig)
+    capsys.readouterr()
+    assert main(["eval", "--run-dir", str(run), "--tasks", "loco_mc", "--include-path", world["tasks"],
+                 "--device", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tasks"]["tasks"]["loco_mc"]["acc"] == pytest.approx(scored[4], abs=1e-6)
+    with pytest.raises(RunError, match="loco_nope"):
+        Trainer(load_config([TINY], [*sets, "eval.tasks=loco_nope", f"run.dir={tmp_path / 'other'}"])[0])

@@ -61,10 +61,10 @@ def main_eval(args: argparse.Namespace) -> int:
     tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
     if args.tasks is not None and not tasks:
         raise RunError(f"--tasks {args.tasks!r}: name at least one task, e.g. --tasks arc_easy")
-    if tasks:  # a missing extra is said before a model loads
-        from launch.eval.harness import require_lm_eval
+    if tasks:  # a missing extra and an unknown task are said before a model loads
+        from launch.eval.harness import check_tasks
 
-        require_lm_eval()
+        check_tasks(tasks, args.include_path)
     device = resolve_device(args.device)
     scored = load_hf(args.hf, device) if args.hf else load_checkpoint(args.run_dir or args.checkpoint, device)
     cfg = eval_settings(scored, args.data, args.path, args.overrides)

@@ -58,6 +58,11 @@ def _lm_eval() -> Any:
     return lm_eval
 
 
+def require_lm_eval() -> None:
+    """One line where the eval extra is missing, said before anything loads or trains."""
+    _lm_eval()
+
+
 def _device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
@@ -342,6 +347,44 @@ def run_tasks(model: nn.Module, tokenizer: Any, max_len: int, device: Any, tasks
     finally:
         model.train(training)
     return {"tasks": _scores(out["results"]), "truncated": lm.truncated, "requests": lm.requests}
+
+
+def check_tasks(tasks: Sequence[str], include_path: Optional[str] = None) -> None:
+    """Each task name known (lm-eval's or the folder's), else one line: a run says so at its start, not at its
+    first evaluation hours in."""
+    _lm_eval()
+    names = list(tasks)
+    _check_names(_manager_for(names, include_path), names, include_path)
+
+
+class RunTasks:
+    """A run's lm-eval tasks (``eval.tasks``): every ``eval.tasks_every`` steps (0: only at the end) and at the end,
+    on the worker of rank 0, all of its processes (under ``run.shard: fsdp`` a forward pass is a collective)."""
+
+    def __init__(self, ecfg: Any, max_len: int, tokenizer: Any, device: torch.device, here: bool) -> None:
+        self.names = [t.strip() for t in (ecfg.tasks or "").split(",") if t.strip()]
+        self.every, self.include_path, self.limit = ecfg.tasks_every, ecfg.include_path, ecfg.tasks_limit
+        self.max_len, self.tokenizer, self.device = max_len, tokenizer, device
+        self.rows = ecfg.batch_size or 16
+        self.here = here and bool(self.names)
+        self.last_step: Optional[int] = None
+        if self.names:
+            if tokenizer is None:
+                raise RunError("eval.tasks: this run reads token ids without a tokenizer, and lm-eval's tasks are "
+                               "text; set data.tokenizer (or the shards' manifest names one)")
+            check_tasks(self.names, self.include_path)
+
+    def due(self, step: int) -> bool:
+        return self.here and self.every > 0 and step % self.every == 0
+
+    def run(self, model: nn.Module, step: int) -> dict[str, float]:
+        """The tasks' scores as metrics fields (``tasks/<task>/<metric>``); {} where this process runs none."""
+        if not self.here:
+            return {}
+        result = run_tasks(model, self.tokenizer, self.max_len, self.device, self.names, self.include_path,
+                           batch_size=self.rows, limit=self.limit)
+        self.last_step = step
+        return {f"tasks/{k}": v for k, v in flat_scores(result).items()}
 
 
 def flat_scores(result: dict) -> dict[str, float]:

@@ -14,8 +14,11 @@ from diloco.comm import Transport
 from launch.config import Config
 from launch.metrics.log import Metrics
 from launch.metrics.mfu import Mfu
+from launch.loop.memory import process_bytes
+from launch.loop.runtime import threads_note
 from launch.loop.schedule import Progress, RunClock
 from launch.models.hf.causal_lm import folder_sha256
+from launch.models.transformer import count_params
 
 
 class Window:
@@ -128,3 +131,24 @@ def run_sources(tokenizer: Any, init_from: Optional[str]) -> dict[str, Any]:
     if init_from:
         out["init_from"] = {"path": init_from, "sha256": folder_sha256(Path(init_from))}
     return out
+
+
+def start_lines(t: Any) -> list[str]:
+    """The lines a run starts with (on its leader), from its :class:`launch.loop.trainer.Trainer` ``t``: the data,
+    model, device and algorithm; the validation set; the device's peak (a CPU has no datasheet peak: no MFU, and no
+    line about it); what a sharded process holds; the checkpoint it resumed from."""
+    cfg, data, vset = t.cfg, t.data, t.validation.set
+    train = "streamed" if data.stream is not None else f"{data.train_tokens:,}"
+    lines = [f"{data.description}: {train} train / {data.val_tokens:,} val tokens; model "
+             f"{count_params(t.model) / 1e6:.2f}M params on {t.device}{threads_note(t.threads)}; algorithm "
+             f"{cfg.algo.name} x {t.world} worker(s); run folder {t.run_dir}",
+             f"validation: {vset.describe()}", *([vset.note()] if vset.note() else [])]
+    if t.device.type != "cpu":
+        lines.append(t.mfu.describe())
+    if t.sharded:
+        lines.append(f"each of a worker's {t.inner.world_size} processes holds its slices (run.shard: fsdp): "
+                     f"{process_bytes(cfg, count_params(t.model), t.inner.world_size).describe()}")
+    if t.resumed_from:
+        changes = f"; settings changed since it was saved: {t.resume_changes}" if t.resume_changes else ""
+        lines.append(f"resumed from {t.resumed_from}{changes}")
+    return lines

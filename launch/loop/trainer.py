@@ -33,14 +33,14 @@ from launch.config import Config, shared_settings
 from launch.data.batches import Batches, load_data, make_batcher
 from launch.data.tokens import TokenData
 from launch.errors import RunError
+from launch.eval.harness import RunTasks
 from launch.eval.validation import RunValidation, Score
 from launch.loop.build import build_algorithm, build_model, build_optimizer
 from launch.loop.checkpointer import Checkpointer, WorkerObjects
 from launch.loop.compute import StepCompute
-from launch.loop.memory import process_bytes
-from launch.loop.report import Reporter, Window, run_sources
+from launch.loop.report import Reporter, Window, run_sources, start_lines
 from launch.loop.rundir import RunDir
-from launch.loop.runtime import seed_everything, settle_threads, start_process, threads_note
+from launch.loop.runtime import seed_everything, settle_threads, start_process
 from launch.loop.schedule import LrSchedule, Progress, RunClock, StopRule
 from launch.loop.shared_state import load_shared_blob, shared_blob, shared_later
 from launch.loop.signals import STOP, Interrupted
@@ -128,6 +128,7 @@ class Trainer:
         self.window = Window()
         self.validation = RunValidation(cfg, self.batcher.val, self.data.tokenizer, self.device, self.inner,
                                         self.data.vocab_size, self.data.description)
+        self.tasks = RunTasks(cfg.eval, cfg.data.seq_len, self.data.tokenizer, self.device, self.rank == 0)
         self.last_val: Optional[tuple[int, Score]] = None  # (step, score) of the latest evaluation
         self.folder = RunDir(cfg, self.transport, restart, join_run)
         self.run_dir = self.folder.path
@@ -202,6 +203,11 @@ class Trainer:
         self.model.train()
         return score
 
+    def score_tasks(self) -> dict[str, float]:
+        """``eval.tasks`` on the model the algorithm stands for (worker 0; {} elsewhere)."""
+        with self.algo.evaluation_weights():
+            return self.tasks.run(self.model, self.step)
+
     def close_data(self) -> None:
         """Stop a stream's reader (a batcher cut from arrays has nothing to stop)."""
         self.batcher.close()
@@ -245,12 +251,15 @@ class Trainer:
             hooks.on_round(info)
         self.window.add(step_loss)
         evaluate = run.eval_every and self.step % run.eval_every == 0
-        if self.step % self.cfg.log.every == 0 or evaluate:
+        tasks = self.tasks.due(self.step)
+        if self.step % self.cfg.log.every == 0 or evaluate or tasks:
             record = self.report.line(self.window, lr, info)
             if evaluate:
                 score = self.evaluate()
                 record.update(score.record())
                 self.last_val = (self.step, score)
+            if tasks:
+                record.update(self.score_tasks())
             self.metrics.log(record)
             if hooks.on_step is not None:
                 hooks.on_step(self.step, record)
@@ -262,23 +271,8 @@ class Trainer:
         return synced
 
     def _announce(self) -> None:
-        cfg, m = self.cfg, self.metrics
-        train = "streamed" if self.data.stream is not None else f"{self.data.train_tokens:,}"
-        m.info(f"{self.data.description}: {train} train / {self.data.val_tokens:,} val tokens; "
-               f"model {count_params(self.model) / 1e6:.2f}M params on {self.device}{threads_note(self.threads)}; "
-               f"algorithm {cfg.algo.name} "
-               f"x {self.world} worker(s); run folder {self.run_dir}")
-        m.info(f"validation: {self.validation.set.describe()}")
-        if self.validation.set.note():
-            m.info(self.validation.set.note())
-        if self.device.type != "cpu":  # a CPU has no datasheet peak: no MFU, and no line about it
-            m.info(self.mfu.describe())
-        if self.sharded:
-            m.info(f"each of a worker's {self.inner.world_size} processes holds its slices (run.shard: fsdp): "
-                   f"{process_bytes(cfg, count_params(self.model), self.inner.world_size).describe()}")
-        if self.resumed_from:
-            changes = f"; settings changed since it was saved: {self.resume_changes}" if self.resume_changes else ""
-            m.info(f"resumed from {self.resumed_from}{changes}", self.step)
+        for line in start_lines(self):  # what runs where, the validation, the device's peak, slices, the resume
+            self.metrics.info(line, self.step if line.startswith("resumed from") else None)
 
     def _stop(self, signum: int) -> None:
         """Save where a signal stopped the loop (every worker is here), then raise Interrupted."""
@@ -308,7 +302,8 @@ class Trainer:
             val = self.evaluate()
             if not (at_end and self.folder.final_line_logged(self.step)):
                 # the done line below prints it
-                m.log(self.report.final_line(val, self.optimizer.param_groups[0]["lr"]), show=False)
+                m.log({**self.report.final_line(val, self.optimizer.param_groups[0]["lr"]),
+                       **(self.score_tasks() if self.tasks.last_step != self.step else {})}, show=False)
         if self.cfg.run.checkpoint_final:  # again at_end too: the checkpoint there may predate algo.finalize()
             self.save()
         summary = self.report.summary(val, self.run_dir)

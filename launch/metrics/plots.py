@@ -158,12 +158,15 @@ def runs_figure(run_dirs: Iterable[str | Path], title: Optional[str] = None):
     # simulated runs: loss against virtual time too, where the runs' speed and their networks show
     timed = [(virtual_curve(d, "loss"), virtual_curve(d, "val_loss")) for d, _ in runs]
     any_time = any(train or val for train, val in timed)
-    panels = 1 + any_bytes + any_time
+    # lm-eval tasks scored in the loop (eval.tasks): their metrics against tokens, on a panel of their own
+    task_keys = sorted({k for _, rows in runs for r in rows for k in r if k.startswith("tasks/")})
+    panels = 1 + any_bytes + any_time + bool(task_keys)
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8), squeeze=False)
     axes = list(axes[0])
     ax_tok = axes.pop(0)
     ax_bytes = axes.pop(0) if any_bytes else None
     ax_time = axes.pop(0) if any_time else None
+    ax_tasks = axes.pop(0) if task_keys else None
     timed_val: list[tuple[list[tuple[float, float]], Any]] = []  # (validation curve, colour) on the time panel
     handles, any_val = [], False
     sent_range = [math.inf, 0.0]
@@ -221,6 +224,8 @@ def runs_figure(run_dirs: Iterable[str | Path], title: Optional[str] = None):
     for ax in fig.axes:
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
+    if ax_tasks is not None:
+        _draw_tasks(ax_tasks, runs, task_keys, [h.get_color() for h in handles])
     keys = [Line2D([], [], color="gray", alpha=0.45, lw=1.2, label="train loss")]
     if any_val:
         keys.append(Line2D([], [], color="gray", marker="o", ms=4, label="validation loss"))
@@ -229,6 +234,24 @@ def runs_figure(run_dirs: Iterable[str | Path], title: Optional[str] = None):
         fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def _draw_tasks(ax, runs: list, keys: list[str], colors: list) -> None:
+    """Each run's task metrics against tokens: one colour per run (as on the other panels), one marker per
+    metric, named in this panel's legend."""
+    from matplotlib.lines import Line2D
+
+    markers = "os^vDP*Xh<>"
+    for (_, rows), color in zip(runs, colors):
+        for key, marker in zip(keys, markers * len(keys)):
+            points = [(r["tokens"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if points:
+                ax.plot(*zip(*points), marker=marker, ms=4, color=color, lw=1)
+    ax.set_xlabel("tokens trained (all workers)")
+    ax.set_ylabel("task score")
+    ax.set_title("downstream tasks (lm-eval)", fontsize=9)
+    ax.legend(handles=[Line2D([], [], color="gray", marker=m, ms=4, lw=1, label=k[len("tasks/"):])
+                       for k, m in zip(keys, markers * len(keys))], fontsize=7)
 
 
 def _mark_equal_time(ax, curves: list[tuple[list[tuple[float, float]], Any]]) -> None:
