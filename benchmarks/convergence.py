@@ -12,13 +12,18 @@ each with its own ``--out``) and be put together afterwards; runs of different s
 
 Every multi-worker method runs in the simulator with the same workers, per-worker batch, steps and seeds,
 so all see the same tokens (``single`` is one of those workers alone: the same steps on 1/M of the tokens,
-as in the DiLoCo paper's baseline). Reported per method: the median final validation loss over seeds, its
-gap to DDP, bytes sent per worker and DDP's bytes over them, the peak bytes of one exchange, and, with the
-network model (default 1 Gbit/s, 80 ms), the virtual wall-clock of the whole run, to reach DDP's final
-loss (the first evaluation at or below it) and to reach DiLoCo's final loss (``--diloco-ref``, by default
-``diloco-h50`` when it ran; interpolated linearly between the two evaluations around the crossing; "not
-reached" when no evaluation gets there). Virtual compute per step is fixed (``--step-time``, default: measured once here) so timings of all
-methods compare. Writes a Markdown table (``--out``) and a plot of validation loss vs tokens and vs bytes.
+as in the DiLoCo paper's baseline). Every run is scored on the same ``--eval-tokens`` of windows spread over
+the whole validation split (``eval.tokens``), so two runs of one seed compare window by window. Reported per
+method: the median final validation loss over seeds with its standard error, its gap to DDP (in percent of
+the median, and paired over the same windows seed by seed: ``benchmarks/paired.py``), bytes sent per worker
+and DDP's bytes over them, the peak bytes of one exchange, and, with the network model (default 1 Gbit/s,
+80 ms), the virtual wall-clock of the whole run, to reach DDP's final loss (the first evaluation at or below
+it) and to reach DiLoCo's final loss (``--diloco-ref``, by default ``diloco-h50`` when it ran; interpolated
+linearly between the two evaluations around the crossing; "not reached" when no evaluation gets there).
+Virtual compute per step is fixed (``--step-time``, default: measured once here) so timings of all methods
+compare. Writes a Markdown table (``--out``), a plot of validation loss vs tokens and vs bytes, and
+the runs as JSON beside the table (what ``--merge`` and ``--report-only`` read, with each run's per-window
+losses). ``--keep DIR`` keeps the run folders, final checkpoints included, to be scored again later.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.paired import gap_cell, loss_cell, validation_line, window_fields  # noqa: E402
 
 DILOCO_GRID = (("0.5", "0.9"), ("0.7", "0.9"), ("1.0", "0.9"), ("0.5", "0.5"), ("0.7", "0.5"))
 METHODS = {
@@ -109,7 +116,8 @@ def measure_step_time(args, data) -> float:
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg, _ = load_config([], _base(args, 0) + list(args.set) + ["run.max_steps=25", "run.eval_every=0",
-                                                                    f"run.dir={tmp}"])
+                                                                    "eval.tokens=128", f"run.dir={tmp}",
+                                                                    "run.checkpoint_final=false"])
         trainer = Trainer(cfg, data=data)
         times = []
         trainer.transport.advance_compute = times.append  # the loop reports each step's compute time here
@@ -122,7 +130,10 @@ def measure_step_time(args, data) -> float:
 def _base(args, seed: int) -> list[str]:
     return [f"model.size={args.model}", f"data.seq_len={args.seq_len}", f"run.batch_size={args.batch_size}",
             f"run.max_steps={args.steps}", f"run.seed={seed}", f"run.eval_every={max(1, args.steps // args.evals)}",
-            f"run.eval_batches={args.eval_batches}", "run.checkpoint_every=0", "log.plot=false", "log.progress=off",
+            f"eval.tokens={args.eval_tokens}", "run.checkpoint_every=0",
+            # a kept run keeps its final checkpoint, to be scored again later; a throwaway one writes none
+            f"run.checkpoint_final={'true' if getattr(args, 'keep', None) else 'false'}",
+            "log.plot=false", "log.progress=off",
             f"log.every={max(1, args.steps // args.evals)}", f"sim.workers={args.workers}", "sim.baseline=none",
             f"optim.lr={args.lr}", f"optim.warmup_steps={args.warmup}", "optim.weight_decay=0.05",
             f"sim.bandwidth={args.bandwidth}", f"sim.latency={args.latency}"] + \
@@ -136,7 +147,7 @@ def run_one(args, method: str, seed: int, data, step_time: float, out_dir: Path)
     from launch.metrics.log import read_metrics
     from launch.simulate.runner import simulate_once
 
-    run_dir = out_dir / f"{method}-seed{seed}"
+    run_dir = run_folder(out_dir, method, seed)
     extra = list(getattr(args, "method_set", {}).get(method, []))
     cfg, _ = load_config([], _base(args, seed) + METHODS[method] + [f"sim.step_time={step_time}",
                                                                       f"run.dir={run_dir}"] + args.set + extra)
@@ -149,10 +160,26 @@ def run_one(args, method: str, seed: int, data, step_time: float, out_dir: Path)
     figures = next(({k: r[k] for k in ("senders_per_position", "sent_share") if r.get(k) is not None}
                     for r in reversed(records) if r.get("sent_share") is not None), {})
     return {"method": method, "seed": seed, "val_loss": summary["val_loss"], "val_bpb": summary.get("val_bpb"),
-            "figures": figures,
+            "val_loss_se": summary.get("val_loss_se"), "val_bpb_se": summary.get("val_bpb_se"),
+            **window_fields(run_dir), "figures": figures,
             "bytes": summary["bytes_sent"],
             "peak": summary.get("peak_bytes_per_exchange", 0), "virtual_s": summary.get("virtual_wall_s", 0.0),
             "curve": curve, "real_s": time.perf_counter() - start}
+
+
+def run_folder(out_dir: Path, method: str, seed: int) -> Path:
+    return out_dir / f"{method}-seed{seed}"
+
+
+def check_keep(keep: Optional[str], methods: list[str], seeds: list[int]) -> None:
+    """Refuse a --keep folder that already holds one of the runs asked for (a run folder is never written twice)."""
+    if not keep:
+        return
+    taken = [str(d) for d in (run_folder(Path(keep), m, s) for s in seeds for m in methods) if d.exists()]
+    if taken:
+        raise SystemExit(f"--keep {keep}: {taken[0]} already exists" + (f" (and {len(taken) - 1} more)" if
+                                                                           len(taken) > 1 else "") +
+                         "; keep these runs elsewhere or move it aside")
 
 
 def time_to(curve: list, target: float) -> Optional[float]:
@@ -194,11 +221,11 @@ def median_time_to(rs: list[dict], target: Optional[float], fn) -> str:
     return f"{mid:.1f} s" if mid < float("inf") else "not reached"
 
 
-def report(args, results: list[dict], step_time: float, device: str) -> str:
+def report(args, results: list[dict], step_time: float, device: str, settings: dict[str, Any]) -> str:
     from launch.metrics.log import human_bytes
 
     methods = [m for m in args.methods if any(r["method"] == m for r in results)]
-    by = {m: [r for r in results if r["method"] == m] for m in methods}
+    by = {m: sorted((r for r in results if r["method"] == m), key=lambda r: r["seed"]) for m in methods}
     med = {m: statistics.median(r["val_loss"] for r in by[m]) for m in methods}
     ddp = med.get("ddp")
     ddp_bytes = statistics.median(r["bytes"] for r in by["ddp"]) if "ddp" in by else None
@@ -216,6 +243,7 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
         f"outer SGD lr {args.outer_lr}, Nesterov momentum {args.outer_momentum}",
         f"- network model: {args.bandwidth}, {args.latency} per worker; virtual compute {step_time * 1e3:.1f} ms/step",
         f"- command: python benchmarks/convergence.py {' '.join(sys.argv[1:])}",
+        validation_line(settings, results),
     ]
     if ref:
         lines.append(f"- virtual time to {ref}'s loss: when the validation loss first reaches {ref}'s final median "
@@ -225,10 +253,10 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
                  "evaluation), median over seeds; real / DDP's: against DDP's on the same steps")
     lines += [
         "",
-        "| method | val loss (median) | val bpb (median) | seeds | vs DDP | bytes sent / worker | DDP bytes / these | peak bytes / exchange | "
-        "virtual wall | virtual time to DDP's loss |" + (f" virtual time to {ref}'s loss |" if ref else "") +
-        " real s (median) | real / DDP's |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if ref else "") + " --- | --- |",
+        "| method | val loss (median) | val bpb (median) | seeds | vs DDP | gap to DDP, paired | bytes sent / worker | "
+        "DDP bytes / these | peak bytes / exchange | virtual wall | virtual time to DDP's loss |" +
+        (f" virtual time to {ref}'s loss |" if ref else "") + " real s (median) | real / DDP's |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if ref else "") + " --- | --- |",
     ]
     real = {m: statistics.median(r.get("real_s", math.nan) for r in by[m]) for m in methods}
     for m in methods:
@@ -236,6 +264,7 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
         b = statistics.median(r["bytes"] for r in rs)
         seeds = ", ".join(f"{r['val_loss']:.3f}" for r in rs)
         gap = "" if ddp is None else f"{100 * (med[m] / ddp - 1):+.1f}%"
+        paired = gap_cell(rs, by["ddp"]) if "ddp" in by and m != "ddp" else ""
         fewer = f"{ddp_bytes / b:.0f}x" if ddp_bytes and b else ""
         peak = human_bytes(statistics.median(r["peak"] for r in rs))
         wall = statistics.median(r["virtual_s"] for r in rs)
@@ -243,10 +272,8 @@ def report(args, results: list[dict], step_time: float, device: str) -> str:
         to_ddp = median_time_to(rs, ddp, time_to) if ddp is not None else "not reached"
         to_ref = f" {median_time_to(rs, ref_loss, time_to_interp)} |" if ref else ""
         slower = f"{real[m] / real['ddp']:.2f}x" if "ddp" in real and real["ddp"] > 0 else ""
-        bpbs = [r["val_bpb"] for r in rs if r.get("val_bpb") is not None]
-        bpb = f"{statistics.median(bpbs):.4f}" if bpbs else "n/a"
-        lines.append(f"| {m} | {med[m]:.4f} | {bpb} | {seeds} | {gap} | {human_bytes(b)} | {fewer} | {peak} | {wall:.1f} s | "
-                     f"{to_ddp} |{to_ref} {real[m]:.1f} | {slower} |")
+        lines.append(f"| {m} | {loss_cell(rs)} | {loss_cell(rs, 'val_bpb')} | {seeds} | {gap} | {paired} | "
+                     f"{human_bytes(b)} | {fewer} | {peak} | {wall:.1f} s | {to_ddp} |{to_ref} {real[m]:.1f} | {slower} |")
     own = [m for m in methods if any(r.get("figures") for r in by[m])]
     if own:
         lines += ["", "SparseLoCo's figures at the end of the run (median over seeds): the mean number of workers that "
@@ -310,14 +337,16 @@ def main() -> None:
     p.add_argument("--outer-lr", type=float, default=1.0, help="outer SGD lr of DiLoCo and Streaming DiLoCo")
     p.add_argument("--outer-momentum", type=float, default=0.5, help="outer Nesterov momentum")
     p.add_argument("--evals", type=int, default=12, help="validation points per run")
-    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS,
+                   help=f"validation tokens (eval.tokens), windows spread over the whole split (default {EVAL_TOKENS})")
     p.add_argument("--bandwidth", default="1Gbit")
     p.add_argument("--latency", default="80ms")
     p.add_argument("--step-time", type=float, help="virtual compute seconds per step (default: measured)")
     p.add_argument("--device", default=None)
     p.add_argument("--set", action="append", default=[], help="extra config override for every run")
     p.add_argument("--out", default="benchmarks/results/convergence_cpu.md")
-    p.add_argument("--keep-runs", help="keep run folders here (default: a temporary folder)")
+    p.add_argument("--keep", "--keep-runs", dest="keep", metavar="DIR",
+                   help="keep the run folders, final checkpoints included, under DIR (default: a temporary folder)")
     p.add_argument("--diloco-ref", default="diloco-h50",
                    help="the method whose final loss the last column aims at (default diloco-h50; if it did not "
                         "run: the first diloco-hN that did)")
@@ -338,36 +367,41 @@ def main() -> None:
 
     device = device_name(args.device or "auto")
     saved = Path(args.out).with_suffix(".json")
-    merged = [_load_runs(Path(f), args) for f in args.merge]
+    merged = [_load_runs(Path(f), _settings(args)) for f in args.merge]
     if args.report_only:
-        state = _load_runs(saved, args)
+        state = _load_runs(saved, _settings(args))
         results, step_time = _combine([state] + merged)
         args.seeds = sorted({r["seed"] for r in results})
+        settings = state.get("settings") or _settings(args)  # what the saved runs used, older files' included
         if merged:
-            _save(saved, args, step_time, results)
-        _write(args, results, step_time, device)
+            _save(saved, settings, step_time, results)
+        _write(args, results, step_time, device, settings)
         return
+    check_keep(args.keep, args.methods, args.seeds)
     cfg, _ = load_config([], _base(args, 0) + args.set)
     data = load_data(cfg.data)
     step_time = args.step_time or (merged[0]["step_time"] if merged else measure_step_time(args, data))
-    results = []
+    settings, results = _settings(args), []
     with tempfile.TemporaryDirectory() as tmp:
-        out_dir = Path(args.keep_runs or tmp)
+        out_dir = Path(args.keep or tmp)
         for seed in args.seeds:
             for m in args.methods:
                 r = run_one(args, m, seed, data, step_time, out_dir)
                 results.append(r)
                 print(f"[convergence] {m} seed {seed}: val {r['val_loss']:.4f}, sent {r['bytes']:,} B, "
                       f"{r['real_s']:.0f}s", file=sys.stderr, flush=True)
-                _save(saved, args, step_time, results)  # survives Ctrl-C
+                _save(saved, settings, step_time, results)  # survives Ctrl-C
     if merged:
-        results, step_time = _combine([{"step_time": step_time, "results": results}] + merged)
+        results, step_time = _combine([{"step_time": step_time, "settings": settings, "results": results}] + merged)
         args.seeds = sorted({r["seed"] for r in results})
-        _save(saved, args, step_time, results)
-    _write(args, results, step_time, device)
+        _save(saved, settings, step_time, results)
+    _write(args, results, step_time, device, settings)
 
 
-SETTINGS = ("model", "workers", "steps", "batch_size", "seq_len", "lr", "warmup", "eval_batches", "bandwidth", "latency")
+# twice a run's default for a smaller error, while every simulated worker's 12 evaluations stay under a tenth of
+# a run's time on a CPU (65,536 tokens took about 15% of a 1,200-step run of tiny)
+EVAL_TOKENS = 32768
+SETTINGS = ("model", "workers", "steps", "batch_size", "seq_len", "lr", "warmup", "eval_tokens", "bandwidth", "latency")
 OUTER_SETTINGS = ("outer_lr", "outer_momentum")
 
 
@@ -375,29 +409,34 @@ def _settings(args) -> dict[str, Any]:
     return {k: getattr(args, k) for k in SETTINGS + OUTER_SETTINGS}
 
 
-def _save(path: Path, args, step_time: float, results: list[dict]) -> None:
-    path.write_text(json.dumps({"step_time": step_time, "settings": _settings(args), "results": results}) + "\n")
+def _save(path: Path, settings: dict[str, Any], step_time: float, results: list[dict]) -> None:
+    path.write_text(json.dumps({"step_time": step_time, "settings": settings, "results": results}) + "\n")
 
 
-def _load_runs(path: Path, args) -> dict[str, Any]:
-    """A saved .json, checked against this invocation's settings (runs of other settings do not mix)."""
+def _load_runs(path: Path, mine: dict[str, Any], script: str = "benchmarks/convergence.py") -> dict[str, Any]:
+    """A saved .json, checked against this invocation's settings ``mine`` (runs of other settings do not mix)."""
     if not path.is_file():
-        raise SystemExit(f"{path}: no such file (a .json that benchmarks/convergence.py saved)")
+        raise SystemExit(f"{path}: no such file (a .json that {script} saved)")
     state = json.loads(path.read_text())
-    mine = _settings(args)
     theirs = state.get("settings", {})
     for key, value in theirs.items():
         if key in mine and value != mine[key]:
             outer_only = key in OUTER_SETTINGS
             if outer_only and all(r["method"] in ("ddp", "single") for r in state["results"]):
                 continue  # the outer optimizer does not exist in DDP or single-worker runs
+            flag = ",".join(map(str, value)) if isinstance(value, list) else value
             raise SystemExit(f"{path}: its runs used {key}={value}, this invocation {key}={mine[key]}; "
-                             f"pass --{key.replace('_', '-')} {value} or leave the file out")
+                             f"pass --{key.replace('_', '-')} {flag} or leave the file out")
     return state
 
 
 def _combine(states: list[dict[str, Any]]) -> tuple[list[dict], float]:
-    """All runs of several saved states; a (method, seed) run twice keeps the first one given."""
+    """All runs of several saved states; a (method, seed) run twice keeps the first one given. Runs scored on
+    different validations (an older file's first batches of the split against eval.tokens) do not mix."""
+    scored = {json.dumps([s.get("settings", {}).get(k) for k in ("eval_tokens", "eval_batches")]) for s in states}
+    if len(scored) > 1:
+        raise SystemExit("the runs were scored on different validations (eval.tokens, or an older file's first "
+                         "batches of the split); merge only runs scored alike")
     step_times = {round(s["step_time"], 6) for s in states}
     if len(step_times) > 1:
         raise SystemExit(f"the runs were timed with different virtual step times {sorted(step_times)}; "
@@ -411,8 +450,8 @@ def _combine(states: list[dict[str, Any]]) -> tuple[list[dict], float]:
     return results, states[0]["step_time"]
 
 
-def _write(args, results: list[dict], step_time: float, device: str) -> None:
-    text = report(args, results, step_time, device)
+def _write(args, results: list[dict], step_time: float, device: str, settings: dict[str, Any]) -> None:
+    text = report(args, results, step_time, device, settings)
     print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,10 @@
 
 1. Loss and bytes: ``ddp`` (AdamW, gradients all-reduced every step) and DeMo with k=32 and
    k=8 (``--demo-lr``), all with ``--workers`` simulated workers x ``--batch-size``, the same
-   seeds and steps (the runs go through ``benchmarks/convergence.py``). Reported: median final
-   validation loss, gap to DDP, bytes sent per worker per step and DDP's over DeMo's.
+   seeds and steps (the runs go through ``benchmarks/convergence.py``), scored on the same
+   ``--eval-tokens`` of validation windows. Reported: median final validation loss with its
+   standard error, gap to DDP (in percent, and paired over the same windows seed by seed:
+   ``benchmarks/paired.py``), bytes sent per worker per step and DDP's over DeMo's.
 2. Encode time per step for every parameter of the model: the momentum update and the encode as
    ``DeMo.step`` runs them (``kernels.step_encode_many``: the momentum kept as DCT coefficients,
    one fused Triton launch per run of same-shaped parameters on CUDA, the torch reference batched
@@ -15,6 +17,10 @@
     python benchmarks/demo.py --model small --device cuda --out benchmarks/results/demo_gpu.md
     python benchmarks/demo.py --encode-only --encode-models small,150m,1b --device cuda --out demo_enc.md
     python benchmarks/demo.py --seeds 0 --methods ddp,demo-k32 --demo-lr 1e-3,2e-3 --demo-warmup 100,300   # a sweep
+    python benchmarks/demo.py --seeds 1 --out s1.md --merge s0.json --keep runs/   # seeds one invocation each
+
+The runs are saved as JSON beside ``--out``; ``--merge`` adds another invocation's (same settings) to the
+table, and ``--keep DIR`` keeps the run folders with their final checkpoints.
 
 A comma-separated list in ``--demo-lr``, ``--demo-warmup``, ``--demo-decay`` or ``--demo-min-lr`` makes a sweep:
 every DeMo method runs once per combination (seeds alike), and the report adds a table of every try, best
@@ -41,6 +47,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from benchmarks.paired import gap_cell, loss_cell, validation_line  # noqa: E402
+
+# part 1's validation: every simulated worker evaluates EVALS times, which stays under a tenth of a 300-step run
+# of tiny on a CPU at a run's default tokens (65,536 took about a quarter of it)
+EVALS = 6
+EVAL_TOKENS = 16384
 
 
 def plain_encode(delta: torch.Tensor, chunk: int, topk: int, dct) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +220,13 @@ def main() -> None:
     p.add_argument("--methods", default="ddp,demo-k32,demo-k8")
     p.add_argument("--device", default=None)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default="benchmarks/results/demo_cpu.md")
+    p.add_argument("--out", default="benchmarks/results/demo_cpu.md", help="the table; the runs go beside it as .json")
+    p.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS,
+                   help=f"validation tokens (eval.tokens), windows spread over the whole split (default {EVAL_TOKENS})")
+    p.add_argument("--keep", metavar="DIR",
+                   help="keep the run folders, final checkpoints included, under DIR (default: a temporary folder)")
+    p.add_argument("--merge", action="append", default=[], metavar="JSON",
+                   help="add the runs another invocation saved (same settings; e.g. one invocation per seed)")
     p.add_argument("--encode-only", action="store_true", help="only part 2: the encode times, no training runs")
     p.add_argument("--encode-models", default=None,
                    help="comma-separated sizes for the encode times (default: --model)")
@@ -228,7 +247,7 @@ def main() -> None:
     unknown = [m for m in asked if m not in conv.METHODS]
     if unknown:
         raise SystemExit(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(conv.METHODS)}")
-    args.evals, args.eval_batches, args.bandwidth, args.latency = 6, 16, "1Gbit", "80ms"
+    args.evals, args.bandwidth, args.latency = EVALS, "1Gbit", "80ms"
     tries = demo_tries(args)
     sweep, t0 = len(tries) > 1, tries[0]
     # every DeMo method once per try; a sweep names each run after its settings
@@ -245,20 +264,32 @@ def main() -> None:
             args.method_set[name] = [f"optim.lr={t['lr']}", "optim.weight_decay=0", f"optim.warmup_steps={t['warmup']}",
                                      f"algo.compression_decay={t['decay']}", f"optim.min_lr_ratio={t['min_lr']}"]
     device = resolve_device(args.device or "auto")
+    saved = Path(args.out).with_suffix(".json")
+    mine = settings_of(args, tries)
+    merged = [conv._load_runs(Path(f), mine, "benchmarks/demo.py") for f in args.merge]
+    conv.check_keep(args.keep, args.methods, args.seeds)
     cfg, _ = load_config([], conv._base(args, 0) + args.set)
     data = load_data(cfg.data)
-    step_time = conv.measure_step_time(args, data)
+    # merged runs took their virtual step time from a measurement: these take the same, as their JSON must agree
+    step_time = merged[0]["step_time"] if merged else conv.measure_step_time(args, data)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             for m in args.methods:
-                r = conv.run_one(args, m, seed, data, step_time, Path(tmp))
+                r = conv.run_one(args, m, seed, data, step_time, Path(args.keep or tmp))
                 results.append(r)
                 print(f"[demo] {m} seed {seed}: val {r['val_loss']:.4f}, sent {r['bytes']:,} B, {r['real_s']:.0f}s",
                       file=sys.stderr, flush=True)
+                conv._save(saved, mine, step_time, results)  # survives Ctrl-C
+    if merged:
+        results, step_time = conv._combine([{"step_time": step_time, "settings": mine, "results": results}] + merged)
+        conv._save(saved, mine, step_time, results)
+        args.seeds = sorted({r["seed"] for r in results})
+        args.methods += [m for m in dict.fromkeys(r["method"] for r in results) if m not in args.methods]
     times = encode_times(args.model, device, args.repeats)
-    med = {m: statistics.median(r["val_loss"] for r in results if r["method"] == m) for m in args.methods}
-    per_step = {m: statistics.median(r["bytes"] for r in results if r["method"] == m) / args.steps for m in args.methods}
+    by = {m: sorted((r for r in results if r["method"] == m), key=lambda r: r["seed"]) for m in args.methods}
+    med = {m: statistics.median(r["val_loss"] for r in by[m]) for m in args.methods}
+    per_step = {m: statistics.median(r["bytes"] for r in by[m]) / args.steps for m in args.methods}
     lines = [
         "# DeMo vs AdamW DDP", "",
         f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; device: {device_name(args.device or 'auto')}; "
@@ -269,35 +300,51 @@ def main() -> None:
            f"of the peak (DeMo: to {100 * t0['min_lr']:g}%)" if not sweep else
            f"a sweep of {len(tries)} settings (below), chunk 64, no weight decay; cosine to 10% of the peak (DeMo: "
            f"to its min lr)") + (f"; overrides {' '.join(args.set)}" if args.set else ""),
-        f"- `python benchmarks/demo.py {' '.join(sys.argv[1:])}`", "",
-        "| method | val loss (median) | seeds | vs DDP | bytes / worker / step | DDP bytes / these | wall s (median) "
-        "| wall / DDP's |",
-        "| --- | --- | --- | --- | --- | --- | ---: | ---: |",
+        f"- `python benchmarks/demo.py {' '.join(sys.argv[1:])}`",
+        validation_line(mine, results), "",
+        "| method | val loss (median) | seeds | vs DDP | gap to DDP, paired | bytes / worker / step | DDP bytes / these "
+        "| wall s (median) | wall / DDP's |",
+        "| --- | --- | --- | --- | --- | --- | --- | ---: | ---: |",
     ]
-    wall = {m: statistics.median(r["real_s"] for r in results if r["method"] == m) for m in args.methods}
+    wall = {m: statistics.median(r["real_s"] for r in by[m]) for m in args.methods}
     for m in args.methods:
-        seeds = ", ".join(f"{r['val_loss']:.3f}" for r in results if r["method"] == m)
-        gap = f"{100 * (med[m] / med['ddp'] - 1):+.1f}%" if "ddp" in med else ""
+        seeds = ", ".join(f"{r['val_loss']:.3f}" for r in by[m])
         fewer = f"{per_step['ddp'] / per_step[m]:.0f}x" if "ddp" in per_step and per_step[m] else ""
         slower = f"{wall[m] / wall['ddp']:.2f}x" if "ddp" in wall and wall["ddp"] else ""
-        lines.append(f"| {m} | {med[m]:.4f} | {seeds} | {gap} | {human_bytes(per_step[m])} | {fewer} | "
-                     f"{wall[m]:.1f} | {slower} |")
+        lines.append(f"| {m} | {loss_cell(by[m])} | {seeds} | {vs_ddp(m, med)} | {paired(m, by)} | "
+                     f"{human_bytes(per_step[m])} | {fewer} | {wall[m]:.1f} | {slower} |")
     if sweep:
         lines += ["", "Every try, best first (DeMo lr, warmup steps, compression_decay, final lr as a fraction of "
-                  "the peak):", "", "| method | lr | warmup | decay | min lr | val loss (median) | seeds | vs DDP |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+                  "the peak):", "", "| method | lr | warmup | decay | min lr | val loss (median) | seeds | vs DDP "
+                  "| gap to DDP, paired |", "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
         for name in sorted(settings, key=lambda n: med[n]):
             m, t = settings[name]
-            seeds = ", ".join(f"{r['val_loss']:.3f}" for r in results if r["method"] == name)
-            gap = f"{100 * (med[name] / med['ddp'] - 1):+.1f}%" if "ddp" in med else ""
-            lines.append(f"| {m} | {t['lr']:g} | {t['warmup']} | {t['decay']:g} | {t['min_lr']:g} | {med[name]:.4f} "
-                         f"| {seeds} | {gap} |")
+            seeds = ", ".join(f"{r['val_loss']:.3f}" for r in by[name])
+            lines.append(f"| {m} | {t['lr']:g} | {t['warmup']} | {t['decay']:g} | {t['min_lr']:g} | "
+                         f"{loss_cell(by[name])} | {seeds} | {vs_ddp(name, med)} | {paired(name, by)} |")
     lines += ["", f"Encode (all parameters of `{args.model}`, k=32, median of {args.repeats}): loco "
               f"{times['loco'] * 1e3:.1f} ms ({'Triton kernel' if device.type == 'cuda' else 'torch reference'}), "
               f"plain einsum+topk {times['plain'] * 1e3:.1f} ms: {times['plain'] / times['loco']:.2f}x."]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)
+
+
+def settings_of(args, tries: list[dict]) -> dict:
+    """What runs saved by different invocations must share to sit in one table."""
+    return {"model": args.model, "workers": args.workers, "steps": args.steps, "batch_size": args.batch_size,
+            "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup, "eval_tokens": args.eval_tokens,
+            "demo_lr": sorted({t["lr"] for t in tries}), "demo_warmup": sorted({t["warmup"] for t in tries}),
+            "demo_decay": sorted({t["decay"] for t in tries}), "demo_min_lr": sorted({t["min_lr"] for t in tries}),
+            "set": list(args.set)}
+
+
+def vs_ddp(method: str, med: dict) -> str:
+    return f"{100 * (med[method] / med['ddp'] - 1):+.1f}%" if "ddp" in med else ""
+
+
+def paired(method: str, by: dict) -> str:
+    return gap_cell(by[method], by["ddp"]) if "ddp" in by and method != "ddp" else ""
 
 
 def encode_report(args) -> None:
