@@ -94,7 +94,8 @@ def penalty_text(row: Row, sources: list[str]) -> str:
         return "baseline"
     if m.source not in sources:
         sources.append(m.source)
-    return f"{100 * m.penalty:+.1f}% [{sources.index(m.source) + 1}]"
+    se = f" ± {100 * m.se:.1f}" if m.se is not None else ""
+    return f"{100 * m.penalty:+.1f}%{se} [{sources.index(m.source) + 1}]"
 
 
 def format_plan(plan: Plan) -> str:
