@@ -287,5 +287,11 @@ def test_a_run_scores_its_tasks_in_the_loop_and_loco_eval_on_its_checkpoint(worl
                  "--device", "cpu", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tasks"]["tasks"]["loco_mc"]["acc"] == pytest.approx(scored[4], abs=1e-6)
+    # only at the end, where the last step's line already holds the validation: a line of their own, and the summary
+    end = tmp_path / "end"
+    train(load_config([TINY], [*sets, "eval.tasks_every=0", "run.eval_every=2", f"run.dir={end}"])[0])
+    lines = [json.loads(x) for x in (end / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "tasks/loco_mc/acc" in r] == [4]
+    assert json.loads((end / "summary.json").read_text())["tasks/loco_mc/acc"] == pytest.approx(scored[4])
     with pytest.raises(RunError, match="loco_nope"):
         Trainer(load_config([TINY], [*sets, "eval.tasks=loco_nope", f"run.dir={tmp_path / 'other'}"])[0])

@@ -296,18 +296,20 @@ class Trainer:
         self.algo.finalize()
         # resumed from the run's final checkpoint: nothing trained since, and its last lines are already there
         at_end = self.resumed_from is not None and self.step == self.progress.start_step
+        tasks = self.score_tasks() if self.tasks.last_step != self.step and not at_end else {}
         if self.last_val is not None and self.last_val[0] == self.step and not self.algo.round_based:
             val = self.last_val[1]
+            if tasks:  # the step's line has its validation: the tasks get a line of their own
+                m.log({"step": self.step, "tokens": self.progress.tokens_seen(), **tasks}, show=False)
         else:
             val = self.evaluate()
             if not (at_end and self.folder.final_line_logged(self.step)):
                 # the done line below prints it
-                m.log({**self.report.final_line(val, self.optimizer.param_groups[0]["lr"]),
-                       **(self.score_tasks() if self.tasks.last_step != self.step else {})}, show=False)
+                m.log({**self.report.final_line(val, self.optimizer.param_groups[0]["lr"]), **tasks}, show=False)
         if self.cfg.run.checkpoint_final:  # again at_end too: the checkpoint there may predate algo.finalize()
             self.save()
         summary = self.report.summary(val, self.run_dir)
-        summary.update(run_sources(self.data.tokenizer, self.cfg.model.init_from))
+        summary.update(run_sources(self.data.tokenizer, self.cfg.model.init_from), **tasks)
         if self.leader:
             path = self.folder.write_summary(summary)
             self.folder.write_windows(val.windows_record(self.validation.set))
