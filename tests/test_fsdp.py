@@ -12,6 +12,7 @@ import torch
 from conftest import FAST, TINY, loco, max_diff
 from conftest import torchrun_nodes as nodes
 from diloco.algorithm import algorithm_class
+from launch.metrics.log import read_metrics
 from launch.store.checkpoint import latest_checkpoint, load_checkpoint, payload_bytes, slices_folder
 from launch.loop.checkpointer import Checkpointer
 
@@ -48,6 +49,11 @@ def test_two_sharded_nodes_equal_two_simulated_workers_and_resume_exactly(tmp_pa
     # the same validation, scored by a node's two processes (each forward pass a collective) or one worker
     val_sim, val_fsdp = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("sim", "fsdp"))
     assert abs(val_fsdp["val_loss"] / val_sim["val_loss"] - 1) < 1e-4
+    # the printed training loss is the worker's, over both processes' rows, as the simulated worker's
+    train_sim, train_fsdp = ([r["loss"] for r in read_metrics(tmp_path / d) if r.get("loss") is not None]
+                             for d in ("sim", "fsdp"))
+    assert len(train_sim) == len(train_fsdp) > 0
+    assert max(abs(a - b) for a, b in zip(train_sim, train_fsdp)) < 1e-4, (train_sim, train_fsdp)
 
     # each process's own state (its slices of the model, of AdamW's moments and of the global copy and outer
     # momentum) is half of what a whole worker holds, plus 5%

@@ -281,3 +281,16 @@ def test_a_resumed_simulation_keeps_its_virtual_clock(tmp_path, capfd):
         assert got[0] == expected[0] and got[1] == expected[1], where
         assert got[2] == expected[2], where
         assert got[3] == expected[3], where
+
+
+def test_tokens_are_counted_across_a_resume_with_another_batch_size(tmp_path, tiny_cfg):
+    """4 steps of 4 x 64 tokens, then 2 more of 2 x 64: the count goes on from 1,024 to 1,280 (not 6 x 128)."""
+    from launch.loop.trainer import train
+
+    run_dir = tmp_path / "run"
+    base = ["data.seq_len=64", "run.eval_every=0", "log.every=1", "run.checkpoint_every=4"]
+    train(tiny_cfg(*base, "run.batch_size=4", "run.max_steps=4", run_dir=run_dir))
+    summary = train(tiny_cfg(*base, "run.batch_size=2", "run.max_steps=6", "run.resume=true", run_dir=run_dir))
+    tokens = {r["step"]: r["tokens"] for r in read_metrics(run_dir) if r.get("loss") is not None}
+    assert tokens == {1: 256, 2: 512, 3: 768, 4: 1024, 5: 1152, 6: 1280}
+    assert summary["tokens"] == 1280 and summary["workers"][0]["tokens"] == 1280

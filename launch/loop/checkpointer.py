@@ -64,6 +64,8 @@ class Checkpointer:
         self.saved_step: Optional[int] = None
         self.signalled_while_saving = False  # by the last save (leader)
         self.resume_changes: Optional[str] = None  # settings changed since the checkpoint (set by a resume)
+        # (the run's tokens, this worker's) as the checkpoint counted them; None where it kept no count
+        self.resumed_tokens: tuple[Optional[int], Optional[int]] = (None, None)
 
     @property
     def sharded(self) -> bool:
@@ -88,6 +90,7 @@ class Checkpointer:
             "comm": self.transport.stats.as_dict(),
             "log_window": w.window.state(),
             "followed": w.progress.followed,
+            "tokens": w.progress.my_tokens(),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -97,6 +100,7 @@ class Checkpointer:
             "wall_s": w.clock.wall_s(),
             "budget_s": w.clock.budget_spent_s(),
             "config": self.cfg.to_dict(),
+            "tokens": w.progress.tokens_seen(),
             "model_args": vars(w.model_args) if w.model_args is not None else None,
             "hf_config": w.model.config_dict() if isinstance(w.model, RunModel) else None,
             "tokenizer": w.tokenizer.state() if w.tokenizer is not None else None,
@@ -207,6 +211,7 @@ class Checkpointer:
         w.algo.load_state_dict(mine["algo"])
         set_rng_state(mine["rng"])
         w.progress.step, w.progress.followed = int(mine["step"]), int(mine.get("followed", 0))
+        self.resumed_tokens = (state.get("tokens"), mine.get("tokens"))
         if w.batcher.keeps_position:
             w.batcher.load_state_dict(dict(state.get("streams") or []).get(self.rank))
         w.clock.wall_prior = float(state.get("wall_s", 0.0))

@@ -35,9 +35,18 @@ class Window:
         self.loss = self.loss + step_loss
         self.steps += 1
 
-    def take(self) -> tuple[float, int, float]:
-        """(mean loss, steps, seconds) of the interval; the sums start over (the clock at :meth:`restart`)."""
-        taken = (float(self.loss) / self.steps, self.steps, max(time.perf_counter() - self.began, 1e-9))
+    def take(self, inner: Optional[Transport] = None) -> tuple[float, int, float]:
+        """(mean loss, steps, seconds) of the interval; the sums start over (the clock at :meth:`restart`).
+        ``inner``: the processes of a worker, each of which saw its share of the batch: the worker's loss is their
+        mean (a collective every one of them reaches at the same metrics lines)."""
+        loss = self.loss
+        if inner is not None and inner.world_size > 1:
+            loss = torch.as_tensor(loss, dtype=torch.float64).reshape(1).clone()
+            if isinstance(self.loss, torch.Tensor):
+                loss = loss.to(self.loss.device)
+            inner.all_reduce_sum_(loss)
+            loss = loss / inner.world_size
+        taken = (float(loss) / self.steps, self.steps, max(time.perf_counter() - self.began, 1e-9))
         self.loss, self.steps = 0.0, 0
         return taken
 
@@ -64,7 +73,7 @@ class Reporter:
     def line(self, window: Window, lr: float, info: dict[str, Any]) -> dict[str, Any]:
         """The metrics record of the steps in ``window`` (whose sums start over)."""
         self._say_skipped(info)
-        loss, steps, seconds = window.take()
+        loss, steps, seconds = window.take(self.transport.inner)
         tps_local = steps * self.progress.tokens_per_step / seconds
         mfu = self.mfu.flops_per_token * tps_local / self.peak if self.peak else None
         norm = info.get("grad_norm")
@@ -99,7 +108,8 @@ class Reporter:
         p, stats = self.progress, self.transport.stats
         trained = self.transport.my_steps_trained()  # under churn: not the steps of the run while it was away
         steps = p.step - p.followed if trained is None else trained  # a joiner's own, not the run's before it
-        mine = {"worker": self.transport.rank, "tokens": steps * p.tokens_per_step, "bytes_sent": stats.bytes_sent,
+        tokens = p.my_tokens() if trained is None else trained * p.tokens_per_step
+        mine = {"worker": self.transport.rank, "tokens": tokens, "bytes_sent": stats.bytes_sent,
                 "bytes_received": stats.bytes_received, "val_loss": val.loss, "steps": steps}
         workers = self.transport.all_gather_object(mine)
         tokens = sum(w["tokens"] for w in workers)

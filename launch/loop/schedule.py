@@ -47,6 +47,23 @@ class Progress:
         self.start_step = 0  # where this segment of the run began (a resume, a join)
         self.synced_step = 0  # the step of this worker's latest sync
         self.followed = 0  # steps taken from the run's progress (a join, a resync), not trained by this worker
+        # tokens are counted, not recomputed from today's batch: a resume with another batch size goes on from
+        # the count its checkpoint kept (:meth:`begin`)
+        self.tokens_before = 0  # the run's tokens at start_step
+        self.mine_before = 0  # this worker's own tokens at start_step
+        self.own_start = 0  # this worker's own steps at start_step (step - followed)
+
+    def begin(self, step: int, tokens: Optional[int] = None, mine: Optional[int] = None) -> None:
+        """This segment of the run starts at ``step``, after ``tokens`` of the run and ``mine`` of this worker's
+        (None: as many steps of this run's batch, for a checkpoint that kept no count, or a worker joining)."""
+        self.step = self.start_step = step
+        self.own_start = step - self.followed
+        self.tokens_before = step * self.tokens_per_step * self.world if tokens is None else int(tokens)
+        self.mine_before = self.own_start * self.tokens_per_step if mine is None else int(mine)
+
+    def my_tokens(self) -> int:
+        """Tokens this worker trained itself (the steps it followed from others' progress are not its own)."""
+        return self.mine_before + (self.step - self.followed - self.own_start) * self.tokens_per_step
 
     def stepped(self, synced: bool) -> None:
         self.step += 1
@@ -70,7 +87,7 @@ class Progress:
         steps = self.transport.steps_trained()
         if steps is not None:  # the members changed (a simulation with churn)
             return steps * self.tokens_per_step
-        return self.step * self.tokens_per_step * self.world
+        return self.tokens_before + (self.step - self.start_step) * self.tokens_per_step * self.world
 
 
 class RunClock:

@@ -139,7 +139,7 @@ class Trainer:
         self.resumed_from = self.checkpoints.resume()
         self.folder.write_config(cfg)
         self.folder.write_tokenizer(self.data.tokenizer)
-        self.progress.start_step = self.step
+        self.progress.begin(self.step, *self.checkpoints.resumed_tokens)
         # a signal stops the loop where every process can save: one worker at any step end; several where a
         # broadcast spans them all (round ends, or every log.every-th step)
         self.stop_rule = StopRule(cfg, self.progress, self.clock,
@@ -174,7 +174,8 @@ class Trainer:
     def join_at(self, blob: bytes, step: int, source: str) -> None:
         """A worker joining a run in progress (``join_run``): the run's state, at the run's step."""
         self.load_shared_blob(blob, source)
-        self.progress.step = self.progress.start_step = self.algo.steps = step  # step-keyed schedules follow the run
+        self.progress.begin(step)
+        self.algo.steps = step  # step-keyed schedules follow the run
 
     def follow_run(self, step: int) -> None:
         """This worker takes the run's step (``loco join`` after taking another peer's state): its lr schedule and
