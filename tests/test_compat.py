@@ -62,7 +62,10 @@ def test_an_earlier_trees_checkpoint_resumes_bit_for_bit(layout, resumed):
     expected, got, failed = resumed[layout]
     assert not failed, failed
     assert got["step"] == expected["step"]
-    assert got["losses"] == expected["losses"]  # (not val_loss: which windows are scored is this tree's choice)
+    # not val_loss (which windows are scored is this tree's choice), nor the printed training loss of a worker of
+    # several processes (now its whole batch's, where the earlier tree printed process 0's share)
+    if not expected["processes"]:
+        assert got["losses"] == expected["losses"]
     assert got["tensors"].keys() == expected["tensors"].keys()
     differ = [k for k, digest in expected["tensors"].items() if got["tensors"][k] != digest]
     assert not differ, f"{len(differ)} of {len(expected['tensors'])} tensors differ: {differ[:8]}"
