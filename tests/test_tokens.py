@@ -231,3 +231,35 @@ def test_the_cli_trains_a_tokenizer_and_prepares_a_jsonl_dataset(corpus, tmp_pat
                  "--out", str(tmp_path / "hf")]) == 0
     m = json.loads((tmp_path / "hf" / "manifest.json").read_text())
     assert m["documents"]["train"] + m["documents"]["val"] == 360 and m["source"]["hf"]["text_field"] == "text"
+
+
+def _copied_shards(corpus, tmp_path) -> tuple[Path, dict]:
+    folder = tmp_path / "shards"
+    shutil.copytree(corpus["root"] / "shards", folder)
+    return folder, json.loads((folder / "manifest.json").read_text())
+
+
+def test_a_cut_or_miscounted_shard_is_refused_at_load_naming_it_and_both_counts(corpus, tmp_path, capsys):
+    from launch.data.shards import load_shards
+    from launch.data.tokens import DataError
+
+    folder, m = _copied_shards(corpus, tmp_path)
+    manifest = folder / "manifest.json"
+    entry = m["shards"]["val"][0]
+    entry["tokens"] += 5000
+    manifest.write_text(json.dumps(m))
+    with pytest.raises(DataError, match=f"{entry['file']}: {entry['tokens'] - 5000:,} tokens on disk, "
+                                        f"the manifest says {entry['tokens']:,}; copy it again"):
+        load_shards(str(folder), None, "auto", None, 0.1)
+    entry["tokens"] -= 5000
+    manifest.write_text(json.dumps(m))
+    # half copied: a whole number of tokens, so only the manifest tells
+    entry = m["shards"]["train"][1]
+    shard = folder / entry["file"]
+    shard.write_bytes(shard.read_bytes()[:entry["tokens"] // 2 * 2])
+    train = ["train", "--config", TINY, "--run-dir", str(tmp_path / "run"), "--set", "run.device=cpu",
+             "--max-steps", "1", "--set", "data.source=shards", "--set", f"data.path={folder}"]
+    assert _one_error(capsys, train) == (
+        f"loco train: error: {shard}: {entry['tokens'] // 2:,} tokens on disk, the manifest says {entry['tokens']:,}; "
+        f"copy it again or run loco data prepare again")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

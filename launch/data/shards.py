@@ -4,6 +4,8 @@ plain ``.bin``/``.npy`` files (llm.c's header too) whose vocabulary the run name
 A manifest names everything a run needs: the shards of each split, their dtype, the vocabulary and the
 tokenizer (its SHA-256, and its file beside the shards). A run whose ``data.tokenizer`` names another
 tokenizer is refused: its ids would mean other text.
+
+Every load compares each shard's size with its manifest's token count (a stat, cheap at any size).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ LLMC_MAGIC = 20240520  # llm.c token shards: 256 int32 header, then uint16 token
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "loco-shards-1"
 TOKENIZER_FILE = "tokenizer.json"
+AGAIN = "copy it again or run loco data prepare again"
 
 
 def shard_dtype(vocab_size: int) -> str:
@@ -75,9 +78,37 @@ def read_manifest(path: Path) -> Optional[dict[str, Any]]:
         for key in ("vocab_size", "dtype", "shards", "tokenizer"):
             if key not in manifest:
                 raise ValueError(f"no {key!r}")
+        if manifest["dtype"] not in ("uint16", "uint32"):
+            raise ValueError(f"dtype {manifest['dtype']!r}, expected uint16 or uint32")
+        for side in ("train", "val"):
+            if not isinstance(manifest["shards"].get(side), list):
+                raise ValueError(f"no list of {side} shards")
     except (OSError, ValueError) as e:
         raise DataError(f"{f}: not a loco shard manifest ({e})") from None
     return manifest
+
+
+def _entry(folder: Path, entry: Any) -> tuple[Path, int]:
+    """A manifest's shard entry as its file and its token count."""
+    if (not isinstance(entry, dict) or not isinstance(entry.get("file"), str)
+            or type(entry.get("tokens")) is not int or entry["tokens"] < 0):
+        raise DataError(f"{folder / MANIFEST}: a shard entry without a file and a token count ({entry!r}); "
+                        f"run loco data prepare again")
+    return folder / entry["file"], entry["tokens"]
+
+
+def size_problem(path: Path, tokens: int, itemsize: int) -> Optional[str]:
+    """What is wrong with a shard's size for the manifest's token count; None when it is that count's."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"{path}: missing, the manifest says {tokens:,} tokens"
+    except OSError as e:
+        return f"{path}: cannot read it ({e.strerror}), the manifest says {tokens:,} tokens"
+    if size == tokens * itemsize:
+        return None
+    extra = f" and {size % itemsize} byte" if size % itemsize else ""
+    return f"{path}: {size // itemsize:,} tokens{extra} on disk, the manifest says {tokens:,}"
 
 
 def manifest_tokenizer(folder: Path, manifest: dict[str, Any]) -> Tokenizer:
@@ -130,8 +161,16 @@ def _load_manifest(folder: Path, manifest: dict[str, Any], val_path: Optional[st
                         f"leave data.vocab_size empty to take the manifest's")
     tok = tokenizer or manifest_tokenizer(folder, manifest)
     dtype = manifest["dtype"]
-    train = [open_shard(folder / s["file"], dtype) for s in manifest["shards"]["train"]]
-    val = [open_shard(folder / s["file"], dtype) for s in manifest["shards"]["val"]]
+    itemsize = np.dtype(dtype).itemsize
+
+    def opened(entry: Any) -> np.ndarray:
+        file, tokens = _entry(folder, entry)
+        if (problem := size_problem(file, tokens, itemsize)) is not None:  # a half-copied shard would train quietly
+            raise DataError(f"{problem}; {AGAIN}")
+        return open_shard(file, dtype)
+
+    train = [opened(s) for s in manifest["shards"]["train"]]
+    val = [opened(s) for s in manifest["shards"]["val"]]
     if val_path:
         train += val
         val = [open_shard(f, dtype) for f in _shard_files(Path(val_path))]
