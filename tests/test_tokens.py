@@ -263,3 +263,42 @@ def test_a_cut_or_miscounted_shard_is_refused_at_load_naming_it_and_both_counts(
         f"loco train: error: {shard}: {entry['tokens'] // 2:,} tokens on disk, the manifest says {entry['tokens']:,}; "
         f"copy it again or run loco data prepare again")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_loco_data_verify_reads_every_shard_against_its_checksum(corpus, tmp_path, capsys):
+    folder, m = _copied_shards(corpus, tmp_path)
+    entries = m["shards"]["train"] + m["shards"]["val"]
+    assert all(len(s["xxh3_64"]) == 16 for s in entries)
+    verify = ["data", "verify", "--path", str(folder)]
+    capsys.readouterr()
+    assert main(verify) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"{folder}: {len(entries)} shard(s), {sum(s['tokens'] for s in entries):,} tokens, match the manifest "
+        f"(sizes and checksums)"]
+    flipped, cut = (folder / m["shards"][side][0]["file"] for side in ("val", "train"))
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the size still matches
+    flipped.write_bytes(bytes(data))
+    cut.write_bytes(cut.read_bytes()[:-2])
+    assert main(verify) == 2
+    *bad, summary = capsys.readouterr().out.splitlines()
+    assert bad == [f"{cut}: {m['shards']['train'][0]['tokens'] - 1:,} tokens on disk, "
+                   f"the manifest says {m['shards']['train'][0]['tokens']:,}", bad[1]]
+    assert bad[1].startswith(f"{flipped}: checksum ") and bad[1].endswith(
+        f" on disk, the manifest says {m['shards']['val'][0]['xxh3_64']}")
+    assert summary == (f"{folder}: 2 of {len(entries)} shard(s) differ from the manifest; copy them again or run "
+                       f"loco data prepare again")
+
+
+def test_a_manifest_without_checksums_loads_and_verify_checks_sizes_only(corpus, tmp_path, capsys):
+    from launch.data.shards import load_shards
+
+    folder, m = _copied_shards(corpus, tmp_path)
+    for s in m["shards"]["train"] + m["shards"]["val"]:
+        s.pop("xxh3_64", None)
+    (folder / "manifest.json").write_text(json.dumps(m))
+    assert load_shards(str(folder), None, "auto", None, 0.1).val_tokens == m["tokens"]["val"]
+    capsys.readouterr()
+    assert main(["data", "verify", "--path", str(folder)]) == 0
+    assert capsys.readouterr().out.strip().endswith(
+        "match the manifest; all by size only, their checksums unknown (the manifest records none)")

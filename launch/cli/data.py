@@ -1,5 +1,5 @@
-"""The data commands of ``loco``: ``tokenizer train`` (a byte-level BPE, offline) and ``data prepare`` (text to
-token shards with a manifest)."""
+"""The data commands of ``loco``: ``tokenizer train`` (a byte-level BPE, offline), ``data prepare`` (text to
+token shards with a manifest) and ``data verify`` (every shard's bytes against its manifest)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ EXAMPLES = {
     "data": """examples:
   loco data prepare --source python --tokenizer tokenizer-python-8k.json --out data/python-8k
   loco data prepare --source hf --path fineweb/sample.parquet --tokenizer tok.json --out data/fineweb
+  loco data verify --path data/fineweb
   loco train --config configs/small.yaml --set data.source=shards --set data.path=data/python-8k""",
 }
 
@@ -35,8 +36,9 @@ def add_data_commands(sub: Any, fmt: type) -> None:
     t.add_argument("--pattern", default=defaults.pattern, metavar="GLOB", help="files to read inside a folder")
     t.add_argument("--max-docs", type=int, metavar="N", help="read at most N documents, e.g. --max-docs 20000")
 
-    p = sub.add_parser("data", help="prepare token shards from text", formatter_class=fmt,
-                       description="Tokenize a text source into shards with a manifest.json, on every core.",
+    p = sub.add_parser("data", help="prepare token shards from text, verify them", formatter_class=fmt,
+                       description="Tokenize a text source into shards with a manifest.json, on every core; "
+                                   "check a folder of shards against its manifest.",
                        epilog=EXAMPLES["data"])
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
     d = verbs.add_parser("prepare", help="text to token shards (resumes an interrupted run)", formatter_class=fmt,
@@ -58,6 +60,10 @@ def add_data_commands(sub: Any, fmt: type) -> None:
     d.add_argument("--shard-mb", type=float, metavar="MB",
                    help="text per shard, in MB (default: a 64th of the source, from 1 to 64; 64 for hf)")
     d.add_argument("--workers", type=int, metavar="N", help="processes (default: every core this process may use)")
+    v = verbs.add_parser("verify", help="read every shard and compare it with the manifest (exit 2 if any differs)",
+                         formatter_class=fmt, epilog=EXAMPLES["data"])
+    v.add_argument("--path", required=True, metavar="DIR", help="a folder loco data prepare made, e.g. "
+                                                                "--path data/python-8k")
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> int:
@@ -79,6 +85,10 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
+    if args.verb == "verify":
+        from launch.data.shards import verify_shards
+
+        return 0 if verify_shards(args.path, say=lambda m: print(m, flush=True)) else 2
     from launch.data.documents import HFOptions
     from launch.data.prepare import prepare
     from launch.data.tokens import DataError

@@ -5,6 +5,8 @@ one training shard and (when any of its documents is a validation one) one valid
 name as a run reading the same source splits it. Units go to a pool of processes, each encoding with its own
 single-threaded tokenizer, so the ids' conversion runs in parallel too. A unit's files are written under
 temporary names and renamed, then its record; an interrupted prepare finds the records and skips those units.
+A shard's record holds its token count and the XXH3-64 of the bytes written (hashed from memory, so the file is
+never read back), which the manifest keeps for ``loco data verify``.
 ``prepare.json`` keeps the settings, so a folder is only ever continued with the settings that began it.
 """
 
@@ -18,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from launch.store.disk import write_file
 from launch.data.documents import Doc, HFOptions, doc_text, documents
-from launch.data.shards import MANIFEST, MANIFEST_FORMAT, TOKENIZER_FILE, shard_dtype
+from launch.data.shards import CHECKSUM, MANIFEST, MANIFEST_FORMAT, TOKENIZER_FILE, shard_checksum, shard_dtype
 from launch.data.ticker import Ticker
 from launch.data.tokens import DataError, in_val_split, join_documents
 from launch.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
@@ -86,8 +88,9 @@ def _encode_unit(index: int, unit: list[Doc], out: str, val_fraction: float, dty
             continue
         tokens = join_documents(parts, tok.eos).astype(dtype, copy=False)
         name = f"{side}-{index:05d}.bin"
-        _atomic_write(folder / name, tokens.tobytes())
-        record[side] = {"file": name, "tokens": int(len(tokens))}
+        data = tokens.tobytes()
+        _atomic_write(folder / name, data)
+        record[side] = {"file": name, "tokens": int(len(tokens)), CHECKSUM: shard_checksum(data)}
     _atomic_write(folder / UNITS / f"{index:05d}.json", json.dumps(record).encode())
     return record
 

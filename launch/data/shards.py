@@ -5,17 +5,22 @@ A manifest names everything a run needs: the shards of each split, their dtype, 
 tokenizer (its SHA-256, and its file beside the shards). A run whose ``data.tokenizer`` names another
 tokenizer is refused: its ids would mean other text.
 
-Every load compares each shard's size with its manifest's token count (a stat, cheap at any size).
+Each shard's entry holds its token count and, where ``loco data prepare`` recorded one, the XXH3-64 of its bytes.
+Every load compares each shard's size with its count (a stat, cheap at any size); ``loco data verify`` reads every
+byte and compares the checksums too, which a start cannot afford on large data.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
+import xxhash
 
+from launch.data.ticker import Ticker
 from launch.data.tokens import DataError, TokenData, in_val_split
 from launch.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 
@@ -23,11 +28,16 @@ LLMC_MAGIC = 20240520  # llm.c token shards: 256 int32 header, then uint16 token
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "loco-shards-1"
 TOKENIZER_FILE = "tokenizer.json"
+CHECKSUM = "xxh3_64"  # a shard entry's key: the XXH3-64 of the shard's bytes, in hex
 AGAIN = "copy it again or run loco data prepare again"
 
 
 def shard_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def shard_checksum(data: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
 
 
 def open_shard(path: Path, dtype: str) -> np.ndarray:
@@ -182,3 +192,91 @@ def _load_manifest(folder: Path, manifest: dict[str, Any], val_path: Optional[st
     return TokenData(train, val, int(manifest["vocab_size"]), tok,
                      f"token shards {folder} ({len(train)} + {len(val)} shards, "
                      f"{sum(docs.values()) if docs else '?'} documents, tokenizer {tok.describe()})")
+
+
+def verify_shards(path: str, say: Callable[[str], None] = print) -> bool:
+    """``loco data verify``: every shard a manifest lists, its size against its token count and its bytes against
+    its checksum; one line per bad shard, then a summary. True when every shard matches."""
+    folder = Path(path)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise DataError(f"{folder}: no {MANIFEST}; loco data verify checks a folder loco data prepare made")
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    entries = [(*_entry(folder, e), e.get(CHECKSUM)) for side in ("train", "val") for e in manifest["shards"][side]]
+    progress = _Reading(say, sum(tokens * itemsize for _, tokens, _ in entries), len(entries))
+    bad = unknown = 0
+    for file, tokens, expected in entries:
+        problem = size_problem(file, tokens, itemsize)
+        if problem is None and expected is None:
+            unknown += 1
+        elif problem is None:
+            problem = progress.check(file, expected)
+        progress.done(tokens * itemsize)
+        if problem is not None:
+            bad += 1
+            progress.say(problem)
+    progress.close()
+    tokens = sum(t for _, t, _ in entries)
+    unsummed = "their checksums unknown (the manifest records none)"
+    if bad:
+        by_size = f"; {unknown} checked by size only, {unsummed}" if unknown else ""
+        say(f"{folder}: {bad} of {len(entries)} shard(s) differ from the manifest; copy them again or run "
+            f"loco data prepare again{by_size}")
+    elif unknown:
+        which = "all" if unknown == len(entries) else f"{unknown} of them"
+        say(f"{folder}: {len(entries)} shard(s), {tokens:,} tokens, match the manifest; {which} by size only, "
+            f"{unsummed}")
+    else:
+        say(f"{folder}: {len(entries)} shard(s), {tokens:,} tokens, match the manifest (sizes and checksums)")
+    return bad == 0
+
+
+class _Reading:
+    """The progress line of a verify: shards and bytes read, and how fast."""
+
+    CHUNK = 16 << 20
+
+    def __init__(self, say: Callable[[str], None], total: int, shards: int) -> None:
+        self.ticker, self.total, self.shards = Ticker(say), total, shards
+        self.finished = self.passed = self.read = 0  # passed: bytes of finished shards, read or not
+        self.shown = False
+        self.buffer = bytearray(self.CHUNK)
+
+    def check(self, path: Path, expected: str) -> Optional[str]:
+        """What is wrong with a shard's bytes for the manifest's checksum; None when they hash to it."""
+        h = xxhash.xxh3_64()
+        view = memoryview(self.buffer)
+        got = 0
+        try:
+            with open(path, "rb") as fh:
+                while n := fh.readinto(view):
+                    h.update(view[:n])
+                    got += n
+                    self.read += n
+                    self.tick(got)
+        except OSError as e:
+            return f"{path}: cannot read it ({e.strerror})"
+        if h.hexdigest() != expected:
+            return f"{path}: checksum {h.hexdigest()} on disk, the manifest says {expected}"
+        return None
+
+    def tick(self, within: int = 0) -> None:
+        if (seconds := self.ticker.due()) is not None:
+            self.shown = True
+            self.ticker.show(f"{self.finished} of {self.shards} shard(s), {(self.passed + within) / 1e9:,.2f} of "
+                             f"{self.total / 1e9:,.2f} GB: {self.read / max(seconds, 1e-9) / 1e6:,.0f} MB/s")
+
+    def done(self, size: int) -> None:
+        self.finished += 1
+        self.passed += size
+        self.tick()
+
+    def say(self, line: str) -> None:
+        if self.ticker.live and self.shown:  # the line in place ends first, so that this one starts a line
+            print(file=sys.stderr)
+            self.shown = False
+        self.ticker.say(line)
+
+    def close(self) -> None:
+        if self.shown:
+            self.ticker.close()
