@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train a model. Under torchrun every rank is one worker (gloo on CPU, NCCL on GPU).",
                        epilog=EXAMPLES["train"])
     _add_training_flags(p)
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the resolved settings, the data, the model and the memory a process needs, then exit")
 
     _add_restart_flag(p)
 
@@ -297,6 +299,11 @@ def _one_link(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        from launch.cli.dry_run import dry_run
+
+        print(dry_run(_load(args)))
+        return 0
     from launch.loop.trainer import train
 
     train(_load(args), restart=args.restart)
