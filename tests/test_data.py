@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import mmap
 from collections import Counter
 from pathlib import Path
@@ -327,7 +328,9 @@ def test_an_executable_named_directly_is_refused_and_text_with_accents_is_not(tm
     text = tmp_path / "accents.txt"
     text.write_bytes(b"a" * 8191 + "\u00e9t\u00e9 ".encode() * 100)
     assert _binary_reason(text) is None
-    text.write_bytes(b"a" * 8000 + b"\xff" + b"a" * 100)
+    text.write_bytes(b"a" * 8000 + b"\xff" + b"a" * 100)  # a stray byte is bad text (data.bad_text), not a binary
+    assert _binary_reason(text) is None
+    text.write_bytes(b"a" * 100 + b"\xff" * 1000)
     assert "not UTF-8" in _binary_reason(text)
 
 
@@ -585,6 +588,104 @@ def test_hf_wrong_text_field_lists_columns(hf, tmp_path):
 def test_hf_missing_local_path_raises(hf, tmp_path):
     with pytest.raises(DataError, match="cannot load"):
         load_data(DataConfig(source="hf", path=str(tmp_path / "no_such_dataset"), seq_len=16))
+
+
+# ---- data.bad_text: a line that is not UTF-8 ---------------------------------------------------
+
+ROWS = [f"row {i} of a small file, long enough for a window or two" for i in range(12)]
+
+
+def _bad_line(path: Path, line: int, column: int) -> str:
+    return f"{path} line {line}: not UTF-8 (byte 0xe9 at column {column}); fix the file or set data.bad_text=skip"
+
+
+def _bad_jsonl(path: Path, row: int = 1) -> Path:
+    """ROWS as JSON lines, a blank second line, and a Latin-1 byte in ``row`` (line ``row + 2``, column 15)."""
+    import json
+
+    lines = [json.dumps({"text": t}).encode() for t in ROWS]
+    lines[row] = lines[row].replace(f"row {row}".encode(), "row \u00e9".encode("latin-1"))
+    lines.insert(1, b"")
+    return _write(path, b"\n".join(lines) + b"\n")
+
+
+def _bad_text(path: Path) -> Path:
+    """ROWS as lines of a text file, a Latin-1 byte on line 3 (column 2)."""
+    lines = [t.encode() for t in ROWS]
+    lines[2] = lines[2].replace(b"row", "r\u00e9w".encode("latin-1"))
+    return _write(path, b"\n".join(lines) + b"\n")
+
+
+def _cli_error(capsys, argv: list[str], started: bool = False) -> str:
+    """The message of the one error line a command ends with (after a run's start lines, if ``started``)."""
+    from launch.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (started or len(err) == 1) and "Traceback" not in "".join(err) and " error: " in err[-1], err
+    return err[-1].split(" error: ", 1)[1]
+
+
+def test_a_line_that_is_not_utf8_is_one_line_naming_file_and_line(tmp_path, capsys):
+    from conftest import FAST, TINY
+
+    jsonl, late = _bad_jsonl(tmp_path / "bad.jsonl"), _bad_jsonl(tmp_path / "late.jsonl", 2)
+    text = _bad_text(tmp_path / "bad.txt")
+
+    def train(*sets: str) -> list[str]:
+        return ["train", "--config", TINY, "--run-dir", str(tmp_path / "run"), "--max-steps", "1",
+                *(a for kv in (*FAST, "data.seq_len=8", *sets) for a in ("--set", kv))]
+
+    assert _cli_error(capsys, train("data.source=hf", f"data.path={jsonl}")) == _bad_line(jsonl, 3, 15)
+    assert _cli_error(capsys, train("data.source=hf", f"data.path={jsonl}",
+                                    "data.streaming=true")) == _bad_line(jsonl, 3, 15)
+    assert _cli_error(capsys, train("data.source=text", f"data.path={text}")) == _bad_line(text, 3, 2)
+    # past the validation documents a stream meets the line in its reader thread: the same one line
+    assert _cli_error(capsys, train("data.source=hf", f"data.path={late}", "data.streaming=true",
+                                    "data.val_docs=1"), started=True) == _bad_line(late, 4, 15)
+    for source, path, column in (("hf", jsonl, 15), ("text", text, 2)):
+        prepare = ["data", "prepare", "--source", source, "--path", str(path), "--tokenizer", "bytes",
+                   "--out", str(tmp_path / f"shards-{source}"), "--workers", "1"]
+        assert _cli_error(capsys, prepare) == _bad_line(path, 3, column)
+
+
+def test_bad_text_skip_leaves_out_the_line_and_says_how_many(tmp_path, capsys, tiny_cfg):
+    from launch.data.stream import share_docs
+    from launch.loop.trainer import train
+
+    jsonl, text = _bad_jsonl(tmp_path / "bad.jsonl"), _bad_text(tmp_path / "bad.txt")
+    rows = load_data(DataConfig(source="hf", path=str(jsonl), seq_len=8, bad_text="skip"))
+    assert sorted(_docs(rows.train) + _docs(rows.val)) == sorted(t.encode() for t in ROWS if t != ROWS[1])
+    assert capsys.readouterr().err == f"data.bad_text=skip: left out lines that are not UTF-8: {jsonl} (1 line)\n"
+    lines = load_data(DataConfig(source="text", path=str(text), seq_len=8, bad_text="skip"))
+    kept = "".join(t + "\n" for t in ROWS if t != ROWS[2]).encode()
+    assert b"".join(bytes(a) for a in lines.train + lines.val) == kept
+    assert capsys.readouterr().err == f"data.bad_text=skip: left out lines that are not UTF-8: {text} (1 line)\n"
+    stream = load_data(DataConfig(source="hf", path=str(jsonl), seq_len=8, streaming=True, val_docs=1,
+                                  bad_text="skip"))
+    docs = [d[1:3] for d in itertools.takewhile(lambda d: d[0] == 0, share_docs(stream.stream, 0, 1, None))]
+    assert docs == [(row - 2, row) for row in range(2, len(ROWS))]  # row 1 left out; every other keeps its number
+    assert f"in pass 1 of the stream: {jsonl} (1 line)" in capsys.readouterr().err
+    summary = train(tiny_cfg("data.source=hf", f"data.path={jsonl}", "data.seq_len=8", "run.max_steps=2",
+                             "data.bad_text=skip"))
+    assert summary["steps"] == 2 and f"not UTF-8: {jsonl} (1 line)" in capsys.readouterr().err
+
+
+def test_bad_text_leaves_a_valid_file_as_datasets_reads_it(hf, tmp_path, capsys):
+    import json
+
+    rows = [*TEXTS[:20], "", None, "caf\u00e9 \u6771\u4eac, valid UTF-8"]
+    path = tmp_path / "good.jsonl"
+    lines = (json.dumps({"text": t, "n": i}, ensure_ascii=False) if i != 5 else "" for i, t in enumerate(rows))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")  # a blank line, empty rows, raw UTF-8
+    hf.load_dataset("json", data_files=str(path), split="train").save_to_disk(str(tmp_path / "ds"))
+    want = load_data(DataConfig(source="hf", path=str(tmp_path / "ds"), val_fraction=0.2, seq_len=16))
+    capsys.readouterr()
+    for mode in ("error", "skip"):
+        got = load_data(DataConfig(source="hf", path=str(path), val_fraction=0.2, seq_len=16, bad_text=mode))
+        assert [bytes(a) for a in got.train + got.val] == [bytes(a) for a in want.train + want.val]
+    assert capsys.readouterr().err == ""
 
 
 def test_shards_all_named_for_validation_fall_back_to_a_tail_cut(tmp_path, monkeypatch):

@@ -73,6 +73,10 @@ class DataConfig:
     hf_text_field: str = _f("text", "Column that holds the text.")
     hf_data_files: Optional[str] = _f(None, "Local files for a builder dataset, e.g. path: json with hf_data_files: data/*.jsonl.")
     max_docs: Optional[int] = _f(None, "Read at most this many documents/files (quick experiments).", gt=0)
+    bad_text: Literal["error", "skip"] = _f(
+        "error", "A line that is not UTF-8 in a text file (source text) or in a local .jsonl file (source hf, held or "
+                 "streamed): error stops with its file and line; skip leaves the line out (a jsonl record) and says "
+                 "on stderr how many of each file. loco data prepare always stops at one.")
 
 
 @dataclass

@@ -33,7 +33,7 @@ def load_data(dcfg, tokenizer: Optional[Tokenizer] = None, val_only: bool = Fals
     tokenizer = tokenizer or load_tokenizer(dcfg.tokenizer)
     hf = HFOptions(dcfg.hf_name, dcfg.hf_split, dcfg.hf_text_field, dcfg.hf_data_files)
     if dcfg.streaming:
-        data = load_stream(dcfg.path, hf, tokenizer, dcfg.val_docs, dcfg.max_docs)
+        data = load_stream(dcfg.path, hf, tokenizer, dcfg.val_docs, dcfg.max_docs, dcfg.bad_text)
     elif dcfg.source == "shards":
         data = load_shards(dcfg.path, dcfg.val_path, dcfg.dtype, dcfg.vocab_size, dcfg.val_fraction,
                            tokenizer if named else None)
@@ -56,9 +56,10 @@ def _load_bytes(dcfg, hf: HFOptions) -> TokenData:
     elif dcfg.source == "python":
         data = load_python(dcfg.val_fraction, dcfg.max_docs)
     elif dcfg.source == "text":
-        data = load_text(dcfg.path, dcfg.val_path, dcfg.pattern, dcfg.val_fraction, dcfg.max_docs)
+        data = load_text(dcfg.path, dcfg.val_path, dcfg.pattern, dcfg.val_fraction, dcfg.max_docs,
+                         dcfg.bad_text)
     elif dcfg.source == "hf":
-        data = load_hf(dcfg.path, hf, dcfg.val_fraction, dcfg.max_docs)
+        data = load_hf(dcfg.path, hf, dcfg.val_fraction, dcfg.max_docs, dcfg.bad_text)
     else:
         raise DataError(f"data.source: unknown source {dcfg.source!r}")
     return data

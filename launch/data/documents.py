@@ -8,8 +8,11 @@ so a source is never held whole.
 
 from __future__ import annotations
 
+import codecs
 import glob
+import json
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,7 @@ class Doc(NamedTuple):
     path: Optional[str]  # a file to read, or None when ``text`` is given
     text: Optional[str]
     size: int  # bytes (files) or characters (rows): what groups documents into shards
+    bad_text: Optional[str] = None  # data.bad_text for a file the user named; None: one not UTF-8 is left out whole
 
 
 @dataclass
@@ -55,11 +59,10 @@ def _binary_reason(path: Path) -> Optional[str]:
         head = fh.read(8192)
     if b"\x00" in head:
         return "it holds NUL bytes"
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError as e:
-        if e.start < len(head) - 3:  # a character cut at the 8 KiB edge is not a reason
-            return f"it is not UTF-8 text (byte {e.start})"
+    # a few bytes that are not UTF-8 make bad text (data.bad_text's business), not a binary file
+    invalid = head.decode("utf-8", errors="replace").count("\ufffd") - head.count("\ufffd".encode())
+    if invalid > len(head) // 10:
+        return "more than a tenth of its first bytes are not UTF-8 text"
     control = sum(1 for b in head if b < 32 and b not in (9, 10, 12, 13, 27))
     if head and control > len(head) // 10:
         return "more than a tenth of its first bytes are control characters"
@@ -90,20 +93,81 @@ def text_files(path: Path, pattern: str) -> tuple[Path, list[Path], int]:
     return path, files, binary
 
 
+class BadText:
+    """``data.bad_text`` over one load: a line that is not UTF-8 (a jsonl record, or a line of a text file) is one
+    error naming its file and line (``error``), or is left out and counted by file (``skip``)."""
+
+    def __init__(self, mode: str = "error") -> None:
+        if mode not in ("error", "skip"):
+            raise DataError(f"data.bad_text={mode!r}: error or skip")
+        self.mode = mode
+        self.skipped: dict[str, int] = {}
+
+    def line(self, where: str, number: int, what: str) -> None:
+        """A line that is not UTF-8 (``what`` says where in it): raise, or count it for the caller to leave out."""
+        if self.mode == "error":
+            raise DataError(f"{where} line {number}: not UTF-8 ({what}); fix the file or set data.bad_text=skip")
+        self.skipped[where] = self.skipped.get(where, 0) + 1
+
+    def report(self, when: str = "") -> Optional[str]:
+        if not self.skipped:
+            return None
+        counts = ", ".join(f"{where} ({n} line{'' if n == 1 else 's'})" for where, n in self.skipped.items())
+        return f"data.bad_text=skip: left out lines that are not UTF-8{when}: {counts}"
+
+    def say(self, when: str = "") -> None:
+        """The one stderr line of what was left out, where anything was."""
+        if (line := self.report(when)) is not None:
+            print(line, file=sys.stderr, flush=True)
+
+
+def _byte_at(raw: bytes, at: int) -> str:
+    return f"byte 0x{raw[at]:02x} at column {at + 1}"
+
+
+def checked_text(data: bytes, where: str, bad: BadText) -> bytes:
+    """A text file's bytes when they are UTF-8; otherwise its first bad line is an error, or (``skip``) every
+    line that is not UTF-8 is left out, its newline with it. A line ends at ``\\n``, as editors number them."""
+    try:
+        data.decode("utf-8")
+        return data
+    except UnicodeDecodeError as e:
+        if bad.mode == "error":  # the first bad line is known without splitting the file; bad.line raises
+            start = data.rfind(b"\n", 0, e.start) + 1
+            bad.line(where, data.count(b"\n", 0, e.start) + 1, _byte_at(data[start:], e.start - start))
+    kept = []
+    for number, line in enumerate(data.split(b"\n"), 1):
+        try:
+            line.decode("utf-8")
+            kept.append(line)
+        except UnicodeDecodeError as e:
+            bad.line(where, number, _byte_at(line, e.start))
+    return b"\n".join(kept)
+
+
 def doc_text(doc: Doc) -> Optional[str]:
-    """The document's text; None for a file that cannot be read or is not UTF-8 (it is skipped, as the
-    in-memory loaders skip it). NUL bytes are removed: they separate documents in byte-level runs."""
+    """The document's text; None for a file that cannot be read. A file of a built-in corpus that is not UTF-8 is
+    None too (left out whole, as its in-memory loader leaves it); one the user named follows ``doc.bad_text``. NUL
+    bytes are removed: they separate documents in byte-level runs."""
     if doc.text is not None:
         return doc.text
     try:
         with open(doc.path, "rb") as fh:
-            return fh.read().replace(b"\x00", b"").decode("utf-8")
-    except (OSError, UnicodeDecodeError):
+            data = fh.read()
+    except OSError:
+        return None
+    if doc.bad_text is not None:
+        data = checked_text(data, doc.path, BadText(doc.bad_text))
+    try:
+        return data.replace(b"\x00", b"").decode("utf-8")
+    except UnicodeDecodeError:
         return None
 
 
-def file_documents(source: str, path: Optional[str], pattern: str, max_docs: Optional[int]) -> tuple[str, list[Doc]]:
-    """The documents of a file source (``text``, ``stdlib``, ``python``) in corpus order, and a description."""
+def file_documents(source: str, path: Optional[str], pattern: str, max_docs: Optional[int],
+                   bad_text: str = "error") -> tuple[str, list[Doc]]:
+    """The documents of a file source (``text``, ``stdlib``, ``python``) in corpus order, and a description; the
+    files of ``text`` follow ``bad_text`` (data.bad_text)."""
     if source == "stdlib":
         root, files = stdlib_files()
         docs = [Doc(f.relative_to(root).as_posix(), str(f), None, f.stat().st_size) for f in files]
@@ -115,8 +179,8 @@ def file_documents(source: str, path: Optional[str], pattern: str, max_docs: Opt
         if not path:
             raise DataError("source 'text' needs a path (--path or data.path)")
         root, files, _ = text_files(Path(path), pattern)
-        docs = [Doc(f.relative_to(root).as_posix() if root in f.parents else f.name, str(f), None, f.stat().st_size)
-                for f in files]
+        docs = [Doc(f.relative_to(root).as_posix() if root in f.parents else f.name, str(f), None, f.stat().st_size,
+                    bad_text) for f in files]
         where = str(path)
     else:
         raise DataError(f"source {source!r}: not a file source (text, stdlib, python)")
@@ -153,9 +217,19 @@ def open_hf(path: str, opts: HFOptions, streaming: bool) -> Any:
 
 def hf_texts(ds: Any, path: str, field: str, start: int = 0) -> Iterator[tuple[int, str]]:
     """(row index, text) of a dataset's rows from ``start``, empty texts left out; a row without ``field`` is
-    one line naming the columns it has."""
-    rows = ds.skip(start) if start and hasattr(ds, "skip") else ds
-    for i, row in enumerate(rows, start):
+    one line naming the columns it has, and so is text that is not UTF-8 (pyarrow's reader finds it a block at a
+    time, so it is named by the row reached: the line of a local .jsonl file is named by :func:`jsonl_texts`)."""
+    rows = iter(ds.skip(start) if start and hasattr(ds, "skip") else ds)
+    i = start - 1
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: row {i + 1} or one after it is not UTF-8 (byte 0x{e.object[e.start]:02x}); "
+                            "fix it, or name its .jsonl file as data.path to have its line named") from None
+        i += 1
         if field not in row:
             raise DataError(f"{path}: no column {field!r} (data.hf_text_field); columns: {', '.join(map(str, row))}")
         text = row[field]
@@ -163,21 +237,80 @@ def hf_texts(ds: Any, path: str, field: str, start: int = 0) -> Iterator[tuple[i
             yield i, str(text)
 
 
-def hf_documents(path: str, opts: HFOptions, max_docs: Optional[int]) -> Iterator[Doc]:
+def local_jsonl(path: str) -> bool:
+    """Whether data.path is one local JSON-lines file: loco reads those itself (:func:`jsonl_texts`)."""
+    p = Path(path)
+    return p.suffix.lower() == ".jsonl" and p.is_file()
+
+
+def jsonl_texts(path: str, field: str, bad: BadText, start: int = 0) -> Iterator[tuple[int, str]]:
+    """(row, text) of a local JSON-lines file from row ``start``, empty texts left out. Read line by line here, not
+    by pyarrow, whose reader fails on a line that is not UTF-8 without naming it: such a line follows ``bad``.
+    Rows are the non-blank lines, numbered as ``datasets`` numbers them; a line left out keeps its number, so
+    every other row keeps its document name."""
+    row, has_field, columns = -1, False, set()
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            if number == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)
+            if not raw.strip():
+                continue
+            row += 1
+            if row < start:
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad.line(path, number, _byte_at(raw, e.start))
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {number}: not JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path} line {number}: a JSON {type(record).__name__}, not an object of columns")
+            if field not in record:
+                columns.update(record)
+                continue
+            has_field, text = True, record[field]
+            if not text:
+                continue
+            text = str(text)
+            if "\\u" in line:  # an escaped lone surrogate is no character, so it has no UTF-8
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    bad.line(path, number, f"an escaped lone surrogate \\u{ord(text[e.start]):04x}")
+                    continue
+            yield row, text
+    if not has_field and columns:
+        raise DataError(f"{path}: no column {field!r} (data.hf_text_field); columns: {', '.join(sorted(columns))}")
+
+
+def stream_texts(path: str, opts: HFOptions, bad: BadText, start: int = 0) -> Iterator[tuple[int, str]]:
+    """(row, text) of a dataset read as a stream from row ``start``, empty texts left out: a local jsonl file by
+    :func:`jsonl_texts`, anything else by ``datasets``."""
+    if local_jsonl(path):
+        return jsonl_texts(path, opts.text_field, bad, start)
+    return hf_texts(open_hf(path, opts, streaming=True), path, opts.text_field, start)
+
+
+def hf_documents(path: str, opts: HFOptions, max_docs: Optional[int], bad_text: str = "error") -> Iterator[Doc]:
     """The rows of a Hugging Face dataset as documents, streamed (bounded memory whatever its size)."""
-    ds = open_hf(path, opts, streaming=True)
-    for i, text in hf_texts(ds, path, opts.text_field):
+    bad = BadText(bad_text)
+    for i, text in stream_texts(path, opts, bad):
         if max_docs and i >= max_docs:
-            return
+            break
         yield Doc(str(i), None, text, len(text))
+    bad.say()
 
 
 def documents(source: str, path: Optional[str], pattern: str = "**/*", max_docs: Optional[int] = None,
-              hf: Optional[HFOptions] = None) -> tuple[str, Iterator[Doc], Optional[int]]:
+              hf: Optional[HFOptions] = None, bad_text: str = "error") -> tuple[str, Iterator[Doc], Optional[int]]:
     """A source's documents: (what it is, the documents, their total size where known before reading)."""
     if source == "hf":
         if not path:
             raise DataError("source 'hf' needs a path (--path or data.path): a dataset folder, file or name")
-        return path, hf_documents(path, hf or HFOptions(), max_docs), None
-    where, docs = file_documents(source, path, pattern, max_docs)
+        return path, hf_documents(path, hf or HFOptions(), max_docs, bad_text), None
+    where, docs = file_documents(source, path, pattern, max_docs, bad_text)
     return where, iter(docs), sum(d.size for d in docs)

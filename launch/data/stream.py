@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from launch.data.documents import HFOptions, hf_texts, open_hf
+from launch.data.documents import BadText, HFOptions, stream_texts
 from launch.data.tokens import DataError, TokenData, Windows, join_documents
 
 AHEAD = 4  # micro-batches the reader keeps ready
@@ -33,21 +33,25 @@ class StreamSpec:
     tokenizer: Any
     val_docs: int
     max_docs: Optional[int] = None  # documents (validation ones included) read of the stream before it starts again
+    bad_text: str = "error"  # data.bad_text: a line of a local jsonl file that is not UTF-8
 
 
-def load_stream(path: str, opts: HFOptions, tokenizer: Any, val_docs: int, max_docs: Optional[int] = None) -> TokenData:
-    """The validation documents (read now) and what the batchers read the rest with."""
-    ds = open_hf(path, opts, streaming=True)
+def load_stream(path: str, opts: HFOptions, tokenizer: Any, val_docs: int, max_docs: Optional[int] = None,
+                bad_text: str = "error") -> TokenData:
+    """The validation documents (read now) and what the batchers read the rest with. Lines left out by
+    data.bad_text=skip are told now for the lines read so far, and by worker 0 at the end of each pass."""
+    bad = BadText(bad_text)
     texts: list[str] = []
-    for _, text in hf_texts(ds, path, opts.text_field):
+    for _, text in stream_texts(path, opts, bad):
         texts.append(text)
         if len(texts) == val_docs + 1:  # one more: the stream has something to train on
             break
+    bad.say(" among the validation documents")
     if len(texts) <= val_docs:
         raise DataError(f"{path}: the stream has {len(texts)} documents, so none are left to train on after "
                         f"data.val_docs={val_docs}")
     val = join_documents(tokenizer.encode_batch(texts[:val_docs]), tokenizer.eos)
-    spec = StreamSpec(path, opts, tokenizer, val_docs, max_docs)
+    spec = StreamSpec(path, opts, tokenizer, val_docs, max_docs, bad_text)
     return TokenData([], [val], tokenizer.vocab_size, tokenizer,
                      f"streamed Hugging Face dataset {path} (the first {val_docs} documents validate)", stream=spec)
 
@@ -67,8 +71,8 @@ def share_docs(spec: StreamSpec, share: int, shares: int, position: Optional[dic
         doc = position["doc"] if first else -spec.val_docs  # the validation documents come first, below 0
         found = False
         batch: list[tuple[int, int, str]] = []
-        for row, text in hf_texts(open_hf(spec.path, spec.opts, streaming=True), spec.path, spec.opts.text_field,
-                                  start_row):
+        bad = BadText(spec.bad_text)
+        for row, text in stream_texts(spec.path, spec.opts, bad, start_row):
             if stopped is not None and stopped.is_set():
                 raise _Stop
             if spec.max_docs and doc + spec.val_docs >= spec.max_docs:
@@ -82,6 +86,8 @@ def share_docs(spec: StreamSpec, share: int, shares: int, position: Optional[dic
         if batch:
             yield from _encoded(spec.tokenizer, epoch, batch, position if first else None)
             found = True
+        if share == 0:  # every share reads every line: one of them tells
+            bad.say(f" in pass {epoch + 1} of the stream")
         if not found and not first:
             raise DataError(f"{spec.path}: worker {share} of {shares} has no documents to train on (the stream has "
                             f"fewer than data.val_docs + {shares} = {spec.val_docs + shares} documents)")
