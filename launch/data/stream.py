@@ -46,7 +46,7 @@ def load_stream(path: str, opts: HFOptions, tokenizer: Any, val_docs: int, max_d
         texts.append(text)
         if len(texts) == val_docs + 1:  # one more: the stream has something to train on
             break
-    bad.say(" among the validation documents")
+    bad.say(" in the rows read at load")
     if len(texts) <= val_docs:
         raise DataError(f"{path}: the stream has {len(texts)} documents, so none are left to train on after "
                         f"data.val_docs={val_docs}")
