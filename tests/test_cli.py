@@ -466,3 +466,15 @@ def test_links_beside_bandwidth_or_latency_is_refused_alike(capsys, argv):
     lines = error_lines(capsys.readouterr().err)
     assert len(lines) == 1 and "--links configs/links-home-uplink.csv gives every worker's bandwidth" in lines[0], lines
     assert "would be unused" in lines[0]
+
+
+def test_dry_run_says_what_would_run_and_writes_nothing(tmp_path, capsys):
+    folder = tmp_path / "run"
+    assert main(["train", "--config", TINY, "--dry-run", "--run-dir", str(folder), "--set", "optim.lr=1e-3",
+                 "--set", "data.max_docs=40", "--set", "run.shard=none"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dry run: nothing is trained or written")
+    assert "  optim.lr = 0.001" in out and "model: 0.89M parameters, loco's Transformer (tiny)" in out
+    assert "windows of 128" in out.split("validation: ")[1] and "2,048 tokens a step a worker" in out
+    assert "a process holds: parameters 3.4 MiB" in out
+    assert not folder.exists()
