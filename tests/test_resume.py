@@ -12,12 +12,13 @@ import os
 import signal
 import subprocess
 import sys
+import shutil
 import time
 
 import pytest
 
 from conftest import FAST, ROOT, TINY, child_env, kill_when, loco
-from launch.store.checkpoint import latest_checkpoint, list_checkpoints
+from launch.store.checkpoint import checkpoint_name, latest_checkpoint, list_checkpoints
 from launch.metrics.log import read_metrics
 from launch.errors import RunError
 from launch.loop.trainer import Hooks, train
@@ -294,3 +295,22 @@ def test_tokens_are_counted_across_a_resume_with_another_batch_size(tmp_path, ti
     tokens = {r["step"]: r["tokens"] for r in read_metrics(run_dir) if r.get("loss") is not None}
     assert tokens == {1: 256, 2: 512, 3: 768, 4: 1024, 5: 1152, 6: 1280}
     assert summary["tokens"] == 1280 and summary["workers"][0]["tokens"] == 1280
+
+
+def test_resume_from_a_chosen_checkpoint_moves_the_later_ones_aside(reference, tmp_path, capfd):
+    """--resume-from step 20 of a finished run: the run folder is the checkpoint's, the later checkpoints move into
+    discarded-<time>/, the metrics are cut at step 20, and the run ends where the unbroken one did."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    chosen = run_dir / "checkpoints" / checkpoint_name(20)
+    assert chosen.is_file() and (run_dir / "checkpoints" / checkpoint_name(STEPS)).is_file()
+    res = loco(["train", "--resume-from", str(chosen)], capfd)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "--resume-from step 20: moved" in res.stderr
+    moved = sorted(p.name for p in run_dir.glob("discarded-*/checkpoints/*.pt"))
+    assert moved == [checkpoint_name(30), checkpoint_name(STEPS)]
+    assert _curve(run_dir) == _curve(reference)
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    res = loco(["train", "--resume-from", str(bad), "--run-dir", str(run_dir)], capfd)
+    assert res.returncode == 2 and "not a complete loco checkpoint" in res.stderr, res.stderr[-2000:]

@@ -80,6 +80,9 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, metavar="N", help="seed for initialisation and data order, e.g. --seed 1")
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest valid checkpoint in --run-dir (skips a broken one, saying so)")
+    g.add_argument("--resume-from", metavar="CHECKPOINT",
+                   help="continue from this checkpoint file (its run folder unless --run-dir says another); the "
+                        "folder's later checkpoints are moved aside, e.g. --resume-from runs/mine/checkpoints/step_00000400.pt")
     g.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning, then exit")
 
 
@@ -268,8 +271,17 @@ def _load(args: argparse.Namespace):
         if value is not None:
             extra[key] = (value, "--" + flag.replace("_", "-"))
     _one_link(args)
+    if getattr(args, "resume_from", None):
+        chosen = Path(args.resume_from)
+        if not chosen.is_file():
+            raise UserError(f"--resume-from {chosen}: no such checkpoint file (a step_*.pt in a run's checkpoints/)")
+        if not args.run_dir and chosen.parent.name == "checkpoints":
+            args.run_dir = str(chosen.parent.parent)
+            extra["run.dir"] = (args.run_dir, "--resume-from")
+        extra["run.resume_from"] = (str(chosen), "--resume-from")
+        args.resume = True
     if args.resume:
-        extra["run.resume"] = (True, "--resume")
+        extra["run.resume"] = (True, "--resume-from" if getattr(args, "resume_from", None) else "--resume")
     restart = getattr(args, "restart", False)
     if args.resume and restart:
         raise UserError("--resume continues the run and --restart starts it over: pass one of them")

@@ -65,6 +65,7 @@ def changed_settings(saved: Any, cfg: Config, shown: int = 8) -> Optional[str]:
 #: keys that may differ between the processes of one run: where files lie, how a process shows its progress,
 #: and the machine it runs on; the simulator's section is not read by a real run
 PER_PROCESS = frozenset({"data.path", "data.val_path", "data.hf_data_files", "model.activation_checkpointing",
+                         "run.resume_from",
                          "run.dir", "run.name", "run.device",
                          "run.threads", "run.compile", "run.deterministic", "run.precision", "log.progress",
                          "log.wandb", "log.wandb_project", "log.wandb_entity", "log.wandb_mode", "log.plot"})

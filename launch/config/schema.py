@@ -251,6 +251,9 @@ class RunConfig:
     checkpoint_final: bool = _f(True, "Write a checkpoint when the run ends (false for throwaway runs such as "
                                       "benchmark sweeps: a simulated run's final checkpoint holds every worker).")
     resume: bool = _f(False, "Continue from the newest valid checkpoint in the run folder.")
+    resume_from: Optional[str] = _f(None, "With run.resume: continue from this checkpoint file instead of the newest "
+                                          "(--resume-from PATH sets both); the run folder's later checkpoints are "
+                                          "moved aside into discarded-<time>/.")
 
 
 @dataclass

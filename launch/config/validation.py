@@ -22,6 +22,9 @@ def validate(cfg: Config, where: Any = lambda key: "default") -> None:
 
     if cfg.model.size not in SIZES:
         fail("model.size", f"unknown size {cfg.model.size!r}, allowed: {', '.join(SIZES)}")
+    if cfg.run.resume_from and not cfg.run.resume:
+        fail("run.resume_from", "a checkpoint to continue from, read only with run.resume=true (--resume-from PATH "
+                                "sets both)")
     if cfg.run.batch_size % cfg.run.grad_accum:
         fail("run.grad_accum", f"{cfg.run.grad_accum} does not divide run.batch_size={cfg.run.batch_size}")
     if cfg.run.max_steps is None and cfg.run.max_time is None:

@@ -26,14 +26,14 @@ from diloco.state import like_sharded, local_tree
 from launch.config import Config, changed_settings
 from launch.data.batches import Batches
 from launch.errors import RunError
-from launch.loop.rundir import RunDir
+from launch.loop.rundir import RunDir, discard_run
 from launch.loop.report import Window
 from launch.loop.schedule import Progress, RunClock
 from launch.loop.shared_state import host_copy
 from launch.loop.signals import STOP, save_waiting_for_it
 from launch.models.base import RunModel
-from launch.store.checkpoint import (checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint,
-                                     rng_state, set_rng_state, slices_folder)
+from launch.store.checkpoint import (checkpoint_name, is_valid_checkpoint, latest_checkpoint, list_checkpoints,
+                                     load_checkpoint, rng_state, set_rng_state, slices_folder)
 from launch.store.disk import fsync_dir
 
 
@@ -178,7 +178,12 @@ class Checkpointer:
         if not self.cfg.run.resume or folder.joined:
             return None
         found = None
-        if self.leader:
+        chosen = self.cfg.run.resume_from
+        if self.leader and chosen:  # --resume-from: this checkpoint, or one line saying why not
+            found = str(chosen) if is_valid_checkpoint(chosen) else \
+                ("error", f"--resume-from {chosen}: not a complete loco checkpoint (cut short, or another file); "
+                          f"name another, or --resume for the newest valid one")
+        elif self.leader:
             skipped: list[str] = []
             hit = latest_checkpoint(folder.checkpoints, map_location="cpu", on_skip=skipped.append)
             if hit is not None:
@@ -201,6 +206,8 @@ class Checkpointer:
             state = load_checkpoint(found, map_location="cpu")
         else:
             state = self.transport.broadcast_object(load_checkpoint(found, map_location="cpu") if self.leader else None)
+        if chosen and self.leader:  # the branch after it is not this run's any more; nothing is deleted
+            discard_run(folder.path, f"--resume-from step {state['step']}", after_step=int(state["step"]))
         return Path(found), state
 
     def load_state(self, state: dict[str, Any]) -> None:

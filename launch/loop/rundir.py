@@ -122,15 +122,16 @@ class RunDir:
         return any(r.get("step") == step and "val_loss" in r and "loss" not in r for r in read_metrics(self.path))
 
 
-def discard_run(path: Path, why: str = "--restart") -> Optional[Path]:
+def discard_run(path: Path, why: str = "--restart", after_step: Optional[int] = None) -> Optional[Path]:
     """Move a run folder's checkpoints, metrics and wandb run id into ``path/discarded-<time>/`` (``--restart``,
-    or a new run in the folder of one that left no checkpoint).
+    or a new run in the folder of one that left no checkpoint); ``after_step``: only the checkpoints of later
+    steps (``--resume-from`` an earlier one: the metrics are cut at its step as at any resume).
 
     Nothing is deleted: the unreadable (or unwanted) files stay there for a look, and go with ``rm -r``.
     """
-    movable = list_checkpoints(path / "checkpoints")
+    movable = [c for c in list_checkpoints(path / "checkpoints") if after_step is None or _step_of(c) > after_step]
     movable += [f for f in map(slices_folder, movable) if f.exists()]
-    movable += [path / n for n in RUN_FILES if (path / n).exists()]
+    movable += [path / n for n in RUN_FILES if after_step is None and (path / n).exists()]
     if not movable:
         return None
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -144,3 +145,8 @@ def discard_run(path: Path, why: str = "--restart") -> Optional[Path]:
     print(f"loco: {why}: moved {len(movable)} file(s) of the earlier run to {dest}", file=sys.stderr, flush=True)
     return dest
 
+
+def _step_of(checkpoint: Path) -> int:
+    """The step in a checkpoint's name (``step_00000400.pt``); -1 for a name without one."""
+    digits = "".join(ch for ch in checkpoint.stem if ch.isdigit())
+    return int(digits) if digits else -1
