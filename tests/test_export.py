@@ -215,6 +215,16 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, trained, capsys):
         assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
 
 
+def test_a_full_disk_names_both_sizes_in_units_that_differ(tmp_path, monkeypatch):
+    import os
+
+    import launch.models.hf.export as hf_export
+
+    monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result((4096, 4096, 9, 9, 1, 9, 9, 9, 0, 255)))
+    with pytest.raises(RunError, match=r"needs about 1\.5 MiB and 4\.0 KiB is free there"):
+        hf_export._check_space(tmp_path, 3 << 19)
+
+
 def test_a_failure_while_writing_leaves_neither_the_folder_nor_the_folders_made_for_it(tmp_path, trained,
                                                                                       monkeypatch):
     import launch.models.hf.export as hf_export
@@ -224,7 +234,7 @@ def test_a_failure_while_writing_leaves_neither_the_folder_nor_the_folders_made_
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(hf_export, "write_safetensors", full_disk)
-    with pytest.raises(RunError, match="no space left on device for the export's .* GB of weights; nothing"):
+    with pytest.raises(RunError, match="no space left on device for the export's [0-9.]+ [KMG]iB of weights; nothing"):
         hf_export.export(trained, tmp_path / "new" / "deeper" / "out")
     assert list(tmp_path.iterdir()) == []
 

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from launch.store.checkpoint import open_checkpoint
-from launch.store.disk import fsync_dir
+from launch.store.disk import fsync_dir, human_bytes
 from launch.errors import RunError
 from launch.models.hf.weights import DTYPES, hf_shapes, llama_config, loco_to_hf
 
@@ -162,7 +162,8 @@ def _check_space(parent: Path, need: int) -> None:
         return
     free = st.f_bavail * st.f_frsize
     if free < need:
-        raise RunError(f"{parent}: the export needs about {need / 1e9:,.2f} GB and {free / 1e9:,.2f} GB is free there")
+        raise RunError(f"{parent}: the export needs about {human_bytes(need)} and {human_bytes(free)} is free there; "
+                       "free some space or choose another --out")
 
 
 def export(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16", force: bool = False,
@@ -260,7 +261,7 @@ def _written_whole(out: Path, weight_bytes: int, write: Any) -> list[str]:
             except OSError:
                 break
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise RunError(f"--out {out}: no space left on device for the export's {weight_bytes / 1e9:,.2f} GB "
+            raise RunError(f"--out {out}: no space left on device for the export's {human_bytes(weight_bytes)} "
                            "of weights; nothing was written there") from None
         raise
     finally:
