@@ -34,7 +34,7 @@ def test_a_checkpoint_and_its_export_score_alike(exported, trained, gqa, name):
     with torch.no_grad():
         want, got = mine.model(ids), theirs.model(ids)
     assert got.shape == want.shape == (1, ids.shape[1], mine.vocab_size)
-    assert (got - want).abs().max().item() < 1e-5
+    assert (got - want).abs().max().item() < 1e-4
     assert theirs.config is None and theirs.step is None and str(exported[name]) in theirs.description
     assert mine.step == (4 if name == "trained" else 3)
     assert f"(step {mine.step})" in mine.description and str(run) in mine.description

@@ -18,6 +18,7 @@ from launch.models.transformer import ModelArgs, Transformer
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+LOGITS_ATOL = "1e-4"  # fp32 logits of an export against loco's; docs/run-folder.md states the same bound
 TEXTS = ["def add(x, y):\n    return x + y\n", "for item in items:\n    print(item)\n",
          "class Point:\n    def __init__(self, x):\n        self.x = x\n"] * 40
 
@@ -83,7 +84,7 @@ def test_transformers_loads_the_folder_and_computes_loco_s_logits(exported, trai
                         generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want, got = mine(ids), theirs(ids).logits
-    assert (got - want).abs().max().item() < 1e-5
+    assert (got - want).abs().max().item() < float(LOGITS_ATOL)
     config = json.loads((folder / "config.json").read_text())
     assert config["tie_word_embeddings"] == mine.args.tie_embeddings
     assert config["num_key_value_heads"] == mine.args.kv_heads and config["torch_dtype"] == "float32"
@@ -150,6 +151,19 @@ def test_a_byte_level_run_s_tokenizer_encodes_text_to_its_bytes(exported, traine
 
     lm = HFLM(pretrained=str(folder), device="cpu", dtype="float32")
     assert lm.tok_encode(text) == list(text.encode("utf-8")) and lm.eot_token_id == 0
+
+
+def test_the_readme_generates_within_the_context_and_the_docs_state_the_tested_bound(exported):
+    import re
+
+    readme = (exported["trained"] / "README.md").read_text()
+    context = json.loads((exported["trained"] / "config.json").read_text())["max_position_embeddings"]
+    prompt = transformers.AutoTokenizer.from_pretrained(exported["trained"])(
+        re.search(r"tokenizer\('(.*?)'", readme).group(1))["input_ids"]
+    new = int(re.search(r"max_new_tokens=(\d+)", readme).group(1))
+    assert context == 32 and len(prompt) + new <= context
+    doc = (Path(__file__).parent.parent / "docs" / "run-folder.md").read_text()
+    assert f"within {LOGITS_ATOL} in fp32" in doc and f"checks {LOGITS_ATOL}" in doc
 
 
 def test_shards_hold_every_tensor_under_the_limit_and_load(gqa, tmp_path):

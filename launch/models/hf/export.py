@@ -317,6 +317,15 @@ def write_tokenizer(folder: Path, tokenizer: Any, max_len: int) -> list[str]:
     return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
 
+SNIPPET_TEXT = "def main():"  # a byte-level README's prompt after eos: one id a byte
+
+
+def snippet_tokens(context: int) -> int:
+    """The README's ``max_new_tokens``: what the context leaves after the prompt (eos and its text), at most 100;
+    past the length the model trained on ``transformers`` warns and the text is worth little."""
+    return max(1, min(context - 1 - len(SNIPPET_TEXT.encode()), 100))
+
+
 def readme(checkpoint: Path, step: int, args: Any, dtype: str, kind: str, eos: Optional[int]) -> str:
     """The folder's README: where it came from, and how to feed it."""
     size = f"{args.n_params / 1e6:,.1f}M parameters, {args.n_layers} layers, width {args.dim}"
@@ -337,8 +346,9 @@ def readme(checkpoint: Path, step: int, args: Any, dtype: str, kind: str, eos: O
                  "",
                  "tokenizer = AutoTokenizer.from_pretrained(FOLDER)",
                  "model = AutoModelForCausalLM.from_pretrained(FOLDER)",
-                 "ids = tokenizer('<|endoftext|>def main():', return_tensors='pt').input_ids",
-                 "out = model.generate(ids, max_new_tokens=200, do_sample=True, top_k=50)",
+                 f"ids = tokenizer('<|endoftext|>{SNIPPET_TEXT}', return_tensors='pt').input_ids",
+                 f"out = model.generate(ids, max_new_tokens={snippet_tokens(args.max_seq_len)}, do_sample=True, "
+                 "top_k=50)",
                  "print(tokenizer.decode(out[0], skip_special_tokens=True))",
                  "```", ""]
     else:
