@@ -45,6 +45,17 @@ def test_a_checkpoint_and_its_export_score_alike(exported, trained, gqa, name):
         assert mine.config is None and mine.tokenizer.sha256 == theirs.tokenizer.sha256
 
 
+def test_the_python_snippet_of_docs_models_runs(trained, capsys):
+    """docs/models.md's ``load_checkpoint`` example, run as written on a checkpoint."""
+    import re
+
+    doc = (Path(__file__).parent.parent / "docs" / "models.md").read_text()
+    snippet = re.search(r"## From Python.*?```python\n(.*?)```", doc, re.S).group(1)
+    exec(snippet.replace('"runs/mine"', repr(str(trained))), {})
+    out = capsys.readouterr().out.splitlines()
+    assert str(trained) in out[0] and out[-1].endswith("nats per token at step 4")
+
+
 def test_a_folder_s_eos_is_the_one_its_tokenizer_config_names(exported, tmp_path):
     from tokenizers import AddedToken, Tokenizer
 
