@@ -194,3 +194,35 @@ def test_init_from_an_export_then_export_gives_the_same_weights_back(tmp_path, t
     export(tmp_path / "b", tmp_path / "b-out", dtype="fp32")
     a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b-out" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_init_from_an_export_names_it_and_refuses_another_tokenizer_or_a_smaller_vocabulary(tmp_path, capsys):
+    """An export starts a run of its own tokenizer, and the start lines say so with its step; a BPE of the same
+    size but other merges, or a vocabulary smaller than the data's, is one line naming model.init_from."""
+    from launch.data.tokenizer import train_bpe
+    from launch.models.hf.export import export
+    from launch.models.transformer import ModelArgs, Transformer
+    from launch.store.checkpoint import save_checkpoint
+
+    mine = train_bpe([f"def f{i}(x):\n    return x * {i}\n" for i in range(200)], 280, tmp_path / "a.json",
+                     say=lambda m: None)
+    other = train_bpe([f"while n > {i}:\n    n -= {i % 5}\n" for i in range(200)], 280, tmp_path / "b.json",
+                      say=lambda m: None)
+    assert mine.vocab_size == other.vocab_size and mine.sha256 != other.sha256
+
+    def exported(name: str, vocab: int, tokenizer) -> Path:
+        args = ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=vocab, max_seq_len=32)
+        save_checkpoint(tmp_path / name, 7, {"model": Transformer(args).state_dict(), "model_args": vars(args),
+                                             **({"tokenizer": tokenizer.state()} if tokenizer else {})})
+        export(tmp_path / name, tmp_path / f"{name}-out", dtype="fp32")
+        return tmp_path / f"{name}-out"
+
+    folder = exported("a", mine.vocab_size, mine)
+    err = _one_error(capsys, f"data.tokenizer={tmp_path / 'b.json'}", f"model.init_from={folder}")
+    assert f"model.init_from {folder}" in err and "b.json" in err and "data.tokenizer" in err, err
+    err = _one_error(capsys, f"data.tokenizer={tmp_path / 'a.json'}", f"model.init_from={exported('v', 256, None)}")
+    assert "model.init_from" in err and "vocabulary of 256 ids" in err and "model.vocab_size" not in err, err
+    assert main(["train", "--config", TINY, "--max-steps", "1", *COMMON, "--set", "run.eval_every=0",
+                 "--set", f"run.dir={tmp_path / 'run'}", "--set", f"data.tokenizer={tmp_path / 'a.json'}",
+                 "--set", f"model.init_from={folder}"]) == 0
+    assert f"weights from model.init_from {folder} (step 7 of" in capsys.readouterr().err

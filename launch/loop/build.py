@@ -16,7 +16,7 @@ from diloco.muon import MuonAdamW
 from launch.config.algorithms import algorithm_class
 from launch.config import Config
 from launch.errors import RunError
-from launch.models.hf.causal_lm import build_hf_model, load_hf_weights
+from launch.models.hf.causal_lm import build_hf_model, check_init_tokenizer, load_hf_weights
 from launch.models.hf.from_llama import load_loco_weights, loco_args_of
 from launch.models.transformer import Transformer, model_args_from_config
 from launch.loop.runtime import check_model_fits
@@ -38,15 +38,22 @@ def build_model(cfg: Config, data: TokenData, device: torch.device) -> tuple[nn.
 
 def _built_model(cfg: Config, data: TokenData, device: torch.device) -> tuple[nn.Module, Any]:
     m = cfg.model
+    if m.init_from:
+        check_init_tokenizer(m.init_from, data.tokenizer)
     own = loco_args_of(m.init_from, cfg.data.seq_len) if m.init_from and not m.hf_config else None
     if m.hf_config or m.init_from and own is None:
         torch.manual_seed(cfg.run.seed)
         with torch.device(device):
-            model = build_hf_model(m.hf_config or m.init_from, data.vocab_size, cfg.data.seq_len)
+            model = build_hf_model(m.hf_config or m.init_from, data.vocab_size, cfg.data.seq_len,
+                                   "model.hf_config" if m.hf_config else "model.init_from")
         if m.init_from:
             load_hf_weights(model, Path(m.init_from))
         return model, None
     if own is not None:
+        if own.vocab_size < data.vocab_size:
+            raise RunError(f"model.init_from {m.init_from}: its vocabulary of {own.vocab_size} ids is smaller than "
+                           f"the data's {data.vocab_size}, so it was trained on another tokenizer; start from a "
+                           f"folder trained on the data's tokenizer")
         model, _ = _loco_model(cfg, own, data, device)
         load_loco_weights(model, Path(m.init_from))
         return model, own

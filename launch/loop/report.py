@@ -17,7 +17,7 @@ from launch.metrics.mfu import Mfu
 from launch.loop.memory import process_bytes
 from launch.loop.runtime import threads_note
 from launch.loop.schedule import Progress, RunClock
-from launch.models.hf.causal_lm import folder_sha256
+from launch.models.hf.causal_lm import folder_sha256, init_from_step
 from launch.models.transformer import count_params
 
 
@@ -146,7 +146,8 @@ def run_sources(tokenizer: Any, init_from: Optional[str]) -> dict[str, Any]:
 def start_lines(t: Any) -> list[str]:
     """The lines a run starts with (on its leader), from its :class:`launch.loop.trainer.Trainer` ``t``: the data,
     model, device and algorithm; the validation set; the device's peak (a CPU has no datasheet peak: no MFU, and no
-    line about it); what a sharded process holds; the checkpoint it resumed from."""
+    line about it); what a sharded process holds; the folder its weights came from (``model.init_from``) or the
+    checkpoint it resumed from."""
     cfg, data, vset = t.cfg, t.data, t.validation.set
     train = "streamed" if data.stream is not None else f"{data.train_tokens:,}"
     lines = [f"{data.description}: {train} train / {data.val_tokens:,} val tokens; model "
@@ -158,6 +159,10 @@ def start_lines(t: Any) -> list[str]:
     if t.sharded:
         lines.append(f"each of a worker's {t.inner.world_size} processes holds its slices (run.shard: fsdp): "
                      f"{process_bytes(cfg, count_params(t.model), t.inner.world_size).describe()}")
+    if cfg.model.init_from and not t.resumed_from:
+        step = init_from_step(cfg.model.init_from)
+        lines.append(f"weights from model.init_from {cfg.model.init_from}"
+                     + (f" (step {step} of the run it was exported from)" if step is not None else ""))
     if t.resumed_from:
         changes = f"; settings changed since it was saved: {t.resume_changes}" if t.resume_changes else ""
         lines.append(f"resumed from {t.resumed_from}{changes}")

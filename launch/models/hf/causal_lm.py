@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from pathlib import Path
 from typing import Any, Optional
 
@@ -129,12 +130,16 @@ class HFCausalLM(RunModel):
                              temperature, top_k, generator)
 
 
-def build_hf_model(path: str, vocab_size: int, seq_len: int) -> HFCausalLM:
-    """The model of ``model.hf_config``, checked against the data's vocabulary and the sequence length."""
+def build_hf_model(path: str, vocab_size: int, seq_len: int, key: str = "model.hf_config") -> HFCausalLM:
+    """The model of ``model.hf_config`` (or of ``model.init_from``'s folder, ``key``), checked against the data's
+    vocabulary and the sequence length."""
     config = read_hf_config(path)
     vocab = config_value(config, ("vocab_size",))
     if vocab is not None and vocab < vocab_size:
-        raise RunError(f"{config_file(path)}: vocab_size {vocab} is smaller than the tokenizer's {vocab_size} ids")
+        fix = ("start from a folder trained on the data's tokenizer" if key == "model.init_from"
+               else "raise its vocab_size")
+        raise RunError(f"{key} {config_file(path)}: vocab_size {vocab} is smaller than the tokenizer's {vocab_size} "
+                       f"ids; {fix}")
     positions = config_value(config, POSITION_KEYS)
     if positions is not None and positions < seq_len:
         raise RunError(f"{config_file(path)}: {positions} positions, fewer than data.seq_len={seq_len}")
@@ -184,6 +189,42 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
         if absent:
             raise RunError(f"{index}: names tensor {absent[0]}, which its file {wanted[absent[0]]} does not hold")
     return tensors
+
+
+def check_init_tokenizer(folder: str | Path, tokenizer: Any) -> None:
+    """``model.init_from``'s folder was trained on the run's tokenizer, where both are known: under another one
+    of the same size every id would mean other text. Compared as a shard manifest's tokenizer is, by the SHA-256
+    of the canonical JSON; a byte-level run's JSON is the one its export carries (``bytes_as_file``)."""
+    path = Path(folder) / "tokenizer.json"
+    if tokenizer is None or not path.is_file():
+        return
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from launch.data.tokenizer import bytes_as_file
+
+    try:
+        text = HFTokenizer.from_file(str(path)).to_str()
+    except Exception as e:  # the Rust side raises plain Exceptions with serde's message
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise RunError(f"model.init_from {path}: not a tokenizers JSON file ({first})") from None
+    theirs = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    ours = tokenizer.sha256 or bytes_as_file().sha256
+    if theirs != ours:
+        raise RunError(f"model.init_from {folder}: its tokenizer.json (sha256 {theirs[:12]}) is not the run's "
+                       f"tokenizer {tokenizer.describe()}, so its ids would mean other text; set data.tokenizer to "
+                       f"{path} (preparing shards again with it), or start from a folder trained on this tokenizer")
+
+
+def init_from_step(folder: str | Path) -> Optional[int]:
+    """The training step a ``loco export`` folder was written at (its weights' safetensors metadata); None for a
+    folder that does not record one."""
+    try:
+        with open(safetensors_files(Path(folder))[0], "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(min(n, 1 << 26)))
+        return int(header["__metadata__"]["loco_step"])
+    except (RunError, OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
 
 
 def folder_sha256(folder: Path) -> str:

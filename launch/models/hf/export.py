@@ -60,9 +60,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def write_safetensors(folder: str | os.PathLike, tensors: Iterable[tuple[str, torch.Tensor]],
                       shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                      max_shard_bytes: int = SHARD_BYTES) -> list[str]:
+                      max_shard_bytes: int = SHARD_BYTES, metadata: Optional[dict[str, str]] = None) -> list[str]:
     """Write ``tensors`` (in the order of ``shapes``) as safetensors files in ``folder``, converted to ``dtype``
-    one at a time; more than one file gets ``model.safetensors.index.json``. Returns the files' names."""
+    one at a time; more than one file gets ``model.safetensors.index.json``. ``metadata`` goes into every file's
+    header beside ``format``. Returns the files' names."""
     if sys.byteorder != "little":  # safetensors stores little-endian bytes; the raw copy below assumes the host's
         raise RunError("export writes little-endian safetensors and this machine is big-endian")
     folder = Path(folder)
@@ -72,7 +73,7 @@ def write_safetensors(folder: str | os.PathLike, tensors: Iterable[tuple[str, to
     files = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     stream = _converted_ahead(iter(tensors), dtype, max(map(_numel, shapes.values()), default=0))
     for file, group in zip(files, groups):
-        _write_file(folder / file, [(name, shapes[name]) for name in group], stream, dtype)
+        _write_file(folder / file, [(name, shapes[name]) for name in group], stream, dtype, metadata or {})
     if next(stream, None) is not None:
         raise ValueError("more tensors than shapes")
     if n > 1:
@@ -83,11 +84,11 @@ def write_safetensors(folder: str | os.PathLike, tensors: Iterable[tuple[str, to
 
 
 def _write_file(path: Path, entries: list[tuple[str, tuple[int, ...]]],
-                stream: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+                stream: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype, metadata: dict[str, str]) -> None:
     """One safetensors file: an 8-byte little-endian header length, the JSON header (padded with spaces to a
     multiple of 8, so the data starts aligned), then each tensor's bytes at the offsets the header gives."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, Any] = {"__metadata__": {**metadata, "format": "pt"}}
     offset = 0
     for name, shape in entries:
         end = offset + _numel(shape) * itemsize
@@ -197,19 +198,21 @@ def export(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "bf16
     kind, file = tokenizer_file(tokenizer)
     shapes = hf_shapes(args)
     weight_bytes = sum(_numel(s) for s in shapes.values()) * torch.empty((), dtype=torch_dtype).element_size()
+    step = int(state.get("step", 0))
 
     def write(tmp: Path) -> list[str]:
-        files = write_safetensors(tmp, tensors, shapes, torch_dtype, max_shard_bytes)
+        # the step rides in the weights' metadata, where model.init_from's start line finds it
+        files = write_safetensors(tmp, tensors, shapes, torch_dtype, max_shard_bytes, {"loco_step": str(step)})
         _write_json(tmp / "config.json", llama_config(args, torch_dtype, eos))
         generation = {"_from_model_config": True, "bos_token_id": eos, "eos_token_id": eos}
         _write_json(tmp / "generation_config.json", generation)
         if file is not None:
             files += write_tokenizer(tmp, file, args.max_seq_len)
-        _write_text(tmp / "README.md", readme(path, int(state.get("step", 0)), args, dtype, kind, eos))
+        _write_text(tmp / "README.md", readme(path, step, args, dtype, kind, eos))
         return files
 
     files = _written_whole(out, weight_bytes, write)
-    return {"out": out, "checkpoint": path, "step": int(state.get("step", 0)), "files": files,
+    return {"out": out, "checkpoint": path, "step": step, "files": files,
             "weight_bytes": weight_bytes, "tokenizer": kind, "dtype": dtype}
 
 
