@@ -103,6 +103,21 @@ def test_the_recommendation_is_the_fewest_bytes_at_95_percent():
     assert slow.cheapest is None and "no setting reaches 95%" in format_plan(slow)
 
 
+def test_run_it_line_runs_the_planned_model_setting_and_link():
+    import shlex
+
+    from launch.cli.commands import _load, build_parser
+
+    plan = make_plan("1b", 8, "10Gbit", "10ms", "2")
+    line = next(x for x in format_plan(plan).splitlines() if "run it:" in x).split("run it: ")[1]
+    argv = shlex.split(line)
+    assert argv[:2] == ["loco", "simulate"]
+    cfg = _load(build_parser().parse_args(argv[1:]))
+    assert cfg.model.size == "1b" and cfg.algo.name == plan.cheapest.setting.algo
+    assert cfg.algo.inner_steps == plan.cheapest.setting.inner_steps
+    assert (cfg.sim.workers, cfg.sim.bandwidth, cfg.sim.latency, cfg.sim.step_time) == (8, "10Gbit", 0.01, 2.0)
+
+
 def test_check_agrees_with_the_simulator():
     plan = make_plan("tiny", 3, "4Mbit", "30ms", "0.1")
     c = planner.check(plan, Setting("diloco", 4, "int8"))

@@ -26,6 +26,7 @@ from typing import Optional
 
 from diloco.sim import NetworkModel
 from launch.config.algorithms import algorithm_class
+from launch.config.loader import PRESETS_DIR
 from launch.metrics.log import human_bytes
 from launch.plan.inputs import Link, parse_link, parse_step_time
 from launch.plan.settings import FRAGMENTS, SOURCES, Model, PlanError, Setting, model_of, resolve_model
@@ -66,6 +67,7 @@ class Plan:
     rows: list[Row]
     cheapest: Optional[Row]
     nearest: Optional[Row]
+    inputs: tuple[str, ...] = ()  # the link and step-time flags as given, which `loco simulate` takes alike
 
     @property
     def network(self) -> NetworkModel:
@@ -83,7 +85,20 @@ def make_plan(model: str, workers: int, bandwidth: Optional[str], latency: Optio
     rows = [predict(s, m, workers, net, step) for s in candidates(m)]
     rows.sort(key=lambda r: (r.bytes_per_step, -r.utilization))
     cheapest, nearest = recommend(rows)
-    return Plan(m, workers, link, step, given, rows, cheapest, nearest)
+    flags = (("--bandwidth", bandwidth), ("--latency", latency), ("--links", links), ("--step-time", step_time))
+    inputs = tuple(f"{flag} {value}" for flag, value in flags if value is not None)
+    return Plan(m, workers, link, step, given, rows, cheapest, nearest, inputs)
+
+
+def run_command(plan: Plan, row: Row) -> str:
+    """The `loco simulate` line that runs ``row``'s setting on the plan's model, workers and link: a named size
+    is its preset (configs/<size>.yaml); a parameter count has none, so the line asks for the user's own file."""
+    named = (PRESETS_DIR / f"{plan.model.name}.yaml").is_file()
+    config = f"--config {plan.model.name}" if named else "--config FILE"
+    parts = ["loco simulate", config, f"--workers {plan.workers}", *plan.inputs]
+    parts += [f"--set {o}" for o in row.setting.overrides()]
+    line = " ".join(parts)
+    return line if named else f"{line}   # FILE: your config of a model of {plan.model.name}"
 
 
 def penalty_text(row: Row, sources: list[str]) -> str:
@@ -130,8 +145,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"recommended (fewest bytes at >= {100 * TARGET_UTILIZATION:.0f}% utilization): "
                      f"{c.setting.label()} {c.setting.codec}: {human_bytes(c.bytes_per_round)} per round, "
                      f"{100 * c.utilization:.1f}% utilization, loss vs DDP {penalty_text(c, sources)}")
-        lines.append(f"  run it: loco simulate --workers {plan.workers} "
-                     + " ".join(f"--set {o}" for o in c.setting.overrides()))
+        lines.append(f"  run it: {run_command(plan, c)}")
         if n is not None and n is not c:
             lines.append(f"nearest DDP at >= {100 * TARGET_UTILIZATION:.0f}%: {n.setting.label()} {n.setting.codec}: "
                          f"{human_bytes(n.bytes_per_round)} per round, {100 * n.utilization:.1f}% utilization, "
