@@ -135,10 +135,19 @@ def test_help_config_lists_keys(capsys):
     assert "  max_time: None" in out
 
 
+def test_help_config_shows_the_resolved_value_beside_the_default(capsys):
+    assert main(["train", "--help-config", "--config", "tiny", "--set", "optim.lr=1e-3"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^  lr: 0.0004 +\(this config: 0.001\)$", out, re.M)
+    assert re.search(r"^  betas: \(0.9, 0.95\)$", out, re.M)  # equal to the default: nothing beside it
+
+
 def test_help_config_does_not_need_a_valid_config(capsys):
-    # --help-config exits before anything is loaded, even with a broken override
+    # a broken override still lists every key with its default, and says in one line it was not applied
     assert main(["simulate", "--help-config", "--set", "optim.lr=fast"]) == 0
-    assert "optim:" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "optim:" in out and "this config" not in out
+    assert err.count("\n") == 1 and "could not be applied: --set optim.lr=fast" in err
 
 
 def test_unknown_command_is_an_argparse_error(capsys):

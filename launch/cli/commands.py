@@ -396,6 +396,21 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _help_config(args: argparse.Namespace) -> int:
+    """Every key with its default and meaning, and beside it the value the command's --config and --set resolve
+    it to where they differ; a config that does not load still shows the defaults, with one line saying why."""
+    from launch.config.schema import describe_fields
+
+    try:
+        cfg = _load(args)
+    except _user_errors() as e:
+        print(f"loco {args.command}: note: showing the defaults only; the config could not be applied: {e}",
+              file=sys.stderr)
+        cfg = None
+    print(describe_fields(cfg))
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -403,10 +418,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     if getattr(args, "help_config", False):
-        from launch.config.schema import describe_fields
-
-        print(describe_fields())
-        return 0
+        return _help_config(args)
     handler = {"train": cmd_train, "simulate": cmd_simulate, "join": cmd_join, "sample": cmd_sample,
                "plot": cmd_plot, "status": cmd_status, "plan": cmd_plan, "tokenizer": cmd_tokenizer,
                "data": cmd_data, "export": cmd_export, "eval": cmd_eval}[args.command]

@@ -285,13 +285,16 @@ RETIRED: dict[str, str] = {
 SECTIONS: dict[str, type] = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)}
 
 
-def describe_fields() -> str:
-    """All keys with defaults and docs, for ``loco train --help-config``."""
+def describe_fields(resolved: Optional[Config] = None) -> str:
+    """All keys with defaults and docs, for ``loco train --help-config``; where ``resolved`` (the config the
+    command's --config and --set make) holds another value, that value beside the default."""
     lines = []
     defaults = Config()
     for section, cls in SECTIONS.items():
         lines.append(f"{section}:")
         for f in dataclasses.fields(cls):
             value = getattr(getattr(defaults, section), f.name)
-            lines.append(f"  {f.name}: {value!r}\n      {f.metadata.get('doc', '')}")
+            mine = value if resolved is None else getattr(getattr(resolved, section), f.name)
+            here = f"   (this config: {mine!r})" if mine != value else ""
+            lines.append(f"  {f.name}: {value!r}{here}\n      {f.metadata.get('doc', '')}")
     return "\n".join(lines)
