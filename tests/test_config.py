@@ -666,3 +666,30 @@ def test_a_retired_key_is_said_in_one_line_naming_what_to_write_and_the_config_s
 
     assert config_from_dict({"run": {"eval_batches": 10}}).run.max_steps == 1000
     assert capsys.readouterr().err == ""
+
+
+def test_a_key_the_chosen_algorithm_does_not_read_is_said_in_one_line_unless_a_preset_sets_it(tmp_path, capsys):
+    load_config(["sparseloco"], [])  # inherits tiny's algo.outer_momentum: the preset's business
+    assert capsys.readouterr().err == ""
+    load_config(["sparseloco"], ["algo.outer_momentum=0.9"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("--set algo.outer_momentum=0.9: sparseloco does not read "
+                                               "algo.outer_momentum (")
+    mine = write(tmp_path, "mine.yaml", "extends: " + str(ROOT / "configs" / "tiny.yaml") +
+                 "\nalgo:\n  name: diloco\n  fragments: 2\n")
+    cfg, _ = load_config([mine], [])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{mine}: diloco does not read algo.fragments (")
+    # a run's config.yaml records every key: resuming it says nothing
+    saved = tmp_path / "config.yaml"
+    saved.write_text(dump_config(load_config(["sparseloco"], [])[0]))
+    load_config([str(saved)], [])
+    assert capsys.readouterr().err == ""
+
+
+def test_every_algorithm_declares_the_algo_keys_it_reads():
+    from launch.config.algorithms import ALGORITHMS, reads
+
+    keys = {f.name for f in dataclasses.fields(SECTIONS["algo"])}
+    for name in ALGORITHMS:
+        assert reads(name) is not None and reads(name) <= keys, name

@@ -38,7 +38,7 @@ def load_config(files: list[str] | tuple[str, ...] = (), overrides: list[str] | 
     if sim.step_time_note and builder.where("sim.step_time") != builder.where("sim.step_time_note"):
         sim.step_time_note = None  # it names the step time set beside it, not one given elsewhere
     validate(builder.config, builder.where)
-    for note in builder.retired_notes():
+    for note in builder.retired_notes() + builder.unread_notes():
         print(note, file=sys.stderr)
     return builder.config, builder
 

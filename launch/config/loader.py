@@ -147,6 +147,7 @@ class ConfigBuilder:
         self.config = Config()
         self.sources: dict[str, str] = {}
         self.retired: dict[str, str] = {}  # retired key -> where it was set
+        self.keys_of: dict[str, set[str]] = {}  # source -> every key it set, later layers notwithstanding
 
     def _field(self, section: str, key: str, source: str) -> dataclasses.Field:
         if section not in SECTIONS:
@@ -179,6 +180,7 @@ class ConfigBuilder:
             raise ConfigError(f"{source}: {dotted}: {e} ({f.metadata.get('doc', '')})") from None
         setattr(getattr(self.config, section), key, coerced)
         self.sources[dotted] = source
+        self.keys_of.setdefault(source, set()).add(dotted)
 
     def apply_mapping(self, data: Any, source: str) -> None:
         if data is None:
@@ -234,8 +236,35 @@ class ConfigBuilder:
         """One line for each retired key a layer set: where, and what to write instead."""
         return [f"{source}: {key} is no longer read: {RETIRED[key]}" for key, source in self.retired.items()]
 
+    def unread_notes(self) -> list[str]:
+        """One line for each algo.* key the user's own file or --set gives and the chosen algorithm does not read.
+        A preset under configs/ is silent (configs/sparseloco.yaml inherits tiny's outer momentum), and so is a
+        file that sets every algo key: a run's config.yaml, the record of its settings rather than a choice."""
+        from launch.config.algorithms import reads
+
+        name = self.config.algo.name
+        read = reads(name)
+        if read is None:
+            return []
+        every = {f"algo.{f.name}" for f in dataclasses.fields(SECTIONS["algo"])}
+        records = {source for source, keys in self.keys_of.items() if every <= keys}
+        notes = []
+        for f in dataclasses.fields(SECTIONS["algo"]):
+            key, source = f"algo.{f.name}", self.where(f"algo.{f.name}")
+            if f.name in read or f.name == "name" or source in records or not _users(source):
+                continue
+            notes.append(f"{source}: {name} does not read {key} ({f.metadata.get('doc', '').rstrip('.')})")
+        return notes
+
     def where(self, dotted: str) -> str:
         return self.sources.get(dotted, "default")
+
+
+def _users(source: str) -> bool:
+    """Whether a layer is the user's own: --set or a flag, or a file that is not a preset under configs/."""
+    if source == "default":
+        return False
+    return source.startswith("--") or Path(source).resolve().parent != PRESETS_DIR
 
 
 def resolve_config_path(name: str) -> str:
