@@ -176,7 +176,7 @@ def test_main_demo_prints_a_table_and_plots(tmp_path, capfd):
     assert "at equal virtual time" in out and "to reach the other's final loss" in out
     # the preset's step time, named: the same story on any machine
     assert "virtual compute: 0.0235 s per step at speed 1 (fixed: a step of small on one H100" in out
-    assert "[simulate] baseline: DDP with 4 workers on the same tokens; about " in res.stderr
+    assert "[simulate] baseline: DDP with 4 workers on the same tokens and 13 evaluations; about " in res.stderr
     assert (tmp_path / "demo" / "compare.png").read_bytes()[:4] == b"\x89PNG"
     comparison = json.loads((tmp_path / "demo" / "comparison.json").read_text())
     diloco, ddp = comparison.values()
@@ -190,6 +190,26 @@ def test_main_demo_prints_a_table_and_plots(tmp_path, capfd):
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     for key in ("bytes_sent_per_worker", "virtual_wall_s", "compute_utilization", "tokens_per_virtual_s"):
         assert key in summary
+
+
+def test_the_baseline_estimate_counts_its_evaluations(tmp_path):
+    from launch.simulate.report import baseline_line
+    from launch.simulate.runner import baseline_config
+
+    def seconds(cfg, base) -> int:
+        m, s = re.search(r"; about (\d+)m(\d\d)s at the pace", baseline_line(cfg, base, run)).groups()
+        return 60 * int(m) + int(s)
+
+    run = {"wall_s": 600.0, "tokens": 819_200}
+    cfg, _ = load_config(["simulate"], [f"run.dir={tmp_path}"])  # 200 steps, evaluated every 50
+    same = baseline_config(cfg, tmp_path)
+    same.run.eval_every = cfg.run.eval_every
+    assert seconds(cfg, same) == 600  # the run's own evaluations: its own time
+    base = baseline_config(cfg, tmp_path)  # evaluated every 10 steps: 16 evaluations more
+    assert "on the same tokens and 21 evaluations" in baseline_line(cfg, base, run)
+    assert seconds(cfg, base) > 660
+    cfg.eval.tokens *= 4
+    assert seconds(cfg, base) > seconds(cfg, same) + 2 * (660 - 600)
 
 
 @pytest.mark.parametrize("algo", [["algo.name=diloco", "algo.inner_steps=3", "sim.step_time=1"],

@@ -24,21 +24,37 @@ def run_label(cfg: Config) -> str:
     return f"{a.name} x{w} (H={a.inner_steps}{extra}){codec}"
 
 
-def baseline_line(base: Config, run: dict[str, Any]) -> str:
-    """``[simulate] baseline: DDP with 4 workers on the same tokens; about 2m10s at the pace of the run above
-    (4.2k tokens/s)``: the baseline trains the run's tokens (what a resumed one has logged already is done)."""
-    line = f"[simulate] baseline: DDP with {base.sim.workers} workers on the same tokens"
-    wall, tokens = run.get("wall_s"), run.get("tokens")
-    if not wall or not tokens:
-        return line
+EVAL_COST = 1 / 3  # a validation token's forward pass against a training token's forward and backward (two more)
+
+
+def evaluations(run: Any, after: int = 0) -> int:
+    """The validations a run of ``run.max_steps`` makes after step ``after``: one every ``run.eval_every`` steps,
+    and the final one."""
+    every, steps = run.eval_every, run.max_steps
+    return (steps // every - after // every if every and steps else 0) + 1
+
+
+def baseline_line(cfg: Config, base: Config, run: dict[str, Any]) -> str:
+    """``[simulate] baseline: DDP with 4 workers on the same tokens and 21 evaluations; about 2m10s at the pace of
+    the run above (4.2k tokens/s)``: the baseline trains the run's tokens (what a resumed one has logged already is
+    done) and evaluates more often than the run (``cfg``); every simulated worker scores ``eval.tokens``, and the
+    run's time is cut into its training and its evaluations by :data:`EVAL_COST`."""
     done = 0
     if base.run.resume and base.run.max_steps:
         try:
             done = max((r.get("step", 0) for r in read_metrics(base.run.dir)), default=0)
         except FileNotFoundError:  # it had not started
             pass
-    left = wall * max(0.0, 1 - done / base.run.max_steps) if base.run.max_steps else wall
-    return f"{line}; about {format_seconds(left)} at the pace of the run above ({tokens / wall / 1e3:.1f}k tokens/s)"
+    evals = evaluations(base.run, done)
+    line = f"[simulate] baseline: DDP with {base.sim.workers} workers on the same tokens and {evals} evaluations"
+    wall, tokens = run.get("wall_s"), run.get("tokens")
+    if not wall or not tokens:
+        return line
+    per_eval = cfg.eval.tokens * cfg.sim.workers * EVAL_COST  # in training tokens' worth of compute
+    pace = wall / (tokens + evaluations(cfg.run) * per_eval)
+    left = tokens * max(0.0, 1 - done / base.run.max_steps) if base.run.max_steps else tokens
+    return (f"{line}; about {format_seconds(pace * (left + evals * per_eval))} at the pace of the run above "
+            f"({tokens / wall / 1e3:.1f}k tokens/s)")
 
 
 # a measured step time whose eighths' medians differ by more than this moved with the host's load

@@ -249,7 +249,7 @@ def simulate(cfg: Config, restart: bool = False) -> dict[str, Any]:
         if STOP.signum is not None:  # a signal came as the run ended: it is saved; --resume runs the baseline
             raise Interrupted(STOP.signum, clean=True)
         base_cfg = baseline_config(cfg, run_dir)
-        print(baseline_line(base_cfg, summary), file=sys.stderr, flush=True)
+        print(baseline_line(cfg, base_cfg, summary), file=sys.stderr, flush=True)
         if base_cfg.sim.step_time is None and summary.get("virtual_step_time_s"):
             # the same model on the same device: one compute time for both, so the comparison is of the networks
             base_cfg.sim.step_time = summary["virtual_step_time_s"]
