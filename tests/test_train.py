@@ -489,3 +489,21 @@ def test_the_start_line_says_how_many_threads_auto_took_and_why(tmp_path):
     assert re.search(r"params on cpu \(1 thread: \d+ core\(s\) shared by 4096 processes", res.stderr), res.stderr[-3000:]
     res = run_cli([*args, "--run-dir", str(tmp_path / "one")], env=env)  # FAST sets run.threads=1
     assert res.returncode == 0 and "params on cpu; algorithm" in res.stderr, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("shard", ["none", "fsdp"])
+def test_a_stream_on_a_worker_of_several_processes_names_settings_the_config_takes(tmp_path, shard):
+    from types import SimpleNamespace
+
+    from launch.config import load_config
+    from launch.errors import RunError
+    from launch.loop.trainer import Trainer
+
+    cfg, _ = load_config([TINY], [*FAST, f"run.dir={tmp_path}", f"run.shard={shard}"])
+    node = SimpleNamespace(rank=0, world_size=1, is_leader=True, inner=SimpleNamespace(rank=0, world_size=2))
+    with pytest.raises(RunError) as info:
+        Trainer(cfg, transport=node, data=SimpleNamespace(stream=object()))
+    msg = str(info.value)
+    assert "\n" not in msg and "transport.mesh: flat" in msg and "mesh: off" not in msg
+    assert ("run.shard: none" in msg) == (shard == "fsdp")
+    assert ("--nproc-per-node 1" in msg) == (shard == "none")

@@ -91,8 +91,11 @@ class Trainer:
         seed_everything(run.seed)
         self.data = data or load_data(cfg.data)
         if self.data.stream is not None and procs > 1:
-            raise RunError("data.streaming: one process a worker reads a stream; run torchrun with --nproc-per-node 1 "
-                           "(or transport.mesh: off), or prepare shards with loco data prepare")
+            raise RunError(f"data.streaming: one process a worker reads a stream, and a worker here is {procs}; " + (
+                "prepare shards with loco data prepare, or stream with run.shard: none and transport.mesh: flat "
+                "(every process a worker of its own)" if cfg.run.shard == "fsdp" else "set transport.mesh: flat "
+                "(every process a worker of its own), run torchrun with --nproc-per-node 1, or prepare shards "
+                "with loco data prepare"))
         self.batcher = batcher or make_batcher(self.data, cfg.data.seq_len, run.batch_size * procs, self.rank,
                                                self.world, run.seed, run.grad_accum * procs)
         built_here = model is None  # from the run's seed (a model handed in may differ from worker to worker)
