@@ -20,6 +20,7 @@ for the plan's own model and workers, which it does not simulate.
 
 from __future__ import annotations
 
+import shlex
 import tempfile
 from dataclasses import dataclass
 from typing import Optional
@@ -86,7 +87,7 @@ def make_plan(model: str, workers: int, bandwidth: Optional[str], latency: Optio
     rows.sort(key=lambda r: (r.bytes_per_step, -r.utilization))
     cheapest, nearest = recommend(rows)
     flags = (("--bandwidth", bandwidth), ("--latency", latency), ("--links", links), ("--step-time", step_time))
-    inputs = tuple(f"{flag} {value}" for flag, value in flags if value is not None)
+    inputs = tuple(f"{flag} {shlex.quote(str(value))}" for flag, value in flags if value is not None)
     return Plan(m, workers, link, step, given, rows, cheapest, nearest, inputs)
 
 
