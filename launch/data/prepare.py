@@ -12,8 +12,11 @@ never read back), which the manifest keeps for ``loco data verify``.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import multiprocessing
 import os
+import signal
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -28,6 +31,7 @@ from launch.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 SETTINGS = "prepare.json"
 UNITS = "units"  # one record per finished unit
 MAX_SHARD_MB = 64
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def auto_shard_mb(total: Optional[int]) -> float:
@@ -62,8 +66,25 @@ def _units(docs: Iterator[Doc], unit_bytes: int) -> Iterator[list[Doc]]:
 _TOKENIZER: Optional[Tokenizer] = None
 
 
-def _start_worker(spec: Any) -> None:
+def _die_with(parent: int) -> None:
+    """Ask Linux to SIGKILL this worker when its parent ends, however it ends (``kill -9`` included); otherwise a
+    worker waits on the pool's queue forever, since its siblings keep the queue's pipe open. The kernel's
+    ``PR_SET_PDEATHSIG`` is chosen over a thread polling ``os.getppid()``: it needs no Python to run, so a worker
+    inside one long tokenizer call holding the GIL still dies at once. It fires when the thread that forked the
+    worker ends: the pool is made with fork, whose workers the creating (main) thread forks all at once. A
+    worker holds nothing to clean up: a unit's files are renamed into place only when whole."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the worker outlives a killed parent, as Python's pool does
+        return
+    if os.getppid() != parent:  # the parent ended before the request: no signal will come
+        os._exit(1)
+
+
+def _start_worker(spec: Any, parent: int) -> None:
     global _TOKENIZER
+    _die_with(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process a core: the pool is the parallelism
     _TOKENIZER = load_tokenizer(None) if spec is None else BPETokenizer.from_json(spec, "tokenizer")
 
@@ -154,7 +175,8 @@ def prepare(source: str, path: Optional[str], tokenizer: str, out: str, *, patte
     progress = _Progress(say, total, resumed)
     spec = tok.json if isinstance(tok, BPETokenizer) else None
     pending: set[Future] = set()
-    with ProcessPoolExecutor(max_workers=workers, initializer=_start_worker, initargs=(spec,)) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"),
+                             initializer=_start_worker, initargs=(spec, os.getpid())) as pool:
         for index, unit in enumerate(_units(docs, int(shard_mb * 1e6))):
             if index in records:
                 progress.skipped(sum(d.size for d in unit))

