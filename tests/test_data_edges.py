@@ -83,3 +83,14 @@ def test_a_killed_prepare_takes_its_pool_workers_with_it(tmp_path):
         for pid in _alive(workers):
             os.kill(pid, signal.SIGKILL)
 
+
+def test_an_out_inside_path_is_refused_in_one_line(tmp_path, capsys):
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.txt").write_text("some text\n" * 20)
+    for out in (text / "shards", text):
+        assert main(["data", "prepare", "--source", "text", "--path", str(text), "--tokenizer", "bytes",
+                     "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and f"--out {out} is inside --path {text}" in err
+    assert not (text / "shards").exists() and sorted(p.name for p in text.iterdir()) == ["a.txt"]

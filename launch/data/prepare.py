@@ -116,6 +116,19 @@ def _encode_unit(index: int, unit: list[Doc], out: str, val_fraction: float, dty
     return record
 
 
+def _check_out_outside(out: Path, path: Optional[str]) -> None:
+    """Refuse an ``out`` at or inside the folder ``path`` reads. Refused rather than skipped when reading: the
+    shards, manifest and records would otherwise be read as documents by this prepare's next run (a resume then
+    reads other text than it began with), by ``loco tokenizer train`` and by a run on the same folder; telling
+    loco's folders apart in every reader would make what a folder holds depend on what was prepared in it."""
+    if not path or not Path(path).is_dir():
+        return
+    inside, outer = out.resolve(), Path(path).resolve()
+    if inside == outer or outer in inside.parents:
+        raise DataError(f"--out {out} is inside --path {path}: its shards would be read as text; "
+                        f"name an --out outside it")
+
+
 def _check_folder(out: Path, settings: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The finished manifest when ``out`` was prepared with these settings; None to (continue to) prepare it.
     A folder begun with other settings, or one that is not a prepare folder, is an error."""
@@ -147,9 +160,10 @@ def prepare(source: str, path: Optional[str], tokenizer: str, out: str, *, patte
             shard_mb: Optional[float] = None, workers: Optional[int] = None,
             say: Callable[[str], None] = print) -> dict[str, Any]:
     """Tokenize a source into ``out``; returns the manifest. Resumes an interrupted folder."""
+    folder = Path(out)
+    _check_out_outside(folder, path)
     tok = load_tokenizer(tokenizer)
     hf = hf or HFOptions()
-    folder = Path(out)
     where, docs, total = documents(source, path, pattern, max_docs, hf)
     shard_mb = shard_mb or auto_shard_mb(total)
     settings = {"source": source, "path": str(Path(path).resolve()) if path and Path(path).exists() else path,
