@@ -23,6 +23,11 @@ def _env() -> dict[str, str]:
             "OMP_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1"}
 
 
+def _sigint_as_at_a_terminal() -> None:
+    """In the child: SIGINT at its default, which a suite started as a shell's background job hands over ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _children(pid: int) -> set[int]:
     """Live (not zombie) processes whose parent is ``pid``."""
     out = set()
@@ -94,3 +99,26 @@ def test_an_out_inside_path_is_refused_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and f"--out {out} is inside --path {text}" in err
     assert not (text / "shards").exists() and sorted(p.name for p in text.iterdir()) == ["a.txt"]
+
+
+def test_ctrl_c_while_loco_imports_is_one_line_and_elsewhere_a_keyboard_interrupt(tmp_path):
+    # the handler is in place once the entry point is imported, before any command imports torch
+    probe = ("import signal, sys; import launch.cli; "
+             "print(signal.getsignal(signal.SIGINT) is launch.cli._interrupted, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], env=_env(), capture_output=True, text=True, timeout=60,
+                         preexec_fn=_sigint_as_at_a_terminal)
+    assert out.stdout.split() == ["True", "False"], out.stderr
+    # a Ctrl-C that lands inside an import (as inside torch's): one line, the shell's 130, no traceback
+    (tmp_path / "heavy.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n"
+                                       "for _ in range(10 ** 8):\n    pass\n")
+    run = [sys.executable, "-c", f"import sys; sys.argv[1:] = ['train']; import launch.cli; "
+                                 f"sys.path.insert(0, {str(tmp_path)!r}); import heavy"]
+    out = subprocess.run(run, env=_env(), capture_output=True, text=True, timeout=60,
+                         preexec_fn=_sigint_as_at_a_terminal)
+    assert (out.returncode, out.stderr) == (130, "loco train: stopped by the user (Ctrl-C)\n")
+    # anywhere else it is still a KeyboardInterrupt, which each command handles as before
+    caught = ("import os, signal, launch.cli\ntry:\n    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    for _ in range(10 ** 8):\n        pass\nexcept KeyboardInterrupt:\n    print('caught')\n")
+    out = subprocess.run([sys.executable, "-c", caught], env=_env(), capture_output=True, text=True, timeout=60,
+                         preexec_fn=_sigint_as_at_a_terminal)
+    assert out.stdout == "caught\n", out.stderr
