@@ -195,7 +195,7 @@ def test_python_source_documents_and_skips_on_a_temporary_tree(tmp_path):
     assert b"c = 'with a NUL inside'\n" in _docs(data.train) + _docs(data.val)  # NUL removed, file kept
     assert data.train_tokens + data.val_tokens == sum(len(d) + 1 for _, d in kept)
     assert "+ 4 site-packages folder(s) (8 files: 2 stdlib, 6 site-packages" in data.description
-    assert f"{data.train_tokens + data.val_tokens:,} tokens" in data.description
+    assert f"{data.train_tokens + data.val_tokens:,} bytes" in data.description
     assert "1 unreadable or non-UTF-8 files skipped" in data.description
     assert data.vocab_size == BYTE_VOCAB and data.tokenizer.name == "bytes"
 
@@ -228,7 +228,7 @@ def test_python_source_is_deterministic_and_splits_by_whole_files():
     assert _docs(a.train) == [d for n, d in docs if not in_val_split(n, cfg.val_fraction)]
     assert _docs(a.val) == [d for n, d in docs if in_val_split(n, cfg.val_fraction)]
     assert 0 < a.val_tokens < 0.1 * a.train_tokens
-    assert f"{a.train_tokens + a.val_tokens:,} tokens" in a.description
+    assert f"{a.train_tokens + a.val_tokens:,} bytes" in a.description
     assert f"{len(docs) - len(site_docs):,} stdlib, {len(site_docs):,} site-packages" in a.description
 
 

@@ -122,3 +122,35 @@ def test_ctrl_c_while_loco_imports_is_one_line_and_elsewhere_a_keyboard_interrup
     out = subprocess.run([sys.executable, "-c", caught], env=_env(), capture_output=True, text=True, timeout=60,
                          preexec_fn=_sigint_as_at_a_terminal)
     assert out.stdout == "caught\n", out.stderr
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> str:
+    from launch.data.tokenizer import train_bpe
+    from test_tokens import _write_corpus
+
+    root = tmp_path_factory.mktemp("bpe")
+    train_bpe(_write_corpus(root / "text", 40), 320, root / "tok.json", say=lambda m: None)
+    return str(root / "tok.json")
+
+
+def test_encoding_a_large_text_at_start_shows_progress_and_counts_tokens(bpe, monkeypatch, capsys):
+    from launch.config.schema import DataConfig
+    from launch.data import batches
+    from launch.data.python_corpus import load_python
+    from launch.data.ticker import Ticker
+
+    monkeypatch.setattr(batches, "LARGE_TEXT", 0)  # every text is large here
+    monkeypatch.setattr(batches, "ENCODE_BYTES", 20_000, raising=False)  # a look at the progress line every 20 kB
+    monkeypatch.setattr(Ticker, "due", lambda self: 1.0)  # and a line due at every look
+    raw = load_python(DataConfig().val_fraction, 6)
+    size = raw.train_tokens + raw.val_tokens  # bytes
+    data = batches.load_data(DataConfig(source="python", max_docs=6, tokenizer=bpe, seq_len=32))
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"encoding {size / 1e6:,.0f} MB of text with ")
+    assert len([line for line in err if line.startswith("encoding: ")]) >= 2
+    assert err[-1].startswith(f"encoded {size / 1e6:,.0f} MB of text into {data.train_tokens:,} train / "
+                              f"{data.val_tokens:,} val tokens")
+    # the start line's counts are tokens, and no byte count in the description is called tokens
+    assert 0 < data.train_tokens + data.val_tokens < size and f"{size:,} tokens" not in data.description
+

@@ -22,6 +22,7 @@ from launch.data.python_corpus import load_python
 from launch.data.shards import load_shards
 from launch.data.stream import StreamBatcher, load_stream
 from launch.data.tokens import EOS, DataError, TokenData, Windows, check_ids, join_documents
+from launch.data.ticker import Ticker
 from launch.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 
@@ -65,7 +66,8 @@ def _load_bytes(dcfg, hf: HFOptions) -> TokenData:
     return data
 
 
-LARGE_TEXT = 64_000_000  # bytes of text whose encoding at start is announced
+LARGE_TEXT = 64_000_000  # bytes of text whose encoding at start is announced and followed by a progress line
+ENCODE_BYTES = 8_000_000  # text encoded between two looks at the progress line
 
 
 def encoded(data: TokenData, tokenizer: Tokenizer) -> TokenData:
@@ -73,9 +75,7 @@ def encoded(data: TokenData, tokenizer: Tokenizer) -> TokenData:
     if isinstance(tokenizer, ByteTokenizer):
         return data
     size = sum(len(a) for a in data.train + data.val)
-    if size > LARGE_TEXT:  # a minute or more: say what is happening, and how to do it once
-        print(f"encoding {size / 1e6:,.0f} MB of text with {tokenizer.describe()} (loco data prepare does it once "
-              f"for every run)", file=sys.stderr, flush=True)
+    progress = _EncodeProgress(size, tokenizer) if size > LARGE_TEXT else None
     splits = []
     for arrays in (data.train, data.val):
         out = []
@@ -85,11 +85,58 @@ def encoded(data: TokenData, tokenizer: Tokenizer) -> TokenData:
             texts = [bytes(a[s:e]).decode("utf-8", errors="replace") for s, e in zip(starts, ends)]
             if len(ends) == 0 or ends[-1] != len(a) - 1:  # a tail without its separator (a cut document)
                 texts.append(bytes(a[(ends[-1] + 1) if len(ends) else 0:]).decode("utf-8", errors="replace"))
-            parts = tokenizer.encode_batch(texts)
+            parts = []
+            for first, last in _runs(texts, ENCODE_BYTES):
+                parts.extend(tokenizer.encode_batch(texts[first:last]))
+                if progress:
+                    progress.add(sum(len(t) + 1 for t in texts[first:last]), parts[-(last - first):])
             out.append(join_documents(parts, tokenizer.eos, closed=len(ends) > 0 and ends[-1] == len(a) - 1))
         splits.append(out)
-    return TokenData(splits[0], splits[1], tokenizer.vocab_size, tokenizer,
-                     f"{data.description}, encoded with {tokenizer.describe()}")
+    result = TokenData(splits[0], splits[1], tokenizer.vocab_size, tokenizer,
+                       f"{data.description}, encoded with {tokenizer.describe()}")
+    if progress:
+        progress.close(result)
+    return result
+
+
+def _runs(texts: Sequence[str], size: int) -> list[tuple[int, int]]:
+    """``texts`` cut into consecutive runs of about ``size`` characters, as (first, end) indices."""
+    runs, first, total = [], 0, 0
+    for i, t in enumerate(texts):
+        total += len(t)
+        if total >= size:
+            runs.append((first, i + 1))
+            first, total = i + 1, 0
+    if first < len(texts):
+        runs.append((first, len(texts)))
+    return runs
+
+
+class _EncodeProgress:
+    """What a run encoding a large text at start says on stderr: what it does, how far it is (the progress line
+    of ``loco data prepare``), and the tokens it made."""
+
+    def __init__(self, size: int, tokenizer: Tokenizer) -> None:
+        self.size, self.done, self.tokens = size, 0, 0
+        self.ticker = Ticker(self.say)
+        self.say(f"encoding {size / 1e6:,.0f} MB of text with {tokenizer.describe()} (loco data prepare does it "
+                 f"once for every run)")
+
+    @staticmethod
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    def add(self, chars: int, parts: Sequence[np.ndarray]) -> None:
+        self.done += chars  # characters, about the bytes for the mostly ASCII text of code and the web
+        self.tokens += sum(len(p) for p in parts)
+        if (seconds := self.ticker.due()) is not None:
+            self.ticker.show(f"encoding: {100 * self.done / self.size:.0f}% of the text, "
+                             f"{self.tokens / 1e6:,.1f}M tokens, {self.done / 1e6 / max(seconds, 1e-9):.1f} MB/s")
+
+    def close(self, data: TokenData) -> None:
+        took = self.ticker.close()
+        self.say(f"encoded {self.size / 1e6:,.0f} MB of text into {data.train_tokens:,} train / "
+                 f"{data.val_tokens:,} val tokens in {took:.0f}s")
 
 
 class Batches(Protocol):

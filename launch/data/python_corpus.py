@@ -185,12 +185,12 @@ def load_python(fraction: float, max_docs: Optional[int], stdlib_root: Optional[
         cut = kept[0][2]
         train, val = val[:cut], val[cut:]
     std = sum(1 for name, _, _ in kept if name.startswith("stdlib/"))
-    tokens = len(train) + len(val)
+    size = len(train) + len(val)  # bytes: the tokens of a byte-level run only, so the description says bytes
     n_sites = len({os.path.realpath(r) for r in site_roots or ()}
                   - ({os.path.realpath(stdlib_root)} if stdlib_root is not None else set()))
     desc = (f"Python {sysconfig.get_python_version()} source: standard library + {n_sites} "
             f"site-packages folder(s) ({len(kept):,} files: {std:,} stdlib, {len(kept) - std:,} site-packages; "
-            f"{tokens:,} tokens")
+            f"{size:,} bytes")
     if skipped:
         desc += f"; {skipped:,} unreadable or non-UTF-8 files skipped"
     return TokenData([train], [val], BYTE_VOCAB, ByteTokenizer(), desc + ")")
