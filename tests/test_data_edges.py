@@ -154,3 +154,19 @@ def test_encoding_a_large_text_at_start_shows_progress_and_counts_tokens(bpe, mo
     # the start line's counts are tokens, and no byte count in the description is called tokens
     assert 0 < data.train_tokens + data.val_tokens < size and f"{size:,} tokens" not in data.description
 
+
+def test_the_readme_bpe_recipe_runs_on_small_data(monkeypatch, tmp_path, capsys):
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("```bash\nloco tokenizer train --data python"):]
+    recipe = [line.split()[1:] for line in block[len("```bash\n"):block.index("```", 3)].splitlines()]
+    assert [r[:2] for r in recipe] == [["tokenizer", "train"], ["data", "prepare"], ["train", "--config"]]
+    tiny = [["--max-docs", "40", "--vocab-size", "300"], ["--max-docs", "40", "--workers", "1"],
+            ["--max-steps", "2", "--run-dir", "run", *[a for kv in ("model.size=tiny", "data.seq_len=32",
+             "run.batch_size=4", "eval.tokens=256", "log.plot=false", "log.progress=plain", "run.threads=1",
+             "run.device=cpu") for a in ("--set", kv)]]]
+    monkeypatch.chdir(tmp_path)  # the recipe's paths are relative to where loco runs
+    recipe[2][recipe[2].index("--config") + 1] = str(ROOT / recipe[2][recipe[2].index("--config") + 1])
+    for args, small in zip(recipe, tiny):
+        assert main(args + small) == 0, capsys.readouterr().err
+    out = capsys.readouterr()
+    assert "token shards data/python-8k" in out.out + out.err and "encoding" not in out.err
