@@ -1,6 +1,6 @@
-"""The progress line of long offline work (``loco tokenizer train``, ``loco data prepare``): rewritten in place
-once a second on a terminal, said as a line every 10 s elsewhere (a log file gains six lines a minute, not a
-line per update)."""
+"""The progress line of long work on data (``loco tokenizer train``, ``loco data prepare``, a large text encoded
+at a run's start): rewritten in place once a second on a terminal, said as a line every 10 s elsewhere (a log
+file gains six lines a minute, not a line per update)."""
 
 from __future__ import annotations
 
