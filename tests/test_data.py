@@ -825,7 +825,7 @@ def test_a_batch_is_cut_from_one_block_that_goes_to_the_device_whole():
     on a GPU the trainer pins and moves that block once (a pinned strided view would be staged through pageable
     memory, a copy the host waits for). ``one_block`` finds it for training batches (validation cuts its windows
     the same way), and only for such a pair."""
-    from launch.loop.compute import one_block
+    from launch.data.batches import one_block
 
     b = Batcher(_synthetic(), SEQ, 3)
     for x, y in (b.train_batch(2), b.train_batch(3)):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from launch.data.tokens import TokenData, Windows
+from launch.data.tokens import Windows
 from launch.eval.validation import Score, ValidationSet, paired_gap, score
 from launch.models.transformer import ModelArgs, Transformer
 

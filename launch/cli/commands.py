@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from launch.cli.data import add_data_commands, cmd_data, cmd_tokenizer
-from launch.cli.evaluate import add_eval_command, cmd_eval
+from launch.cli.evaluate import add_eval_command, main_eval
 from launch.cli.export import add_model_commands, cmd_export
 
 EXAMPLES = {
@@ -421,7 +421,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _help_config(args)
     handler = {"train": cmd_train, "simulate": cmd_simulate, "join": cmd_join, "sample": cmd_sample,
                "plot": cmd_plot, "status": cmd_status, "plan": cmd_plan, "tokenizer": cmd_tokenizer,
-               "data": cmd_data, "export": cmd_export, "eval": cmd_eval}[args.command]
+               "data": cmd_data, "export": cmd_export, "eval": main_eval}[args.command]
     warnings.simplefilter("default", UserWarning)
     try:
         if args.command in ("train", "simulate"):  # Ctrl-C and SIGTERM save a checkpoint, then stop

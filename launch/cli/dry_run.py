@@ -35,8 +35,9 @@ def _meta_model(cfg: Config, vocab_size: int) -> tuple[torch.nn.Module, str]:
         return Transformer(model_args_from_config(m, vocab_size, seq_len)), f"loco's Transformer ({m.size})"
 
 
-def dry_run(cfg: Config, processes: int = 1) -> str:
-    """What ``loco train`` would run with ``cfg``, on ``processes`` processes a worker."""
+def dry_run(cfg: Config) -> str:
+    """What ``loco train`` would run with ``cfg`` in one process (under torchrun, each process holds its share of
+    a sharded worker: ``loco plan --shard`` tells it)."""
     changed = changed_lines(cfg)
     data = load_data(cfg.data)
     model, where = _meta_model(cfg, data.vocab_size)
@@ -44,9 +45,9 @@ def dry_run(cfg: Config, processes: int = 1) -> str:
     run = cfg.run
     train = "streamed" if data.stream is not None else f"{data.train_tokens:,}"
     vset = ValidationSet.spread(Windows(data.val, cfg.data.seq_len), cfg.eval.tokens)
-    per_step = run.batch_size * processes * cfg.data.seq_len
+    per_step = run.batch_size * cfg.data.seq_len
     algo = algorithm_class(cfg.algo.name)
-    held = process_bytes(cfg, params, processes if run.shard != "none" else 1)
+    held = process_bytes(cfg, params)
     steps = f"{run.max_steps:,} steps" if run.max_steps else "no step limit"
     lines = [
         "dry run: nothing is trained or written",
@@ -57,8 +58,7 @@ def dry_run(cfg: Config, processes: int = 1) -> str:
         f"algorithm: {cfg.algo.name}" + (f" (H={cfg.algo.inner_steps})" if algo.round_based else "")
         + f", codec {cfg.compress.codec}, optimizer {cfg.optim.name}",
         f"would run: {steps}" + (f" or {run.max_time:g} s" if run.max_time else "")
-        + f", {per_step:,} tokens a step a worker ({run.batch_size} x {cfg.data.seq_len}"
-        + (f" on each of {processes} processes" if processes > 1 else "") + f"), on {run.device}",
+        + f", {per_step:,} tokens a step a worker ({run.batch_size} x {cfg.data.seq_len}), on {run.device}",
         f"a process holds: {held.describe()} (activations and the device's own use come on top)",
     ]
     return "\n".join(lines)

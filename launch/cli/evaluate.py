@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +110,3 @@ def format_eval(out: dict[str, Any], windows: str, note: Any) -> str:
             lines.append(f"{tasks['truncated']} of {tasks['requests']} requests were longer than the model's "
                          f"context and were cut from the left")
     return "\n".join(lines)
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    sys.stdout.flush()
-    return main_eval(args)

@@ -139,6 +139,33 @@ class _EncodeProgress:
                  f"{data.val_tokens:,} val tokens in {took:.0f}s")
 
 
+def one_block(x: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
+    """The contiguous ``(B, T + 1)`` block whose ``[:, :-1]`` is ``x`` and ``[:, 1:]`` is ``y`` (as the batcher cuts
+    inputs and targets), or None."""
+    block = x._base
+    if (block is None or y._base is not block or block.dim() != 2 or not block.is_contiguous()
+            or x.shape != (block.shape[0], block.shape[1] - 1) or y.shape != x.shape):
+        return None
+    if x.data_ptr() != block.data_ptr() or y.data_ptr() != block.data_ptr() + block.element_size():
+        return None
+    return block
+
+
+def to_device(x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch on ``device``. On a GPU it goes from pinned memory, so the copy does not wait for the queued
+    kernels; a pinned tensor keeps its strides, and a strided one would be staged through pageable memory (a copy
+    the host waits for). Batches and validation windows are cut as inputs and targets from one block one token
+    longer: that block goes over once, whole, and is cut again on the device."""
+    if device.type != "cuda":
+        return x.to(device), y.to(device)
+    block = one_block(x, y)
+    if block is not None:
+        on = block.pin_memory().to(device, non_blocking=True)
+        return on[:, :-1], on[:, 1:]
+    return x.contiguous().pin_memory().to(device, non_blocking=True), \
+        y.contiguous().pin_memory().to(device, non_blocking=True)
+
+
 class Batches(Protocol):
     """What the loop asks of a worker's batches, from arrays (:class:`Batcher`) or a stream (``StreamBatcher``)."""
 
@@ -222,4 +249,4 @@ class Batcher:
         """Nothing to stop: the windows are read as asked."""
 
 
-__all__ = ["Batcher", "Batches", "Windows", "encoded", "load_data", "make_batcher"]
+__all__ = ["Batcher", "Batches", "Windows", "encoded", "load_data", "make_batcher", "one_block", "to_device"]

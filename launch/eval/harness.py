@@ -58,11 +58,6 @@ def _lm_eval() -> Any:
     return lm_eval
 
 
-def require_lm_eval() -> None:
-    """One line where the eval extra is missing, said before anything loads or trains."""
-    _lm_eval()
-
-
 def _device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device

@@ -17,11 +17,11 @@ import torch
 from launch.config import Config
 from launch.config.loader import ConfigBuilder
 from launch.config.schema import ConfigError, EvalConfig
-from launch.data.batches import load_data
+from launch.data.batches import load_data, to_device
 from launch.data.tokens import DataError, TokenData, Windows
 from launch.errors import RunError
 from launch.eval.models import ScoredModel
-from launch.eval.validation import Score, ValidationSet, row_nll, score
+from launch.eval.validation import Score, ValidationSet, row_nll, score, scoring_rows
 
 
 @dataclass
@@ -78,7 +78,7 @@ def eval_data(scored: ScoredModel, cfg: Config, tokens: Optional[int], rows: Opt
         raise RunError(f"{data.description}: ids up to {data.vocab_size - 1}, more than the model's vocabulary of "
                        f"{scored.vocab_size}; score text (--data text, hf, stdlib) in the model's own tokens")
     return EvalData(data, dcfg.seq_len, tokens or cfg.eval.tokens or EvalConfig().tokens,
-                    rows or cfg.eval.batch_size or max(1, cfg.run.batch_size // cfg.run.grad_accum))
+                    rows or scoring_rows(cfg))
 
 
 def autocast(device: torch.device, precision: str) -> Any:
@@ -94,15 +94,9 @@ def score_model(scored: ScoredModel, ev: EvalData, device: torch.device, precisi
     vset = ValidationSet.spread(Windows(ev.data.val, ev.seq_len), ev.tokens)
     vset.check_ids(scored.vocab_size, ev.data.description)
     model = scored.model.eval()
-    pinned = device.type == "cuda"
 
     def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        block = x._base if pinned and x._base is not None else None  # the host block both are cut from
-        if block is not None:
-            block = block.pin_memory().to(device, non_blocking=True)
-            x, y = block[:, :-1], block[:, 1:]
-        else:
-            x, y = x.to(device), y.to(device)
+        x, y = to_device(x, y, device)
         with autocast(device, precision):
             logits = model(x)
         return row_nll(logits, y)

@@ -110,10 +110,14 @@ class Score:
     loss_se: float
     bpb: Optional[float]
     bpb_se: Optional[float]
-    tokens: int
     seq_len: int
     nll: np.ndarray  # summed negative log-likelihood of each window's targets (nats)
     bytes: Optional[np.ndarray]  # bytes of text of each window's targets
+
+    @property
+    def tokens(self) -> int:
+        """The target tokens scored."""
+        return len(self.nll) * self.seq_len
 
     @classmethod
     def of(cls, nll: np.ndarray, seq_len: int, window_bytes: Optional[np.ndarray]) -> "Score":
@@ -128,7 +132,7 @@ class Score:
             # the ratio estimator's error: deviations of bits from bpb x bytes, over the mean bytes of a window
             z = bits - bpb * window_bytes
             bpb_se = float(z.std(ddof=1) / math.sqrt(n) / window_bytes.mean()) if n > 1 else float("nan")
-        return cls(loss, loss_se, bpb, bpb_se, n * seq_len, seq_len, nll, window_bytes)
+        return cls(loss, loss_se, bpb, bpb_se, seq_len, nll, window_bytes)
 
     def record(self) -> dict[str, Any]:
         """The fields a metrics line and summary.json carry."""
@@ -201,6 +205,11 @@ def paired_gap(a: np.ndarray, b: np.ndarray, seq_len: int) -> Optional[Gap]:
     return Gap(float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d))))
 
 
+def scoring_rows(cfg: Any) -> int:
+    """Windows a forward pass scores: ``eval.batch_size``, else the run's micro-batch (what fits in training)."""
+    return cfg.eval.batch_size or max(1, cfg.run.batch_size // cfg.run.grad_accum)
+
+
 class RunValidation:
     """A run's validation: its set (``eval.tokens`` of the split's windows), scored by a worker's processes
     together (``inner``: the transport among them, None for a worker of one process)."""
@@ -210,7 +219,7 @@ class RunValidation:
         self.set = ValidationSet.spread(windows, cfg.eval.tokens)
         if vocab_size is not None:
             self.set.check_ids(vocab_size, description)
-        self.rows = cfg.eval.batch_size or max(1, cfg.run.batch_size // cfg.run.grad_accum)
+        self.rows = scoring_rows(cfg)
         self.device, self.inner, self.tokenizer = device, inner, tokenizer
         self._bytes: Optional[np.ndarray] = None
         self._bytes_read = False
@@ -248,4 +257,4 @@ def run_gap(a_dir: Any, b_dir: Any) -> Optional[Gap]:
 
 
 __all__ = ["Gap", "RunValidation", "Score", "ValidationSet", "paired_gap", "read_windows", "row_nll", "run_gap",
-           "score"]
+           "score", "scoring_rows"]

@@ -9,20 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from launch.data.batches import Batcher
+from launch.data.batches import Batcher, to_device
 from launch.eval.validation import row_nll
-
-
-def one_block(x: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
-    """The contiguous ``(B, T + 1)`` block whose ``[:, :-1]`` is ``x`` and ``[:, 1:]`` is ``y`` (as the batcher cuts
-    inputs and targets), or None."""
-    block = x._base
-    if (block is None or y._base is not block or block.dim() != 2 or not block.is_contiguous()
-            or x.shape != (block.shape[0], block.shape[1] - 1) or y.shape != x.shape):
-        return None
-    if x.data_ptr() != block.data_ptr() or y.data_ptr() != block.data_ptr() + block.element_size():
-        return None
-    return block
 
 
 class StepCompute:
@@ -44,17 +32,18 @@ class StepCompute:
             self.model.compile()
 
     def loss_on(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        x, y = self._on_device(x, y)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            logits = self._forward(x)
+        logits, y = self._logits(x, y)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     def row_nll(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Each row's summed negative log-likelihood of its targets, ``[B]`` in fp32, on the device."""
-        x, y = self._on_device(x, y)
+        return row_nll(*self._logits(x, y))
+
+    def _logits(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's logits (bf16 autocast where asked) and its targets, both on the device."""
+        x, y = to_device(x, y, self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            logits = self._forward(x)
-        return row_nll(logits, y)
+            return self._forward(x), y
 
     def accumulate(self, batcher: Batcher, step: int, first_micro: int, micros: int) -> torch.Tensor:
         """The step's mean loss over its ``micros`` micro-batches (``first_micro`` on: this process's share of its
@@ -66,20 +55,6 @@ class StepCompute:
             part = loss.detach() / micros
             step_loss = part if step_loss is None else step_loss + part
         return step_loss
-
-    def _on_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch on the run's device. On a GPU it goes from pinned memory, so the copy does not wait for the
-        queued kernels; a pinned tensor keeps its strides, and a strided one would be staged through pageable
-        memory (a copy the host waits for). The batcher cuts inputs and targets from one block of windows one
-        token longer: that block goes over once, whole, and is cut again on the device."""
-        if self.device.type != "cuda":
-            return x.to(self.device), y.to(self.device)
-        block = one_block(x, y)
-        if block is not None:
-            on = block.pin_memory().to(self.device, non_blocking=True)
-            return on[:, :-1], on[:, 1:]
-        return x.contiguous().pin_memory().to(self.device, non_blocking=True), \
-            y.contiguous().pin_memory().to(self.device, non_blocking=True)
 
     def _uncompile(self, e: Exception) -> None:
         first = (str(e).strip().splitlines() or [""])[0][:200]

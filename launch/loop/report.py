@@ -41,9 +41,7 @@ class Window:
         mean (a collective every one of them reaches at the same metrics lines)."""
         loss = self.loss
         if inner is not None and inner.world_size > 1:
-            loss = torch.as_tensor(loss, dtype=torch.float64).reshape(1).clone()
-            if isinstance(self.loss, torch.Tensor):
-                loss = loss.to(self.loss.device)
+            loss = torch.as_tensor(loss, dtype=torch.float64).reshape(1).clone()  # where the sum lies
             inner.all_reduce_sum_(loss)
             loss = loss / inner.world_size
         taken = (float(loss) / self.steps, self.steps, max(time.perf_counter() - self.began, 1e-9))

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from diloco.comm import Transport
-from launch.store.checkpoint import list_checkpoints, slices_folder
+from launch.store.checkpoint import list_checkpoints, slices_folder, step_of
 from launch.config import Config, dump_config
 from launch.data.tokenizer import Tokenizer
 from launch.errors import RunError
@@ -129,7 +129,7 @@ def discard_run(path: Path, why: str = "--restart", after_step: Optional[int] = 
 
     Nothing is deleted: the unreadable (or unwanted) files stay there for a look, and go with ``rm -r``.
     """
-    movable = [c for c in list_checkpoints(path / "checkpoints") if after_step is None or _step_of(c) > after_step]
+    movable = [c for c in list_checkpoints(path / "checkpoints") if after_step is None or step_of(c) > after_step]
     movable += [f for f in map(slices_folder, movable) if f.exists()]
     movable += [path / n for n in RUN_FILES if after_step is None and (path / n).exists()]
     if not movable:
@@ -144,9 +144,3 @@ def discard_run(path: Path, why: str = "--restart", after_step: Optional[int] = 
         shutil.move(str(p), str(dest / p.relative_to(path)))
     print(f"loco: {why}: moved {len(movable)} file(s) of the earlier run to {dest}", file=sys.stderr, flush=True)
     return dest
-
-
-def _step_of(checkpoint: Path) -> int:
-    """The step in a checkpoint's name (``step_00000400.pt``); -1 for a name without one."""
-    digits = "".join(ch for ch in checkpoint.stem if ch.isdigit())
-    return int(digits) if digits else -1

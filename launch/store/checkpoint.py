@@ -159,12 +159,18 @@ def prune_checkpoints(directory: str | Path, keep: int, written: Optional[Path] 
     return deleted
 
 
+def step_of(path: Path) -> Optional[int]:
+    """The step a checkpoint's file name says (``step_00000400.pt``: 400); None for another name."""
+    m = _NAME.match(path.name)
+    return int(m.group(1)) if m else None
+
+
 def list_checkpoints(directory: str | Path) -> list[Path]:
     """Checkpoint files, newest step first."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    found = [(step, p) for p in directory.iterdir() if (step := step_of(p)) is not None]
     return [p for _, p in sorted(found, reverse=True)]
 
 
