@@ -1,4 +1,4 @@
-"""A step's compute: batches onto the device, the forward pass (bf16 autocast where asked, ``run.compile``
+"""A step's compute: the forward pass (bf16 autocast where asked, ``run.compile``
 with a fallback to the eager model), the loss and its backward pass over the step's micro-batches."""
 
 from __future__ import annotations
